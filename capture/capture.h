@@ -1,0 +1,71 @@
+// capture/: what each rank did. The face of the folder.
+//
+// The shim hands every intercepted NCCL call here twice: begin_call before forwarding (the record
+// gets its sequence number, shape, call-site fingerprint and position in the communicator's step)
+// and end_call after (the result and duration are added, the record goes to the trace). Between
+// the two the shim holds the record on its stack: the call path allocates nothing.
+//
+// Memory stays bounded however long the program runs: per communicator, the step detector's
+// ring and the current step; every record streams to the trace file (MAGI_TRACE_DIR) or is
+// dropped.
+#pragma once
+
+#include <nccl.h>
+
+#include <cstdint>
+#include <span>
+
+#include "capture/skeleton.h"
+#include "capture/trace_format.h"
+
+namespace magi::capture {
+
+using trace::CallRecord;
+using trace::CommEndKind;
+using trace::CommOrigin;
+using trace::Op;
+
+struct CallArgs {
+  Op op;
+  ncclDataType_t dtype;
+  size_t count;       // the count argument of the API (sendcount for AllGather, recvcount for ReduceScatter)
+  int root_or_peer;   // root of rooted collectives, peer of Send/Recv, else -1
+  int redop;          // ncclRedOp_t of reductions, else -1
+  const void* sendbuf;
+  void* recvbuf;
+  cudaStream_t stream;
+};
+
+struct CommInfo {
+  uint64_t identity;         // equal on every rank of the communicator
+  uint64_t parent_identity;  // Split/Shrink; else 0
+  int rank;
+  int nranks;
+  int cuda_device;           // -1 when unknown
+  CommOrigin origin;
+};
+
+// ---- identities: equal on every rank, computed only from what every rank passes alike ----
+uint64_t identity_from_unique_ids(std::span<const ncclUniqueId> ids);
+// For ncclCommInitAll: the communicators live in this one process.
+uint64_t identity_for_init_all(int ndev, int index);
+// For a child of `parent` (Split: color; Shrink: the excluded ranks). Every rank of the parent
+// takes part in each split or shrink, in the same order, so the parent's derivation count is
+// equal on all of them and tells apart two children made with the same color.
+uint64_t derive_identity(ncclComm_t parent, CommOrigin origin, int color,
+                         std::span<const int> excluded_ranks);
+
+// ---- lifecycle ----
+void comm_joined(ncclComm_t comm, const CommInfo& info);
+void comm_left(ncclComm_t comm, CommEndKind how);  // flushes the trace
+void group_start();
+void group_end();
+
+// ---- the call path ----
+void begin_call(ncclComm_t comm, const CallArgs& args, CallRecord& record);
+void end_call(CallRecord& record, ncclResult_t result);
+
+// Writes out everything buffered (also done at communicator end and at process exit).
+void flush_trace();
+
+}  // namespace magi::capture

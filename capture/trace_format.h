@@ -1,0 +1,159 @@
+// The trace file format, version 1. One file per process: magice.<host>.<pid>.trace.
+//
+//   FileHeader, then records until end of file.
+//   Each record: RecordHeader {type, bytes} followed by its payload; `bytes` counts the header
+//   and the payload and is a multiple of 8. Integers are little-endian (x86-64 and Arm64 alike).
+//   Readers skip record types they do not know (bytes tells how far), so later versions may add
+//   types; a change to an existing layout bumps kVersion.
+//
+// The same structs are what the library keeps in memory, so writing a record is one memcpy.
+// Pointers (buffers, streams, handles) are recorded beside the fingerprints, never hashed into
+// them: they differ between ranks and between runs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace magi::trace {
+
+inline constexpr char kMagic[8] = {'M', 'A', 'G', 'I', 'T', 'R', 'C', '\n'};
+inline constexpr uint32_t kVersion = 1;
+
+struct FileHeader {
+  char magic[8];
+  uint32_t version;
+  uint32_t header_bytes;        // sizeof(FileHeader) of the writer
+  uint64_t pid;
+  uint64_t start_monotonic_ns;  // CLOCK_MONOTONIC at open: the clock of every time_ns below
+  uint64_t start_realtime_ns;   // CLOCK_REALTIME at the same instant, to place the trace in time
+  char host[64];                // NUL-terminated
+  char program[128];            // NUL-terminated, truncated
+};
+static_assert(sizeof(FileHeader) == 8 + 4 + 4 + 8 + 8 + 8 + 64 + 128);
+
+enum class RecordType : uint16_t {
+  Comm = 1,      // a communicator joined
+  Call = 2,      // one NCCL call
+  CommEnd = 3,   // a communicator finalized, destroyed, aborted or revoked
+  Callsite = 4,  // the frames behind a call-site fingerprint, written once per fingerprint
+  Module = 5,    // the name behind a module key, written once per module
+  Step = 6,      // the step detector found or lost a communicator's repeating step
+  Dropped = 7,   // records lost because the writer fell behind (never blocks the caller)
+};
+
+struct RecordHeader {
+  uint16_t type;  // RecordType
+  uint16_t reserved;
+  uint32_t bytes;  // header + payload, multiple of 8
+};
+static_assert(sizeof(RecordHeader) == 8);
+
+// How a communicator came to be; for Split/Shrink, parent_id names the parent.
+enum class CommOrigin : uint8_t {
+  InitRank = 1, InitRankConfig, InitAll, InitRankScalable, Split, Shrink, Unknown
+};
+enum class CommEndKind : uint8_t { Finalize = 1, Destroy, Abort, Revoke, ProcessExit };
+
+// NCCL operations, as recorded. Bcast is recorded as Broadcast with sendbuf == recvbuf.
+enum class Op : uint8_t {
+  AllGather = 1, AllReduce, ReduceScatter, Broadcast, Reduce, AlltoAll, Gather, Scatter,
+  Send, Recv
+};
+
+inline constexpr uint8_t kCallCapturing = 1u << 0;      // the stream was capturing a CUDA graph
+inline constexpr uint8_t kCallCaptureUnknown = 1u << 1; // could not ask CUDA (no driver, not a CUDA stream)
+inline constexpr uint8_t kCallInGroup = 1u << 2;        // issued between ncclGroupStart and End
+
+struct CommRecord {
+  uint64_t comm_id;    // equal on every rank of the communicator
+  uint64_t parent_id;  // Split/Shrink: the parent's comm_id; else 0
+  uint64_t handle;     // the ncclComm_t value in this process
+  uint64_t time_ns;
+  int32_t rank;
+  int32_t nranks;
+  int32_t cuda_device;  // -1 when unknown
+  uint8_t origin;       // CommOrigin
+  uint8_t reserved[3];
+};
+static_assert(sizeof(CommRecord) == 48);
+
+struct CallRecord {
+  uint64_t comm_id;
+  uint64_t seq;          // index of this call on its communicator, from 0
+  uint64_t time_ns;      // when the call entered the library
+  uint64_t shape;        // XXH3 of op, datatype, count, root, reduction op: equal across ranks
+  uint64_t callsite;     // XXH3 of the normalised native frames; 0 when MAGI_CALLSITES=0
+  uint64_t fingerprint;  // XXH3 of shape and callsite
+  uint64_t count;        // the count argument NCCL's API takes for this op
+  uint64_t sendbuf;      // rank-local: recorded, never hashed
+  uint64_t recvbuf;
+  uint64_t stream;
+  uint32_t duration_ns;  // time spent in the real NCCL call (saturates)
+  uint32_t thread;       // kernel thread id of the caller
+  int32_t root_or_peer;  // root of rooted collectives, peer of Send/Recv, else -1
+  int32_t redop;         // reduction op of reductions, else -1
+  int32_t result;        // ncclResult_t returned to the program
+  uint8_t op;            // Op
+  uint8_t dtype;         // ncclDataType_t
+  uint8_t group_depth;   // ncclGroupStart nesting on the calling thread
+  uint8_t flags;         // kCall*
+};
+static_assert(sizeof(CallRecord) == 96);
+
+struct CommEndRecord {
+  uint64_t comm_id;
+  uint64_t time_ns;
+  uint64_t calls;  // calls recorded on it
+  uint8_t how;     // CommEndKind
+  uint8_t reserved[7];
+};
+static_assert(sizeof(CommEndRecord) == 32);
+
+struct Frame {
+  uint64_t module;  // module key: XXH3 of the module's GNU build-id, or of its file name
+  uint64_t offset;  // instruction address minus the module's load base
+};
+
+struct CallsiteRecord {
+  uint64_t callsite;
+  uint32_t frames;  // Frame[frames] follow
+  uint32_t reserved;
+};
+static_assert(sizeof(CallsiteRecord) == 16);
+
+struct ModuleRecord {
+  uint64_t module;
+  uint32_t name_bytes;  // name follows (not NUL-terminated), then padding to 8
+  uint32_t reserved;
+};
+static_assert(sizeof(ModuleRecord) == 16);
+
+enum class StepEvent : uint8_t { Found = 1, Lost = 2 };
+
+struct StepRecord {
+  uint64_t comm_id;
+  uint64_t seq;     // collective index (not call seq: Send/Recv are not in steps) at the event
+  uint64_t origin;  // collective index where the current run of steps began
+  uint64_t digest;  // XXH3 of the step's shapes, from its first position
+  uint64_t repeats; // complete steps seen (Lost: how many the run lasted)
+  uint32_t period;  // calls per step
+  uint8_t event;    // StepEvent
+  uint8_t reserved[3];
+};
+static_assert(sizeof(StepRecord) == 48);
+
+struct DroppedRecord {
+  uint64_t records;
+};
+
+inline constexpr uint32_t padded(uint32_t bytes) { return (bytes + 7u) & ~7u; }
+
+std::string_view op_name(Op op);
+std::string_view dtype_name(uint8_t dtype);
+std::string_view origin_name(CommOrigin origin);
+std::string_view end_name(CommEndKind how);
+std::string_view redop_name(int32_t redop);
+bool is_collective(Op op);
+
+}  // namespace magi::trace

@@ -1,0 +1,47 @@
+// Reads trace files (capture/trace_format.h). Malformed or truncated input raises
+// TraceFormatError naming the file and the byte offset; it never crashes or reads past the end.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "capture/trace_format.h"
+
+namespace magi::trace {
+
+class TraceFormatError : public std::runtime_error {
+ public:
+  TraceFormatError(const std::string& file, uint64_t offset, const std::string& what);
+  const std::string& file() const { return file_; }
+  uint64_t offset() const { return offset_; }
+
+ private:
+  std::string file_;
+  uint64_t offset_;
+};
+
+struct CallsiteFrames {
+  std::vector<Frame> frames;
+};
+
+// Everything one trace file holds, decoded.
+struct Trace {
+  std::string path;
+  FileHeader header{};
+  std::vector<CommRecord> comms;
+  std::vector<CommEndRecord> comm_ends;
+  std::vector<CallRecord> calls;  // in file order; sort by (comm_id, seq) if needed
+  std::vector<StepRecord> steps;
+  std::unordered_map<uint64_t, CallsiteFrames> callsites;
+  std::unordered_map<uint64_t, std::string> modules;
+  uint64_t dropped = 0;
+  uint64_t unknown_records = 0;  // types this reader does not know, skipped
+};
+
+Trace read_trace(const std::string& path);
+Trace parse_trace(const std::string& name, const std::string& bytes);
+
+}  // namespace magi::trace

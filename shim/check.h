@@ -1,0 +1,73 @@
+// One error family for the whole library.
+//  - Inside, code may throw magi::Error (a kind and a message); the NCCL API edge (api_edge)
+//    turns it into an ncclResult_t and one WARN line, so nothing escapes into the host program.
+//  - Code that calls NCCL-style functions uses MAGI_CHECK: a failure returns upward, each level
+//    adding an INFO line "file:line -> code", so one failure prints its whole path (NCCL's chain).
+#pragma once
+
+#include <nccl.h>
+
+#include <exception>
+#include <string>
+
+#include "shim/log.h"
+
+namespace magi {
+
+enum class ErrorKind : uint8_t {
+  Usage,     // the caller broke a rule (bad argument, bad configuration)
+  System,    // the OS or a missing library refused
+  Cuda,      // a CUDA call failed
+  Internal,  // a bug of ours
+};
+
+class Error : public std::exception {
+ public:
+  Error(ErrorKind kind, std::string message) : kind_(kind), message_(std::move(message)) {}
+  ErrorKind kind() const noexcept { return kind_; }
+  const char* what() const noexcept override { return message_.c_str(); }
+  ncclResult_t result() const noexcept {
+    switch (kind_) {
+      case ErrorKind::Usage: return ncclInvalidUsage;
+      case ErrorKind::System: return ncclSystemError;
+      case ErrorKind::Cuda: return ncclUnhandledCudaError;
+      case ErrorKind::Internal: break;
+    }
+    return ncclInternalError;
+  }
+
+ private:
+  ErrorKind kind_;
+  std::string message_;
+};
+
+// Runs `body` (returning ncclResult_t) and converts anything thrown into a result code and
+// one log line naming the entry point. Zero cost when nothing is thrown.
+template <class Body>
+ncclResult_t api_edge(const char* entry_point, Body&& body) noexcept {
+  try {
+    return body();
+  } catch (const Error& e) {
+    MAGI_WARN(Shim, "%s: %s", entry_point, e.what());
+    return e.result();
+  } catch (const std::exception& e) {
+    MAGI_WARN(Shim, "%s: internal error: %s", entry_point, e.what());
+    return ncclInternalError;
+  } catch (...) {
+    MAGI_WARN(Shim, "%s: internal error (unknown exception)", entry_point);
+    return ncclInternalError;
+  }
+}
+
+}  // namespace magi
+
+// Returns the failing ncclResult_t upward and adds this frame to the chain.
+// ncclInProgress is not a failure: non-blocking communicators return it routinely.
+#define MAGI_CHECK(call)                                                              \
+  do {                                                                                \
+    ncclResult_t magi_res_ = (call);                                                  \
+    if (magi_res_ != ncclSuccess && magi_res_ != ncclInProgress) {                    \
+      MAGI_INFO(Shim, "%s:%d -> %d", __FILE__, __LINE__, static_cast<int>(magi_res_)); \
+      return magi_res_;                                                               \
+    }                                                                                 \
+  } while (0)
