@@ -21,7 +21,7 @@ CXXFLAGS  += $(CXXSTD) $(OPT) $(WARNINGS) $(INCLUDES) -fPIC -pthread -MMD -MP
 # cudart is linked statically and the driver is reached at run time, so a machine without a
 # driver still loads the shim; libunwind is linked dynamically (Debian's .a is not PIC) and
 # looked for next to the library first ($ORIGIN), so build/ can travel with it.
-LIB_SRCS  := $(wildcard shim/*.cc capture/*.cc rewrite/*.cc ce_transport/*.cc)
+LIB_SRCS  := $(filter-out capture/trace_reader.cc,$(wildcard shim/*.cc capture/*.cc rewrite/*.cc ce_transport/*.cc))
 LIB_OBJS  := $(LIB_SRCS:%.cc=$(BUILD)/obj/%.o)
 LIB_LDLIBS:= -L$(CUDA_HOME)/lib64 -lcudart_static -lunwind -ldl -lrt -pthread
 LIB       := $(BUILD)/libmagice.so
@@ -74,55 +74,89 @@ $(BUILD)/obj/%.o: %.cc | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) -c $< -o $@
 
-$(LIB): $(LIB_OBJS)
-	$(CXX) -shared -o $@ $^ $(LIB_LDLIBS) -Wl,-rpath,'$$ORIGIN' -Wl,--no-undefined -Wl,-z,defs \
+# libunwind.so.8 is copied beside the library: machines without it (the GPU image) then find it
+# through $ORIGIN when build/ travels.
+$(LIB): $(LIB_OBJS) shim/exports.map
+	$(CXX) -shared -o $@ $(LIB_OBJS) $(LIB_LDLIBS) -Wl,-rpath,'$$ORIGIN' -Wl,--no-undefined -Wl,-z,defs \
 	  -Wl,--version-script=shim/exports.map
+	cp -L $$($(CXX) -print-file-name=libunwind.so.8) $(BUILD)/libunwind.so.8
 
 $(TOOL): $(TOOL_OBJS) $(CORE_OBJS)
 	$(CXX) -o $@ $^ -pthread
 
 # ---- test support -------------------------------------------------------------------------
-$(STANDIN): $(STANDIN_SRCS:%.cc=$(BUILD)/obj/%.o)
+# The stand-in exports only the NCCL names (tests/support/standin/export.h); all else is hidden,
+# so a shim in front of it sees the program's calls and never the stand-in's own.
+$(BUILD)/obj/tests/support/standin/%.o: CXXFLAGS += -fvisibility=hidden
+
+$(STANDIN): $(STANDIN_SRCS:%.cc=$(BUILD)/obj/%.o) tests/support/standin/exports.map
 	@mkdir -p $(dir $@)
-	$(CXX) -shared -o $@ $^ -Wl,-soname,libnccl.so.2 -lrt -pthread
+	$(CXX) -shared -o $@ $(filter %.o,$^) -Wl,-soname,libnccl.so.2 -Wl,--no-undefined \
+	  -Wl,--version-script=tests/support/standin/exports.map -lrt -pthread
 	ln -sf libnccl.so.2 $(SUPPORT)/libnccl.so
 
 $(LAUNCH): $(BUILD)/obj/tests/support/launch_main.o $(BUILD)/obj/tests/support/launch.o
 	@mkdir -p $(dir $@)
 	$(CXX) -o $@ $^ -pthread
 
-$(EXTLIB): $(BUILD)/obj/tests/support/workload_ext.o $(STANDIN)
-	$(CXX) -shared -o $@ $< -L$(SUPPORT) -l:libnccl.so.2 -Wl,-rpath,'$$ORIGIN'
+# The workloads: the scenarios live in libworkload.so (linked against the stand-in); magi-workload
+# links it normally, magi-workload-local dlopens it RTLD_LOCAL the way PyTorch loads NCCL.
+WORKLOAD_LIB   := $(SUPPORT)/libworkload.so
+WORKLOAD_LOCAL := $(SUPPORT)/magi-workload-local
+WORKLOAD_SRCS  := tests/support/workload_scenarios.cc $(wildcard tests/support/workload/*.cc) \
+                  tests/support/bootstrap.cc
 
-$(WORKLOAD): $(BUILD)/obj/tests/support/workload.o $(BUILD)/obj/tests/support/bootstrap.o $(STANDIN) $(EXTLIB)
-	$(CXX) -o $@ $(BUILD)/obj/tests/support/workload.o $(BUILD)/obj/tests/support/bootstrap.o \
-	  -L$(SUPPORT) -l:libnccl.so.2 -Wl,-rpath,'$$ORIGIN' -ldl -pthread
+$(WORKLOAD_LIB): $(WORKLOAD_SRCS:%.cc=$(BUILD)/obj/%.o) $(STANDIN)
+	$(CXX) -shared -o $@ $(filter %.o,$^) -L$(SUPPORT) -l:libnccl.so.2 -Wl,-rpath,'$$ORIGIN' \
+	  -Wl,--no-undefined -pthread
+
+$(WORKLOAD): $(BUILD)/obj/tests/support/workload_main.o $(WORKLOAD_LIB)
+	$(CXX) -o $@ $< -L$(SUPPORT) -l:libworkload.so -Wl,-rpath,'$$ORIGIN' -Wl,-rpath-link,$(SUPPORT) \
+	  -pthread
+
+$(WORKLOAD_LOCAL): $(BUILD)/obj/tests/support/workload_local_main.o
+	@mkdir -p $(dir $@)
+	$(CXX) -o $@ $< -ldl -pthread
 
 $(DEMO): $(BUILD)/obj/tools/demo/fsdp_inference.o $(BUILD)/obj/tests/support/bootstrap.o $(STANDIN)
 	$(CXX) -o $@ $(BUILD)/obj/tools/demo/fsdp_inference.o $(BUILD)/obj/tests/support/bootstrap.o \
 	  -L$(SUPPORT) -l:libnccl.so.2 -Wl,-rpath,'$$ORIGIN/tests/support' -pthread
 
-SUPPORT_BINS := $(STANDIN) $(LAUNCH) $(WORKLOAD) $(EXTLIB) $(DEMO)
+SUPPORT_BINS := $(STANDIN) $(LAUNCH) $(WORKLOAD_LIB) $(WORKLOAD) $(WORKLOAD_LOCAL) $(DEMO)
 
-$(TESTS): $(TEST_OBJS) $(filter-out $(BUILD)/obj/shim/exports.o,$(LIB_OBJS)) $(TOOL_OBJS:%/main.o=) \
-          $(BUILD)/obj/tests/support/launch.o
+# For the shim's own tests: a program that loads no NCCL, and an incomplete NCCL.
+PROBE     := $(SUPPORT)/magi-probe
+PARTIAL   := $(SUPPORT)/libpartial_nccl.so
+$(PROBE): $(BUILD)/obj/tests/support/probe_main.o
+	@mkdir -p $(dir $@)
+	$(CXX) -o $@ $^ -ldl
+$(PARTIAL): $(BUILD)/obj/tests/support/partial_nccl.o
+	@mkdir -p $(dir $@)
+	$(CXX) -shared -o $@ $^
+TEST_BINS := $(SUPPORT_BINS) $(PROBE) $(PARTIAL)
+
+# Unit tests link the library's objects directly (all but the exported entry points);
+# integration tests run real processes under LD_PRELOAD.
+$(TESTS): $(TEST_OBJS) $(filter-out $(BUILD)/obj/shim/exports.o,$(LIB_OBJS)) \
+          $(BUILD)/obj/capture/trace_reader.o $(BUILD)/obj/tests/support/launch.o
 	@mkdir -p $(dir $@)
 	$(CXX) -o $@ $(filter %.o,$^) -lgtest $(LIB_LDLIBS) -Wl,-rpath,'$$ORIGIN/..'
 
 # ---- user-facing targets ------------------------------------------------------------------
-test: all $(SUPPORT_BINS) $(TESTS)
+test: all $(TEST_BINS) $(TESTS)
 	MAGI_BUILD_DIR=$(abspath $(BUILD)) $(TESTS)
 
 demo: all $(SUPPORT_BINS)
 	@tools/demo/run-demo.sh $(BUILD)
 
-$(BENCH): $(BUILD)/obj/tools/bench/shim_overhead.o $(BUILD)/obj/tests/support/bootstrap.o
+$(BENCH): $(BUILD)/obj/tools/bench/shim_overhead.o
 	$(CXX) -o $@ $^ -lbenchmark -ldl -pthread
 
-bench: all $(SUPPORT_BINS) $(BENCH)
+bench: all $(STANDIN) $(BENCH)
 	@tools/bench/run-bench.sh $(BUILD)
 
-gpu-test: all $(SUPPORT_BINS)
+# Runs what is already built (build here, carry build/ to the GPU machine): no compiler needed there.
+gpu-test:
 	@tests/gpu/run.sh $(BUILD)
 
 install: all

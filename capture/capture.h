@@ -47,13 +47,16 @@ struct CommInfo {
 
 // ---- identities: equal on every rank, computed only from what every rank passes alike ----
 uint64_t identity_from_unique_ids(std::span<const ncclUniqueId> ids);
-// For ncclCommInitAll: the communicators live in this one process.
-uint64_t identity_for_init_all(int ndev, int index);
+// For ncclCommInitAll: one communicator whose ranks all live in this process.
+uint64_t identity_for_init_all(int ndev);
 // For a child of `parent` (Split: color; Shrink: the excluded ranks). Every rank of the parent
 // takes part in each split or shrink, in the same order, so the parent's derivation count is
 // equal on all of them and tells apart two children made with the same color.
 uint64_t derive_identity(ncclComm_t parent, CommOrigin origin, int color,
                          std::span<const int> excluded_ranks);
+
+// The identity recorded for `comm` (0 if it was never seen).
+uint64_t identity_of(ncclComm_t comm);
 
 // ---- lifecycle ----
 void comm_joined(ncclComm_t comm, const CommInfo& info);

@@ -98,8 +98,10 @@ struct CallRecord {
   uint8_t dtype;         // ncclDataType_t
   uint8_t group_depth;   // ncclGroupStart nesting on the calling thread
   uint8_t flags;         // kCall*
+  int32_t rank;          // the caller's rank in the communicator (ncclCommInitAll: several per file)
+  uint32_t group;        // the calling thread's outermost group ordinal (kCallInGroup), else 0
 };
-static_assert(sizeof(CallRecord) == 96);
+static_assert(sizeof(CallRecord) == 112);
 
 struct CommEndRecord {
   uint64_t comm_id;

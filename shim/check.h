@@ -1,6 +1,6 @@
 // One error family for the whole library.
-//  - Inside, code may throw magi::Error (a kind and a message); the NCCL API edge (api_edge)
-//    turns it into an ncclResult_t and one WARN line, so nothing escapes into the host program.
+//  - Inside, code may throw magi::Error (a kind and a message); at the NCCL API edge, guarded()
+//    turns it into one WARN line, so nothing escapes into the host program.
 //  - Code that calls NCCL-style functions uses MAGI_CHECK: a failure returns upward, each level
 //    adding an INFO line "file:line -> code", so one failure prints its whole path (NCCL's chain).
 #pragma once
@@ -41,22 +41,22 @@ class Error : public std::exception {
   std::string message_;
 };
 
-// Runs `body` (returning ncclResult_t) and converts anything thrown into a result code and
-// one log line naming the entry point. Zero cost when nothing is thrown.
-template <class Body>
-ncclResult_t api_edge(const char* entry_point, Body&& body) noexcept {
+// The edge between the library's own work and the host program. `work` may throw; whatever it
+// throws becomes one WARN line naming `where`, and false. Forwarding to the real NCCL always
+// happens outside of it, so a failure of ours can never change what the program gets back.
+template <class Work>
+bool guarded(const char* where, Work&& work) noexcept {
   try {
-    return body();
+    work();
+    return true;
   } catch (const Error& e) {
-    MAGI_WARN(Shim, "%s: %s", entry_point, e.what());
-    return e.result();
+    MAGI_WARN(Shim, "%s: %s; the call goes on unchanged", where, e.what());
   } catch (const std::exception& e) {
-    MAGI_WARN(Shim, "%s: internal error: %s", entry_point, e.what());
-    return ncclInternalError;
+    MAGI_WARN(Shim, "%s: internal error: %s; the call goes on unchanged", where, e.what());
   } catch (...) {
-    MAGI_WARN(Shim, "%s: internal error (unknown exception)", entry_point);
-    return ncclInternalError;
+    MAGI_WARN(Shim, "%s: internal error; the call goes on unchanged", where);
   }
+  return false;
 }
 
 }  // namespace magi

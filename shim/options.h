@@ -48,13 +48,14 @@ struct OptionSpec {
 struct Options {
   enum class LogLevel : uint8_t { Warn = 0, Info = 1, Trace = 2 };
 
-  LogLevel log_level = LogLevel::Warn;
-  uint32_t log_subsystems = ~0u;  // bit per magi::Subsystem
+  // Defaults come from the table (parse() applies them), never from initialisers here.
+  LogLevel log_level{};
+  uint32_t log_subsystems{};  // bit per magi::Subsystem
   std::string trace_dir;
-  int64_t trace_buffer_kib = 1024;
-  bool callsites = true;
-  int64_t callsite_depth = 16;
-  int64_t max_step_calls = 4096;
+  int64_t trace_buffer_kib{};
+  bool callsites{};
+  int64_t callsite_depth{};
+  int64_t max_step_calls{};
   std::string nccl_library;
 
   // The process-wide options: parsed from environ on first use, then immutable.

@@ -1,0 +1,252 @@
+#include "capture/capture.h"
+
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "capture/callsite.h"
+#include "capture/communicator.h"
+#include "capture/stream_capture.h"
+#include "capture/trace_writer.h"
+#include "shim/shim.h"
+
+namespace magi::capture {
+namespace {
+
+uint64_t now_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+uint32_t thread_id() {
+  thread_local const uint32_t tid = static_cast<uint32_t>(syscall(SYS_gettid));
+  return tid;
+}
+
+thread_local int t_group_depth = 0;
+thread_local uint32_t t_group_ordinal = 0;
+
+// Only rank-independent facts go into a shape: the op, datatype and count every rank passes
+// alike, the root, and the reduction op. Pointers and peers (which differ by rank) stay out.
+uint64_t shape_of(const CallArgs& a) {
+  struct {
+    uint64_t count;
+    int32_t root_or_peer;
+    int32_t redop;
+    uint8_t op;
+    uint8_t dtype;
+    uint8_t pad[6];
+  } key{};
+  key.count = a.count;
+  key.root_or_peer = trace::is_collective(a.op) ? a.root_or_peer : -1;
+  key.redop = a.redop;
+  key.op = static_cast<uint8_t>(a.op);
+  key.dtype = static_cast<uint8_t>(a.dtype);
+  return XXH3_64bits(&key, sizeof(key));
+}
+
+// Call sites already described in the trace; a direct-mapped set, so a collision only costs
+// writing the same description twice.
+constexpr size_t kSeenCallsites = 4096;
+std::atomic<uint64_t> g_seen_callsites[kSeenCallsites];
+constexpr size_t kSeenModules = 512;
+std::atomic<uint64_t> g_seen_modules[kSeenModules];
+
+bool first_sighting(std::atomic<uint64_t>* set, size_t size, uint64_t key) {
+  std::atomic<uint64_t>& slot = set[key % size];
+  return slot.exchange(key, std::memory_order_relaxed) != key;
+}
+
+void describe_callsite(TraceWriter* writer, uint64_t callsite, const trace::Frame* frames, int count) {
+  if (!first_sighting(g_seen_callsites, kSeenCallsites, callsite)) return;
+  for (int i = 0; i < count; ++i) {
+    const uint64_t module = frames[i].module;
+    if (module == 0 || !first_sighting(g_seen_modules, kSeenModules, module)) continue;
+    const std::string name = module_name(module);
+    const trace::ModuleRecord record{module, static_cast<uint32_t>(name.size()), 0};
+    trace_append(writer, trace::RecordType::Module, &record, sizeof(record), name.data(),
+                 static_cast<uint32_t>(name.size()));
+  }
+  const trace::CallsiteRecord record{callsite, static_cast<uint32_t>(count), 0};
+  trace_append(writer, trace::RecordType::Callsite, &record, sizeof(record), frames,
+               static_cast<uint32_t>(count * sizeof(trace::Frame)));
+}
+
+void record_step_event(TraceWriter* writer, const Communicator& comm, StepDetector::Event event) {
+  const StepDetector& s = comm.steps;
+  trace::StepRecord record{};
+  record.comm_id = comm.info.identity;
+  record.seq = comm.collectives - 1;
+  record.origin = s.origin();
+  record.digest = s.digest();
+  record.repeats = s.repeats();
+  record.period = s.period();
+  record.event = static_cast<uint8_t>(event == StepDetector::Event::Found ? trace::StepEvent::Found
+                                                                         : trace::StepEvent::Lost);
+  trace_append(writer, trace::RecordType::Step, &record, sizeof(record));
+  if (event == StepDetector::Event::Found)
+    MAGI_INFO(Capture, "comm %012llx: step of %u collectives found at collective #%llu",
+              static_cast<unsigned long long>(comm.info.identity & 0xffffffffffffull), s.period(),
+              static_cast<unsigned long long>(record.seq));
+  else
+    MAGI_INFO(Capture, "comm %012llx: step lost at collective #%llu after %llu repeats",
+              static_cast<unsigned long long>(comm.info.identity & 0xffffffffffffull),
+              static_cast<unsigned long long>(record.seq),
+              static_cast<unsigned long long>(s.repeats()));
+}
+
+}  // namespace
+
+uint64_t identity_from_unique_ids(std::span<const ncclUniqueId> ids) {
+  return XXH3_64bits(ids.data(), ids.size_bytes());
+}
+
+uint64_t identity_for_init_all(int ndev) {
+  static std::atomic<uint32_t> calls{0};
+  struct {
+    uint64_t pid;
+    uint32_t ordinal;
+    int32_t ndev;
+  } key{static_cast<uint64_t>(getpid()), calls.fetch_add(1), ndev};
+  return XXH3_64bits(&key, sizeof(key));
+}
+
+uint64_t derive_identity(ncclComm_t parent, CommOrigin origin, int color,
+                         std::span<const int> excluded_ranks) {
+  Communicator& p = communicator_of(parent);
+  struct {
+    uint64_t parent;
+    uint32_t derivation;
+    int32_t color;
+    uint8_t origin;
+    uint8_t pad[7];
+  } key{};
+  key.parent = p.info.identity;
+  key.derivation = p.derivations.fetch_add(1, std::memory_order_relaxed);
+  key.color = color;
+  key.origin = static_cast<uint8_t>(origin);
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
+  XXH3_64bits_update(&state, &key, sizeof(key));
+  XXH3_64bits_update(&state, excluded_ranks.data(), excluded_ranks.size_bytes());
+  return XXH3_64bits_digest(&state);
+}
+
+uint64_t identity_of(ncclComm_t comm) {
+  const Communicator* state = find_communicator(comm);
+  return state ? state->info.identity : 0;
+}
+
+void comm_joined(ncclComm_t comm, const CommInfo& info) {
+  probe_cuda_driver();
+  Communicator& state = register_communicator(comm, info);
+  if (info.rank >= 0) set_log_rank(info.rank);
+  trace::CommRecord record{};
+  record.comm_id = info.identity;
+  record.parent_id = info.parent_identity;
+  record.handle = reinterpret_cast<uintptr_t>(comm);
+  record.time_ns = now_ns();
+  record.rank = info.rank;
+  record.nranks = info.nranks;
+  record.cuda_device = info.cuda_device;
+  record.origin = static_cast<uint8_t>(info.origin);
+  trace_append(trace_writer(), trace::RecordType::Comm, &record, sizeof(record));
+  MAGI_INFO(Capture, "comm %012llx joined: rank %d of %d (%s)",
+            static_cast<unsigned long long>(state.info.identity & 0xffffffffffffull), info.rank,
+            info.nranks, std::string(trace::origin_name(info.origin)).c_str());
+}
+
+void comm_left(ncclComm_t comm, CommEndKind how) {
+  Communicator* state = find_communicator(comm);
+  if (state == nullptr) return;
+  trace::CommEndRecord record{};
+  record.comm_id = state->info.identity;
+  record.time_ns = now_ns();
+  record.calls = state->calls.load(std::memory_order_relaxed);
+  record.how = static_cast<uint8_t>(how);
+  TraceWriter* writer = trace_writer();
+  trace_append(writer, trace::RecordType::CommEnd, &record, sizeof(record));
+  trace_flush(writer);
+  // Finalize leaves the communicator usable for destroy; the others end it.
+  if (how != CommEndKind::Finalize) unregister_communicator(comm);
+}
+
+void group_start() {
+  if (t_group_depth++ == 0) ++t_group_ordinal;
+}
+
+void group_end() {
+  if (t_group_depth > 0) --t_group_depth;
+}
+
+void begin_call(ncclComm_t comm, const CallArgs& args, CallRecord& record) {
+  Communicator& state = communicator_of(comm);
+  const Options& options = Options::get();
+  record.comm_id = state.info.identity;
+  record.seq = state.calls.fetch_add(1, std::memory_order_relaxed);
+  record.shape = shape_of(args);
+  record.count = args.count;
+  record.sendbuf = reinterpret_cast<uintptr_t>(args.sendbuf);
+  record.recvbuf = reinterpret_cast<uintptr_t>(args.recvbuf);
+  record.stream = reinterpret_cast<uintptr_t>(args.stream);
+  record.thread = thread_id();
+  record.root_or_peer = args.root_or_peer;
+  record.redop = args.redop;
+  record.result = 0;
+  record.op = static_cast<uint8_t>(args.op);
+  record.dtype = static_cast<uint8_t>(args.dtype);
+  record.group_depth = static_cast<uint8_t>(t_group_depth > 255 ? 255 : t_group_depth);
+  record.rank = state.info.rank;
+  record.group = t_group_depth > 0 ? t_group_ordinal : 0;
+  record.flags = t_group_depth > 0 ? trace::kCallInGroup : 0;
+  switch (stream_capture_status(args.stream)) {
+    case StreamCapture::Capturing: record.flags |= trace::kCallCapturing; break;
+    case StreamCapture::Unknown: record.flags |= trace::kCallCaptureUnknown; break;
+    case StreamCapture::NotCapturing: break;
+  }
+
+  TraceWriter* writer = trace_writer();
+  record.callsite = 0;
+  if (options.callsites) {
+    trace::Frame frames[64];
+    int count = 0;
+    record.callsite = callsite_fingerprint(static_cast<int>(options.callsite_depth),
+                                           std::span<trace::Frame>(frames, 64), &count);
+    if (writer != nullptr) describe_callsite(writer, record.callsite, frames, count);
+  }
+  const uint64_t pair[2] = {record.shape, record.callsite};
+  record.fingerprint = XXH3_64bits(pair, sizeof(pair));
+
+  if (trace::is_collective(args.op)) {
+    while (state.steps_lock.test_and_set(std::memory_order_acquire)) __builtin_ia32_pause();
+    ++state.collectives;
+    const StepDetector::Event event = state.steps.push(record.shape);
+    if (event != StepDetector::Event::None) record_step_event(writer, state, event);
+    state.steps_lock.clear(std::memory_order_release);
+  }
+  record.time_ns = now_ns();
+}
+
+void end_call(CallRecord& record, ncclResult_t result) {
+  const uint64_t elapsed = now_ns() - record.time_ns;
+  record.duration_ns = elapsed > UINT32_MAX ? UINT32_MAX : static_cast<uint32_t>(elapsed);
+  record.result = static_cast<int32_t>(result);
+  if (TraceWriter* writer = trace_writer())
+    trace_append(writer, trace::RecordType::Call, &record, sizeof(record));
+  MAGI_TRACE(Capture, "comm %012llx #%llu %s count %llu -> %d",
+             static_cast<unsigned long long>(record.comm_id & 0xffffffffffffull),
+             static_cast<unsigned long long>(record.seq),
+             std::string(trace::op_name(static_cast<trace::Op>(record.op))).c_str(),
+             static_cast<unsigned long long>(record.count), record.result);
+}
+
+void flush_trace() { trace_flush(trace_writer()); }
+
+}  // namespace magi::capture

@@ -1,0 +1,275 @@
+// The NCCL entry points the host program reaches through LD_PRELOAD.
+//
+// Each one records the call (capture/) and forwards it, unchanged, to the real NCCL; the result
+// the program sees is exactly what the real NCCL returned. Nothing here runs at load time: the
+// real NCCL is found, and options read, on the first call.
+#include <nccl.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "capture/capture.h"
+#include "shim/real_nccl.h"
+#include "shim/shim.h"
+
+#define MAGI_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace magi::shim {
+namespace {
+
+using capture::CallArgs;
+using capture::CommInfo;
+using capture::CommOrigin;
+using capture::Op;
+
+// Calls the real function, or answers for a function the real library lacks.
+#define MAGI_FORWARD(name, ...) \
+  (real_nccl().name != nullptr ? real_nccl().name(__VA_ARGS__) : missing_function(#name))
+
+// Records one call around its forwarding. The record lives on this stack frame.
+template <class Forward>
+ncclResult_t recorded(const char* entry_point, ncclComm_t comm, const CallArgs& args,
+                      Forward&& forward) noexcept {
+  capture::CallRecord record;
+  const bool seen = guarded(entry_point, [&] { capture::begin_call(comm, args, record); });
+  const ncclResult_t result = forward();
+  if (seen) guarded(entry_point, [&] { capture::end_call(record, result); });
+  return result;
+}
+
+int query(ncclResult_t (*const fn)(const ncclComm_t, int*), ncclComm_t comm) {
+  int value = -1;
+  if (fn == nullptr || fn(comm, &value) != ncclSuccess) return -1;
+  return value;
+}
+
+// After a successful init, tells capture who the new communicator is. Non-blocking
+// communicators may still be initialising (ncclInProgress); their handle is valid already.
+void joined(ncclResult_t result, ncclComm_t comm, uint64_t identity, uint64_t parent, CommOrigin origin,
+            int rank_hint = -1, int nranks_hint = -1) {
+  if ((result != ncclSuccess && result != ncclInProgress) || comm == nullptr) return;
+  const RealNccl& real = real_nccl();
+  CommInfo info{};
+  info.identity = identity;
+  info.parent_identity = parent;
+  info.rank = rank_hint >= 0 ? rank_hint : query(real.CommUserRank, comm);
+  info.nranks = nranks_hint >= 0 ? nranks_hint : query(real.CommCount, comm);
+  info.cuda_device = query(real.CommCuDevice, comm);
+  info.origin = origin;
+  capture::comm_joined(comm, info);
+}
+
+}  // namespace
+}  // namespace magi::shim
+
+using namespace magi::shim;  // the entry points below are extern "C" and cannot live in a namespace
+using magi::guarded;
+using magi::capture::CallArgs;
+using magi::capture::CommEndKind;
+using magi::capture::CommOrigin;
+using magi::capture::Op;
+
+// ---------------------------------------------------------------- communicators
+
+MAGI_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+  const ncclResult_t r = MAGI_FORWARD(CommInitRank, comm, nranks, id, rank);
+  guarded("ncclCommInitRank", [&] {
+    joined(r, comm ? *comm : nullptr, magi::capture::identity_from_unique_ids({&id, 1}), 0,
+           CommOrigin::InitRank, rank, nranks);
+  });
+  return r;
+}
+
+MAGI_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id,
+                                                int rank, ncclConfig_t* config) {
+  const ncclResult_t r = MAGI_FORWARD(CommInitRankConfig, comm, nranks, id, rank, config);
+  guarded("ncclCommInitRankConfig", [&] {
+    joined(r, comm ? *comm : nullptr, magi::capture::identity_from_unique_ids({&id, 1}), 0,
+           CommOrigin::InitRankConfig, rank, nranks);
+  });
+  return r;
+}
+
+MAGI_EXPORT ncclResult_t ncclCommInitRankScalable(ncclComm_t* comm, int nranks, int rank, int nIds,
+                                                  ncclUniqueId* ids, ncclConfig_t* config) {
+  const ncclResult_t r = MAGI_FORWARD(CommInitRankScalable, comm, nranks, rank, nIds, ids, config);
+  guarded("ncclCommInitRankScalable", [&] {
+    if (ids == nullptr || nIds <= 0) return;
+    joined(r, comm ? *comm : nullptr,
+           magi::capture::identity_from_unique_ids({ids, static_cast<size_t>(nIds)}), 0,
+           CommOrigin::InitRankScalable, rank, nranks);
+  });
+  return r;
+}
+
+MAGI_EXPORT ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
+  const ncclResult_t r = MAGI_FORWARD(CommInitAll, comms, ndev, devlist);
+  guarded("ncclCommInitAll", [&] {
+    if (r != ncclSuccess || comms == nullptr) return;
+    const uint64_t identity = magi::capture::identity_for_init_all(ndev);
+    for (int i = 0; i < ndev; ++i) joined(r, comms[i], identity, 0, CommOrigin::InitAll, i, ndev);
+  });
+  return r;
+}
+
+MAGI_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm,
+                                       ncclConfig_t* config) {
+  // Derived on every rank, NOCOLOR ones too, so the parent's derivation count stays equal.
+  uint64_t identity = 0;
+  guarded("ncclCommSplit", [&] {
+    identity = magi::capture::derive_identity(comm, CommOrigin::Split, color, {});
+  });
+  const ncclResult_t r = MAGI_FORWARD(CommSplit, comm, color, key, newcomm, config);
+  guarded("ncclCommSplit", [&] {
+    joined(r, newcomm ? *newcomm : nullptr, identity, magi::capture::identity_of(comm),
+           CommOrigin::Split);
+  });
+  return r;
+}
+
+MAGI_EXPORT ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount,
+                                        ncclComm_t* newcomm, ncclConfig_t* config, int shrinkFlags) {
+  uint64_t identity = 0;
+  guarded("ncclCommShrink", [&] {
+    std::vector<int> excluded;
+    if (excludeRanksList != nullptr && excludeRanksCount > 0)
+      excluded.assign(excludeRanksList, excludeRanksList + excludeRanksCount);
+    std::sort(excluded.begin(), excluded.end());  // the same set, however each rank listed it
+    identity = magi::capture::derive_identity(comm, CommOrigin::Shrink, 0, excluded);
+  });
+  const ncclResult_t r = MAGI_FORWARD(CommShrink, comm, excludeRanksList, excludeRanksCount,
+                                      newcomm, config, shrinkFlags);
+  guarded("ncclCommShrink", [&] {
+    joined(r, newcomm ? *newcomm : nullptr, identity, magi::capture::identity_of(comm),
+           CommOrigin::Shrink);
+  });
+  return r;
+}
+
+MAGI_EXPORT ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+  const ncclResult_t r = MAGI_FORWARD(CommFinalize, comm);
+  guarded("ncclCommFinalize", [&] { magi::capture::comm_left(comm, CommEndKind::Finalize); });
+  return r;
+}
+
+// Destroy and Abort: forget the communicator before NCCL frees it, so a handle NCCL hands out
+// again later can never meet this one's state.
+MAGI_EXPORT ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  guarded("ncclCommDestroy", [&] { magi::capture::comm_left(comm, CommEndKind::Destroy); });
+  return MAGI_FORWARD(CommDestroy, comm);
+}
+
+MAGI_EXPORT ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  guarded("ncclCommAbort", [&] { magi::capture::comm_left(comm, CommEndKind::Abort); });
+  return MAGI_FORWARD(CommAbort, comm);
+}
+
+MAGI_EXPORT ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
+  const ncclResult_t r = MAGI_FORWARD(CommRevoke, comm, revokeFlags);
+  guarded("ncclCommRevoke", [&] { magi::capture::comm_left(comm, CommEndKind::Revoke); });
+  return r;
+}
+
+// ---------------------------------------------------------------- groups
+
+MAGI_EXPORT ncclResult_t ncclGroupStart() {
+  magi::capture::group_start();  // thread-local counters: cannot fail
+  return MAGI_FORWARD(GroupStart);
+}
+
+MAGI_EXPORT ncclResult_t ncclGroupEnd() {
+  const ncclResult_t r = MAGI_FORWARD(GroupEnd);
+  magi::capture::group_end();
+  return r;
+}
+
+MAGI_EXPORT ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
+  const ncclResult_t r = MAGI_FORWARD(GroupSimulateEnd, simInfo);
+  magi::capture::group_end();  // it closes the group, like ncclGroupEnd
+  return r;
+}
+
+// ---------------------------------------------------------------- collectives and p2p
+
+MAGI_EXPORT ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
+                                       ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
+  return recorded("ncclAllGather", comm, {Op::AllGather, datatype, sendcount, -1, -1, sendbuff, recvbuff, stream}, [&] {
+      return MAGI_FORWARD(AllGather, sendbuff, recvbuff, sendcount, datatype, comm, stream);
+    });
+}
+
+MAGI_EXPORT ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
+                                       ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                                       cudaStream_t stream) {
+  return recorded("ncclAllReduce", comm, {Op::AllReduce, datatype, count, -1, op, sendbuff, recvbuff, stream}, [&] {
+      return MAGI_FORWARD(AllReduce, sendbuff, recvbuff, count, datatype, op, comm, stream);
+    });
+}
+
+MAGI_EXPORT ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
+                                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                                           cudaStream_t stream) {
+  return recorded("ncclReduceScatter", comm, {Op::ReduceScatter, datatype, recvcount, -1, op, sendbuff, recvbuff, stream}, [&] {
+      return MAGI_FORWARD(ReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
+    });
+}
+
+MAGI_EXPORT ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
+                                       ncclDataType_t datatype, int root, ncclComm_t comm,
+                                       cudaStream_t stream) {
+  return recorded("ncclBroadcast", comm, {Op::Broadcast, datatype, count, root, -1, sendbuff, recvbuff, stream}, [&] {
+      return MAGI_FORWARD(Broadcast, sendbuff, recvbuff, count, datatype, root, comm, stream);
+    });
+}
+
+MAGI_EXPORT ncclResult_t ncclBcast(void* buff, size_t count, ncclDataType_t datatype, int root,
+                                   ncclComm_t comm, cudaStream_t stream) {
+  return recorded("ncclBcast", comm, {Op::Broadcast, datatype, count, root, -1, buff, buff, stream}, [&] {
+      return MAGI_FORWARD(Bcast, buff, count, datatype, root, comm, stream);
+    });
+}
+
+MAGI_EXPORT ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count,
+                                    ncclDataType_t datatype, ncclRedOp_t op, int root,
+                                    ncclComm_t comm, cudaStream_t stream) {
+  return recorded("ncclReduce", comm, {Op::Reduce, datatype, count, root, op, sendbuff, recvbuff, stream}, [&] {
+      return MAGI_FORWARD(Reduce, sendbuff, recvbuff, count, datatype, op, root, comm, stream);
+    });
+}
+
+MAGI_EXPORT ncclResult_t ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count,
+                                      ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
+  return recorded("ncclAlltoAll", comm, {Op::AlltoAll, datatype, count, -1, -1, sendbuff, recvbuff, stream}, [&] {
+      return MAGI_FORWARD(AlltoAll, sendbuff, recvbuff, count, datatype, comm, stream);
+    });
+}
+
+MAGI_EXPORT ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count,
+                                    ncclDataType_t datatype, int root, ncclComm_t comm,
+                                    cudaStream_t stream) {
+  return recorded("ncclGather", comm, {Op::Gather, datatype, count, root, -1, sendbuff, recvbuff, stream}, [&] {
+      return MAGI_FORWARD(Gather, sendbuff, recvbuff, count, datatype, root, comm, stream);
+    });
+}
+
+MAGI_EXPORT ncclResult_t ncclScatter(const void* sendbuff, void* recvbuff, size_t count,
+                                     ncclDataType_t datatype, int root, ncclComm_t comm,
+                                     cudaStream_t stream) {
+  return recorded("ncclScatter", comm, {Op::Scatter, datatype, count, root, -1, sendbuff, recvbuff, stream}, [&] {
+      return MAGI_FORWARD(Scatter, sendbuff, recvbuff, count, datatype, root, comm, stream);
+    });
+}
+
+MAGI_EXPORT ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer,
+                                  ncclComm_t comm, cudaStream_t stream) {
+  return recorded("ncclSend", comm, {Op::Send, datatype, count, peer, -1, sendbuff, nullptr, stream}, [&] {
+      return MAGI_FORWARD(Send, sendbuff, count, datatype, peer, comm, stream);
+    });
+}
+
+MAGI_EXPORT ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer,
+                                  ncclComm_t comm, cudaStream_t stream) {
+  return recorded("ncclRecv", comm, {Op::Recv, datatype, count, peer, -1, nullptr, recvbuff, stream}, [&] {
+      return MAGI_FORWARD(Recv, recvbuff, count, datatype, peer, comm, stream);
+    });
+}

@@ -1,0 +1,48 @@
+"""Unmodified PyTorch collectives at world size 1, as a user would run them.
+
+Run it twice — without and with LD_PRELOAD=libmagice.so — and compare the saved results: the
+shim must not change a single byte of a call it does not reroute.
+
+    python3 torch_collectives.py OUT.pt
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main(out_path: str) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    torch.manual_seed(1234)
+    dev = torch.device("cuda:0")
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32):
+        shard = (torch.randn(1 << 16, device=dev) * 100).to(dtype)
+        gathered = torch.empty(shard.numel() * dist.get_world_size(), dtype=dtype, device=dev)
+        dist.all_gather_into_tensor(gathered, shard)
+        reduced = shard.clone()
+        dist.all_reduce(reduced)
+        scattered = torch.empty(shard.numel() // dist.get_world_size(), dtype=dtype, device=dev)
+        dist.reduce_scatter_tensor(scattered, shard.clone())
+        broadcast = shard.clone()
+        dist.broadcast(broadcast, src=0)
+        results[str(dtype)] = [t.cpu() for t in (gathered, reduced, scattered, broadcast)]
+    # A small FSDP-like loop: the same gathers, step after step, as the skeleton sees them.
+    weights = [torch.randn(4096, device=dev) for _ in range(4)]
+    for _ in range(5):
+        for w in weights:
+            full = torch.empty_like(w)
+            dist.all_gather_into_tensor(full, w)
+        logits = torch.ones(8, device=dev)
+        dist.all_reduce(logits)
+    results["loop"] = [full.cpu(), logits.cpu()]
+    torch.cuda.synchronize()
+    torch.save(results, out_path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,338 @@
+// The shim in front of the NCCL stand-in, in real processes under LD_PRELOAD: it forwards every
+// call unchanged, finds NCCL however it was loaded, and records what each rank did.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "capture/trace_reader.h"
+#include "tests/support/launch.h"
+
+namespace magi {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string build_dir() {
+  const char* dir = std::getenv("MAGI_BUILD_DIR");
+  return dir ? dir : fs::absolute("build").string();
+}
+std::string support(const std::string& name) { return build_dir() + "/tests/support/" + name; }
+std::string shim() { return build_dir() + "/libmagice.so"; }
+
+struct TempDir {
+  TempDir() {
+    char tmpl[] = "/tmp/magice-test.XXXXXX";
+    path = mkdtemp(tmpl);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string path;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::vector<std::string> traces_in(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".trace") out.push_back(e.path().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Runs `argv` on n ranks, with the shim preloaded when `preload`, plus `env`.
+support::LaunchResult run_ranks(int n, std::vector<std::string> argv, bool preload,
+                                std::vector<std::pair<std::string, std::string>> env = {},
+                                double timeout_s = 60) {
+  support::LaunchSpec spec;
+  spec.nranks = n;
+  spec.argv = std::move(argv);
+  spec.env = std::move(env);
+  if (preload) spec.env.emplace_back("LD_PRELOAD", shim());
+  spec.timeout_s = timeout_s;
+  spec.capture_output = true;
+  return support::launch(spec);
+}
+
+std::string describe(const support::LaunchResult& r) {
+  std::string out = r.timed_out ? "timed out\n" : "";
+  for (size_t i = 0; i < r.ranks.size(); ++i)
+    out += "rank " + std::to_string(i) + ": exit " + std::to_string(r.ranks[i].exit_code) +
+           " signal " + std::to_string(r.ranks[i].signal) + "\n" + r.ranks[i].stderr_text + "\n";
+  return out;
+}
+
+// Every op, every datatype, in-place and out-of-place: byte for byte what the stand-in gives
+// without the shim.
+class ResultsUnchanged : public testing::TestWithParam<int> {};
+
+TEST_P(ResultsUnchanged, EveryOpGivesTheSameBytesWithAndWithoutTheShim) {
+  const int n = GetParam();
+  TempDir plain, shimmed, traces;
+  auto a = run_ranks(n, {support("magi-workload"), "ops", "--out", plain.path}, false);
+  ASSERT_TRUE(a.all_ok()) << describe(a);
+  auto b = run_ranks(n, {support("magi-workload"), "ops", "--out", shimmed.path}, true,
+                     {{"MAGI_TRACE_DIR", traces.path}});
+  ASSERT_TRUE(b.all_ok()) << describe(b);
+  for (int r = 0; r < n; ++r) {
+    const std::string file = "/rank" + std::to_string(r) + ".bin";
+    const std::string expected = read_file(plain.path + file);
+    ASSERT_FALSE(expected.empty()) << "the workload wrote no results for rank " << r;
+    EXPECT_TRUE(expected == read_file(shimmed.path + file)) << "rank " << r << " results differ";
+  }
+  EXPECT_EQ(traces_in(traces.path).size(), static_cast<size_t>(n));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ResultsUnchanged, testing::Values(2, 3, 8));
+
+// PyTorch loads NCCL inside an extension opened RTLD_LOCAL; dlsym(RTLD_NEXT) sees nothing there.
+TEST(Shim, FindsNcclLoadedUnderAnRtldLocalExtension) {
+  TempDir out, traces;
+  auto r = run_ranks(2, {support("magi-workload-local"), "ops", "--out", out.path}, true,
+                     {{"MAGI_TRACE_DIR", traces.path}, {"MAGI_LOG", "INFO"}});
+  ASSERT_TRUE(r.all_ok()) << describe(r);
+  EXPECT_NE(r.ranks[0].stderr_text.find("already loaded as libnccl.so.2"), std::string::npos)
+      << r.ranks[0].stderr_text;
+  const auto files = traces_in(traces.path);
+  ASSERT_EQ(files.size(), 2u);
+  for (const auto& f : files) EXPECT_GT(trace::read_trace(f).calls.size(), 100u) << f;
+}
+
+TEST(Shim, NoRealNcclGivesAnErrorAndOneLineNotACrash) {
+  auto r = run_ranks(1, {support("magi-probe"), "AllReduce", "AllGather", "GroupStart", "GroupEnd"},
+                     true);
+  ASSERT_TRUE(r.all_ok()) << describe(r);
+  EXPECT_NE(r.ranks[0].stdout_text.find("AllReduce=2\n"), std::string::npos) << r.ranks[0].stdout_text;
+  EXPECT_NE(r.ranks[0].stdout_text.find("AllGather=2\n"), std::string::npos) << r.ranks[0].stdout_text;
+  const std::string& err = r.ranks[0].stderr_text;
+  size_t lines = 0;
+  for (size_t at = err.find("no real NCCL found"); at != std::string::npos;
+       at = err.find("no real NCCL found", at + 1))
+    ++lines;
+  EXPECT_EQ(lines, 1u) << err;
+}
+
+TEST(Shim, WithoutTheShimTheProbeFindsNoNccl) {
+  // Guards the test above: the probe really loads no NCCL of its own.
+  auto r = run_ranks(1, {support("magi-probe"), "AllReduce"}, false);
+  ASSERT_TRUE(r.all_ok()) << describe(r);
+  EXPECT_EQ(r.ranks[0].stdout_text, "AllReduce=absent\n");
+}
+
+TEST(Shim, ForwardsToMagiNcclLibraryAndAnswersForFunctionsItLacks) {
+  auto r = run_ranks(1, {support("magi-probe"), "AllReduce", "AllGather", "AllGather"}, true,
+                     {{"MAGI_NCCL_LIBRARY", support("libpartial_nccl.so")}});
+  ASSERT_TRUE(r.all_ok()) << describe(r);
+  const std::string& out = r.ranks[0].stdout_text;
+  EXPECT_NE(out.find("AllReduce=6\n"), std::string::npos) << out;  // ncclRemoteError, unchanged
+  EXPECT_NE(out.find("AllGather=5\n"), std::string::npos) << out;  // ncclInvalidUsage
+  const std::string& err = r.ranks[0].stderr_text;
+  const size_t first = err.find("ncclAllGather: the real NCCL");
+  ASSERT_NE(first, std::string::npos) << err;
+  EXPECT_EQ(err.find("ncclAllGather: the real NCCL", first + 1), std::string::npos)
+      << "the missing function was reported more than once:\n" << err;
+}
+
+TEST(Shim, BadOptionValueGivesOneLineAndTheProgramRunsOn) {
+  TempDir out;
+  auto r = run_ranks(2, {support("magi-workload"), "ops", "--out", out.path}, true,
+                     {{"MAGI_CALLSITE_DEPTH", "lots"}, {"MAGI_CALLSITE_DEPT", "4"}});
+  ASSERT_TRUE(r.all_ok()) << describe(r);
+  const std::string& err = r.ranks[0].stderr_text;
+  EXPECT_NE(err.find("MAGI_CALLSITE_DEPTH='lots' is not accepted (expected an integer from 1 to 64)"),
+            std::string::npos) << err;
+  EXPECT_NE(err.find("unknown variable MAGI_CALLSITE_DEPT is ignored (did you mean MAGI_CALLSITE_DEPTH?)"),
+            std::string::npos) << err;
+}
+
+TEST(Shim, UnwritableTraceDirGivesOneLineAndTheProgramRunsOn) {
+  TempDir out;
+  auto r = run_ranks(2, {support("magi-workload"), "ops", "--out", out.path}, true,
+                     {{"MAGI_TRACE_DIR", "/proc/no-such-dir/traces"}});
+  ASSERT_TRUE(r.all_ok()) << describe(r);
+  EXPECT_NE(r.ranks[0].stderr_text.find("MAGI_TRACE_DIR=/proc/no-such-dir/traces: cannot create"),
+            std::string::npos) << r.ranks[0].stderr_text;
+}
+
+// ---- what the traces say ----
+
+struct FsdpRun {
+  std::vector<trace::Trace> traces;  // by rank
+  support::LaunchResult result;
+};
+
+FsdpRun run_fsdp(int n, const std::string& dir, std::vector<std::string> extra = {},
+                 std::vector<std::pair<std::string, std::string>> env = {}) {
+  std::vector<std::string> argv = {support("magi-workload"), "fsdp", "--layers", "4", "--steps", "6"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  env.emplace_back("MAGI_TRACE_DIR", dir);
+  FsdpRun run;
+  run.result = run_ranks(n, argv, true, env);
+  std::map<int, trace::Trace> by_rank;
+  for (const auto& f : traces_in(dir)) {
+    trace::Trace t = trace::read_trace(f);
+    if (!t.comms.empty()) by_rank[t.comms.front().rank] = std::move(t);
+  }
+  for (auto& [rank, t] : by_rank) run.traces.push_back(std::move(t));
+  return run;
+}
+
+TEST(Traces, EveryRankRecordsTheSameCommunicatorAndTheSameCallsites) {
+  TempDir dir;
+  FsdpRun run = run_fsdp(4, dir.path);
+  ASSERT_TRUE(run.result.all_ok()) << describe(run.result);
+  ASSERT_EQ(run.traces.size(), 4u);
+  const uint64_t comm_id = run.traces[0].comms.at(0).comm_id;
+  for (size_t r = 0; r < 4; ++r) {
+    const trace::Trace& t = run.traces[r];
+    ASSERT_EQ(t.comms.size(), 1u);
+    EXPECT_EQ(t.comms[0].comm_id, comm_id) << "rank " << r;
+    EXPECT_EQ(t.comms[0].rank, static_cast<int>(r));
+    EXPECT_EQ(t.comms[0].nranks, 4);
+    ASSERT_EQ(t.calls.size(), run.traces[0].calls.size()) << "rank " << r;
+    for (size_t i = 0; i < t.calls.size(); ++i) {
+      EXPECT_EQ(t.calls[i].seq, i);
+      EXPECT_EQ(t.calls[i].shape, run.traces[0].calls[i].shape) << "rank " << r << " call " << i;
+      EXPECT_NE(t.calls[i].callsite, 0u);
+      EXPECT_EQ(t.calls[i].callsite, run.traces[0].calls[i].callsite) << "rank " << r << " call " << i;
+      EXPECT_NE(t.calls[i].sendbuf, 0u);
+    }
+    EXPECT_FALSE(t.callsites.empty());
+    EXPECT_FALSE(t.modules.empty());
+    ASSERT_EQ(t.comm_ends.size(), 1u);
+    EXPECT_EQ(t.comm_ends[0].calls, t.calls.size());
+    EXPECT_EQ(t.dropped, 0u);
+  }
+  struct stat st {};
+  ASSERT_EQ(stat(run.traces[0].path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+}
+
+TEST(Traces, TheStepIsFoundOnEveryRankAtTheSameCollective) {
+  TempDir dir;
+  FsdpRun run = run_fsdp(3, dir.path);
+  ASSERT_TRUE(run.result.all_ok()) << describe(run.result);
+  ASSERT_EQ(run.traces.size(), 3u);
+  for (const trace::Trace& t : run.traces) {
+    ASSERT_FALSE(t.steps.empty()) << t.path;
+    EXPECT_EQ(t.steps[0].event, static_cast<uint8_t>(trace::StepEvent::Found));
+    EXPECT_EQ(t.steps[0].seq, run.traces[0].steps[0].seq);
+    EXPECT_EQ(t.steps[0].period, run.traces[0].steps[0].period);
+    EXPECT_EQ(t.steps[0].digest, run.traces[0].steps[0].digest);
+    EXPECT_GE(t.steps[0].period, 2u);
+  }
+}
+
+TEST(Traces, CallsitesOffRecordsZeroCallsites) {
+  TempDir dir;
+  FsdpRun run = run_fsdp(2, dir.path, {}, {{"MAGI_CALLSITES", "0"}});
+  ASSERT_TRUE(run.result.all_ok()) << describe(run.result);
+  ASSERT_EQ(run.traces.size(), 2u);
+  for (const auto& c : run.traces[0].calls) EXPECT_EQ(c.callsite, 0u);
+  EXPECT_TRUE(run.traces[0].callsites.empty());
+}
+
+TEST(Traces, SplitChildrenHaveIdentitiesEqualWithinAColorAndDistinctAcrossColors) {
+  TempDir dir;
+  auto r = run_ranks(4, {support("magi-workload"), "split"}, true, {{"MAGI_TRACE_DIR", dir.path}});
+  ASSERT_TRUE(r.all_ok()) << describe(r);
+  // The scenario splits by parity first (then splits and shrinks again): the first child of each
+  // rank is its parity communicator.
+  std::map<int, uint64_t> child_of_rank;  // parent rank -> child comm id
+  uint64_t parent = 0;
+  for (const auto& f : traces_in(dir.path)) {
+    trace::Trace t = trace::read_trace(f);
+    int parent_rank = -1;
+    for (const auto& c : t.comms) {
+      if (c.origin != static_cast<uint8_t>(trace::CommOrigin::InitRank)) continue;
+      parent_rank = c.rank;
+      parent = c.comm_id;
+    }
+    for (const auto& c : t.comms)
+      if (c.origin == static_cast<uint8_t>(trace::CommOrigin::Split)) {
+        EXPECT_EQ(c.parent_id, parent);
+        if (!child_of_rank.count(parent_rank)) child_of_rank[parent_rank] = c.comm_id;
+      }
+  }
+  ASSERT_EQ(child_of_rank.size(), 4u);
+  EXPECT_EQ(child_of_rank[0], child_of_rank[2]);  // color = rank % 2
+  EXPECT_EQ(child_of_rank[1], child_of_rank[3]);
+  EXPECT_NE(child_of_rank[0], child_of_rank[1]);
+}
+
+// ---- magice-trace over real traces ----
+
+int run_tool(const std::vector<std::string>& args, std::string* out) {
+  std::string cmd = build_dir() + "/magice-trace";
+  for (const auto& a : args) cmd += " '" + a + "'";
+  cmd += " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  char buf[4096];
+  size_t n;
+  out->clear();
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out->append(buf, n);
+  const int status = pclose(p);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(TraceTool, RanksOfOneProgramDiffClean) {
+  TempDir dir;
+  FsdpRun run = run_fsdp(4, dir.path);
+  ASSERT_TRUE(run.result.all_ok()) << describe(run.result);
+  std::vector<std::string> args = {"diff"};
+  for (const auto& f : traces_in(dir.path)) args.push_back(f);
+  std::string out;
+  EXPECT_EQ(run_tool(args, &out), 0) << out;
+}
+
+// The fsdp scenario issues one all-reduce, then per step L gathers and one all-reduce; rank R's
+// divergence is its layer-0 gather of step K: collective #(1 + K·(L+1)).
+constexpr int kLayers = 4, kDivergeStep = 3;
+constexpr int kDivergentCollective = 1 + kDivergeStep * (kLayers + 1);
+
+TEST(TraceTool, DiffReportsAnInjectedCountDivergenceAtTheRightCollective) {
+  TempDir dir;
+  FsdpRun run = run_fsdp(4, dir.path,
+                         {"--diverge-rank", "2", "--diverge-step", std::to_string(kDivergeStep),
+                          "--diverge-kind", "count"},
+                         {{"STANDIN_MISMATCH", "error"}});
+  ASSERT_TRUE(run.result.all_ok()) << describe(run.result);
+  std::vector<std::string> args = {"diff"};
+  for (const auto& f : traces_in(dir.path)) args.push_back(f);
+  std::string out;
+  EXPECT_EQ(run_tool(args, &out), 1) << out;
+  EXPECT_NE(out.find("diverges at collective #" + std::to_string(kDivergentCollective)), std::string::npos)
+      << out;
+}
+
+TEST(TraceTool, DiffReportsAnInjectedCallsiteDivergenceAtTheRightCollective) {
+  TempDir dir;
+  FsdpRun run = run_fsdp(4, dir.path,
+                         {"--diverge-rank", "1", "--diverge-step", std::to_string(kDivergeStep),
+                          "--diverge-kind", "callsite"});
+  ASSERT_TRUE(run.result.all_ok()) << describe(run.result);
+  std::vector<std::string> args = {"diff"};
+  for (const auto& f : traces_in(dir.path)) args.push_back(f);
+  std::string out;
+  EXPECT_EQ(run_tool(args, &out), 1) << out;
+  EXPECT_NE(out.find("call sites differ from #" + std::to_string(kDivergentCollective)), std::string::npos)
+      << out;
+  args.insert(args.begin() + 1, "--shapes-only");
+  EXPECT_EQ(run_tool(args, &out), 0) << out;
+}
+
+}  // namespace
+}  // namespace magi

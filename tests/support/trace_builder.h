@@ -1,0 +1,155 @@
+// Builds trace files byte for byte as capture/trace_format.h lays them out, so tests of the
+// reader and of magice-trace control every field, including broken ones.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "capture/trace_format.h"
+
+namespace magi::trace::testing {
+
+inline FileHeader make_file_header(uint64_t pid = 4242, std::string_view host = "node0",
+                                   std::string_view program = "workload",
+                                   uint64_t start_monotonic_ns = 5'000'000'000ull,
+                                   uint64_t start_realtime_ns = 1'700'000'000'000'000'000ull) {
+  FileHeader header{};
+  std::memcpy(header.magic, kMagic, sizeof(header.magic));
+  header.version = kVersion;
+  header.header_bytes = sizeof(FileHeader);
+  header.pid = pid;
+  header.start_monotonic_ns = start_monotonic_ns;
+  header.start_realtime_ns = start_realtime_ns;
+  std::memcpy(header.host, host.data(), std::min(host.size(), sizeof(header.host) - 1));
+  std::memcpy(header.program, program.data(), std::min(program.size(), sizeof(header.program) - 1));
+  return header;
+}
+
+// A stand-in for the library's shape key: any hash of the same fields serves, since only
+// equality between ranks matters to the reader and the tool.
+inline uint64_t shape_of(Op op, uint8_t dtype, uint64_t count, int32_t root_or_peer,
+                         int32_t redop) {
+  const struct {
+    uint64_t count;
+    int32_t root_or_peer, redop;
+    uint8_t op, dtype, pad[6];
+  } fields{count, root_or_peer, redop, static_cast<uint8_t>(op), dtype, {}};
+  return XXH3_64bits(&fields, sizeof(fields));
+}
+
+struct CallSpec {
+  Op op = Op::AllReduce;
+  uint8_t dtype = 7;  // ncclFloat32
+  uint64_t count = 1024;
+  int32_t root_or_peer = -1;
+  int32_t redop = -1;
+  uint64_t callsite = 0;
+};
+
+inline CallRecord make_call(uint64_t comm_id, int32_t rank, uint64_t seq, const CallSpec& spec,
+                            uint64_t time_ns = 0, uint32_t duration_ns = 1000) {
+  CallRecord call{};
+  call.comm_id = comm_id;
+  call.seq = seq;
+  call.time_ns = time_ns;
+  call.shape = shape_of(spec.op, spec.dtype, spec.count, spec.root_or_peer, spec.redop);
+  call.callsite = spec.callsite;
+  call.fingerprint = XXH3_64bits_withSeed(&call.shape, sizeof(call.shape), spec.callsite);
+  call.count = spec.count;
+  call.duration_ns = duration_ns;
+  call.thread = 77;
+  call.root_or_peer = spec.root_or_peer;
+  call.redop = spec.redop;
+  call.op = static_cast<uint8_t>(spec.op);
+  call.dtype = spec.dtype;
+  call.rank = rank;
+  return call;
+}
+
+inline CommRecord make_comm(uint64_t comm_id, int32_t rank, int32_t nranks,
+                            CommOrigin origin = CommOrigin::InitRank, uint64_t parent_id = 0,
+                            uint64_t time_ns = 0) {
+  CommRecord comm{};
+  comm.comm_id = comm_id;
+  comm.parent_id = parent_id;
+  comm.handle = 0x5500 + static_cast<uint64_t>(rank);
+  comm.time_ns = time_ns;
+  comm.rank = rank;
+  comm.nranks = nranks;
+  comm.cuda_device = rank;
+  comm.origin = static_cast<uint8_t>(origin);
+  return comm;
+}
+
+class TraceBuilder {
+ public:
+  explicit TraceBuilder(const FileHeader& header = make_file_header()) {
+    bytes_.append(reinterpret_cast<const char*>(&header), sizeof(header));
+  }
+
+  // Any record: header, payload, then zero padding to a multiple of 8.
+  TraceBuilder& record(uint16_t type, const void* payload, size_t payload_bytes,
+                       const void* tail = nullptr, size_t tail_bytes = 0) {
+    const auto bytes =
+        padded(static_cast<uint32_t>(sizeof(RecordHeader) + payload_bytes + tail_bytes));
+    const RecordHeader header{type, 0, bytes};
+    const size_t at = bytes_.size();
+    bytes_.append(reinterpret_cast<const char*>(&header), sizeof(header));
+    bytes_.append(static_cast<const char*>(payload), payload_bytes);
+    if (tail_bytes != 0) bytes_.append(static_cast<const char*>(tail), tail_bytes);
+    bytes_.resize(at + bytes, '\0');
+    return *this;
+  }
+
+  TraceBuilder& comm(const CommRecord& r) { return typed(RecordType::Comm, r); }
+  TraceBuilder& call(const CallRecord& r) { return typed(RecordType::Call, r); }
+  TraceBuilder& comm_end(const CommEndRecord& r) { return typed(RecordType::CommEnd, r); }
+  TraceBuilder& step(const StepRecord& r) { return typed(RecordType::Step, r); }
+  TraceBuilder& dropped(uint64_t records) {
+    return typed(RecordType::Dropped, DroppedRecord{records});
+  }
+  TraceBuilder& callsite(uint64_t key, std::span<const Frame> frames) {
+    const CallsiteRecord r{key, static_cast<uint32_t>(frames.size()), 0};
+    return record(static_cast<uint16_t>(RecordType::Callsite), &r, sizeof(r), frames.data(),
+                  frames.size_bytes());
+  }
+  TraceBuilder& module(uint64_t key, std::string_view name) {
+    const ModuleRecord r{key, static_cast<uint32_t>(name.size()), 0};
+    return record(static_cast<uint16_t>(RecordType::Module), &r, sizeof(r), name.data(),
+                  name.size());
+  }
+  // Bytes appended as they are: for damaged files.
+  TraceBuilder& raw(std::string_view bytes) {
+    bytes_.append(bytes);
+    return *this;
+  }
+
+  const std::string& bytes() const { return bytes_; }
+  std::string& mutable_bytes() { return bytes_; }
+
+  void write(const std::string& path) const {
+    FILE* f = std::fopen(path.c_str(), "wb");
+    if (f == nullptr) throw std::runtime_error("cannot create " + path);
+    const bool ok = std::fwrite(bytes_.data(), 1, bytes_.size(), f) == bytes_.size();
+    if (std::fclose(f) != 0 || !ok) throw std::runtime_error("cannot write " + path);
+  }
+
+ private:
+  template <class T>
+  TraceBuilder& typed(RecordType type, const T& r) {
+    return record(static_cast<uint16_t>(type), &r, sizeof(r));
+  }
+
+  std::string bytes_;
+};
+
+}  // namespace magi::trace::testing

@@ -1,0 +1,366 @@
+// magice-trace run as a program on trace files built byte by byte, as a user would run it.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <nccl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/support/trace_builder.h"
+
+namespace magi::trace {
+namespace {
+
+using testing::CallSpec;
+using testing::make_call;
+using testing::make_comm;
+using testing::make_file_header;
+using testing::TraceBuilder;
+
+constexpr uint64_t kWorld = 0x3f2a0c1d9e7b0001ull;
+constexpr uint64_t kHalf = 0x7c00ffee12340002ull;
+constexpr auto kTimeout = std::chrono::seconds(60);
+
+struct ToolRun {
+  int status = -1;  // exit status; -1 if killed or timed out
+  std::string out;
+  std::string err;
+};
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Runs a program with its output in files, killed if it outlives kTimeout: a hang fails the test.
+ToolRun run_program(const std::vector<std::string>& argv, const std::string& scratch) {
+  const std::string out_path = scratch + "/stdout", err_path = scratch + "/stderr";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int out = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    const int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (out < 0 || err < 0) _exit(126);
+    dup2(out, 1);
+    dup2(err, 2);
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execvp(args[0], args.data());
+    _exit(127);
+  }
+  ToolRun run;
+  if (pid < 0) return run;
+  const auto deadline = std::chrono::steady_clock::now() + kTimeout;
+  int status = 0;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      ADD_FAILURE() << argv[0] << " did not finish within " << kTimeout.count() << " s";
+      return run;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  if (WIFEXITED(status)) run.status = WEXITSTATUS(status);
+  run.out = slurp(out_path);
+  run.err = slurp(err_path);
+  return run;
+}
+
+std::string tool_path() {
+  const char* dir = std::getenv("MAGI_BUILD_DIR");
+  return std::string(dir != nullptr && *dir != '\0' ? dir : "build") + "/magice-trace";
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// A training-like collective sequence: one setup broadcast, then `steps` repeats of a step of
+// all-gathers and a reduce-scatter, each issued from its own call site.
+std::vector<CallSpec> periodic_sequence(int steps) {
+  std::vector<CallSpec> calls = {{Op::Broadcast, 7, 4096, 0, -1, 0xb0000001'00000000ull}};
+  for (int s = 0; s < steps; ++s) {
+    calls.push_back({Op::AllGather, 9, 1 << 20, -1, -1, 0xa0000001'00000000ull});
+    calls.push_back({Op::AllGather, 9, 1 << 18, -1, -1, 0xa0000002'00000000ull});
+    calls.push_back({Op::ReduceScatter, 7, 1 << 16, -1, ncclSum, 0xc0000003'00000000ull});
+  }
+  return calls;
+}
+
+class MagiceTrace : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char pattern[] = "/tmp/magice-trace-test.XXXXXX";
+    ASSERT_NE(mkdtemp(pattern), nullptr);
+    dir_ = pattern;
+    ASSERT_EQ(access(tool_path().c_str(), X_OK), 0)
+        << tool_path() << " is not built (set MAGI_BUILD_DIR to the build directory)";
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  ToolRun tool(std::vector<std::string> args) {
+    args.insert(args.begin(), tool_path());
+    return run_program(args, dir_);
+  }
+
+  // One rank's file: its world communicator and the given collectives, with a Send/Recv to
+  // its neighbour in between that the other ranks do not mirror.
+  std::string write_rank(int rank, int nranks, const std::vector<CallSpec>& calls,
+                         uint64_t start_ns = 5'000'000'000ull) {
+    TraceBuilder b(make_file_header(1000 + rank, "node" + std::to_string(rank / 2), "train",
+                                    start_ns, 1'700'000'000'000'000'000ull + rank * 1000));
+    b.comm(make_comm(kWorld, rank, nranks, CommOrigin::InitRank, 0, start_ns + 10));
+    uint64_t seq = 0, time = start_ns + 1000;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      if (i == 2) {
+        const CallSpec p2p{rank % 2 == 0 ? Op::Send : Op::Recv, 7, 64, (rank + 1) % nranks};
+        b.call(make_call(kWorld, rank, seq++, p2p, time += 500));
+      }
+      b.call(make_call(kWorld, rank, seq++, calls[i], time += 1000, 700));
+    }
+    const std::string path = dir_ + "/rank" + std::to_string(rank) + ".trace";
+    b.write(path);
+    return path;
+  }
+
+  std::vector<std::string> write_ranks(int nranks, const std::vector<CallSpec>& calls) {
+    std::vector<std::string> paths;
+    for (int r = 0; r < nranks; ++r) paths.push_back(write_rank(r, nranks, calls));
+    return paths;
+  }
+
+  std::string dir_;
+};
+
+std::vector<std::string> with(std::vector<std::string> head, const std::vector<std::string>& tail) {
+  head.insert(head.end(), tail.begin(), tail.end());
+  return head;
+}
+
+TEST_F(MagiceTrace, HelpListsEveryVerb) {
+  const ToolRun run = tool({"--help"});
+  EXPECT_EQ(run.status, 0);
+  for (const char* verb : {"dump", "skeleton", "diff", "export"}) {
+    EXPECT_TRUE(contains(run.out, verb)) << verb;
+    const ToolRun help = tool({verb, "--help"});
+    EXPECT_EQ(help.status, 0) << verb;
+    EXPECT_TRUE(contains(help.out, std::string("magice-trace ") + verb)) << help.out;
+  }
+}
+
+TEST_F(MagiceTrace, UnknownVerbOrOptionPrintsUsageAndExitsTwo) {
+  const ToolRun verb = tool({"frobnicate"});
+  EXPECT_EQ(verb.status, 2);
+  EXPECT_TRUE(contains(verb.err, "usage:")) << verb.err;
+  EXPECT_TRUE(verb.out.empty());
+
+  const std::string file = write_rank(0, 1, periodic_sequence(2));
+  const ToolRun option = tool({"diff", "--no-such-option", file});
+  EXPECT_EQ(option.status, 2);
+  EXPECT_TRUE(contains(option.err, "--no-such-option")) << option.err;
+  EXPECT_TRUE(contains(option.err, "usage: magice-trace diff")) << option.err;
+
+  EXPECT_EQ(tool({"skeleton", "--max-step", "1", file}).status, 2) << "below the option's range";
+  EXPECT_EQ(tool({"export", "--chrome", file}).status, 2) << "no -o";
+  EXPECT_EQ(tool({"dump"}).status, 2) << "no file";
+}
+
+TEST_F(MagiceTrace, DiffOfIdenticalRanksExitsZero) {
+  const auto files = write_ranks(4, periodic_sequence(20));
+  const ToolRun run = tool(with({"diff"}, files));
+  EXPECT_EQ(run.status, 0) << run.out << run.err;
+  EXPECT_TRUE(contains(run.out, "comm 3f2a0c1d9e7b: 4 ranks, 61 collectives each, identical"))
+      << run.out;
+}
+
+TEST_F(MagiceTrace, DiffNamesTheFirstCollectiveWhoseShapeDiffers) {
+  constexpr size_t kDivergent = 57;
+  auto files = write_ranks(4, periodic_sequence(30));
+  std::vector<CallSpec> changed = periodic_sequence(30);
+  changed[kDivergent].count += 1;  // one rank gathers a differently sized shard
+  changed[kDivergent + 5].count += 1;
+  files[2] = write_rank(2, 4, changed);
+
+  const ToolRun run = tool(with({"diff"}, files));
+  EXPECT_EQ(run.status, 1) << run.out << run.err;
+  EXPECT_TRUE(contains(run.out, "diverges at collective #" + std::to_string(kDivergent)))
+      << run.out;
+  // The divergent row is marked, with three calls of context before it; the agreeing ranks
+  // share one block and the odd one is singled out.
+  EXPECT_TRUE(contains(run.out, "> #" + std::to_string(kDivergent))) << run.out;
+  EXPECT_TRUE(contains(run.out, "  ranks 0, 1, 3\n")) << run.out;
+  EXPECT_TRUE(contains(run.out, "  rank 2 (" + files[2] + ")\n")) << run.out;
+  EXPECT_TRUE(contains(run.out, "<-- differs")) << run.out;
+  EXPECT_TRUE(contains(run.out, "  #" + std::to_string(kDivergent - 3))) << run.out;
+  EXPECT_TRUE(contains(run.out, std::to_string(changed[kDivergent].count))) << run.out;
+}
+
+TEST_F(MagiceTrace, DiffReportsCallSitesThatDifferWhenShapesAgree) {
+  constexpr size_t kMoved = 12;
+  auto files = write_ranks(2, periodic_sequence(10));
+  std::vector<CallSpec> moved = periodic_sequence(10);
+  for (size_t i = kMoved; i < moved.size(); ++i) moved[i].callsite ^= 0x0101010100000000ull;
+  files[1] = write_rank(1, 2, moved);
+
+  const ToolRun run = tool(with({"diff"}, files));
+  EXPECT_EQ(run.status, 1) << run.out << run.err;
+  EXPECT_TRUE(contains(run.out, "call sites differ from #" + std::to_string(kMoved))) << run.out;
+  EXPECT_FALSE(contains(run.out, "diverges")) << run.out;
+
+  const ToolRun shapes = tool(with({"diff", "--shapes-only"}, files));
+  EXPECT_EQ(shapes.status, 0) << shapes.out;
+  EXPECT_TRUE(contains(shapes.out, "identical")) << shapes.out;
+}
+
+TEST_F(MagiceTrace, DiffReportsARankThatStoppedEarly) {
+  auto files = write_ranks(3, periodic_sequence(10));
+  std::vector<CallSpec> shorter = periodic_sequence(10);
+  shorter.resize(shorter.size() - 4);
+  files[1] = write_rank(1, 3, shorter);
+
+  const ToolRun run = tool(with({"diff"}, files));
+  EXPECT_EQ(run.status, 1) << run.out << run.err;
+  EXPECT_TRUE(contains(run.out, "diverges at collective #" + std::to_string(shorter.size())))
+      << run.out;
+  EXPECT_TRUE(contains(run.out, "(no call)")) << run.out;
+}
+
+TEST_F(MagiceTrace, DiffReportsACommunicatorMissingFromARank) {
+  auto files = write_ranks(2, periodic_sequence(3));
+  // Rank 0 also created a 2-rank communicator that rank 1 never joined.
+  TraceBuilder b(make_file_header(1000, "node0", "train"));
+  b.comm(make_comm(kWorld, 0, 2));
+  for (uint64_t seq = 0; seq < 10; ++seq) {
+    b.call(make_call(kWorld, 0, seq, periodic_sequence(3)[seq]));
+  }
+  b.comm(make_comm(kHalf, 0, 2, CommOrigin::Split, kWorld));
+  b.call(make_call(kHalf, 0, 0, CallSpec{}));
+  b.write(files[0]);
+
+  const ToolRun run = tool(with({"diff"}, files));
+  EXPECT_EQ(run.status, 1) << run.out << run.err;
+  EXPECT_TRUE(contains(run.out, "comm 3f2a0c1d9e7b: 2 ranks, 10 collectives each, identical"))
+      << run.out;
+  EXPECT_TRUE(contains(run.out, "comm 7c00ffee1234: 1 of 2 ranks (no file has rank 1)")) << run.out;
+}
+
+TEST_F(MagiceTrace, SkeletonFindsThePrologueAndTheRepeatingStep) {
+  const std::string file = write_rank(1, 4, periodic_sequence(12));
+  const ToolRun run = tool({"skeleton", file});
+  EXPECT_EQ(run.status, 0) << run.err;
+  EXPECT_TRUE(contains(run.out,
+                       "comm 3f2a0c1d9e7b rank 1/4: prologue 1 call; "
+                       "step of 3 calls × 12 repeats (calls 1–36)"))
+      << run.out;
+  // The step's calls, one per line.
+  EXPECT_TRUE(contains(run.out, "AllGather     bfloat16      1048576")) << run.out;
+  EXPECT_TRUE(contains(run.out, "ReduceScatter float32         65536  root -   redop sum"))
+      << run.out;
+}
+
+TEST_F(MagiceTrace, SkeletonHonoursMaxStep) {
+  const std::string file = write_rank(0, 2, periodic_sequence(12));
+  const ToolRun run = tool({"skeleton", "--max-step", "2", file});
+  EXPECT_EQ(run.status, 0) << run.err;
+  EXPECT_TRUE(contains(run.out, "no repeating step")) << run.out;
+}
+
+TEST_F(MagiceTrace, DumpListsEveryCallAndFiltersByCommunicator) {
+  TraceBuilder b(make_file_header(4242, "node9", "serve"));
+  b.comm(make_comm(kWorld, 0, 2)).comm(make_comm(kHalf, 0, 1, CommOrigin::Split, kWorld));
+  const Frame frames[] = {{0x1234'0000'0000'0000ull, 0x1a2b}, {0, 0}};
+  b.callsite(0xa0000001'00000000ull, frames)
+      .module(0x1234'0000'0000'0000ull, "/opt/lib/libtrain.so");
+  b.call(make_call(kWorld, 0, 0, {Op::AllGather, 9, 111, -1, -1, 0xa0000001'00000000ull}));
+  b.call(make_call(kHalf, 0, 0, {Op::AllReduce, 7, 222, -1, ncclMax, 0xa0000001'00000000ull}));
+  b.call(make_call(kWorld, 0, 1, {Op::Send, 7, 333, 1, -1, 0}));
+  b.comm_end({kWorld, 9000, 2, static_cast<uint8_t>(CommEndKind::Destroy), {}});
+  const std::string file = dir_ + "/dump.trace";
+  b.write(file);
+
+  const ToolRun all = tool({"dump", file});
+  EXPECT_EQ(all.status, 0) << all.err;
+  EXPECT_TRUE(contains(all.out, "host node9 pid 4242 program serve")) << all.out;
+  for (const char* count : {" 111 ", " 222 ", " 333 "}) {
+    EXPECT_TRUE(contains(all.out, count)) << count;
+  }
+  EXPECT_TRUE(contains(all.out, "Destroy")) << all.out;
+  EXPECT_TRUE(contains(all.out, "max")) << all.out;
+
+  const ToolRun half = tool({"dump", "--comm", "7c00", "--frames", file});
+  EXPECT_EQ(half.status, 0) << half.err;
+  EXPECT_TRUE(contains(half.out, " 222 ")) << half.out;
+  EXPECT_FALSE(contains(half.out, " 111 ")) << half.out;
+  EXPECT_FALSE(contains(half.out, " 333 ")) << half.out;
+  EXPECT_TRUE(contains(half.out, "libtrain.so+0x1a2b")) << half.out;
+}
+
+TEST_F(MagiceTrace, ExportWritesChromeJsonThatParses) {
+  auto files = write_ranks(2, periodic_sequence(4));
+  // A host name with quotes, a control character and bytes that are not UTF-8 must not break it.
+  TraceBuilder odd(make_file_header(7, "we\"ird\n\xff\xfe", "prog\\x"));
+  odd.comm(make_comm(kWorld, 1, 2)).call(make_call(kWorld, 1, 0, CallSpec{}, 5'000'002'000ull));
+  odd.step({kWorld, 0, 0, 0xd16e57, 2, 3, static_cast<uint8_t>(StepEvent::Found), {}});
+  odd.write(files[1]);
+  const std::string out = dir_ + "/trace.json";
+
+  const ToolRun run = tool(with({"export", "--chrome", "-o", out}, files));
+  ASSERT_EQ(run.status, 0) << run.err;
+  // 14 calls on rank 0 (13 collectives and a Send) and 1 in the odd file, each a complete
+  // event; the step an instant.
+  const std::string check =
+      "import json,sys\n"
+      "d=json.load(open(sys.argv[1]))\n"
+      "e=d['traceEvents']\n"
+      "x=[v for v in e if v['ph']=='X']\n"
+      "assert len(x)==15, len(x)\n"
+      "assert all(v['ts']>=0 and v['dur']>0 and 'seq' in v['args'] for v in x)\n"
+      "assert {v['pid'] for v in x}=={0,1}\n"
+      "names=[v['args']['name'] for v in e if v['name']=='process_name']\n"
+      "assert names[0]=='rank 0 (node0:1000)', names\n"
+      "assert any(v['ph']=='i' and v['name']=='step found' for v in e)\n";
+  if (access("/usr/bin/python3", X_OK) != 0) GTEST_SKIP() << "python3 is needed to check the JSON";
+  const ToolRun parsed = run_program({"python3", "-c", check, out}, dir_);
+  EXPECT_EQ(parsed.status, 0) << parsed.err << slurp(out).substr(0, 2000);
+}
+
+TEST_F(MagiceTrace, MalformedInputNamesFileAndOffsetAndExitsTwo) {
+  const auto files = write_ranks(2, periodic_sequence(3));
+  std::string bytes = slurp(files[1]);
+  const size_t cut = bytes.size() - 8;  // inside the last call record
+  bytes.resize(cut);
+  std::ofstream(files[1], std::ios::binary | std::ios::trunc) << bytes;
+  const size_t last_record = cut + 8 - (8 + sizeof(CallRecord));
+
+  const std::string out = dir_ + "/never.json";
+  for (const std::vector<std::string>& args :
+       {with({"dump"}, files), with({"skeleton"}, files), with({"diff"}, files),
+        with({"export", "--chrome", "-o", out}, files)}) {
+    SCOPED_TRACE(args[0]);
+    const ToolRun run = tool(args);
+    EXPECT_EQ(run.status, 2);
+    const std::string where = std::to_string(last_record);
+    EXPECT_TRUE(contains(run.err, "magice-trace: " + files[1] + ": offset " + where +
+                                      ": truncated record at offset " + where))
+        << run.err;
+  }
+  const ToolRun absent = tool({"diff", files[0], dir_ + "/absent.trace"});
+  EXPECT_EQ(absent.status, 2);
+  EXPECT_TRUE(contains(absent.err, dir_ + "/absent.trace")) << absent.err;
+}
+
+}  // namespace
+}  // namespace magi::trace

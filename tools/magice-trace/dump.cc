@@ -1,0 +1,183 @@
+// magice-trace dump: every record of each file, as tables.
+#include <cctype>
+#include <cinttypes>
+#include <cstdio>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "tools/magice-trace/cli.h"
+#include "tools/magice-trace/describe.h"
+#include "tools/magice-trace/members.h"
+#include "tools/magice-trace/verbs.h"
+
+namespace magi::tool {
+namespace {
+
+constexpr std::string_view kUsage =
+    "usage: magice-trace dump [--comm ID] [--frames] FILE...\n"
+    "  Prints each trace file as tables: its header, communicators, calls, step events, ends.\n"
+    "  --comm ID   only communicators whose hex id starts with ID\n"
+    "  --frames    also print each call site's frames once, as module+0xoffset\n";
+
+struct DumpOptions {
+  std::string comm_prefix;  // lower-case hex, no 0x
+  bool frames = false;
+  std::vector<std::string> files;
+};
+
+std::string normalized_prefix(std::string text) {
+  if (text.size() > 2 && text[0] == '0' && (text[1] == 'x' || text[1] == 'X')) text.erase(0, 2);
+  for (char& c : text) {
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (!std::isxdigit(static_cast<unsigned char>(c))) throw UsageError("--comm wants a hex id");
+  }
+  return text;
+}
+
+std::string flags_text(const trace::CallRecord& call) {
+  std::string text;
+  if (call.flags & trace::kCallInGroup) text += 'G';
+  if (call.flags & trace::kCallCapturing) text += 'C';
+  if (call.flags & trace::kCallCaptureUnknown) text += '?';
+  return text.empty() ? "-" : text;
+}
+
+class Dumper {
+ public:
+  Dumper(const trace::Trace& trace, const DumpOptions& options) : t_(trace), o_(options) {}
+
+  void print() {
+    const trace::FileHeader& h = t_.header;
+    std::printf("%s: host %s pid %" PRIu64 " program %s started %s\n", t_.path.c_str(), h.host,
+                h.pid, h.program, wall_clock_text(h.start_realtime_ns).c_str());
+    print_comms();
+    print_calls();
+    print_steps();
+    print_ends();
+    if (o_.frames) print_frames();
+    if (t_.dropped != 0) {
+      std::printf("dropped: %" PRIu64 " records lost while the writer was behind\n", t_.dropped);
+    }
+    if (t_.unknown_records != 0) {
+      std::printf("skipped: %" PRIu64 " records of types this tool does not know\n",
+                  t_.unknown_records);
+    }
+  }
+
+ private:
+  bool wanted(uint64_t comm_id) const {
+    return o_.comm_prefix.empty() || hex16(comm_id).starts_with(o_.comm_prefix);
+  }
+
+  void print_comms() const {
+    std::printf("communicators\n  %-12s  %-9s  %-16s  %-12s  %s\n", "id", "rank", "origin",
+                "parent", "device");
+    for (const trace::CommRecord& c : t_.comms) {
+      if (!wanted(c.comm_id)) continue;
+      const std::string rank = std::to_string(c.rank) + "/" + std::to_string(c.nranks);
+      std::printf("  %-12s  %-9s  %-16s  %-12s  %s\n", comm_label(c.comm_id).c_str(), rank.c_str(),
+                  std::string(trace::origin_name(static_cast<trace::CommOrigin>(c.origin))).c_str(),
+                  c.parent_id == 0 ? "-" : comm_label(c.parent_id).c_str(),
+                  c.cuda_device < 0 ? "-" : std::to_string(c.cuda_device).c_str());
+    }
+  }
+
+  void print_calls() {
+    std::printf("calls\n  %-12s  %8s  %-13s %-8s %12s  %-9s %-5s %5s  %-5s  %-8s  %s\n", "comm",
+                "seq", "op", "dtype", "count", "root/peer", "redop", "depth", "flags", "callsite",
+                "duration");
+    for (const trace::CallRecord& c : t_.calls) {
+      if (!wanted(c.comm_id)) continue;
+      if (c.callsite != 0) used_callsites_.insert(c.callsite);
+      std::printf("  %-12s  %8" PRIu64 "  %-13s %-8s %12" PRIu64 "  %-9s %-5s %5u  %-5s  %-8s  %s",
+                  comm_label(c.comm_id).c_str(), c.seq,
+                  std::string(trace::op_name(static_cast<trace::Op>(c.op))).c_str(),
+                  std::string(trace::dtype_name(c.dtype)).c_str(), c.count,
+                  root_text(c.root_or_peer).c_str(), redop_text(c.redop).c_str(),
+                  static_cast<unsigned>(c.group_depth), flags_text(c).c_str(),
+                  callsite_label(c.callsite).c_str(), duration_text(c.duration_ns).c_str());
+      if (c.result != 0) std::printf("  result %d", c.result);
+      std::putchar('\n');
+    }
+  }
+
+  void print_steps() const {
+    if (t_.steps.empty()) return;
+    std::printf("steps\n  %-12s  %-5s  %10s  %6s  %10s  %8s  %s\n", "comm", "event", "collective",
+                "period", "from", "repeats", "digest");
+    for (const trace::StepRecord& s : t_.steps) {
+      if (!wanted(s.comm_id)) continue;
+      const char* event = s.event == static_cast<uint8_t>(trace::StepEvent::Found)  ? "found"
+                          : s.event == static_cast<uint8_t>(trace::StepEvent::Lost) ? "lost"
+                                                                                    : "?";
+      std::printf("  %-12s  %-5s  %10" PRIu64 "  %6u  %10" PRIu64 "  %8" PRIu64 "  %s\n",
+                  comm_label(s.comm_id).c_str(), event, s.seq, s.period, s.origin, s.repeats,
+                  hex16(s.digest).c_str());
+    }
+  }
+
+  void print_ends() const {
+    if (t_.comm_ends.empty()) return;
+    std::printf("ends\n  %-12s  %-12s  %s\n", "comm", "how", "calls");
+    for (const trace::CommEndRecord& e : t_.comm_ends) {
+      if (!wanted(e.comm_id)) continue;
+      std::printf("  %-12s  %-12s  %" PRIu64 "\n", comm_label(e.comm_id).c_str(),
+                  std::string(trace::end_name(static_cast<trace::CommEndKind>(e.how))).c_str(),
+                  e.calls);
+    }
+  }
+
+  // Each call site once, in the order the calls first used it.
+  void print_frames() const {
+    std::printf("call sites\n");
+    std::unordered_set<uint64_t> printed;
+    for (const trace::CallRecord& c : t_.calls) {
+      if (c.callsite == 0 || !used_callsites_.contains(c.callsite) ||
+          !printed.insert(c.callsite).second) {
+        continue;
+      }
+      std::printf("  %s %s\n", callsite_label(c.callsite).c_str(), hex16(c.callsite).c_str());
+      const auto it = t_.callsites.find(c.callsite);
+      if (it == t_.callsites.end()) {
+        std::printf("      (no frames recorded)\n");
+        continue;
+      }
+      for (const trace::Frame& f : it->second.frames) {
+        std::printf("      %s\n", frame_text(t_, f).c_str());
+      }
+    }
+  }
+
+  const trace::Trace& t_;
+  const DumpOptions& o_;
+  std::unordered_set<uint64_t> used_callsites_;
+};
+
+}  // namespace
+
+int dump_main(std::span<const std::string> args) {
+  return run_verb(kUsage, args, [&] {
+    DumpOptions options;
+    ArgCursor cursor(args);
+    while (!cursor.done()) {
+      if (cursor.flag("--frames")) {
+        options.frames = true;
+      } else if (auto prefix = cursor.value("--comm")) {
+        options.comm_prefix = normalized_prefix(*prefix);
+      } else {
+        cursor.operand(options.files);
+      }
+    }
+    if (options.files.empty()) throw UsageError("dump needs at least one trace file");
+    // One file at a time: a dump of many large traces never holds more than one in memory.
+    for (size_t i = 0; i < options.files.size(); ++i) {
+      const trace::Trace t = trace::read_trace(options.files[i]);
+      if (i != 0) std::putchar('\n');
+      Dumper(t, options).print();
+    }
+    return 0;
+  });
+}
+
+}  // namespace magi::tool

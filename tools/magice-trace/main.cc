@@ -1,0 +1,62 @@
+// magice-trace: reads the trace files libmagice writes (MAGI_TRACE_DIR).
+#include <cstdio>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shim/options.h"
+#include "tools/magice-trace/cli.h"
+#include "tools/magice-trace/verbs.h"
+
+namespace {
+
+struct Verb {
+  std::string_view name;
+  std::string_view summary;
+  int (*run)(std::span<const std::string> args);
+};
+
+constexpr Verb kVerbs[] = {
+    {"dump", "every record of each file, as tables", magi::tool::dump_main},
+    {"skeleton", "each communicator's repeating step, found offline", magi::tool::skeleton_main},
+    {"diff", "where the ranks' collectives part (exit 1 if they do)", magi::tool::diff_main},
+    {"export", "Chrome trace-event JSON for Perfetto (--chrome)", magi::tool::export_main},
+};
+
+// The full help also lists the library's settings, from the one option table.
+void print_usage(std::FILE* to, bool with_settings) {
+  std::fprintf(to, "usage: magice-trace VERB [OPTIONS] FILE...\n\nverbs:\n");
+  for (const Verb& verb : kVerbs) {
+    std::fprintf(to, "  %-10.*s %.*s\n", static_cast<int>(verb.name.size()), verb.name.data(),
+                 static_cast<int>(verb.summary.size()), verb.summary.data());
+  }
+  std::fprintf(to, "\n'magice-trace VERB --help' describes a verb.\n");
+  if (!with_settings) return;
+  std::fprintf(to,
+               "Traces are written by libmagice.so when MAGI_TRACE_DIR is set. Its settings:\n");
+  for (const magi::OptionSpec& option : magi::option_table()) {
+    std::fprintf(to, "  %-22s default %-6s %s\n", option.name,
+                 *option.default_text ? option.default_text : "\"\"", option.doc);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty()) {
+    print_usage(stderr, false);
+    return magi::tool::kExitUsage;
+  }
+  if (args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    print_usage(stdout, true);
+    return 0;
+  }
+  for (const Verb& verb : kVerbs) {
+    if (args[0] == verb.name) return verb.run(std::span(args).subspan(1));
+  }
+  std::fprintf(stderr, "magice-trace: unknown verb '%s'\n", args[0].c_str());
+  print_usage(stderr, false);
+  return magi::tool::kExitUsage;
+}

@@ -1,0 +1,88 @@
+#include "tools/magice-trace/members.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <utility>
+
+namespace magi::tool {
+
+std::vector<Member> members_of(const trace::Trace& trace) {
+  std::vector<Member> members;
+  std::map<std::pair<uint64_t, int32_t>, size_t> index;  // (comm_id, rank) -> members
+  for (const trace::CommRecord& comm : trace.comms) {
+    const auto [it, inserted] = index.try_emplace({comm.comm_id, comm.rank}, members.size());
+    if (!inserted) continue;  // joined twice under one rank: keep the first
+    Member& m = members.emplace_back();
+    m.comm_id = comm.comm_id;
+    m.rank = comm.rank;
+    m.nranks = comm.nranks;
+    m.comm = &comm;
+  }
+  // Consecutive calls are mostly on one communicator: remember the last lookup.
+  std::pair<uint64_t, int32_t> last_key{};
+  size_t last_member = SIZE_MAX;
+  for (const trace::CallRecord& call : trace.calls) {
+    const std::pair<uint64_t, int32_t> key{call.comm_id, call.rank};
+    if (last_member == SIZE_MAX || key != last_key) {
+      auto it = index.find(key);
+      if (it == index.end()) {
+        // A call on a communicator whose Comm record is missing (dropped, say): its own member.
+        it = index.try_emplace(key, members.size()).first;
+        Member& m = members.emplace_back();
+        m.comm_id = call.comm_id;
+        m.rank = call.rank;
+      }
+      last_key = key;
+      last_member = it->second;
+    }
+    members[last_member].calls.push_back(&call);
+  }
+  // CommEnd records carry no rank: several ranks of one communicator in a file (InitAll) end in
+  // turn, so each end goes to the first of them still open.
+  for (const trace::CommEndRecord& end : trace.comm_ends) {
+    for (Member& m : members) {
+      if (m.comm_id == end.comm_id && m.end == nullptr) {
+        m.end = &end;
+        break;
+      }
+    }
+  }
+  for (Member& m : members) {
+    // Calls are written in completion order, which threads may interleave; seq is the truth.
+    const auto by_seq = [](const trace::CallRecord* a, const trace::CallRecord* b) {
+      return a->seq < b->seq;
+    };
+    if (!std::is_sorted(m.calls.begin(), m.calls.end(), by_seq)) {
+      std::stable_sort(m.calls.begin(), m.calls.end(), by_seq);
+    }
+    m.collectives.reserve(m.calls.size());
+    for (const trace::CallRecord* call : m.calls) {
+      if (trace::is_collective(static_cast<trace::Op>(call->op))) m.collectives.push_back(call);
+    }
+  }
+  return members;
+}
+
+std::vector<trace::Trace> load_traces(const std::vector<std::string>& paths) {
+  std::vector<trace::Trace> traces;
+  traces.reserve(paths.size());
+  for (const std::string& path : paths) traces.push_back(trace::read_trace(path));
+  return traces;
+}
+
+std::string comm_label(uint64_t comm_id) {
+  char text[16];
+  std::snprintf(text, sizeof(text), "%012" PRIx64, comm_id >> 16);
+  return text;
+}
+
+std::string hex16(uint64_t value) {
+  char text[20];
+  std::snprintf(text, sizeof(text), "%016" PRIx64, value);
+  return text;
+}
+
+}  // namespace magi::tool

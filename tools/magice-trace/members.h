@@ -1,0 +1,36 @@
+// A trace seen per communicator member: one (communicator, rank) pair and its calls in seq
+// order. Usually one member per communicator per file; ncclCommInitAll puts several ranks of
+// one communicator in the same file, told apart by each call's rank.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "capture/trace_reader.h"
+
+namespace magi::tool {
+
+struct Member {
+  uint64_t comm_id = 0;
+  int32_t rank = -1;  // -1: the trace has no Comm record for it
+  int32_t nranks = -1;
+  const trace::CommRecord* comm = nullptr;
+  const trace::CommEndRecord* end = nullptr;
+  std::vector<const trace::CallRecord*> calls;        // every call, by seq
+  std::vector<const trace::CallRecord*> collectives;  // Send/Recv left out, by seq
+};
+
+// Members in the order their communicators were created (calls of unknown communicators last).
+// Pointers point into `trace`, which must outlive the result.
+std::vector<Member> members_of(const trace::Trace& trace);
+
+// Loads every file; the first unreadable or malformed one raises TraceFormatError.
+std::vector<trace::Trace> load_traces(const std::vector<std::string>& paths);
+
+// 12 hex digits: the leading 48 bits of the id, as `--comm` prefixes match it.
+std::string comm_label(uint64_t comm_id);
+// Full 16-digit hex, for prefix matching and digests.
+std::string hex16(uint64_t value);
+
+}  // namespace magi::tool
