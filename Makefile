@@ -43,7 +43,8 @@ WORKLOAD  := $(SUPPORT)/magi-workload
 EXTLIB    := $(SUPPORT)/libworkload_ext.so
 DEMO      := $(BUILD)/magice-demo
 
-TEST_SRCS := $(wildcard tests/shim/*.cc tests/capture/*.cc tests/tools/*.cc tests/integration/*.cc tests/*.cc)
+TEST_SRCS := $(filter-out tests/capture/callsite_probe_lib.cc,\
+               $(wildcard tests/shim/*.cc tests/capture/*.cc tests/tools/*.cc tests/integration/*.cc tests/*.cc))
 TEST_OBJS := $(TEST_SRCS:%.cc=$(BUILD)/obj/%.o)
 TESTS     := $(BUILD)/tests/magice-tests
 BENCH     := $(BUILD)/magice-bench
@@ -133,7 +134,12 @@ $(PROBE): $(BUILD)/obj/tests/support/probe_main.o
 $(PARTIAL): $(BUILD)/obj/tests/support/partial_nccl.o
 	@mkdir -p $(dir $@)
 	$(CXX) -shared -o $@ $^
-TEST_BINS := $(SUPPORT_BINS) $(PROBE) $(PARTIAL)
+# A library the call-site tests dlopen, unload and load again (tests/capture/callsite_test.cc).
+CALLSITE_PROBE := $(SUPPORT)/libcallsite_probe.so
+$(CALLSITE_PROBE): $(BUILD)/obj/tests/capture/callsite_probe_lib.o
+	@mkdir -p $(dir $@)
+	$(CXX) -shared -o $@ $^
+TEST_BINS := $(SUPPORT_BINS) $(PROBE) $(PARTIAL) $(CALLSITE_PROBE)
 
 # Unit tests link the library's objects directly (all but the exported entry points);
 # integration tests run real processes under LD_PRELOAD.

@@ -12,8 +12,9 @@ echo "== 1. the program, $ranks ranks, under LD_PRELOAD=$build/libmagice.so (MAG
   -- "$build/magice-demo"
 
 echo
-echo "== 2. the repeating step each rank's communicator settled into (magice-trace skeleton)"
-"$build/magice-trace" skeleton "$traces"/*.trace | head -40
+first=$(ls "$traces"/*.trace | head -1)
+echo "== 2. the repeating step rank 0's communicator settled into (magice-trace skeleton $(basename "$first"))"
+"$build/magice-trace" skeleton "$first"
 
 echo
 echo "== 3. do the ranks issue the same collectives from the same call sites? (magice-trace diff)"
