@@ -14,6 +14,13 @@ CXX       ?= g++
 CXXSTD    := -std=c++20
 WARNINGS  := -Wall -Wextra -Wshadow -Wnon-virtual-dtor -Wformat=2 -Werror
 OPT       ?= -O2 -g
+# SANITIZE=address,undefined or SANITIZE=thread instruments the whole build (test-asan and
+# test-tsan below set it, each with a BUILD of its own). The link rules take no LDFLAGS, so the
+# flags ride on the compiler command: every compile and every link gets them alike.
+ifneq ($(SANITIZE),)
+  OPT     := -O1 -g
+  CXX     := $(CXX) -fsanitize=$(SANITIZE) -fno-omit-frame-pointer -fno-sanitize-recover=all
+endif
 INCLUDES  := -I. -isystem $(CUDA_HOME)/include -isystem /usr/include/x86_64-linux-gnu
 CXXFLAGS  += $(CXXSTD) $(OPT) $(WARNINGS) $(INCLUDES) -fPIC -pthread -MMD -MP
 
@@ -151,6 +158,9 @@ $(TESTS): $(TEST_OBJS) $(filter-out $(BUILD)/obj/shim/exports.o,$(LIB_OBJS)) \
 # ---- user-facing targets ------------------------------------------------------------------
 test: all $(TEST_BINS) $(TESTS)
 	MAGI_BUILD_DIR=$(abspath $(BUILD)) $(TESTS)
+	$(MAKE) --no-print-directory test-asan
+	$(MAKE) --no-print-directory test-tsan
+	$(MAKE) --no-print-directory test-fuzz
 
 demo: all $(SUPPORT_BINS)
 	@tools/demo/run-demo.sh $(BUILD)
@@ -170,7 +180,92 @@ install: all
 	install -m 0755 $(LIB) $(DESTDIR)$(PREFIX)/lib/libmagice.so
 	install -m 0755 $(TOOL) $(DESTDIR)$(PREFIX)/bin/magice-trace
 
+# ---- sanitizers and fuzzing ---------------------------------------------------------------
+# test-asan and test-tsan build everything again, instrumented, in a BUILD of their own and run
+# the suite there (TSan: the parts that run threads, TSAN_TESTS). Every process of the run, the
+# ranks and tools the tests start included, writes its reports under sanitizer-reports/ rather
+# than to stderr, so a report from a process whose exit status no test looks at still fails.
+# The shim under test is the instrumented one; the sanitizer runtime is preloaded before it
+# (TEST_PRELOAD_FIRST, read by tests/integration/shim_test.cc), as the runtime must come first.
+.PHONY: test-asan test-tsan test-fuzz fuzz fuzz-corpus run-sanitized
+test-asan:
+	@$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=address,undefined run-sanitized
+test-tsan:
+	@$(MAKE) --no-print-directory BUILD=$(BUILD)/tsan SANITIZE=thread run-sanitized \
+	  SANITIZED_TESTS='$(TSAN_TESTS)'
+
+# libunwind crashes under TSan when a thread that unwound exits, so the TSan run leaves call
+# sites off (MAGI_CALLSITES=0) and skips the tests that need them.
+TSAN_TESTS := -Traces.EveryRankRecordsTheSameCommunicatorAndTheSameCallsites:TraceTool.DiffReportsAnInjectedCallsiteDivergence*:Callsite.*
+
+REPORTS := $(abspath $(BUILD))/sanitizer-reports
+SANITIZED_TESTS ?= *
+ifeq ($(SANITIZE),thread)
+  SANITIZER_RUNTIME = $(shell $(CXX) -print-file-name=libtsan.so)
+  SANITIZER_ENV = TSAN_OPTIONS="log_path=$(REPORTS)/tsan second_deadlock_stack=1" MAGI_CALLSITES=0
+else
+  SANITIZER_RUNTIME = $(shell $(CXX) -print-file-name=libasan.so)
+  SANITIZER_ENV = ASAN_OPTIONS="log_path=$(REPORTS)/asan detect_leaks=1 check_initialization_order=1 detect_stack_use_after_return=1" \
+                  UBSAN_OPTIONS="log_path=$(REPORTS)/ubsan print_stacktrace=1 halt_on_error=1"
+endif
+
+run-sanitized: all $(TEST_BINS) $(TESTS)
+	@rm -rf $(REPORTS) && mkdir -p $(REPORTS)
+	@echo "$(TESTS) under -fsanitize=$(SANITIZE)"
+	@MAGI_BUILD_DIR=$(abspath $(BUILD)) TEST_PRELOAD_FIRST=$(SANITIZER_RUNTIME) $(SANITIZER_ENV) \
+	  $(TESTS) '--gtest_filter=$(SANITIZED_TESTS)'; status=$$?; \
+	 if [ -n "$$(ls -A $(REPORTS))" ]; then \
+	   cat $(REPORTS)/*; echo "sanitizer reports: $(REPORTS)"; exit 1; \
+	 fi; exit $$status
+
+# libFuzzer targets (tests/fuzz/), built with clang: `make fuzz` runs each for FUZZ_SECONDS;
+# `make test` runs each for FUZZ_TEST_SECONDS. Seeds are read from tests/fuzz/corpus/<target>;
+# what the fuzzer finds goes to $(BUILD)/fuzz/corpus/<target>, a crashing input to
+# $(BUILD)/fuzz/crashes/ (replay: $(BUILD)/fuzz/fuzz_<target> <file>).
+FUZZ_CXX          ?= clang++
+FUZZ_SECONDS      ?= 300
+FUZZ_TEST_SECONDS ?= 20
+FUZZ_BUILD        := $(BUILD)/fuzz
+FUZZ_SANITIZERS   := address,undefined
+FUZZ_CXXFLAGS     := $(CXXSTD) -O1 -g $(WARNINGS) $(INCLUDES) -fno-omit-frame-pointer \
+                     -fno-sanitize-recover=all -fsanitize=fuzzer-no-link,$(FUZZ_SANITIZERS)
+FUZZ_TARGETS      := trace_reader options
+FUZZERS           := $(FUZZ_TARGETS:%=$(FUZZ_BUILD)/fuzz_%)
+
+$(FUZZ_BUILD)/obj/%.o: %.cc
+	@mkdir -p $(dir $@)
+	@command -v $(FUZZ_CXX) >/dev/null || { echo "fuzzing needs $(FUZZ_CXX) (apt-get install clang)"; exit 1; }
+	$(FUZZ_CXX) $(FUZZ_CXXFLAGS) -MMD -MP -c $< -o $@
+
+$(FUZZ_BUILD)/fuzz_trace_reader: $(addprefix $(FUZZ_BUILD)/obj/,tests/fuzz/trace_reader_fuzz.o \
+                                   capture/trace_reader.o)
+$(FUZZ_BUILD)/fuzz_options: $(addprefix $(FUZZ_BUILD)/obj/,tests/fuzz/options_fuzz.o \
+                              shim/options.o shim/log.o)
+$(FUZZERS):
+	$(FUZZ_CXX) -fsanitize=fuzzer,$(FUZZ_SANITIZERS) -o $@ $^ -pthread
+
+fuzz: $(FUZZERS)
+	@for target in $(FUZZ_TARGETS); do \
+	   mkdir -p $(FUZZ_BUILD)/corpus/$$target $(FUZZ_BUILD)/crashes && \
+	   echo "fuzzing $$target for $(FUZZ_SECONDS) s" && \
+	   $(FUZZ_BUILD)/fuzz_$$target -max_total_time=$(FUZZ_SECONDS) -timeout=10 -print_final_stats=1 \
+	     -artifact_prefix=$(FUZZ_BUILD)/crashes/$$target- \
+	     $(FUZZ_BUILD)/corpus/$$target tests/fuzz/corpus/$$target 2>$(FUZZ_BUILD)/$$target.log; \
+	   status=$$?; grep -aE "^(#[0-9]+[[:space:]]+DONE|stat::|==[0-9]+==ERROR|SUMMARY)" $(FUZZ_BUILD)/$$target.log; \
+	   [ $$status = 0 ] || { tail -n 60 $(FUZZ_BUILD)/$$target.log; exit 1; }; \
+	 done
+
+test-fuzz:
+	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(FUZZ_TEST_SECONDS)
+
+# Rewrites the trace seeds from tests/fuzz/make_corpus.cc (tests/support/trace_builder.h).
+fuzz-corpus: $(FUZZ_BUILD)/make_corpus
+	$(FUZZ_BUILD)/make_corpus tests/fuzz/corpus/trace_reader
+$(FUZZ_BUILD)/make_corpus: tests/fuzz/make_corpus.cc tests/support/trace_builder.h capture/trace_format.h
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXSTD) $(OPT) $(WARNINGS) $(INCLUDES) -o $@ $<
+
 clean:
 	rm -rf $(BUILD)
 
--include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
+-include $(shell find $(BUILD)/obj $(FUZZ_BUILD)/obj -name '*.d' 2>/dev/null)

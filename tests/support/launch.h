@@ -1,0 +1,49 @@
+// Starts N ranks of a program the way a multi-process NCCL job runs, on one machine:
+// each rank gets STANDIN_RANK, STANDIN_NRANKS and STANDIN_ID_FILE (a fresh temporary directory
+// per launch; see bootstrap.h), the extra variables of the spec, and the rest of the caller's
+// environment. Each rank leads its own process group, so a timeout kills everything it started.
+//
+// Each launch also sets STANDIN_SHM_TAG (unless given) so the segments of a killed run can be
+// found and removed: nothing is left in /dev/shm even then.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace magi::support {
+
+struct LaunchSpec {
+  int nranks = 1;
+  std::vector<std::string> argv;  // argv[0] is looked up in PATH unless it has a '/'
+  std::vector<std::pair<std::string, std::string>> env;
+  double timeout_s = 60;        // <= 0: no limit
+  bool capture_output = false;  // else the ranks share the caller's stdout and stderr
+};
+
+struct RankResult {
+  int exit_code = -1;  // -1 when killed by a signal
+  int signal = 0;
+  std::string stdout_text, stderr_text;
+};
+
+struct LaunchResult {
+  bool timed_out = false;
+  std::vector<RankResult> ranks;
+  double wall_s = 0;
+  std::string shm_tag;  // the STANDIN_SHM_TAG the ranks ran with ("" if the caller chose one)
+  bool all_ok() const;
+  // One line: "4 ranks exited 0 in 0.31 s", "timed out after 5.0 s; killed ranks 0,1", …
+  std::string summary() const;
+};
+
+// Throws std::runtime_error when it cannot start the ranks (fork, temporary directory).
+LaunchResult launch(const LaunchSpec& spec);
+
+}  // namespace magi::support
+
+// Tests and the launcher use these unqualified.
+using magi::support::launch;
+using magi::support::LaunchResult;
+using magi::support::LaunchSpec;
+using magi::support::RankResult;

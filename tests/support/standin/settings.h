@@ -1,0 +1,26 @@
+// The stand-in's knobs, read once from the environment:
+//   STANDIN_MISMATCH   block (default): ranks that disagree on a collective hang, as in NCCL;
+//                      error: the call fails with ncclInvalidUsage on every rank instead
+//   STANDIN_TIMEOUT_S  give up (ncclSystemError) after this many seconds without progress;
+//                      0 (default): wait forever
+//   STANDIN_SLOT_KIB   per-rank staging slot (default 4096); larger buffers move in chunks
+//   STANDIN_SHM_TAG    put this in segment names, so a launcher can find what a killed run left
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace standin {
+
+enum class MismatchPolicy { Block, Error };
+
+struct Settings {
+  MismatchPolicy mismatch = MismatchPolicy::Block;
+  double timeout_s = 0;  // 0: wait forever
+  size_t slot_bytes = size_t{4096} * 1024;
+  std::string shm_tag;
+
+  static const Settings& get();
+};
+
+}  // namespace standin
