@@ -1,16 +1,20 @@
 // The step detector (capture/skeleton.h).
 //
-// Searching: a candidate period comes from the distance to the current key's most recent
-// occurrence; the run counts consecutive keys equal to the key one candidate back. A run of p
-// (counting the key that gave the candidate) means the last 2p keys are p-periodic: found.
-// Found: each key is checked against the step; the first mismatch loses it and searching starts
-// again from that key, whose previous occurrence gives the next candidate at once.
+// Searching: the candidate period is the distance from the current context (the last
+// kContextKeys keys) back to where it last ended, checked key by key, so the run starts with the
+// kContextKeys keys that match; each later key equal to the key one candidate back extends the
+// run. A run of p means the last 2p keys are p-periodic: found. Found: each key is checked against
+// the step; the first mismatch loses it and searching starts again from that key, whose context
+// gives the next candidate at once. Contexts are recorded at every key, found or not, so the
+// table always holds their latest ends.
 //
-// Cost: push() is O(1) while searching or found. Detection adds O(p) for the period reduction
-// and the step copy, paid for by the p keys the run needed, and a backward scan for the origin.
-// That scan enters an earlier detection's region only as far as the two periods agree, which is
-// less than their sum (Fine and Wilf) or, when one divides the other, stops within a period of
-// where that detection was lost; so each key is scanned about once and memory stays fixed.
+// Cost: push() is O(1) while searching or found: one hash of the context, one cache line of the
+// table, and a check of kContextKeys keys when a candidate is taken. Detection adds O(p) for the
+// period reduction and the step copy, paid for by the p keys the run needed, and a backward scan
+// for the origin. That scan enters an earlier detection's region only as far as the two periods
+// agree, which is less than their sum (Fine and Wilf) or, when one divides the other, stops
+// within a period of where that detection was lost; so each key is scanned about once and memory
+// stays fixed.
 #include "capture/skeleton.h"
 
 #include <algorithm>
@@ -22,34 +26,62 @@
 namespace magi::capture {
 namespace {
 
-// Enough slots that the distinct shapes of a real step rarely evict each other; a longer step
-// of all-distinct keys still finds its period from the keys whose slots survive (a power of 2).
-constexpr uint32_t kLastSeenSlots = 4096;
+// Enough sets that the distinct contexts of a real step rarely evict each other; a longer step
+// of all-distinct contexts still finds its period from the contexts that survive (a power of 2).
+constexpr uint32_t kLastSeenSets = 1024;
 
 }  // namespace
 
 StepDetector::StepDetector(uint32_t max_step_calls)
     : max_period_(std::max<uint32_t>(max_step_calls, 1)),
-      ring_(2ull * max_period_),
-      last_(kLastSeenSlots, LastSeen{0, 0}) {
+      // Two steps of the longest for lock(), and a context more for propose() to check one
+      // ending max_period back when max_period is shorter than a context.
+      ring_(2ull * max_period_ + kContextKeys),
+      last_(kLastSeenSets, LastSeenSet{}) {
   // Detection fills step_ on the call path: reserve it now so the call path never allocates.
   step_.reserve(max_period_);
+}
+
+// Records that the context ending at key n occurred, and returns the distance to its previous
+// occurrence: 0 when there is none within max_period.
+uint32_t StepDetector::remember_context(uint64_t n) {
+  const uint64_t* context = &window_[(n + 1) % kContextKeys];
+  const uint64_t hash = XXH3_64bits(context, kContextKeys * sizeof(uint64_t));
+  constexpr unsigned kShift = 64 - std::countr_zero(kLastSeenSets);
+  LastSeen* ways = last_[hash >> kShift].way;
+  LastSeen* oldest = &ways[0];
+  for (uint32_t w = 0; w < kWays; ++w) {
+    LastSeen& way = ways[w];
+    if (way.index_plus_one != 0 && way.context == hash) {
+      const uint64_t distance = n - (way.index_plus_one - 1);
+      way.index_plus_one = n + 1;
+      return distance <= max_period_ ? static_cast<uint32_t>(distance) : 0;
+    }
+    if (way.index_plus_one < oldest->index_plus_one) oldest = &way;
+  }
+  *oldest = LastSeen{hash, n + 1};
+  return 0;
+}
+
+// Takes `distance` as the candidate if the context ending at key n really repeats the one that
+// distance back (equal hashes of different keys only cost this check).
+void StepDetector::propose(uint64_t n, uint32_t distance) {
+  candidate_ = 0;
+  run_ = 0;
+  if (distance == 0) return;
+  for (uint32_t i = 0; i < kContextKeys; ++i)
+    if (key_at(n - i) != key_at(n - i - distance)) return;
+  candidate_ = distance;
+  run_ = kContextKeys;
 }
 
 StepDetector::Event StepDetector::push(uint64_t key) {
   const uint64_t n = n_;
   ring_[n % ring_.size()] = key;
-
-  // Keys are hashes already, but a multiplicative mix keeps any key pattern spread over the slots.
-  constexpr unsigned kShift = 64 - std::countr_zero(kLastSeenSlots);
-  LastSeen& slot = last_[(key * 0x9E3779B97F4A7C15ull) >> kShift];
-  uint32_t distance = 0;  // to this key's previous occurrence; 0 when unknown or beyond reach
-  if (slot.index_plus_one != 0 && slot.key == key) {
-    const uint64_t d = n - (slot.index_plus_one - 1);
-    if (d <= max_period_) distance = static_cast<uint32_t>(d);
-  }
-  slot = LastSeen{key, n + 1};
+  window_[n % kContextKeys] = key;
+  window_[n % kContextKeys + kContextKeys] = key;
   n_ = n + 1;
+  const uint32_t distance = n + 1 >= kContextKeys ? remember_context(n) : 0;
 
   if (period_ != 0) {
     const uint32_t next = position_ + 1 == period_ ? 0 : position_ + 1;
@@ -58,23 +90,23 @@ StepDetector::Event StepDetector::push(uint64_t key) {
       if (next == period_ - 1) ++repeats_;
       return Event::None;
     }
-    // Lost. origin_ and repeats_ stay for the caller; searching restarts with this key. A push
-    // reports one event, so a step this key would complete is reported on the next matching key.
+    // Lost. origin_ and repeats_ stay for the caller, and the step's period and digest move to
+    // lost_*; searching restarts with this key. A push reports one event, so a step this key
+    // would complete is reported on the next matching key.
+    lost_period_ = period_;
+    lost_digest_ = digest_;
     period_ = 0;
     position_ = 0;
     digest_ = 0;
     step_.clear();
-    candidate_ = distance;
-    run_ = distance != 0 ? 1 : 0;
+    propose(n, distance);
     return Event::Lost;
   }
 
   if (candidate_ != 0 && key == key_at(n - candidate_)) {
     ++run_;
   } else {
-    // The previous occurrence matches this key by construction, so the new run starts at 1.
-    candidate_ = distance;
-    run_ = distance != 0 ? 1 : 0;
+    propose(n, distance);
   }
   if (candidate_ != 0 && run_ >= candidate_) {
     lock(candidate_);
@@ -86,8 +118,9 @@ StepDetector::Event StepDetector::push(uint64_t key) {
 // The last 2p keys are p-periodic. Reduces p to the smallest period q of the step (which divides
 // p), then takes as origin the earliest index the ring still holds from which every key equals
 // the key q before it: a prologue is left out, and the step starts where the repetition began.
-// (A candidate from a key's most recent occurrence is already smallest; the reduction makes that
-// a guarantee of found() rather than a property of how candidates happen to be chosen.)
+// (A candidate from a context's most recent occurrence is usually already smallest; the
+// reduction makes that a guarantee of found() rather than a property of how candidates happen to
+// be chosen.)
 void StepDetector::lock(uint32_t p) {
   const uint64_t last = n_ - 1;
   const uint64_t first_of_step = last + 1 - p;
@@ -118,10 +151,6 @@ void StepDetector::lock(uint32_t p) {
   position_ = static_cast<uint32_t>((last - origin) % q);
   repeats_ = (last - origin + 1) / q;
   digest_ = XXH3_64bits(step_.data(), step_.size() * sizeof(uint64_t));
-  reset_candidate();
-}
-
-void StepDetector::reset_candidate() {
   candidate_ = 0;
   run_ = 0;
 }
