@@ -6,6 +6,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "capture/capture.h"
@@ -22,14 +23,31 @@ using capture::CommInfo;
 using capture::CommOrigin;
 using capture::Op;
 
+// NCCL calls some of its own public functions (its ncclBcast calls ncclBroadcast, its
+// ncclCommInitAll calls ncclGroupStart and ncclCommInitRank...). Those calls go through the PLT
+// and so reach us, from inside a call we are forwarding. They are not the program's calls:
+// they are passed straight on, unrecorded. The depth is per thread, as NCCL's calls are.
+thread_local int t_inside_real_nccl = 0;
+
+bool inside_real_nccl() { return t_inside_real_nccl > 0; }
+
+template <class... Params, class... Args>
+ncclResult_t forward_to(ncclResult_t (*real)(Params...), const char* name, Args&&... args) {
+  if (real == nullptr) return missing_function(name);
+  ++t_inside_real_nccl;
+  const ncclResult_t result = real(std::forward<Args>(args)...);
+  --t_inside_real_nccl;
+  return result;
+}
+
 // Calls the real function, or answers for a function the real library lacks.
-#define MAGI_FORWARD(name, ...) \
-  (real_nccl().name != nullptr ? real_nccl().name(__VA_ARGS__) : missing_function(#name))
+#define MAGI_FORWARD(name, ...) forward_to(real_nccl().name, #name __VA_OPT__(, ) __VA_ARGS__)
 
 // Records one call around its forwarding. The record lives on this stack frame.
 template <class Forward>
 ncclResult_t recorded(const char* entry_point, ncclComm_t comm, const CallArgs& args,
                       Forward&& forward) noexcept {
+  if (inside_real_nccl()) return forward();
   capture::CallRecord record;
   const bool seen = guarded(entry_point, [&] { capture::begin_call(comm, args, record); });
   const ncclResult_t result = forward();
@@ -72,8 +90,9 @@ using magi::capture::Op;
 // ---------------------------------------------------------------- communicators
 
 MAGI_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+  const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommInitRank, comm, nranks, id, rank);
-  guarded("ncclCommInitRank", [&] {
+  if (!nested) guarded("ncclCommInitRank", [&] {
     joined(r, comm ? *comm : nullptr, magi::capture::identity_from_unique_ids({&id, 1}), 0,
            CommOrigin::InitRank, rank, nranks);
   });
@@ -82,8 +101,9 @@ MAGI_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniq
 
 MAGI_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id,
                                                 int rank, ncclConfig_t* config) {
+  const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommInitRankConfig, comm, nranks, id, rank, config);
-  guarded("ncclCommInitRankConfig", [&] {
+  if (!nested) guarded("ncclCommInitRankConfig", [&] {
     joined(r, comm ? *comm : nullptr, magi::capture::identity_from_unique_ids({&id, 1}), 0,
            CommOrigin::InitRankConfig, rank, nranks);
   });
@@ -92,8 +112,9 @@ MAGI_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, nc
 
 MAGI_EXPORT ncclResult_t ncclCommInitRankScalable(ncclComm_t* comm, int nranks, int rank, int nIds,
                                                   ncclUniqueId* ids, ncclConfig_t* config) {
+  const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommInitRankScalable, comm, nranks, rank, nIds, ids, config);
-  guarded("ncclCommInitRankScalable", [&] {
+  if (!nested) guarded("ncclCommInitRankScalable", [&] {
     if (ids == nullptr || nIds <= 0) return;
     joined(r, comm ? *comm : nullptr,
            magi::capture::identity_from_unique_ids({ids, static_cast<size_t>(nIds)}), 0,
@@ -103,8 +124,9 @@ MAGI_EXPORT ncclResult_t ncclCommInitRankScalable(ncclComm_t* comm, int nranks, 
 }
 
 MAGI_EXPORT ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
+  const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommInitAll, comms, ndev, devlist);
-  guarded("ncclCommInitAll", [&] {
+  if (!nested) guarded("ncclCommInitAll", [&] {
     if (r != ncclSuccess || comms == nullptr) return;
     const uint64_t identity = magi::capture::identity_for_init_all(ndev);
     for (int i = 0; i < ndev; ++i) joined(r, comms[i], identity, 0, CommOrigin::InitAll, i, ndev);
@@ -114,13 +136,14 @@ MAGI_EXPORT ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int*
 
 MAGI_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm,
                                        ncclConfig_t* config) {
+  const bool nested = inside_real_nccl();
   // Derived on every rank, NOCOLOR ones too, so the parent's derivation count stays equal.
   uint64_t identity = 0;
-  guarded("ncclCommSplit", [&] {
+  if (!nested) guarded("ncclCommSplit", [&] {
     identity = magi::capture::derive_identity(comm, CommOrigin::Split, color, {});
   });
   const ncclResult_t r = MAGI_FORWARD(CommSplit, comm, color, key, newcomm, config);
-  guarded("ncclCommSplit", [&] {
+  if (!nested) guarded("ncclCommSplit", [&] {
     joined(r, newcomm ? *newcomm : nullptr, identity, magi::capture::identity_of(comm),
            CommOrigin::Split);
   });
@@ -129,8 +152,9 @@ MAGI_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, nccl
 
 MAGI_EXPORT ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount,
                                         ncclComm_t* newcomm, ncclConfig_t* config, int shrinkFlags) {
+  const bool nested = inside_real_nccl();
   uint64_t identity = 0;
-  guarded("ncclCommShrink", [&] {
+  if (!nested) guarded("ncclCommShrink", [&] {
     std::vector<int> excluded;
     if (excludeRanksList != nullptr && excludeRanksCount > 0)
       excluded.assign(excludeRanksList, excludeRanksList + excludeRanksCount);
@@ -139,7 +163,7 @@ MAGI_EXPORT ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, 
   });
   const ncclResult_t r = MAGI_FORWARD(CommShrink, comm, excludeRanksList, excludeRanksCount,
                                       newcomm, config, shrinkFlags);
-  guarded("ncclCommShrink", [&] {
+  if (!nested) guarded("ncclCommShrink", [&] {
     joined(r, newcomm ? *newcomm : nullptr, identity, magi::capture::identity_of(comm),
            CommOrigin::Shrink);
   });
@@ -147,45 +171,52 @@ MAGI_EXPORT ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, 
 }
 
 MAGI_EXPORT ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+  const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommFinalize, comm);
-  guarded("ncclCommFinalize", [&] { magi::capture::comm_left(comm, CommEndKind::Finalize); });
+  if (!nested) guarded("ncclCommFinalize", [&] { magi::capture::comm_left(comm, CommEndKind::Finalize); });
   return r;
 }
 
 // Destroy and Abort: forget the communicator before NCCL frees it, so a handle NCCL hands out
 // again later can never meet this one's state.
 MAGI_EXPORT ncclResult_t ncclCommDestroy(ncclComm_t comm) {
-  guarded("ncclCommDestroy", [&] { magi::capture::comm_left(comm, CommEndKind::Destroy); });
+  const bool nested = inside_real_nccl();
+  if (!nested) guarded("ncclCommDestroy", [&] { magi::capture::comm_left(comm, CommEndKind::Destroy); });
   return MAGI_FORWARD(CommDestroy, comm);
 }
 
 MAGI_EXPORT ncclResult_t ncclCommAbort(ncclComm_t comm) {
-  guarded("ncclCommAbort", [&] { magi::capture::comm_left(comm, CommEndKind::Abort); });
+  const bool nested = inside_real_nccl();
+  if (!nested) guarded("ncclCommAbort", [&] { magi::capture::comm_left(comm, CommEndKind::Abort); });
   return MAGI_FORWARD(CommAbort, comm);
 }
 
 MAGI_EXPORT ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
+  const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommRevoke, comm, revokeFlags);
-  guarded("ncclCommRevoke", [&] { magi::capture::comm_left(comm, CommEndKind::Revoke); });
+  if (!nested) guarded("ncclCommRevoke", [&] { magi::capture::comm_left(comm, CommEndKind::Revoke); });
   return r;
 }
 
 // ---------------------------------------------------------------- groups
 
+// Group depth is tracked for the program's own groups only (thread-local counters: cannot fail).
 MAGI_EXPORT ncclResult_t ncclGroupStart() {
-  magi::capture::group_start();  // thread-local counters: cannot fail
+  if (!inside_real_nccl()) magi::capture::group_start();
   return MAGI_FORWARD(GroupStart);
 }
 
 MAGI_EXPORT ncclResult_t ncclGroupEnd() {
+  const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(GroupEnd);
-  magi::capture::group_end();
+  if (!nested) magi::capture::group_end();
   return r;
 }
 
 MAGI_EXPORT ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
+  const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(GroupSimulateEnd, simInfo);
-  magi::capture::group_end();  // it closes the group, like ncclGroupEnd
+  if (!nested) magi::capture::group_end();  // it closes the group, like ncclGroupEnd
   return r;
 }
 
