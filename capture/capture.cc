@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -85,10 +87,11 @@ void record_step_event(TraceWriter* writer, const Communicator& comm, StepDetect
   trace::StepRecord record{};
   record.comm_id = comm.info.identity;
   record.seq = comm.collectives - 1;
+  const bool found = event == StepDetector::Event::Found;
   record.origin = s.origin();
-  record.digest = s.digest();
+  record.digest = found ? s.digest() : s.lost_digest();  // a lost step is no longer current
   record.repeats = s.repeats();
-  record.period = s.period();
+  record.period = found ? s.period() : s.lost_period();
   record.event = static_cast<uint8_t>(event == StepDetector::Event::Found ? trace::StepEvent::Found
                                                                          : trace::StepEvent::Lost);
   trace_append(writer, trace::RecordType::Step, &record, sizeof(record));
@@ -101,6 +104,21 @@ void record_step_event(TraceWriter* writer, const Communicator& comm, StepDetect
               static_cast<unsigned long long>(comm.info.identity & 0xffffffffffffull),
               static_cast<unsigned long long>(record.seq),
               static_cast<unsigned long long>(s.repeats()));
+}
+
+// A program may exit without destroying its communicators: say so in the trace, then the
+// writer (whose own exit hook was registered earlier, so runs later) writes everything out.
+void end_live_communicators() {
+  TraceWriter* writer = trace_writer();
+  if (writer == nullptr) return;
+  for_each_communicator([&](const Communicator& state) {
+    trace::CommEndRecord record{};
+    record.comm_id = state.info.identity;
+    record.time_ns = now_ns();
+    record.calls = state.calls.load(std::memory_order_relaxed);
+    record.how = static_cast<uint8_t>(CommEndKind::ProcessExit);
+    trace_append(writer, trace::RecordType::CommEnd, &record, sizeof(record));
+  });
 }
 
 }  // namespace
@@ -159,6 +177,8 @@ void comm_joined(ncclComm_t comm, const CommInfo& info) {
   record.cuda_device = info.cuda_device;
   record.origin = static_cast<uint8_t>(info.origin);
   trace_append(trace_writer(), trace::RecordType::Comm, &record, sizeof(record));
+  static std::once_flag exit_hook;
+  std::call_once(exit_hook, [] { std::atexit(end_live_communicators); });
   MAGI_INFO(Capture, "comm %012llx joined: rank %d of %d (%s)",
             static_cast<unsigned long long>(state.info.identity & 0xffffffffffffull), info.rank,
             info.nranks, std::string(trace::origin_name(info.origin)).c_str());

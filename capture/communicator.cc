@@ -9,11 +9,7 @@
 namespace magi::capture {
 namespace {
 
-std::mutex g_mutex;
-std::unordered_map<ncclComm_t, std::unique_ptr<Communicator>>& registry() {
-  static auto* map = new std::unordered_map<ncclComm_t, std::unique_ptr<Communicator>>();
-  return *map;  // never destroyed: NCCL calls may arrive during static destruction
-}
+std::unordered_map<ncclComm_t, std::unique_ptr<Communicator>>& registry() { return registry_detail::map(); }
 
 // Each join or leave bumps the generation, which invalidates every thread's cache at once.
 std::atomic<uint64_t> g_generation{1};
@@ -29,13 +25,24 @@ thread_local unsigned t_next_victim = 0;
 
 }  // namespace
 
+namespace registry_detail {
+std::mutex& mutex() {
+  static auto* m = new std::mutex();
+  return *m;  // never destroyed: NCCL calls may arrive during static destruction
+}
+std::unordered_map<ncclComm_t, std::unique_ptr<Communicator>>& map() {
+  static auto* m = new std::unordered_map<ncclComm_t, std::unique_ptr<Communicator>>();
+  return *m;
+}
+}  // namespace registry_detail
+
 Communicator* find_communicator(ncclComm_t comm) {
   const uint64_t generation = g_generation.load(std::memory_order_acquire);
   for (CacheEntry& e : t_cache)
     if (e.handle == comm && e.generation == generation) return e.state;
   Communicator* state = nullptr;
   {
-    std::lock_guard<std::mutex> lk(g_mutex);
+    std::lock_guard<std::mutex> lk(registry_detail::mutex());
     auto it = registry().find(comm);
     if (it != registry().end()) state = it->second.get();
   }
@@ -44,7 +51,7 @@ Communicator* find_communicator(ncclComm_t comm) {
 }
 
 Communicator& register_communicator(ncclComm_t comm, const CommInfo& info) {
-  std::lock_guard<std::mutex> lk(g_mutex);
+  std::lock_guard<std::mutex> lk(registry_detail::mutex());
   auto state = std::make_unique<Communicator>(
       comm, info, static_cast<uint32_t>(Options::get().max_step_calls));
   Communicator& ref = *state;
@@ -54,7 +61,7 @@ Communicator& register_communicator(ncclComm_t comm, const CommInfo& info) {
 }
 
 void unregister_communicator(ncclComm_t comm) {
-  std::lock_guard<std::mutex> lk(g_mutex);
+  std::lock_guard<std::mutex> lk(registry_detail::mutex());
   // Bump before freeing, so no thread's cache can hand out the freed state.
   g_generation.fetch_add(1, std::memory_order_acq_rel);
   registry().erase(comm);

@@ -5,6 +5,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 
 #include "capture/capture.h"
 #include "capture/skeleton.h"
@@ -33,5 +36,20 @@ Communicator& communicator_of(ncclComm_t comm);
 Communicator* find_communicator(ncclComm_t comm);
 Communicator& register_communicator(ncclComm_t comm, const CommInfo& info);
 void unregister_communicator(ncclComm_t comm);
+
+// Calls `visit` for every live communicator, under the registry's lock (off the call path only).
+template <class Visit>
+void for_each_communicator(Visit&& visit);
+
+namespace registry_detail {
+std::mutex& mutex();
+std::unordered_map<ncclComm_t, std::unique_ptr<Communicator>>& map();
+}  // namespace registry_detail
+
+template <class Visit>
+void for_each_communicator(Visit&& visit) {
+  std::lock_guard<std::mutex> lk(registry_detail::mutex());
+  for (auto& [handle, state] : registry_detail::map()) visit(*state);
+}
 
 }  // namespace magi::capture

@@ -259,10 +259,7 @@ void forget_in_child() {
   g_tried.store(false);
 }
 
-TraceWriter* open_writer() {
-  std::lock_guard<std::mutex> lk(g_open_mutex);
-  if (g_tried.load()) return g_writer.load();
-  g_tried.store(true);
+TraceWriter* create_writer() {
   const Options& options = Options::get();
   if (options.trace_dir.empty()) return nullptr;
   std::string path;
@@ -279,8 +276,18 @@ TraceWriter* open_writer() {
     std::atexit(close_at_exit);
     pthread_atfork(nullptr, nullptr, forget_in_child);
   });
-  g_writer.store(writer, std::memory_order_release);
   MAGI_INFO(Trace, "tracing to %s", path.c_str());
+  return writer;
+}
+
+// g_tried is set only once g_writer holds the outcome: a thread that sees it set on the fast
+// path must find the writer, not a null that reads as "tracing is off" and loses its record.
+TraceWriter* open_writer() {
+  std::lock_guard<std::mutex> lk(g_open_mutex);
+  if (g_tried.load()) return g_writer.load();
+  TraceWriter* writer = create_writer();
+  g_writer.store(writer, std::memory_order_release);
+  g_tried.store(true, std::memory_order_release);
   return writer;
 }
 

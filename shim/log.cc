@@ -52,7 +52,11 @@ void emit(int level, Subsystem subsys, const char* file, int line, const char* f
                          kLevels[level < 0 ? 0 : level > 2 ? 2 : level], subsystem_name(subsys),
                          where, message);
   if (n > 0) {
-    const size_t len = static_cast<size_t>(n) < sizeof(out) ? static_cast<size_t>(n) : sizeof(out) - 1;
+    size_t len = static_cast<size_t>(n);
+    if (len >= sizeof(out)) {  // truncated: keep the line a line
+      len = sizeof(out) - 1;
+      out[len - 1] = '\n';
+    }
     [[maybe_unused]] ssize_t ignored = write(STDERR_FILENO, out, len);
   }
 }

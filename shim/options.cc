@@ -214,6 +214,9 @@ std::string Options::describe() const {
   static constexpr const char* kLevels[] = {"WARN", "INFO", "TRACE"};
   std::string out;
   out += "MAGI_LOG=" + std::string(kLevels[static_cast<int>(log_level)]);
+  char subsystems[16];
+  snprintf(subsystems, sizeof(subsystems), "%#x", log_subsystems);
+  out += " MAGI_LOG_SUBSYS=" + std::string(subsystems);
   out += " MAGI_TRACE_DIR=" + (trace_dir.empty() ? std::string("(off)") : trace_dir);
   out += " MAGI_TRACE_BUFFER_KIB=" + std::to_string(trace_buffer_kib);
   out += " MAGI_CALLSITES=" + std::string(callsites ? "1" : "0");

@@ -53,6 +53,13 @@ std::vector<std::string> traces_in(const std::string& dir) {
   return out;
 }
 
+// What LD_PRELOAD holds for a shimmed run. A sanitizer build sets TEST_PRELOAD_FIRST to its
+// runtime (make test-asan, test-tsan): the runtime must be loaded before the instrumented shim.
+std::string shim_preload() {
+  const char* first = std::getenv("TEST_PRELOAD_FIRST");
+  return first != nullptr && *first != '\0' ? std::string(first) + " " + shim() : shim();
+}
+
 // Runs `argv` on n ranks, with the shim preloaded when `preload`, plus `env`.
 support::LaunchResult run_ranks(int n, std::vector<std::string> argv, bool preload,
                                 std::vector<std::pair<std::string, std::string>> env = {},
@@ -61,7 +68,7 @@ support::LaunchResult run_ranks(int n, std::vector<std::string> argv, bool prelo
   spec.nranks = n;
   spec.argv = std::move(argv);
   spec.env = std::move(env);
-  if (preload) spec.env.emplace_back("LD_PRELOAD", shim());
+  if (preload) spec.env.emplace_back("LD_PRELOAD", shim_preload());
   spec.timeout_s = timeout_s;
   spec.capture_output = true;
   return support::launch(spec);
@@ -97,6 +104,33 @@ TEST_P(ResultsUnchanged, EveryOpGivesTheSameBytesWithAndWithoutTheShim) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ResultsUnchanged, testing::Values(2, 3, 8));
+
+// NCCL calls its own public API from inside some calls (its ncclBcast calls ncclBroadcast, and so
+// does the stand-in's). Those inner calls reach the shim too, and must not be recorded as calls
+// of the program: on each thread, no recorded call may start before the previous one returned.
+TEST(Shim, CallsNcclMakesFromInsideACallAreNotRecordedAsTheProgramsCalls) {
+  TempDir out, traces;
+  auto r = run_ranks(2, {support("magi-workload"), "ops", "--out", out.path}, true,
+                     {{"MAGI_TRACE_DIR", traces.path}});
+  ASSERT_TRUE(r.all_ok()) << describe(r);
+  for (const auto& file : traces_in(traces.path)) {
+    trace::Trace t = trace::read_trace(file);
+    std::map<uint32_t, std::vector<trace::CallRecord>> by_thread;
+    size_t broadcasts = 0;
+    for (const auto& c : t.calls) {
+      by_thread[c.thread].push_back(c);
+      broadcasts += c.op == static_cast<uint8_t>(trace::Op::Broadcast);
+    }
+    EXPECT_GT(broadcasts, 0u) << "the scenario should broadcast (with ncclBcast among others)";
+    for (auto& [thread, calls] : by_thread) {
+      std::sort(calls.begin(), calls.end(),
+                [](const auto& a, const auto& b) { return a.time_ns < b.time_ns; });
+      for (size_t i = 1; i < calls.size(); ++i)
+        ASSERT_GE(calls[i].time_ns, calls[i - 1].time_ns + calls[i - 1].duration_ns)
+            << file << ": call seq " << calls[i].seq << " began inside call seq " << calls[i - 1].seq;
+    }
+  }
+}
 
 // PyTorch loads NCCL inside an extension opened RTLD_LOCAL; dlsym(RTLD_NEXT) sees nothing there.
 TEST(Shim, FindsNcclLoadedUnderAnRtldLocalExtension) {
@@ -236,6 +270,20 @@ TEST(Traces, TheStepIsFoundOnEveryRankAtTheSameCollective) {
   }
 }
 
+TEST(Traces, AProgramThatNeverDestroysItsCommunicatorStillLeavesACompleteTrace) {
+  TempDir dir;
+  FsdpRun run = run_fsdp(2, dir.path, {"--exit-without-destroy", "1"});
+  ASSERT_TRUE(run.result.all_ok()) << describe(run.result);
+  ASSERT_EQ(run.traces.size(), 2u);
+  for (const trace::Trace& t : run.traces) {
+    ASSERT_EQ(t.comm_ends.size(), 1u) << t.path;
+    EXPECT_EQ(t.comm_ends[0].how, static_cast<uint8_t>(trace::CommEndKind::ProcessExit));
+    EXPECT_EQ(t.comm_ends[0].calls, t.calls.size());
+    EXPECT_EQ(t.calls.size(), run.traces[0].calls.size());
+    EXPECT_GT(t.calls.size(), 20u);
+  }
+}
+
 TEST(Traces, CallsitesOffRecordsZeroCallsites) {
   TempDir dir;
   FsdpRun run = run_fsdp(2, dir.path, {}, {{"MAGI_CALLSITES", "0"}});
@@ -271,6 +319,30 @@ TEST(Traces, SplitChildrenHaveIdentitiesEqualWithinAColorAndDistinctAcrossColors
   EXPECT_EQ(child_of_rank[0], child_of_rank[2]);  // color = rank % 2
   EXPECT_EQ(child_of_rank[1], child_of_rank[3]);
   EXPECT_NE(child_of_rank[0], child_of_rank[1]);
+}
+
+TEST(Traces, InitAllRecordsEveryRankOfItsCommunicatorInOneFile) {
+  TempDir dir;
+  auto r = run_ranks(1, {support("magi-workload"), "initall", "--ndev", "3"}, true,
+                     {{"MAGI_TRACE_DIR", dir.path}});
+  ASSERT_TRUE(r.all_ok()) << describe(r);
+  const auto files = traces_in(dir.path);
+  ASSERT_EQ(files.size(), 1u);
+  const trace::Trace t = trace::read_trace(files[0]);
+  std::set<int> ranks;
+  uint64_t id = 0;
+  for (const auto& c : t.comms) {
+    if (c.origin != static_cast<uint8_t>(trace::CommOrigin::InitAll)) continue;
+    if (id == 0) id = c.comm_id;
+    EXPECT_EQ(c.comm_id, id);
+    EXPECT_EQ(c.nranks, 3);
+    ranks.insert(c.rank);
+  }
+  EXPECT_EQ(ranks, (std::set<int>{0, 1, 2}));
+  std::set<int> calling_ranks;
+  for (const auto& call : t.calls)
+    if (call.comm_id == id) calling_ranks.insert(call.rank);
+  EXPECT_EQ(calling_ranks, (std::set<int>{0, 1, 2}));
 }
 
 // ---- magice-trace over real traces ----
