@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # make bench: the shim's added cost per intercepted call, in pass-through, per configuration.
-# Each configuration is its own process (options are read once). Reports medians of 15
-# repetitions and the difference shim - direct.
+# Each configuration is its own process (options are read once). Repetitions of the direct and
+# the shimmed call are randomly interleaved, on one pinned CPU, so a noisy neighbour hits both
+# alike. Reports medians of 15 repetitions and the difference shim - direct.
 set -euo pipefail
 build=$(cd "${1:-build}" && pwd)
 trace_dir=$(mktemp -d)
 trap 'rm -rf "$trace_dir"' EXIT
 run() {  # label, env...
   local label=$1; shift
-  env "$@" "$build/magice-bench" --standin "$build/tests/support/libnccl.so.2" --shim "$build/libmagice.so" \
+  env "$@" taskset -c "${BENCH_CPU:-0}" "$build/magice-bench" --standin "$build/tests/support/libnccl.so.2" --shim "$build/libmagice.so" \
     --benchmark_repetitions=15 --benchmark_min_time=0.2 --benchmark_report_aggregates_only=true \
+    --benchmark_enable_random_interleaving=true \
     --benchmark_format=csv 2>/dev/null |
   awk -F, -v label="$label" '
     /_median"?,/ { gsub(/"/, "", $1); t[$1] = $3 }
