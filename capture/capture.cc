@@ -1,5 +1,6 @@
 #include "capture/capture.h"
 
+#include <pthread.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -8,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -109,16 +111,19 @@ void record_step_event(TraceWriter* writer, const Communicator& comm, StepDetect
 // A program may exit without destroying its communicators: say so in the trace, then the
 // writer (whose own exit hook was registered earlier, so runs later) writes everything out.
 void end_live_communicators() {
-  TraceWriter* writer = trace_writer();
-  if (writer == nullptr) return;
+  std::vector<trace::CommEndRecord> ends;
   for_each_communicator([&](const Communicator& state) {
     trace::CommEndRecord record{};
     record.comm_id = state.info.identity;
     record.time_ns = now_ns();
     record.calls = state.calls.load(std::memory_order_relaxed);
     record.how = static_cast<uint8_t>(CommEndKind::ProcessExit);
-    trace_append(writer, trace::RecordType::CommEnd, &record, sizeof(record));
+    ends.push_back(record);
   });
+  if (ends.empty()) return;  // and open no trace file for nothing (a forked child, say)
+  TraceWriter* writer = trace_writer();
+  for (const auto& record : ends)
+    trace_append(writer, trace::RecordType::CommEnd, &record, sizeof(record));
 }
 
 }  // namespace
@@ -177,8 +182,11 @@ void comm_joined(ncclComm_t comm, const CommInfo& info) {
   record.cuda_device = info.cuda_device;
   record.origin = static_cast<uint8_t>(info.origin);
   trace_append(trace_writer(), trace::RecordType::Comm, &record, sizeof(record));
-  static std::once_flag exit_hook;
-  std::call_once(exit_hook, [] { std::atexit(end_live_communicators); });
+  static std::once_flag hooks;
+  std::call_once(hooks, [] {
+    std::atexit(end_live_communicators);
+    pthread_atfork(nullptr, nullptr, forget_communicators_in_child);
+  });
   MAGI_INFO(Capture, "comm %012llx joined: rank %d of %d (%s)",
             static_cast<unsigned long long>(state.info.identity & 0xffffffffffffull), info.rank,
             info.nranks, std::string(trace::origin_name(info.origin)).c_str());

@@ -1,6 +1,7 @@
 #include "capture/communicator.h"
 
 #include <memory>
+#include <new>
 #include <mutex>
 #include <unordered_map>
 
@@ -65,6 +66,12 @@ void unregister_communicator(ncclComm_t comm) {
   // Bump before freeing, so no thread's cache can hand out the freed state.
   g_generation.fetch_add(1, std::memory_order_acq_rel);
   registry().erase(comm);
+}
+
+void forget_communicators_in_child() {
+  new (&registry_detail::mutex()) std::mutex();  // a parent thread may have held it at fork
+  new (&registry_detail::map()) std::unordered_map<ncclComm_t, std::unique_ptr<Communicator>>();
+  g_generation.fetch_add(1, std::memory_order_acq_rel);
 }
 
 Communicator& communicator_of(ncclComm_t comm) {

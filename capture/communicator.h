@@ -37,6 +37,10 @@ Communicator* find_communicator(ncclComm_t comm);
 Communicator& register_communicator(ncclComm_t comm, const CommInfo& info);
 void unregister_communicator(ncclComm_t comm);
 
+// In a child after fork(): the parent's communicators are not usable here (NCCL does not survive
+// fork), so the child starts with none. Their state is leaked, not freed: it is the parent's.
+void forget_communicators_in_child();
+
 // Calls `visit` for every live communicator, under the registry's lock (off the call path only).
 template <class Visit>
 void for_each_communicator(Visit&& visit);

@@ -284,6 +284,19 @@ TEST(Traces, AProgramThatNeverDestroysItsCommunicatorStillLeavesACompleteTrace) 
   }
 }
 
+TEST(Traces, AForkedChildThatExitsLeavesNoTraceOfTheParentsCommunicators) {
+  TempDir dir;
+  FsdpRun run = run_fsdp(2, dir.path, {"--fork-child", "1"});
+  ASSERT_TRUE(run.result.all_ok()) << describe(run.result);
+  EXPECT_EQ(traces_in(dir.path).size(), 2u) << "a child wrote a trace of its own";
+  ASSERT_EQ(run.traces.size(), 2u);
+  for (const trace::Trace& t : run.traces) {
+    ASSERT_EQ(t.comm_ends.size(), 1u) << t.path;
+    EXPECT_EQ(t.comm_ends[0].how, static_cast<uint8_t>(trace::CommEndKind::Destroy));
+    EXPECT_EQ(t.comm_ends[0].calls, t.calls.size());
+  }
+}
+
 TEST(Traces, CallsitesOffRecordsZeroCallsites) {
   TempDir dir;
   FsdpRun run = run_fsdp(2, dir.path, {}, {{"MAGI_CALLSITES", "0"}});

@@ -1,5 +1,5 @@
 // fsdp --layers L --steps S [--diverge-rank R --diverge-step K --diverge-kind count|callsite]
-//      [--exit-without-destroy 1]
+//      [--exit-without-destroy 1] [--fork-child 1]
 //
 // An FSDP-style inference loop: one all-reduce at start-up, then per step every layer's weight
 // shard is all-gathered (pairs of layers in one ncclGroupStart/End, as FSDP buckets them), used
@@ -10,6 +10,8 @@
 // ignored), or from another function with the same shape (callsite).
 #include <cmath>
 #include <cstdlib>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -190,6 +192,15 @@ int run_fsdp(const ScenarioOptions& options) {
   FsdpModel model(comm.get(), boot.rank, boot.nranks, layers, divergence);
   model.prologue();
   for (int s = 0; s < steps; ++s) model.step(s);
+  if (options.has("fork-child")) {
+    // Like a program that forks a helper process (Python multiprocessing, say) which then exits
+    // normally: the child must leave no trace of the parent's communicators behind.
+    const pid_t child = fork();
+    if (child == 0) std::exit(0);
+    int status = 0;
+    waitpid(child, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) throw ScenarioFailure("forked child failed");
+  }
   if (options.has("exit-without-destroy")) {
     std::fflush(nullptr);
     std::exit(0);  // like a program that never tears down: no destroy, no unwinding
