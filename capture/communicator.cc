@@ -31,9 +31,14 @@ std::mutex& mutex() {
   static auto* m = new std::mutex();
   return *m;  // never destroyed: NCCL calls may arrive during static destruction
 }
+using Registry = std::unordered_map<ncclComm_t, std::unique_ptr<Communicator>>;
+Registry* g_registry = nullptr;  // created on first use, never destroyed
+Registry* g_parents_registry = nullptr;  // in a forked child: kept reachable, never used
+
 std::unordered_map<ncclComm_t, std::unique_ptr<Communicator>>& map() {
-  static auto* m = new std::unordered_map<ncclComm_t, std::unique_ptr<Communicator>>();
-  return *m;
+  static Registry* first = g_registry = new Registry();
+  (void)first;
+  return *g_registry;
 }
 }  // namespace registry_detail
 
@@ -70,7 +75,9 @@ void unregister_communicator(ncclComm_t comm) {
 
 void forget_communicators_in_child() {
   new (&registry_detail::mutex()) std::mutex();  // a parent thread may have held it at fork
-  new (&registry_detail::map()) std::unordered_map<ncclComm_t, std::unique_ptr<Communicator>>();
+  registry_detail::map();                           // make sure there is one to set aside
+  registry_detail::g_parents_registry = registry_detail::g_registry;
+  registry_detail::g_registry = new registry_detail::Registry();
   g_generation.fetch_add(1, std::memory_order_acq_rel);
 }
 

@@ -62,11 +62,7 @@ class TraceWriter {
       ++dropped_;
       return;
     }
-    if (dropped_ != 0 && active_.size() + bytes + 16 <= capacity_) {
-      const trace::DroppedRecord lost{dropped_};
-      dropped_ = 0;
-      put_locked(trace::RecordType::Dropped, &lost, sizeof(lost), nullptr, 0);
-    }
+    if (dropped_ != 0 && active_.size() + bytes + kDroppedBytes <= capacity_) put_dropped_locked();
     put_locked(type, payload, payload_bytes, tail, tail_bytes);
   }
 
@@ -75,13 +71,22 @@ class TraceWriter {
     {
       std::lock_guard<SpinLock> guard(lock_);
       if (closed_) return;
+      // Drops not yet counted in the file go out now: the last records before a flush (or the
+      // close at exit) may have been the dropped ones, with no later record to carry the count.
+      if (dropped_ != 0) {
+        if (active_.size() + kDroppedBytes > capacity_) {
+          wait_for_spare_locked();
+          swap_locked();
+        }
+        put_dropped_locked();
+      }
       if (!active_.empty()) {
         wait_for_spare_locked();
         swap_locked();
       }
     }
     std::unique_lock<std::mutex> lk(mutex_);
-    idle_.wait(lk, [&] { return !pending_; });
+    idle_.wait(lk, [&] { return !pending_ && !writing_; });
   }
 
   void close() {
@@ -128,6 +133,14 @@ class TraceWriter {
     std::memset(out + sizeof(header) + body, 0, bytes - sizeof(header) - body);
   }
 
+  static constexpr size_t kDroppedBytes = sizeof(trace::RecordHeader) + sizeof(trace::DroppedRecord);
+
+  void put_dropped_locked() {
+    const trace::DroppedRecord lost{dropped_};
+    dropped_ = 0;
+    put_locked(trace::RecordType::Dropped, &lost, sizeof(lost), nullptr, 0);
+  }
+
   // Gives the active buffer to the writer if the spare is free; false if the writer is busy.
   bool swap_locked() {
     if (spare_busy_.load(std::memory_order_acquire)) return false;
@@ -158,10 +171,15 @@ class TraceWriter {
     for (;;) {
       wake_.wait(lk, [&] { return pending_ || stopping_; });
       if (pending_) {
+        // Taken before the write: a caller may hand over the next buffer as soon as
+        // write_spare() frees the spare, and clearing pending_ after it would lose that buffer
+        // (and hang the next flush, which waits for a spare that is never written).
+        pending_ = false;
+        writing_ = true;
         lk.unlock();
         write_spare();
         lk.lock();
-        pending_ = false;
+        writing_ = false;
         idle_.notify_all();
         continue;
       }
@@ -200,7 +218,8 @@ class TraceWriter {
 
   std::mutex mutex_;
   std::condition_variable wake_, idle_;
-  bool pending_ = false;   // guarded by mutex_
+  bool pending_ = false;   // guarded by mutex_: a buffer was handed over, not yet taken
+  bool writing_ = false;   // guarded by mutex_: the writer is writing one
   bool stopping_ = false;  // guarded by mutex_
   std::thread thread_;
 };
@@ -253,8 +272,15 @@ void close_at_exit() {
 
 // The child starts a trace file of its own on its first record. The parent's writer object is
 // leaked on purpose: its thread and locks belong to the parent.
+// In a forked child: the parent's writer, kept reachable (so leak checkers see it is held on
+// purpose) and never used. Atomic, so the store is not optimised away as never read.
+std::atomic<TraceWriter*> g_parents_writer{nullptr};
+
 void forget_in_child() {
-  if (TraceWriter* w = g_writer.exchange(nullptr)) w->abandon();
+  if (TraceWriter* w = g_writer.exchange(nullptr)) {
+    w->abandon();
+    g_parents_writer.store(w, std::memory_order_relaxed);
+  }
   new (&g_open_mutex) std::mutex();  // a parent thread may have held it at fork
   g_tried.store(false);
 }

@@ -12,7 +12,21 @@
 namespace magi {
 namespace {
 std::atomic<int> g_rank{-1};
-char g_host[64];
+
+// Read once, under the thread-safe initialisation of a local static: the first lines may come
+// from several threads at once. Trivially destructible, so lines logged during exit still see it.
+struct HostName {
+  HostName() {
+    gethostname(text, sizeof(text) - 1);
+    if (char* dot = std::strchr(text, '.')) *dot = '\0';
+  }
+  char text[64] = {};
+};
+
+const char* host_name() {
+  static const HostName host;
+  return host.text;
+}
 }  // namespace
 
 namespace log_detail {
@@ -26,12 +40,6 @@ int init_level() {
 
 void emit(int level, Subsystem subsys, const char* file, int line, const char* fmt, ...) {
   static constexpr const char* kLevels[] = {"WARN", "INFO", "TRACE"};
-  if (g_host[0] == '\0') {
-    char host[sizeof(g_host)] = {};
-    gethostname(host, sizeof(host) - 1);
-    if (char* dot = std::strchr(host, '.')) *dot = '\0';
-    std::memcpy(g_host, host, sizeof(g_host));
-  }
   char message[1024];
   va_list args;
   va_start(args, fmt);
@@ -47,7 +55,7 @@ void emit(int level, Subsystem subsys, const char* file, int line, const char* f
   }
   // One write(2) per line so lines of concurrent threads and ranks never interleave.
   char out[1280];
-  const int n = snprintf(out, sizeof(out), "%s:%d:%ld [%s] MAGI %s %s%s %s\n", g_host,
+  const int n = snprintf(out, sizeof(out), "%s:%d:%ld [%s] MAGI %s %s%s %s\n", host_name(),
                          static_cast<int>(getpid()), static_cast<long>(syscall(SYS_gettid)), rank,
                          kLevels[level < 0 ? 0 : level > 2 ? 2 : level], subsystem_name(subsys),
                          where, message);

@@ -4,7 +4,7 @@
 // The fingerprint skips the frames of the module holding callsite_fingerprint, which in this
 // program is the test program itself; so the call paths under test run through
 // libcallsite_probe.so (tests/capture/callsite_probe_lib.cc), looked for in
-// $MAGI_BUILD_DIR/tests/support, else in support/ beside this program.
+// $TEST_BUILD_DIR/tests/support, else in support/ beside this program.
 #include "capture/callsite.h"
 
 #include <dlfcn.h>
@@ -55,7 +55,7 @@ std::string self_path() {
 }
 
 std::string probe_library_path() {
-  if (const char* build = std::getenv("MAGI_BUILD_DIR"); build != nullptr && *build != 0)
+  if (const char* build = std::getenv("TEST_BUILD_DIR"); build != nullptr && *build != 0)
     return std::string(build) + "/tests/support/libcallsite_probe.so";
   const std::filesystem::path program = self_path();
   return (program.parent_path() / "support" / "libcallsite_probe.so").string();

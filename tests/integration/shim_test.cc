@@ -23,7 +23,7 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string build_dir() {
-  const char* dir = std::getenv("MAGI_BUILD_DIR");
+  const char* dir = std::getenv("TEST_BUILD_DIR");
   return dir ? dir : fs::absolute("build").string();
 }
 std::string support(const std::string& name) { return build_dir() + "/tests/support/" + name; }

@@ -20,7 +20,7 @@
 namespace {
 
 std::string build_dir() {
-  const char* dir = std::getenv("MAGI_BUILD_DIR");
+  const char* dir = std::getenv("TEST_BUILD_DIR");
   return dir != nullptr && *dir != '\0' ? dir : "build";
 }
 

@@ -80,7 +80,7 @@ ToolRun run_program(const std::vector<std::string>& argv, const std::string& scr
 }
 
 std::string tool_path() {
-  const char* dir = std::getenv("MAGI_BUILD_DIR");
+  const char* dir = std::getenv("TEST_BUILD_DIR");
   return std::string(dir != nullptr && *dir != '\0' ? dir : "build") + "/magice-trace";
 }
 
@@ -107,7 +107,7 @@ class MagiceTrace : public ::testing::Test {
     ASSERT_NE(mkdtemp(pattern), nullptr);
     dir_ = pattern;
     ASSERT_EQ(access(tool_path().c_str(), X_OK), 0)
-        << tool_path() << " is not built (set MAGI_BUILD_DIR to the build directory)";
+        << tool_path() << " is not built (set TEST_BUILD_DIR to the build directory)";
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
 
