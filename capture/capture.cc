@@ -280,6 +280,5 @@ void end_call(CallRecord& record, ncclResult_t result) {
              static_cast<unsigned long long>(record.count), record.result);
 }
 
-void flush_trace() { trace_flush(trace_writer()); }
 
 }  // namespace magi::capture

@@ -68,7 +68,4 @@ void group_end();
 void begin_call(ncclComm_t comm, const CallArgs& args, CallRecord& record);
 void end_call(CallRecord& record, ncclResult_t result);
 
-// Writes out everything buffered (also done at communicator end and at process exit).
-void flush_trace();
-
 }  // namespace magi::capture
