@@ -51,7 +51,7 @@ EXTLIB    := $(SUPPORT)/libworkload_ext.so
 DEMO      := $(BUILD)/magice-demo
 
 TEST_SRCS := $(filter-out tests/capture/callsite_probe_lib.cc,\
-               $(wildcard tests/shim/*.cc tests/capture/*.cc tests/tools/*.cc tests/integration/*.cc tests/*.cc))
+               $(wildcard tests/shim/*.cc tests/capture/*.cc tests/tools/*.cc tests/integration/*.cc tests/ce_transport/*.cc tests/rewrite/*.cc tests/*.cc))
 TEST_OBJS := $(TEST_SRCS:%.cc=$(BUILD)/obj/%.o)
 TESTS     := $(BUILD)/tests/magice-tests
 BENCH     := $(BUILD)/magice-bench

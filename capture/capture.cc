@@ -215,7 +215,14 @@ void group_end() {
   if (t_group_depth > 0) --t_group_depth;
 }
 
-void begin_call(ncclComm_t comm, const CallArgs& args, CallRecord& record) {
+int group_depth() { return t_group_depth; }
+uint32_t group_ordinal() { return t_group_ordinal; }
+
+void trace_record(trace::RecordType type, const void* payload, uint32_t bytes) {
+  if (TraceWriter* writer = trace_writer()) trace_append(writer, type, payload, bytes);
+}
+
+void begin_call(ncclComm_t comm, const CallArgs& args, CallRecord& record, StepView* view) {
   Communicator& state = communicator_of(comm);
   const Options& options = Options::get();
   record.comm_id = state.info.identity;
@@ -258,6 +265,17 @@ void begin_call(ncclComm_t comm, const CallArgs& args, CallRecord& record) {
     ++state.collectives;
     const StepDetector::Event event = state.steps.push(record.shape);
     if (event != StepDetector::Event::None) record_step_event(writer, state, event);
+    if (view != nullptr) {
+      const StepDetector& s = state.steps;
+      view->collective = true;
+      view->event = event;
+      view->found = s.found();
+      view->position = s.found() ? s.position() : 0;
+      view->period = s.period();
+      view->digest = s.digest();
+      view->repeats = s.repeats();
+      view->collective_index = state.collectives - 1;
+    }
     state.steps_lock.clear(std::memory_order_release);
   }
   // The clock is read only when a trace will keep the time: two reads are a third of the

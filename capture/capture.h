@@ -65,7 +65,31 @@ void group_start();
 void group_end();
 
 // ---- the call path ----
-void begin_call(ncclComm_t comm, const CallArgs& args, CallRecord& record);
+
+// Where a collective stands in its communicator's step, as begin_call saw it. Computed from
+// shapes alone, so equal on every rank that issued the same collectives.
+struct StepView {
+  bool collective = false;       // fed to the step detector (Send/Recv are not)
+  StepDetector::Event event = StepDetector::Event::None;
+  bool found = false;            // a step is established, including this call
+  uint32_t position = 0;         // of this call in the step (found only)
+  uint32_t period = 0;
+  uint64_t digest = 0;           // of the step's shapes
+  uint64_t repeats = 0;          // complete steps since the run began
+  uint64_t collective_index = 0; // of this call among the communicator's collectives
+};
+
+// `view`, when given, receives the call's place in the step.
+void begin_call(ncclComm_t comm, const CallArgs& args, CallRecord& record,
+                StepView* view = nullptr);
 void end_call(CallRecord& record, ncclResult_t result);
+
+// The calling thread's ncclGroupStart nesting, and the ordinal of its outermost open group.
+int group_depth();
+uint32_t group_ordinal();
+
+// Appends a record of a later stage (agreement, decisions) to this process's trace; nothing
+// without a trace.
+void trace_record(trace::RecordType type, const void* payload, uint32_t bytes);
 
 }  // namespace magi::capture

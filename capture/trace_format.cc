@@ -69,6 +69,58 @@ std::string_view redop_name(int32_t redop) {
   return it->second;
 }
 
+std::string_view mode_name(AgreementMode mode) {
+  static const auto names =
+      names_with_fallback<4>({"none", "identical", "slot", "abort"}, 0, "mode#");
+  return names[static_cast<uint8_t>(mode)];
+}
+
+std::string_view round_kind_name(RoundKind kind) {
+  static const auto names =
+      names_with_fallback<3>({"propose", "publish", "confirm"}, 1, "round#");
+  return names[static_cast<uint8_t>(kind)];
+}
+
+std::string_view round_event_name(RoundEvent event) {
+  static const auto names = names_with_fallback<5>(
+      {"issued", "read", "activated", "deactivated", "abandoned"}, 1, "event#");
+  return names[static_cast<uint8_t>(event)];
+}
+
+std::string_view reason_name(Reason reason) {
+  static const auto names = names_with_fallback<static_cast<size_t>(Reason::Count)>(
+      {"none",
+       "not stable for MAGI_WARMUP_STEPS steps (count, call site or send buffer changed)",
+       "host memory",
+       "device memory (the host backend serves host memory)",
+       "managed memory",
+       "memory of unknown kind",
+       "a peer is on another host",
+       "a peer's GPU is not accessible",
+       "shard below MAGI_SYMM_MIN_SHARD_MIB",
+       "issued while its stream captured a CUDA graph",
+       "bucket larger than MAGI_WINDOW_MAX_MIB",
+       "another rank refused it",
+       "another gather of its bucket stays",
+       "abort: the ranks' steps differ",
+       "abort: the ranks group their calls differently",
+       "abort: more gathers in the step than a round carries",
+       "an agreement round was issued inside an open group",
+       "ranks run different MAGI_BACKEND values",
+       "the transport failed on some rank",
+       "some rank did not confirm the commit",
+       "the call deviated from the agreed step",
+       "communicator not agreeable (ncclCommInitAll or unknown)"},
+      0, "reason#");
+  return names[static_cast<uint8_t>(reason)];
+}
+
+std::string_view verdict_name(Verdict verdict) {
+  static const auto names =
+      names_with_fallback<3>({"moved", "would move", "stays"}, 1, "verdict#");
+  return names[static_cast<uint8_t>(verdict)];
+}
+
 bool is_collective(Op op) { return op != Op::Send && op != Op::Recv; }
 
 }  // namespace magi::trace

@@ -40,6 +40,8 @@ enum class RecordType : uint16_t {
   Module = 5,    // the name behind a module key, written once per module
   Step = 6,      // the step detector found or lost a communicator's repeating step
   Dropped = 7,   // records lost because the writer fell behind (never blocks the caller)
+  Agreement = 8, // an agreement round of a communicator was issued, read, or changed its routes
+  Decision = 9,  // what one agreement round decided for one gather of the step, on this rank
 };
 
 struct RecordHeader {
@@ -64,6 +66,8 @@ enum class Op : uint8_t {
 inline constexpr uint8_t kCallCapturing = 1u << 0;      // the stream was capturing a CUDA graph
 inline constexpr uint8_t kCallCaptureUnknown = 1u << 1; // could not ask CUDA (no driver, not a CUDA stream)
 inline constexpr uint8_t kCallInGroup = 1u << 2;        // issued between ncclGroupStart and End
+inline constexpr uint8_t kCallMoved = 1u << 3;          // served by the copy-engine transport, not NCCL
+inline constexpr uint8_t kCallWouldMove = 1u << 4;      // MAGI_DRY_RUN: would have been moved
 
 struct CommRecord {
   uint64_t comm_id;    // equal on every rank of the communicator
@@ -145,6 +149,91 @@ struct StepRecord {
 };
 static_assert(sizeof(StepRecord) == 48);
 
+// ---- agreement (rewrite/) ----
+
+// The ladder of seed 001, for a live process: how the ranks' skeletons compared.
+enum class AgreementMode : uint8_t {
+  None = 0,       // not compared (the round was only issued, or was abandoned)
+  Identical = 1,  // steps and call sites equal: gathers matched by (call site, occurrence)
+  Slot = 2,       // steps equal, call sites differ: gathers matched by position in the step
+  Abort = 3,      // steps, groups or gather counts differ: nothing moves on this communicator
+};
+
+// Rounds of one agreement: propose (decide what moves), publish (windows prepared, handles
+// exchanged), confirm (every rank opened every window). Routes change when a confirm is read.
+enum class RoundKind : uint8_t { Propose = 1, Publish = 2, Confirm = 3 };
+
+enum class RoundEvent : uint8_t {
+  Issued = 1,       // this rank's contribution went into the all-gather
+  Read = 2,         // the round's result was read and decided
+  Activated = 3,    // routes changed: the agreed gathers leave NCCL from this call on
+  Deactivated = 4,  // routes back to NCCL from this call on (deviation, failure, new decision)
+  Abandoned = 5,    // the step was lost before the round was read: its result is ignored
+};
+
+// Why a gather (or a whole communicator) stays on NCCL. Names: reason_name().
+enum class Reason : uint8_t {
+  None = 0,
+  NotStable,           // count, call site or send buffer changed within MAGI_WARMUP_STEPS steps
+  HostMemory,          // a host buffer (the cuda backend needs device memory)
+  DeviceMemory,        // a device buffer (the host backend serves host memory only)
+  ManagedMemory,       // managed (unified) memory
+  UnknownMemory,       // the driver could not say what the buffer is
+  PeerOffNode,         // a rank of the communicator is on another host
+  PeerNotAccessible,   // a peer's GPU cannot be reached (cudaDeviceCanAccessPeer)
+  ShardTooSmall,       // below MAGI_SYMM_MIN_SHARD_MIB
+  GraphCapture,        // issued while its stream was capturing a CUDA graph
+  WindowTooLarge,      // its bucket needs more staging than MAGI_WINDOW_MAX_MIB
+  OtherRankRefused,    // another rank holds it ineligible
+  BucketPartial,       // another gather of its bucket (ncclGroupStart/End) stays
+  StepsDiffer,         // abort: the ranks' steps differ
+  GroupsDiffer,        // abort: the ranks group their calls differently
+  TooManyGathers,      // abort: more gathers in the step than a round can carry
+  AnchorInGroup,       // the round's call was inside an open ncclGroupStart on some rank
+  BackendDiffers,      // ranks run different MAGI_BACKEND values
+  TransportFailed,     // the transport could not prepare, attach or serve on some rank
+  CommitRefused,       // some rank did not confirm the commit
+  Deviated,            // the call deviated from the agreed step in a shared fact
+  CommNotAgreeable,    // communicator made by ncclCommInitAll or unknown to the shim
+  Count
+};
+
+struct AgreementRecord {
+  uint64_t comm_id;
+  uint64_t seq;          // collective index of the call at which the event happened
+  uint64_t step_digest;  // the step the round is about
+  uint32_t round;        // per communicator, from 1; the rounds of one agreement share it
+  uint32_t period;
+  uint32_t gathers;      // gathers in the step
+  uint32_t moved;        // gathers that move (Read of a propose, Activated); would move under dry run
+  int32_t rank;
+  uint8_t kind;          // RoundKind
+  uint8_t event;         // RoundEvent
+  uint8_t mode;          // AgreementMode (Read, Activated)
+  uint8_t reason;        // Reason: why nothing moves, or why routes went back
+};
+static_assert(sizeof(AgreementRecord) == 48);
+
+enum class Verdict : uint8_t { Moved = 1, WouldMove = 2, Stays = 3 };
+
+// Written when a propose round is read: one per gather of the step, on every rank.
+struct DecisionRecord {
+  uint64_t comm_id;
+  uint64_t callsite;  // this rank's call site of the gather
+  uint64_t count;
+  uint32_t round;
+  uint32_t position;  // position of the gather in the step
+  int32_t rank;
+  int32_t refused_by; // Stays because of another rank: the lowest such rank; else -1
+  uint16_t bucket;    // bucket index in the step (gathers of one ncclGroupStart/End share it)
+  uint8_t dtype;
+  uint8_t verdict;    // Verdict
+  uint8_t reason;     // Reason (Stays)
+  uint8_t mode;       // AgreementMode of the round
+  uint8_t reserved[2];
+};
+static_assert(sizeof(DecisionRecord) == 48);
+
 struct DroppedRecord {
   uint64_t records;
 };
@@ -156,6 +245,11 @@ std::string_view dtype_name(uint8_t dtype);
 std::string_view origin_name(CommOrigin origin);
 std::string_view end_name(CommEndKind how);
 std::string_view redop_name(int32_t redop);
+std::string_view mode_name(AgreementMode mode);
+std::string_view round_kind_name(RoundKind kind);
+std::string_view round_event_name(RoundEvent event);
+std::string_view reason_name(Reason reason);    // a short phrase: "send buffer changed", ...
+std::string_view verdict_name(Verdict verdict);
 bool is_collective(Op op);
 
 }  // namespace magi::trace

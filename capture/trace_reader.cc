@@ -87,7 +87,7 @@ class TraceParser {
   // is decoded without regrowing them. It stops quietly at the first bad header: the real pass
   // reports it, in file order with every other problem.
   void reserve(Trace& trace, uint64_t offset) const {
-    size_t comms = 0, ends = 0, calls = 0, steps = 0;
+    size_t comms = 0, ends = 0, calls = 0, steps = 0, agreements = 0, decisions = 0;
     while (size_ - offset >= sizeof(RecordHeader)) {
       const auto header = load<RecordHeader>(offset);
       if (header.bytes < sizeof(RecordHeader) || header.bytes % 8 != 0 ||
@@ -99,6 +99,8 @@ class TraceParser {
         case RecordType::CommEnd: ++ends; break;
         case RecordType::Call: ++calls; break;
         case RecordType::Step: ++steps; break;
+        case RecordType::Agreement: ++agreements; break;
+        case RecordType::Decision: ++decisions; break;
         default: break;
       }
       offset += header.bytes;
@@ -107,6 +109,8 @@ class TraceParser {
     trace.comm_ends.reserve(ends);
     trace.calls.reserve(calls);
     trace.steps.reserve(steps);
+    trace.agreements.reserve(agreements);
+    trace.decisions.reserve(decisions);
   }
 
   // Returns the record's size in bytes.
@@ -154,6 +158,14 @@ class TraceParser {
       case RecordType::Step:
         need(sizeof(StepRecord), "Step");
         trace.steps.push_back(load<StepRecord>(payload));
+        break;
+      case RecordType::Agreement:
+        need(sizeof(AgreementRecord), "Agreement");
+        trace.agreements.push_back(load<AgreementRecord>(payload));
+        break;
+      case RecordType::Decision:
+        need(sizeof(DecisionRecord), "Decision");
+        trace.decisions.push_back(load<DecisionRecord>(payload));
         break;
       case RecordType::Dropped:
         need(sizeof(DroppedRecord), "Dropped");

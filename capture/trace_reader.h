@@ -35,6 +35,8 @@ struct Trace {
   std::vector<CommEndRecord> comm_ends;
   std::vector<CallRecord> calls;  // in file order; sort by (comm_id, seq) if needed
   std::vector<StepRecord> steps;
+  std::vector<AgreementRecord> agreements;  // in file order
+  std::vector<DecisionRecord> decisions;    // in file order
   std::unordered_map<uint64_t, CallsiteFrames> callsites;
   std::unordered_map<uint64_t, std::string> modules;
   uint64_t dropped = 0;

@@ -6,10 +6,12 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <mutex>
 #include <utility>
 #include <vector>
 
 #include "capture/capture.h"
+#include "rewrite/rewrite.h"
 #include "shim/real_nccl.h"
 #include "shim/shim.h"
 
@@ -43,16 +45,27 @@ ncclResult_t forward_to(ncclResult_t (*real)(Params...), const char* name, Args&
 // Calls the real function, or answers for a function the real library lacks.
 #define MAGI_FORWARD(name, ...) forward_to(real_nccl().name, #name __VA_OPT__(, ) __VA_ARGS__)
 
-// Records one call around its forwarding. The record lives on this stack frame.
+// Records one call around its forwarding, and lets rewrite/ take an agreed gather off NCCL.
+// The record lives on this stack frame.
 template <class Forward>
 ncclResult_t recorded(const char* entry_point, ncclComm_t comm, const CallArgs& args,
                       Forward&& forward) noexcept {
   if (inside_real_nccl()) return forward();
   capture::CallRecord record;
-  const bool seen = guarded(entry_point, [&] { capture::begin_call(comm, args, record); });
-  const ncclResult_t result = forward();
+  capture::StepView view;
+  const bool seen = guarded(entry_point, [&] { capture::begin_call(comm, args, record, &view); });
+  const rewrite::Outcome outcome =
+      seen ? rewrite::intercept(comm, args, record, view) : rewrite::Outcome{};
+  const ncclResult_t result = outcome.served ? outcome.result : forward();
   if (seen) guarded(entry_point, [&] { capture::end_call(record, result); });
   return result;
+}
+
+// Agreement rounds reach the real NCCL through here, so that whatever NCCL calls back into its
+// own API from inside passes straight through, as for the program's calls.
+ncclResult_t agreement_all_gather(const void* sendbuff, void* recvbuff, size_t sendcount,
+                                  ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
+  return MAGI_FORWARD(AllGather, sendbuff, recvbuff, sendcount, datatype, comm, stream);
 }
 
 int query(ncclResult_t (*const fn)(const ncclComm_t, int*), ncclComm_t comm) {
@@ -75,6 +88,9 @@ void joined(ncclResult_t result, ncclComm_t comm, uint64_t identity, uint64_t pa
   info.cuda_device = query(real.CommCuDevice, comm);
   info.origin = origin;
   capture::comm_joined(comm, info);
+  static std::once_flag installed;
+  std::call_once(installed, [] { rewrite::install({&agreement_all_gather}); });
+  rewrite::comm_joined(comm, info);
 }
 
 }  // namespace
@@ -173,7 +189,10 @@ MAGI_EXPORT ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, 
 MAGI_EXPORT ncclResult_t ncclCommFinalize(ncclComm_t comm) {
   const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommFinalize, comm);
-  if (!nested) guarded("ncclCommFinalize", [&] { magi::capture::comm_left(comm, CommEndKind::Finalize); });
+  if (!nested) guarded("ncclCommFinalize", [&] {
+    magi::rewrite::comm_left(comm);
+    magi::capture::comm_left(comm, CommEndKind::Finalize);
+  });
   return r;
 }
 
@@ -181,20 +200,29 @@ MAGI_EXPORT ncclResult_t ncclCommFinalize(ncclComm_t comm) {
 // again later can never meet this one's state.
 MAGI_EXPORT ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   const bool nested = inside_real_nccl();
-  if (!nested) guarded("ncclCommDestroy", [&] { magi::capture::comm_left(comm, CommEndKind::Destroy); });
+  if (!nested) guarded("ncclCommDestroy", [&] {
+    magi::rewrite::comm_left(comm);
+    magi::capture::comm_left(comm, CommEndKind::Destroy);
+  });
   return MAGI_FORWARD(CommDestroy, comm);
 }
 
 MAGI_EXPORT ncclResult_t ncclCommAbort(ncclComm_t comm) {
   const bool nested = inside_real_nccl();
-  if (!nested) guarded("ncclCommAbort", [&] { magi::capture::comm_left(comm, CommEndKind::Abort); });
+  if (!nested) guarded("ncclCommAbort", [&] {
+    magi::rewrite::comm_left(comm);
+    magi::capture::comm_left(comm, CommEndKind::Abort);
+  });
   return MAGI_FORWARD(CommAbort, comm);
 }
 
 MAGI_EXPORT ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
   const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommRevoke, comm, revokeFlags);
-  if (!nested) guarded("ncclCommRevoke", [&] { magi::capture::comm_left(comm, CommEndKind::Revoke); });
+  if (!nested) guarded("ncclCommRevoke", [&] {
+    magi::rewrite::comm_left(comm);
+    magi::capture::comm_left(comm, CommEndKind::Revoke);
+  });
   return r;
 }
 
@@ -206,17 +234,22 @@ MAGI_EXPORT ncclResult_t ncclGroupStart() {
   return MAGI_FORWARD(GroupStart);
 }
 
+// The group's NCCL work is launched first, then the moved gathers it queued (rewrite/).
 MAGI_EXPORT ncclResult_t ncclGroupEnd() {
   const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(GroupEnd);
-  if (!nested) magi::capture::group_end();
-  return r;
+  if (nested) return r;
+  magi::capture::group_end();
+  return magi::capture::group_depth() == 0 ? magi::rewrite::group_ended(r) : r;
 }
 
 MAGI_EXPORT ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
   const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(GroupSimulateEnd, simInfo);
-  if (!nested) magi::capture::group_end();  // it closes the group, like ncclGroupEnd
+  if (!nested) {
+    magi::capture::group_end();  // it closes the group, like ncclGroupEnd, but runs nothing
+    if (magi::capture::group_depth() == 0) magi::rewrite::group_discarded();
+  }
   return r;
 }
 

@@ -76,6 +76,8 @@ const char* subsystem_name(Subsystem s) {
     case Subsystem::Shim: return "SHIM";
     case Subsystem::Capture: return "CAPTURE";
     case Subsystem::Trace: return "TRACE";
+    case Subsystem::Rewrite: return "REWRITE";
+    case Subsystem::Transport: return "TRANSPORT";
     case Subsystem::Count: break;
   }
   return "?";

@@ -8,7 +8,7 @@
 
 namespace magi {
 
-enum class Subsystem : uint8_t { Init = 0, Shim, Capture, Trace, Count };
+enum class Subsystem : uint8_t { Init = 0, Shim, Capture, Trace, Rewrite, Transport, Count };
 const char* subsystem_name(Subsystem s);
 
 namespace log_detail {

@@ -131,10 +131,24 @@ bool apply(Options& o, std::string_view name, std::string_view value) {
     (name == "MAGI_TRACE_DIR" ? o.trace_dir : o.nccl_library) = trim(value);
     return true;
   }
-  if (name == "MAGI_CALLSITES") {
+  if (name == "MAGI_CALLSITES" || name == "MAGI_DRY_RUN") {
     auto b = parse_bool(value);
     if (!b) return false;
-    o.callsites = *b;
+    (name == "MAGI_CALLSITES" ? o.callsites : o.dry_run) = *b;
+    return true;
+  }
+  if (name == "MAGI_TRANSPORT") {
+    const std::string v = lower(trim(value));
+    if (v == "copy_engine") o.transport = Options::Transport::CopyEngine;
+    else if (v == "nccl") o.transport = Options::Transport::Nccl;
+    else return false;
+    return true;
+  }
+  if (name == "MAGI_BACKEND") {
+    const std::string v = lower(trim(value));
+    if (v == "cuda") o.backend = Options::Backend::Cuda;
+    else if (v == "host") o.backend = Options::Backend::Host;
+    else return false;
     return true;
   }
   const OptionSpec* spec = find_option(name);
@@ -144,6 +158,10 @@ bool apply(Options& o, std::string_view name, std::string_view value) {
   if (name == "MAGI_TRACE_BUFFER_KIB") o.trace_buffer_kib = *v;
   else if (name == "MAGI_CALLSITE_DEPTH") o.callsite_depth = *v;
   else if (name == "MAGI_MAX_STEP_CALLS") o.max_step_calls = *v;
+  else if (name == "MAGI_WARMUP_STEPS") o.warmup_steps = *v;
+  else if (name == "MAGI_REAGREE_STEPS") o.reagree_steps = *v;
+  else if (name == "MAGI_SYMM_MIN_SHARD_MIB") o.symm_min_shard_mib = *v;
+  else if (name == "MAGI_WINDOW_MAX_MIB") o.window_max_mib = *v;
   else return false;
   return true;
 }
@@ -223,6 +241,13 @@ std::string Options::describe() const {
   out += " MAGI_CALLSITE_DEPTH=" + std::to_string(callsite_depth);
   out += " MAGI_MAX_STEP_CALLS=" + std::to_string(max_step_calls);
   out += " MAGI_NCCL_LIBRARY=" + (nccl_library.empty() ? std::string("(search)") : nccl_library);
+  out += " MAGI_TRANSPORT=" + std::string(transport == Transport::Nccl ? "nccl" : "copy_engine");
+  out += " MAGI_BACKEND=" + std::string(backend == Backend::Host ? "host" : "cuda");
+  out += " MAGI_WARMUP_STEPS=" + std::to_string(warmup_steps);
+  out += " MAGI_REAGREE_STEPS=" + std::to_string(reagree_steps);
+  out += " MAGI_SYMM_MIN_SHARD_MIB=" + std::to_string(symm_min_shard_mib);
+  out += " MAGI_WINDOW_MAX_MIB=" + std::to_string(window_max_mib);
+  out += " MAGI_DRY_RUN=" + std::string(dry_run ? "1" : "0");
   return out;
 }
 

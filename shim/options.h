@@ -29,8 +29,9 @@ struct OptionSpec {
 #define MAGI_OPTION_TABLE(X)                                                                       \
   X(MAGI_LOG, Enum, "WARN", "WARN|INFO|TRACE", 0, 0,                                              \
     "How much the library says on stderr: warnings only, decisions, or every call.")             \
-  X(MAGI_LOG_SUBSYS, SubsystemList, "ALL", "comma list of INIT,SHIM,CAPTURE,TRACE,ALL; ^ negates", \
-    0, 0, "Which subsystems may log (like NCCL_DEBUG_SUBSYS).")                                   \
+  X(MAGI_LOG_SUBSYS, SubsystemList, "ALL",                                                         \
+    "comma list of INIT,SHIM,CAPTURE,TRACE,REWRITE,TRANSPORT,ALL; ^ negates", 0, 0,               \
+    "Which subsystems may log (like NCCL_DEBUG_SUBSYS).")                                         \
   X(MAGI_TRACE_DIR, Path, "", "a directory path", 0, 0,                                           \
     "Write each process's call records to a file in this directory (mode 0600). Empty: no trace.") \
   X(MAGI_TRACE_BUFFER_KIB, Int, "1024", "an integer from 16 to 1048576", 16, 1048576,             \
@@ -42,7 +43,21 @@ struct OptionSpec {
   X(MAGI_MAX_STEP_CALLS, Int, "4096", "an integer from 2 to 1048576", 2, 1048576,                 \
     "Longest repeating step (in collective calls) the step detector looks for, per communicator.") \
   X(MAGI_NCCL_LIBRARY, Path, "", "a path to libnccl.so.2", 0, 0,                                  \
-    "Where the real NCCL is, when it cannot be found among the libraries already loaded.")
+    "Where the real NCCL is, when it cannot be found among the libraries already loaded.")        \
+  X(MAGI_TRANSPORT, Enum, "copy_engine", "copy_engine|nccl", 0, 0,                                \
+    "Where agreed gathers go: the copy-engine transport, or nccl (only capture and trace).")      \
+  X(MAGI_BACKEND, Enum, "cuda", "cuda|host", 0, 0,                                                \
+    "Memory the transport serves: CUDA device memory, or host memory (CPU-only runs, the stand-in).") \
+  X(MAGI_WARMUP_STEPS, Int, "3", "an integer from 1 to 1000000", 1, 1000000,                       \
+    "Steps a gather must recur unchanged (position, count, type, call site, send buffer) to be a candidate.") \
+  X(MAGI_REAGREE_STEPS, Int, "256", "an integer from 0 to 1000000000", 0, 1000000000,              \
+    "Steps between agreement rounds while routes are agreed (0: only after the step changes).")   \
+  X(MAGI_SYMM_MIN_SHARD_MIB, Int, "0", "an integer from 0 to 1048576", 0, 1048576,                 \
+    "Smallest per-rank shard (MiB) a gather needs to leave NCCL; 0: any size.")                   \
+  X(MAGI_WINDOW_MAX_MIB, Int, "4096", "an integer from 1 to 1048576", 1, 1048576,                  \
+    "Largest staging slot (MiB) of a communicator's window; a bigger bucket stays on NCCL.")      \
+  X(MAGI_DRY_RUN, Bool, "0", "0 or 1", 0, 0,                                                      \
+    "Agree and decide as usual, move nothing: decisions show as 'would move' in log and trace.")
 
 // The typed view, filled once from the environment (Options::get()).
 struct Options {
@@ -57,6 +72,15 @@ struct Options {
   int64_t callsite_depth{};
   int64_t max_step_calls{};
   std::string nccl_library;
+  enum class Transport : uint8_t { CopyEngine, Nccl };
+  Transport transport{};
+  enum class Backend : uint8_t { Cuda, Host };
+  Backend backend{};
+  int64_t warmup_steps{};
+  int64_t reagree_steps{};
+  int64_t symm_min_shard_mib{};
+  int64_t window_max_mib{};
+  bool dry_run{};
 
   // The process-wide options: parsed from environ on first use, then immutable.
   static const Options& get();

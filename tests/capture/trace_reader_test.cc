@@ -17,7 +17,9 @@ namespace magi::trace {
 namespace {
 
 using testing::CallSpec;
+using testing::make_agreement;
 using testing::make_call;
+using testing::make_decision;
 using testing::make_comm;
 using testing::make_file_header;
 using testing::TraceBuilder;
@@ -40,13 +42,19 @@ struct EveryRecord {
   std::array<Frame, 3> frames{{{0x1111, 0x10}, {0x2222, 0x20}, {0, 0}}};
   std::string module_name = "/usr/lib/libtorch_cuda.so";  // 25 bytes: exercises padding
   StepRecord step{kComm, 100, 4, 0x5eed, 32, 3, static_cast<uint8_t>(StepEvent::Found), {}};
+  AgreementRecord agreement = make_agreement(
+      kComm, 2, {7, RoundKind::Publish, RoundEvent::Read, 130, AgreementMode::Slot, 12, 5,
+                 Reason::TransportFailed, 9, 0x5eed});
+  DecisionRecord decision = make_decision(
+      kComm, 2, 7, AgreementMode::Slot,
+      {11, Verdict::Stays, Reason::OtherRankRefused, 3, 4, 9, 65536, 0xfeed});
 
   TraceBuilder builder() const {
     TraceBuilder b(header);
     const uint64_t unknown_payload[3] = {1, 2, 3};
     b.comm(comm).callsite(0xfeed, frames).module(0x1111, module_name).call(call);
     b.record(kUnknownType, unknown_payload, sizeof(unknown_payload));
-    b.step(step).dropped(17).dropped(3).comm_end(end);
+    b.step(step).agreement(agreement).decision(decision).dropped(17).dropped(3).comm_end(end);
     return b;
   }
 };
@@ -90,6 +98,10 @@ TEST(TraceReader, EveryRecordTypeRoundTrips) {
   EXPECT_TRUE(same_bytes(t.comm_ends[0], in.end));
   ASSERT_EQ(t.steps.size(), 1u);
   EXPECT_TRUE(same_bytes(t.steps[0], in.step));
+  ASSERT_EQ(t.agreements.size(), 1u);
+  EXPECT_TRUE(same_bytes(t.agreements[0], in.agreement));
+  ASSERT_EQ(t.decisions.size(), 1u);
+  EXPECT_TRUE(same_bytes(t.decisions[0], in.decision));
   ASSERT_EQ(t.callsites.count(0xfeed), 1u);
   const std::vector<Frame>& frames = t.callsites.at(0xfeed).frames;
   ASSERT_EQ(frames.size(), in.frames.size());
@@ -232,7 +244,7 @@ TEST(TraceReader, FileEndingMidRecordIsATruncatedRecord) {
 
 // Each known type must hold at least its payload struct: a short one is refused, not read past.
 TEST(TraceReader, RecordShorterThanItsTypeNeedsIsRefused) {
-  const std::array<std::pair<RecordType, size_t>, 7> minimum = {{
+  const std::array<std::pair<RecordType, size_t>, 9> minimum = {{
       {RecordType::Comm, sizeof(CommRecord)},
       {RecordType::Call, sizeof(CallRecord)},
       {RecordType::CommEnd, sizeof(CommEndRecord)},
@@ -240,6 +252,8 @@ TEST(TraceReader, RecordShorterThanItsTypeNeedsIsRefused) {
       {RecordType::Module, sizeof(ModuleRecord)},
       {RecordType::Step, sizeof(StepRecord)},
       {RecordType::Dropped, sizeof(DroppedRecord)},
+      {RecordType::Agreement, sizeof(AgreementRecord)},
+      {RecordType::Decision, sizeof(DecisionRecord)},
   }};
   for (const auto& [type, needed] : minimum) {
     SCOPED_TRACE(static_cast<int>(type));
@@ -329,6 +343,67 @@ TEST(TraceReader, EveryDamagedByteParsesOrNamesAnOffset) {
   }
 }
 
+// The rounds of an agreement interleave with calls and with other communicators' rounds; the
+// reader keeps each kind in file order, every field as written.
+TEST(TraceReader, AgreementAndDecisionRecordsAreReadInFileOrder) {
+  constexpr uint64_t kOther = 0x7c00ffee12340002ull;
+  TraceBuilder b;
+  b.comm(make_comm(kComm, 1, 2)).comm(make_comm(kOther, 1, 2));
+  std::vector<AgreementRecord> agreements;
+  std::vector<DecisionRecord> decisions;
+  for (uint32_t round = 1; round <= 3; ++round) {
+    const uint64_t comm = round == 2 ? kOther : kComm;
+    agreements.push_back(make_agreement(
+        comm, 1, {round, RoundKind::Propose, RoundEvent::Issued, 10 * round}));
+    b.agreement(agreements.back());
+    b.call(make_call(comm, 1, round, CallSpec{}));
+    agreements.push_back(make_agreement(
+        comm, 1, {round, RoundKind::Propose, RoundEvent::Read, 10 * round + 3,
+                  AgreementMode::Identical, 2, round == 3 ? 0u : 2u,
+                  round == 3 ? Reason::StepsDiffer : Reason::None}));
+    b.agreement(agreements.back());
+    for (uint32_t position : {0u, 2u}) {
+      decisions.push_back(make_decision(
+          comm, 1, round, AgreementMode::Identical,
+          {position, round == 3 ? Verdict::Stays : Verdict::Moved,
+           round == 3 ? Reason::StepsDiffer : Reason::None, -1,
+           static_cast<uint16_t>(position), 9, 4096u << position, 0xa0 + position}));
+      b.decision(decisions.back());
+    }
+  }
+  const Trace t = parse_trace("rounds.trace", b.bytes());
+  EXPECT_EQ(t.calls.size(), 3u);
+  ASSERT_EQ(t.agreements.size(), agreements.size());
+  for (size_t i = 0; i < agreements.size(); ++i) {
+    EXPECT_TRUE(same_bytes(t.agreements[i], agreements[i])) << "agreement " << i;
+  }
+  ASSERT_EQ(t.decisions.size(), decisions.size());
+  for (size_t i = 0; i < decisions.size(); ++i) {
+    EXPECT_TRUE(same_bytes(t.decisions[i], decisions[i])) << "decision " << i;
+  }
+  EXPECT_EQ(t.unknown_records, 0u);
+}
+
+// A later writer may grow the two records at their end: the known prefix is read, the rest
+// skipped, as for every other type.
+TEST(TraceReader, LongerAgreementRecordsKeepTheirKnownFields) {
+  const AgreementRecord agreement = make_agreement(
+      kComm, 0, {2, RoundKind::Confirm, RoundEvent::Activated, 77, AgreementMode::Slot, 4, 3});
+  const DecisionRecord decision =
+      make_decision(kComm, 0, 2, AgreementMode::Slot, {5, Verdict::WouldMove});
+  const uint64_t later_fields[2] = {0xaaaa, 0xbbbb};
+  TraceBuilder b;
+  b.record(static_cast<uint16_t>(RecordType::Agreement), &agreement, sizeof(agreement),
+           later_fields, sizeof(later_fields));
+  b.record(static_cast<uint16_t>(RecordType::Decision), &decision, sizeof(decision), later_fields,
+           sizeof(later_fields));
+  const Trace t = parse_trace("longer-records.trace", b.bytes());
+  ASSERT_EQ(t.agreements.size(), 1u);
+  EXPECT_TRUE(same_bytes(t.agreements[0], agreement));
+  ASSERT_EQ(t.decisions.size(), 1u);
+  EXPECT_TRUE(same_bytes(t.decisions[0], decision));
+}
+
 TEST(TraceReader, ManyCallsAreReadInFileOrder) {
   constexpr uint64_t kCalls = 200000;
   TraceBuilder b;
@@ -356,6 +431,22 @@ TEST(TraceFormatNames, ReductionsUseShortNamesAndNumberTheRest) {
   const std::string_view user = redop_name(ncclNumOps + 2);
   EXPECT_EQ(user, "op7");
   EXPECT_EQ(redop_name(ncclNumOps + 2).data(), user.data()) << "names are kept, not rebuilt";
+}
+
+TEST(TraceFormatNames, AgreementValuesHaveNamesAndUnknownOnesShowTheirNumber) {
+  EXPECT_EQ(mode_name(AgreementMode::Slot), "slot");
+  EXPECT_EQ(round_kind_name(RoundKind::Confirm), "confirm");
+  EXPECT_EQ(round_event_name(RoundEvent::Deactivated), "deactivated");
+  EXPECT_EQ(verdict_name(Verdict::WouldMove), "would move");
+  EXPECT_EQ(reason_name(Reason::OtherRankRefused), "another rank refused it");
+  for (uint8_t reason = 1; reason < static_cast<uint8_t>(Reason::Count); ++reason) {
+    const std::string_view name = reason_name(static_cast<Reason>(reason));
+    EXPECT_FALSE(name.empty()) << int{reason};
+    EXPECT_EQ(name.find("reason#"), std::string_view::npos) << int{reason} << " has no name";
+  }
+  EXPECT_EQ(reason_name(Reason::Count), "reason#" + std::to_string(int(Reason::Count)));
+  EXPECT_EQ(verdict_name(static_cast<Verdict>(0)), "verdict#0");
+  EXPECT_EQ(mode_name(static_cast<AgreementMode>(9)), "mode#9");
 }
 
 TEST(TraceFormatNames, OnlySendAndRecvAreNotCollectives) {

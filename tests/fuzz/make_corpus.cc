@@ -50,6 +50,9 @@ TraceBuilder every_record_type() {
   step.period = 3;
   step.event = static_cast<uint8_t>(StepEvent::Found);
   b.step(step);
+  b.agreement(make_agreement(kComm, 0, {1, RoundKind::Propose, RoundEvent::Read, 8,
+                                        AgreementMode::Identical, 1, 1}));
+  b.decision(make_decision(kComm, 0, 1, AgreementMode::Identical, {1, Verdict::Moved}));
   b.dropped(3);
   const uint64_t future[2] = {1, 2};
   b.record(99, future, sizeof(future));  // a type this reader does not know
@@ -58,6 +61,39 @@ TraceBuilder every_record_type() {
   end.calls = 2;
   end.how = static_cast<uint8_t>(CommEndKind::ProcessExit);
   b.comm_end(end);
+  return b;
+}
+
+// Two agreement rounds of one rank between its calls: the first read, activated and then
+// deactivated by a deviation, the second read with a gather another rank refused, and a call
+// served off NCCL in between.
+TraceBuilder agreement_rounds() {
+  TraceBuilder b;
+  b.comm(make_comm(kComm, 1, 2));
+  uint64_t seq = 0;
+  const auto call = [&](uint8_t flags) {
+    CallRecord r = make_call(kComm, 1, seq++, {Op::AllGather, 9, 1 << 16, -1, -1, 0xa1});
+    r.flags = flags;
+    b.call(r);
+  };
+  for (uint32_t round = 1; round <= 2; ++round) {
+    const uint64_t at = 10 * round;
+    const AgreementMode mode = round == 1 ? AgreementMode::Identical : AgreementMode::Slot;
+    b.agreement(make_agreement(kComm, 1, {round, RoundKind::Propose, RoundEvent::Issued, at}));
+    call(0);
+    b.agreement(make_agreement(kComm, 1,
+                               {round, RoundKind::Propose, RoundEvent::Read, at + 3, mode, 2, 1}));
+    b.decision(make_decision(kComm, 1, round, mode, {0, Verdict::Moved, Reason::None, -1, 0, 9,
+                                                     1 << 16, 0xa1}));
+    b.decision(make_decision(kComm, 1, round, mode,
+                             {3, Verdict::Stays, Reason::OtherRankRefused, 0, 1, 7, 512, 0xa2}));
+    b.agreement(make_agreement(kComm, 1, {round, RoundKind::Confirm, RoundEvent::Activated,
+                                          at + 6, mode, 2, 1}));
+    call(kCallMoved);
+    call(kCallWouldMove | kCallInGroup);
+  }
+  b.agreement(make_agreement(kComm, 1, {2, RoundKind::Confirm, RoundEvent::Deactivated, 40,
+                                        AgreementMode::Slot, 2, 1, Reason::Deviated}));
   return b;
 }
 
@@ -85,6 +121,7 @@ int main(int argc, char** argv) {
       {"rank3_one_step", one_rank_of_a_step(3, 1).bytes()},
       {"every_record_type", every_record_type().bytes()},
       {"longer_header", longer_header().bytes()},
+      {"agreement_rounds", agreement_rounds().bytes()},
   };
   std::string truncated = one_rank_of_a_step(1, 1).bytes();
   truncated.resize(truncated.size() - 20);

@@ -46,6 +46,8 @@ std::string rewritten(const Trace& t) {
   for (const CallRecord& r : t.calls) b.call(r);
   for (const CommEndRecord& r : t.comm_ends) b.comm_end(r);
   for (const StepRecord& r : t.steps) b.step(r);
+  for (const AgreementRecord& r : t.agreements) b.agreement(r);
+  for (const DecisionRecord& r : t.decisions) b.decision(r);
   for (const auto& [key, entry] : t.callsites) b.callsite(key, entry.frames);
   for (const auto& [key, name] : t.modules) b.module(key, name);
   if (t.dropped != 0) b.dropped(t.dropped);
@@ -57,7 +59,8 @@ void check_decoded(const Trace& t, size_t size) {
   if (t.path != kName) broken("trace not named after its input");
   if (size < sizeof(FileHeader)) broken("parsed without a whole header", size);
   const uint64_t records = t.comms.size() + t.comm_ends.size() + t.calls.size() + t.steps.size() +
-                           t.callsites.size() + t.modules.size() + t.unknown_records;
+                           t.agreements.size() + t.decisions.size() + t.callsites.size() +
+                           t.modules.size() + t.unknown_records;
   if (records * sizeof(RecordHeader) > size) broken("more records than bytes allow", records);
 
   const Trace again = parse_trace(kName, rewritten(t));
@@ -68,6 +71,8 @@ void check_decoded(const Trace& t, size_t size) {
   if (!same(t.calls, again.calls)) broken("Call records changed");
   if (!same(t.comm_ends, again.comm_ends)) broken("CommEnd records changed");
   if (!same(t.steps, again.steps)) broken("Step records changed");
+  if (!same(t.agreements, again.agreements)) broken("Agreement records changed");
+  if (!same(t.decisions, again.decisions)) broken("Decision records changed");
   if (t.dropped != again.dropped) broken("dropped count changed", t.dropped);
   if (t.unknown_records != again.unknown_records) broken("unknown count changed");
   if (t.modules != again.modules) broken("module names changed");

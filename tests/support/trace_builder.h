@@ -90,6 +90,67 @@ inline CommRecord make_comm(uint64_t comm_id, int32_t rank, int32_t nranks,
   return comm;
 }
 
+// One event of an agreement round, as rewrite/ records it.
+struct AgreementSpec {
+  uint32_t round = 1;
+  RoundKind kind = RoundKind::Propose;
+  RoundEvent event = RoundEvent::Read;
+  uint64_t seq = 0;  // collective index of the event
+  AgreementMode mode = AgreementMode::None;
+  uint32_t gathers = 0;
+  uint32_t moved = 0;
+  Reason reason = Reason::None;
+  uint32_t period = 3;
+  uint64_t step_digest = 0xd16e57;
+};
+
+inline AgreementRecord make_agreement(uint64_t comm_id, int32_t rank, const AgreementSpec& spec) {
+  AgreementRecord r{};
+  r.comm_id = comm_id;
+  r.seq = spec.seq;
+  r.step_digest = spec.step_digest;
+  r.round = spec.round;
+  r.period = spec.period;
+  r.gathers = spec.gathers;
+  r.moved = spec.moved;
+  r.rank = rank;
+  r.kind = static_cast<uint8_t>(spec.kind);
+  r.event = static_cast<uint8_t>(spec.event);
+  r.mode = static_cast<uint8_t>(spec.mode);
+  r.reason = static_cast<uint8_t>(spec.reason);
+  return r;
+}
+
+// What one propose round decided for one gather of the step.
+struct DecisionSpec {
+  uint32_t position = 0;  // in the step
+  Verdict verdict = Verdict::Moved;
+  Reason reason = Reason::None;
+  int32_t refused_by = -1;
+  uint16_t bucket = 0;
+  uint8_t dtype = 7;  // ncclFloat32
+  uint64_t count = 1024;
+  uint64_t callsite = 0;
+};
+
+inline DecisionRecord make_decision(uint64_t comm_id, int32_t rank, uint32_t round,
+                                    AgreementMode mode, const DecisionSpec& spec) {
+  DecisionRecord r{};
+  r.comm_id = comm_id;
+  r.callsite = spec.callsite;
+  r.count = spec.count;
+  r.round = round;
+  r.position = spec.position;
+  r.rank = rank;
+  r.refused_by = spec.refused_by;
+  r.bucket = spec.bucket;
+  r.dtype = spec.dtype;
+  r.verdict = static_cast<uint8_t>(spec.verdict);
+  r.reason = static_cast<uint8_t>(spec.reason);
+  r.mode = static_cast<uint8_t>(mode);
+  return r;
+}
+
 class TraceBuilder {
  public:
   explicit TraceBuilder(const FileHeader& header = make_file_header()) {
@@ -114,6 +175,8 @@ class TraceBuilder {
   TraceBuilder& call(const CallRecord& r) { return typed(RecordType::Call, r); }
   TraceBuilder& comm_end(const CommEndRecord& r) { return typed(RecordType::CommEnd, r); }
   TraceBuilder& step(const StepRecord& r) { return typed(RecordType::Step, r); }
+  TraceBuilder& agreement(const AgreementRecord& r) { return typed(RecordType::Agreement, r); }
+  TraceBuilder& decision(const DecisionRecord& r) { return typed(RecordType::Decision, r); }
   TraceBuilder& dropped(uint64_t records) {
     return typed(RecordType::Dropped, DroppedRecord{records});
   }

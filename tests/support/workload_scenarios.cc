@@ -1,6 +1,6 @@
 // libworkload.so: the test scenarios behind one entry point, so a program can link them
 // normally (magi-workload) or dlopen them RTLD_LOCAL (magi-workload-local).
-//   magi_workload_main(argc, argv): argv[0] is the scenario: ops | fsdp | split | initall.
+//   magi_workload_main(argc, argv): argv[0] is the scenario: ops | fsdp | split | initall | agree.
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -56,7 +56,7 @@ void check(ncclResult_t result, const char* call) {
 
 extern "C" __attribute__((visibility("default"))) int magi_workload_main(int argc, char** argv) {
   if (argc < 1) {
-    std::fprintf(stderr, "usage: SCENARIO [--option value]...  (ops|fsdp|split|initall)\n");
+    std::fprintf(stderr, "usage: SCENARIO [--option value]...  (ops|fsdp|split|initall|agree)\n");
     return 2;
   }
   const std::string scenario = argv[0];
@@ -66,7 +66,8 @@ extern "C" __attribute__((visibility("default"))) int magi_workload_main(int arg
     if (scenario == "fsdp") return workload::run_fsdp(options);
     if (scenario == "split") return workload::run_split(options);
     if (scenario == "initall") return workload::run_initall(options);
-    std::fprintf(stderr, "unknown scenario %s (ops|fsdp|split|initall)\n", scenario.c_str());
+    if (scenario == "agree") return workload::run_agree(options);
+    std::fprintf(stderr, "unknown scenario %s (ops|fsdp|split|initall|agree)\n", scenario.c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: %s\n", scenario.c_str(), e.what());

@@ -21,8 +21,12 @@
 namespace magi::trace {
 namespace {
 
+using testing::AgreementSpec;
 using testing::CallSpec;
+using testing::DecisionSpec;
+using testing::make_agreement;
 using testing::make_call;
+using testing::make_decision;
 using testing::make_comm;
 using testing::make_file_header;
 using testing::TraceBuilder;
@@ -153,7 +157,7 @@ std::vector<std::string> with(std::vector<std::string> head, const std::vector<s
 TEST_F(MagiceTrace, HelpListsEveryVerb) {
   const ToolRun run = tool({"--help"});
   EXPECT_EQ(run.status, 0);
-  for (const char* verb : {"dump", "skeleton", "diff", "export"}) {
+  for (const char* verb : {"dump", "skeleton", "diff", "export", "decisions"}) {
     EXPECT_TRUE(contains(run.out, verb)) << verb;
     const ToolRun help = tool({verb, "--help"});
     EXPECT_EQ(help.status, 0) << verb;
@@ -348,7 +352,7 @@ TEST_F(MagiceTrace, MalformedInputNamesFileAndOffsetAndExitsTwo) {
   const std::string out = dir_ + "/never.json";
   for (const std::vector<std::string>& args :
        {with({"dump"}, files), with({"skeleton"}, files), with({"diff"}, files),
-        with({"export", "--chrome", "-o", out}, files)}) {
+        with({"export", "--chrome", "-o", out}, files), with({"decisions"}, files)}) {
     SCOPED_TRACE(args[0]);
     const ToolRun run = tool(args);
     EXPECT_EQ(run.status, 2);
@@ -360,6 +364,333 @@ TEST_F(MagiceTrace, MalformedInputNamesFileAndOffsetAndExitsTwo) {
   const ToolRun absent = tool({"diff", files[0], dir_ + "/absent.trace"});
   EXPECT_EQ(absent.status, 2);
   EXPECT_TRUE(contains(absent.err, dir_ + "/absent.trace")) << absent.err;
+}
+
+
+// ---- decisions ----
+
+// One propose round as a rank records it: issued, read three collectives later, then one
+// decision per gather.
+struct RoundPlan {
+  uint32_t round = 1;
+  uint64_t read_at = 0;  // collective index of the read
+  AgreementMode mode = AgreementMode::Identical;
+  std::vector<DecisionSpec> gathers;
+  Reason reason = Reason::None;
+};
+
+void add_round(TraceBuilder& b, uint64_t comm, int32_t rank, const RoundPlan& plan) {
+  const auto gathers = static_cast<uint32_t>(plan.gathers.size());
+  uint32_t moved = 0;
+  for (const DecisionSpec& g : plan.gathers) moved += g.verdict != Verdict::Stays ? 1 : 0;
+  b.agreement(make_agreement(comm, rank,
+                             {plan.round, RoundKind::Propose, RoundEvent::Issued,
+                              plan.read_at - 3, AgreementMode::None, gathers, 0}));
+  b.agreement(make_agreement(comm, rank,
+                             {plan.round, RoundKind::Propose, RoundEvent::Read, plan.read_at,
+                              plan.mode, gathers, moved, plan.reason}));
+  for (const DecisionSpec& g : plan.gathers) {
+    b.decision(make_decision(comm, rank, plan.round, plan.mode, g));
+  }
+}
+
+AgreementRecord route_change(uint64_t comm, int32_t rank, uint32_t round, RoundEvent event,
+                             uint64_t at, Reason reason = Reason::None) {
+  return make_agreement(comm, rank,
+                        {round, RoundKind::Confirm, event, at, AgreementMode::Slot, 3, 2, reason});
+}
+
+// The step's three gathers as rank `rank` decides them in round 1 and 2: the middle one holds
+// host memory on rank 0, so every other rank stays because rank 0 refused it.
+std::vector<DecisionSpec> step_gathers(int32_t rank, Verdict moving = Verdict::Moved) {
+  const DecisionSpec refused =
+      rank == 0 ? DecisionSpec{3, Verdict::Stays, Reason::HostMemory, -1, 1}
+                : DecisionSpec{3, Verdict::Stays, Reason::OtherRankRefused, 0, 1};
+  return {{1, moving, Reason::None, -1, 0, 9, 1 << 20, 0xa1},
+          refused,
+          {5, moving, Reason::None, -1, 2, 9, 1 << 18, 0xa2}};
+}
+
+class MagiceTraceDecisions : public MagiceTrace {
+ protected:
+  // A rank that agreed twice: round 1 (identical) was activated and then deactivated by a
+  // deviation; round 2 (slot) was activated. `last` rounds are written (0: only the comm).
+  std::string write_agreeing_rank(int32_t rank, int32_t nranks, uint32_t last = 2,
+                                  std::vector<DecisionSpec> round2 = {}) {
+    if (round2.empty()) round2 = step_gathers(rank);
+    TraceBuilder b(make_file_header(1000 + rank, "node0", "infer"));
+    b.comm(make_comm(kWorld, rank, nranks));
+    b.call(make_call(kWorld, rank, 0, CallSpec{}));
+    if (last >= 1) {
+      add_round(b, kWorld, rank, {1, 10, AgreementMode::Identical, step_gathers(rank)});
+      b.agreement(route_change(kWorld, rank, 1, RoundEvent::Activated, 20));
+      b.agreement(route_change(kWorld, rank, 1, RoundEvent::Deactivated, 40, Reason::Deviated));
+    }
+    if (last >= 2) {
+      add_round(b, kWorld, rank, {2, 50, AgreementMode::Slot, round2});
+      b.agreement(route_change(kWorld, rank, 2, RoundEvent::Activated, 60));
+    }
+    const std::string path = dir_ + "/agree" + std::to_string(rank) + ".trace";
+    b.write(path);
+    return path;
+  }
+
+  std::vector<std::string> write_agreeing_ranks(int32_t nranks) {
+    std::vector<std::string> files;
+    for (int32_t r = 0; r < nranks; ++r) files.push_back(write_agreeing_rank(r, nranks));
+    return files;
+  }
+};
+
+TEST_F(MagiceTraceDecisions, PrintsTheLastRoundOfEveryRankGatherByGather) {
+  const ToolRun run = tool(with({"decisions"}, write_agreeing_ranks(3)));
+  EXPECT_EQ(run.status, 0) << run.out << run.err;
+  const std::string c = "comm 3f2a0c1d9e7b ";
+  std::string expected;
+  for (int r = 0; r < 3; ++r) {
+    const std::string who = c + "rank " + std::to_string(r) + ": ";
+    expected += who + "round 2 propose: mode slot, 2 of 3 gathers move\n";
+    expected += who + "round 2 activated at collective #60: 2 of 3 gathers leave NCCL\n";
+  }
+  for (int r = 0; r < 3; ++r) {
+    expected += c + "rank " + std::to_string(r) +
+                " gather #0 (pos 1, bfloat16 x 1048576, bucket 0): moved\n";
+  }
+  expected += c + "rank 0 gather #1 (pos 3, float32 x 1024, bucket 1): stays: host memory\n";
+  for (int r = 1; r < 3; ++r) {
+    expected += c + "rank " + std::to_string(r) +
+                " gather #1 (pos 3, float32 x 1024, bucket 1): stays: another rank refused it "
+                "(rank 0)\n";
+  }
+  for (int r = 0; r < 3; ++r) {
+    expected += c + "rank " + std::to_string(r) +
+                " gather #2 (pos 5, bfloat16 x 262144, bucket 2): moved\n";
+  }
+  EXPECT_EQ(run.out, expected);
+  EXPECT_TRUE(run.err.empty()) << run.err;
+}
+
+TEST_F(MagiceTraceDecisions, AllPrintsEveryRoundWithItsRouteChanges) {
+  const ToolRun run = tool(with({"decisions", "--all"}, write_agreeing_ranks(2)));
+  EXPECT_EQ(run.status, 0) << run.out << run.err;
+  const std::string c = "comm 3f2a0c1d9e7b rank 1";
+  const std::vector<std::string> in_order = {
+      c + ": round 1 propose: mode identical, 2 of 3 gathers move\n",
+      c + ": round 1 activated at collective #20: 2 of 3 gathers leave NCCL\n",
+      c + ": round 1 deactivated at collective #40: back to NCCL (the call deviated from the "
+          "agreed step)\n",
+      c + " gather #2 (pos 5, bfloat16 x 262144, bucket 2): moved\n",
+      c + ": round 2 propose: mode slot, 2 of 3 gathers move\n",
+      c + ": round 2 activated at collective #60: 2 of 3 gathers leave NCCL\n",
+      c + " gather #2 (pos 5, bfloat16 x 262144, bucket 2): moved\n",
+  };
+  size_t at = 0;
+  for (const std::string& line : in_order) {
+    const size_t found = run.out.find(line, at);
+    ASSERT_NE(found, std::string::npos) << "missing, or out of order: " << line << run.out;
+    at = found + line.size();
+  }
+  // Without --all only round 2 is shown, so the deactivation of round 1 is not.
+  const ToolRun last = tool(with({"decisions"}, write_agreeing_ranks(2)));
+  EXPECT_EQ(last.status, 0) << last.out;
+  EXPECT_FALSE(contains(last.out, "round 1")) << last.out;
+  EXPECT_FALSE(contains(last.out, "deactivated")) << last.out;
+}
+
+TEST_F(MagiceTraceDecisions, RanksWithDifferentVerdictsExitOne) {
+  auto files = write_agreeing_ranks(3);
+  std::vector<DecisionSpec> odd = step_gathers(2);
+  odd[2].verdict = Verdict::Stays;  // rank 2 keeps on NCCL what ranks 0 and 1 move
+  odd[2].reason = Reason::NotStable;
+  files[2] = write_agreeing_rank(2, 3, 2, odd);
+
+  const ToolRun run = tool(with({"decisions"}, files));
+  EXPECT_EQ(run.status, 1) << run.out << run.err;
+  EXPECT_TRUE(contains(run.out,
+                       "ranks disagree on comm 3f2a0c1d9e7b gather #2 (round 2, pos 5): moved on "
+                       "ranks 0, 1; stays on rank 2\n"))
+      << run.out;
+  EXPECT_FALSE(contains(run.out, "gather #0 (round")) << "gathers that agree are not reported";
+  EXPECT_TRUE(contains(run.out, "rank 2 gather #2 (pos 5, bfloat16 x 262144, bucket 2): stays: "
+                                "not stable for MAGI_WARMUP_STEPS steps"))
+      << run.out;
+}
+
+TEST_F(MagiceTraceDecisions, AGatherOnlySomeRanksHaveDisagreesOnlyIfItLeavesNccl) {
+  auto files = write_agreeing_ranks(2);
+  // Rank 1 has an extra gather at position 7 that stays: harmless, the ranks' routes match.
+  std::vector<DecisionSpec> extra = step_gathers(1);
+  extra.push_back({7, Verdict::Stays, Reason::ShardTooSmall, -1, 3});
+  files[1] = write_agreeing_rank(1, 2, 2, extra);
+  const ToolRun harmless = tool(with({"decisions"}, files));
+  EXPECT_EQ(harmless.status, 0) << harmless.out;
+  EXPECT_TRUE(contains(harmless.out, "rank 1 gather #3 (pos 7, float32 x 1024, bucket 3): stays: "
+                                     "shard below MAGI_SYMM_MIN_SHARD_MIB\n"))
+      << harmless.out;
+
+  // The same extra gather moving on rank 1 alone would leave rank 0 waiting in NCCL.
+  extra.back() = {7, Verdict::Moved, Reason::None, -1, 3};
+  files[1] = write_agreeing_rank(1, 2, 2, extra);
+  const ToolRun moving = tool(with({"decisions"}, files));
+  EXPECT_EQ(moving.status, 1) << moving.out;
+  EXPECT_TRUE(contains(moving.out,
+                       "ranks disagree on comm 3f2a0c1d9e7b gather #3 (round 2, pos 7): moved on "
+                       "rank 1; no gather there on rank 0\n"))
+      << moving.out;
+}
+
+TEST_F(MagiceTraceDecisions, RanksThatReadDifferentRoundsExitOne) {
+  auto files = write_agreeing_ranks(3);
+  files[2] = write_agreeing_rank(2, 3, 1);  // rank 2's trace ends before round 2 was read
+  const ToolRun run = tool(with({"decisions"}, files));
+  EXPECT_EQ(run.status, 1) << run.out << run.err;
+  EXPECT_TRUE(contains(run.out, "comm 3f2a0c1d9e7b rank 2: round 1 propose: mode identical"))
+      << run.out;
+  EXPECT_TRUE(contains(run.out,
+                       "ranks disagree on comm 3f2a0c1d9e7b: last round read is 2 on ranks 0, 1; "
+                       "1 on rank 2\n"))
+      << run.out;
+
+  const ToolRun all = tool(with({"decisions", "--all"}, files));
+  EXPECT_EQ(all.status, 1) << all.out;
+  EXPECT_TRUE(contains(all.out, "comm 3f2a0c1d9e7b rank 2: round 2 not read\n")) << all.out;
+  EXPECT_TRUE(contains(all.out, "ranks disagree on comm 3f2a0c1d9e7b round 2: read on ranks 0, "
+                                "1; not on rank 2\n"))
+      << all.out;
+  EXPECT_FALSE(contains(all.out, "round 1: ")) << "round 1 was read alike on every rank";
+}
+
+TEST_F(MagiceTraceDecisions, ACommitThatFailedIsShownAfterItsRound) {
+  std::vector<std::string> files;
+  for (int32_t r = 0; r < 2; ++r) {
+    TraceBuilder b(make_file_header(1000 + r, "node0", "infer"));
+    b.comm(make_comm(kWorld, r, 2));
+    add_round(b, kWorld, r, {1, 10, AgreementMode::Identical, step_gathers(r)});
+    b.agreement(make_agreement(kWorld, r, {1, RoundKind::Publish, RoundEvent::Issued, 10}));
+    b.agreement(make_agreement(kWorld, r,
+                               {1, RoundKind::Publish, RoundEvent::Read, 13,
+                                AgreementMode::Identical, 3, 0, Reason::TransportFailed}));
+    files.push_back(dir_ + "/commit" + std::to_string(r) + ".trace");
+    b.write(files.back());
+  }
+  const ToolRun run = tool(with({"decisions"}, files));
+  EXPECT_EQ(run.status, 0) << run.out << run.err;
+  EXPECT_TRUE(contains(run.out,
+                       "comm 3f2a0c1d9e7b rank 1: round 1 propose: mode identical, 2 of 3 gathers "
+                       "move\n"
+                       "comm 3f2a0c1d9e7b rank 1: round 1 publish read at collective #13: nothing "
+                       "leaves NCCL (the transport failed on some rank)\n"))
+      << run.out;
+  EXPECT_FALSE(contains(run.out, "activated")) << run.out;
+}
+
+TEST_F(MagiceTraceDecisions, DryRunRoundsSayWouldMove) {
+  std::vector<std::string> files;
+  for (int32_t r = 0; r < 2; ++r) {
+    files.push_back(write_agreeing_rank(r, 2, 2, step_gathers(r, Verdict::WouldMove)));
+  }
+  const ToolRun run = tool(with({"decisions"}, files));
+  EXPECT_EQ(run.status, 0) << run.out << run.err;
+  EXPECT_TRUE(contains(run.out, "rank 0: round 2 propose: mode slot, 2 of 3 gathers would move\n"))
+      << run.out;
+  EXPECT_TRUE(contains(run.out, "rank 1 gather #0 (pos 1, bfloat16 x 1048576, bucket 0): would "
+                                "move\n"))
+      << run.out;
+}
+
+TEST_F(MagiceTraceDecisions, TracesWithoutAgreementSayNoRoundsPerCommunicator) {
+  auto files = write_ranks(2, periodic_sequence(3));
+  TraceBuilder b(make_file_header(1000, "node0", "train"));
+  b.comm(make_comm(kWorld, 0, 2)).comm(make_comm(kHalf, 0, 1, CommOrigin::Split, kWorld));
+  b.call(make_call(kHalf, 0, 0, CallSpec{}));
+  b.write(files[0]);
+  const ToolRun run = tool(with({"decisions"}, files));
+  EXPECT_EQ(run.status, 0) << run.out << run.err;
+  EXPECT_EQ(run.out,
+            "comm 3f2a0c1d9e7b: no agreement rounds\n"
+            "comm 7c00ffee1234: no agreement rounds\n");
+
+  const ToolRun all = tool(with({"decisions", "--all"}, files));
+  EXPECT_EQ(all.status, 0) << all.out;
+  EXPECT_EQ(all.out, run.out);
+}
+
+TEST_F(MagiceTraceDecisions, JsonHoldsTheSameRoundsAndParses) {
+  auto files = write_agreeing_ranks(2);
+  std::vector<DecisionSpec> odd = step_gathers(1);
+  odd[0].verdict = Verdict::Stays;
+  files[1] = write_agreeing_rank(1, 2, 2, odd);
+  const ToolRun run = tool(with({"decisions", "--json"}, files));
+  EXPECT_EQ(run.status, 1) << run.out << run.err;
+  const std::string json = dir_ + "/decisions.json";
+  std::ofstream(json) << run.out;
+  const std::string check =
+      "import json,sys\n"
+      "d=json.load(open(sys.argv[1]))\n"
+      "assert d['agree'] is False\n"
+      "[c]=d['communicators']\n"
+      "assert c['comm']=='3f2a0c1d9e7b0001', c['comm']\n"
+      "r=[(x['rank'],x['round'],x['mode']) for x in c['rounds']]\n"
+      "assert r==[(0,2,'slot'),(1,2,'slot')], r\n"
+      "g=c['rounds'][1]['decisions']\n"
+      "assert [x['verdict'] for x in g]==['stays','stays','moved'], g\n"
+      "assert g[1]['refused_by']==0 and g[1]['reason']=='another rank refused it', g[1]\n"
+      "assert c['rounds'][0]['route_changes'][0]['event']=='activated'\n"
+      "assert len(c['disagreements'])==1 and 'gather #0' in c['disagreements'][0]\n";
+  if (access("/usr/bin/python3", X_OK) != 0) GTEST_SKIP() << "python3 is needed to check the JSON";
+  const ToolRun parsed = run_program({"python3", "-c", check, json}, dir_);
+  EXPECT_EQ(parsed.status, 0) << parsed.err << run.out;
+}
+
+TEST_F(MagiceTraceDecisions, DumpShowsAgreementRecordsAndMovedCalls) {
+  TraceBuilder b(make_file_header(4242, "node9", "serve"));
+  b.comm(make_comm(kWorld, 0, 2));
+  CallRecord moved = make_call(kWorld, 0, 0, {Op::AllGather, 9, 111, -1, -1, 0});
+  moved.flags = kCallMoved;
+  CallRecord dry = make_call(kWorld, 0, 1, {Op::AllGather, 9, 222, -1, -1, 0});
+  dry.flags = kCallWouldMove;
+  b.call(moved).call(dry).call(make_call(kWorld, 0, 2, {Op::AllReduce, 7, 333, -1, 0, 0}));
+  add_round(b, kWorld, 0, {4, 30, AgreementMode::Abort, {{2, Verdict::Stays, Reason::StepsDiffer}},
+                           Reason::StepsDiffer});
+  const std::string file = dir_ + "/dump.trace";
+  b.write(file);
+
+  const ToolRun run = tool({"dump", file});
+  EXPECT_EQ(run.status, 0) << run.err;
+  std::istringstream lines(run.out);
+  std::string line, calls[3];
+  while (std::getline(lines, line)) {
+    for (int i = 0; i < 3; ++i) {
+      if (contains(line, " " + std::to_string(111 * (i + 1)) + " ")) calls[i] = line;
+    }
+  }
+  EXPECT_TRUE(calls[0].ends_with("  moved")) << calls[0];
+  EXPECT_TRUE(calls[1].ends_with("  would move")) << calls[1];
+  EXPECT_FALSE(contains(calls[2], "move")) << calls[2];
+  // One line per record: the issue and the read of round 4, and its one decision.
+  EXPECT_TRUE(contains(run.out, "propose   issued")) << run.out;
+  EXPECT_TRUE(contains(run.out, "propose   read  ")) << run.out;
+  EXPECT_TRUE(contains(run.out, "abort")) << run.out;
+  EXPECT_TRUE(contains(run.out, "abort: the ranks' steps differ")) << run.out;
+  EXPECT_TRUE(contains(run.out, "stays: abort: the ranks' steps differ")) << run.out;
+
+  const ToolRun decisions = tool({"decisions", file});
+  EXPECT_EQ(decisions.status, 0) << decisions.out;
+  EXPECT_TRUE(contains(decisions.out,
+                       "comm 3f2a0c1d9e7b rank 0: round 4 propose: mode abort, 0 of 1 gathers "
+                       "move (abort: the ranks' steps differ)\n"))
+      << decisions.out;
+}
+
+TEST_F(MagiceTraceDecisions, TruncatedDecisionRecordExitsTwo) {
+  const std::string file = write_agreeing_rank(0, 1);
+  std::string bytes = slurp(file);
+  bytes.resize(bytes.size() - 8);  // the last record: round 2's activation
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  const ToolRun run = tool({"decisions", file});
+  EXPECT_EQ(run.status, 2);
+  EXPECT_TRUE(contains(run.err, file + ": offset ")) << run.err;
+  EXPECT_TRUE(contains(run.err, "truncated record")) << run.err;
 }
 
 }  // namespace

@@ -16,7 +16,9 @@ namespace {
 
 constexpr std::string_view kUsage =
     "usage: magice-trace dump [--comm ID] [--frames] FILE...\n"
-    "  Prints each trace file as tables: its header, communicators, calls, step events, ends.\n"
+    "  Prints each trace file as tables: its header, communicators, calls, step events,\n"
+    "  agreement rounds, the decisions of each round, ends. A call that left NCCL is marked\n"
+    "  \"moved\" (\"would move\" under MAGI_DRY_RUN).\n"
     "  --comm ID   only communicators whose hex id starts with ID\n"
     "  --frames    also print each call site's frames once, as module+0xoffset\n";
 
@@ -54,6 +56,8 @@ class Dumper {
     print_comms();
     print_calls();
     print_steps();
+    print_agreements();
+    print_decisions();
     print_ends();
     if (o_.frames) print_frames();
     if (t_.dropped != 0) {
@@ -98,6 +102,8 @@ class Dumper {
                   static_cast<unsigned>(c.group_depth), flags_text(c).c_str(),
                   callsite_label(c.callsite).c_str(), duration_text(c.duration_ns).c_str());
       if (c.result != 0) std::printf("  result %d", c.result);
+      if (c.flags & trace::kCallMoved) std::printf("  moved");
+      if (c.flags & trace::kCallWouldMove) std::printf("  would move");
       std::putchar('\n');
     }
   }
@@ -115,6 +121,49 @@ class Dumper {
                   comm_label(s.comm_id).c_str(), event, s.seq, s.period, s.origin, s.repeats,
                   hex16(s.digest).c_str());
     }
+  }
+
+  void print_agreements() const {
+    if (t_.agreements.empty()) return;
+    std::printf("agreement rounds\n"
+                "  %-12s  %5s  %5s  %-8s  %-11s  %10s  %-9s  %7s  %6s  %-16s  %s\n",
+                "comm", "rank", "round", "kind", "event", "collective", "mode", "moved", "period",
+                "digest", "reason");
+    for (const trace::AgreementRecord& a : t_.agreements) {
+      if (!wanted(a.comm_id)) continue;
+      const std::string moved = std::to_string(a.moved) + "/" + std::to_string(a.gathers);
+      std::printf("  %-12s  %5d  %5u  %-8s  %-11s  %10" PRIu64 "  %-9s  %7s  %6u  %-16s  %s\n",
+                  comm_label(a.comm_id).c_str(), a.rank, a.round,
+                  name(trace::round_kind_name(static_cast<trace::RoundKind>(a.kind))).c_str(),
+                  name(trace::round_event_name(static_cast<trace::RoundEvent>(a.event))).c_str(),
+                  a.seq, name(trace::mode_name(static_cast<trace::AgreementMode>(a.mode))).c_str(),
+                  moved.c_str(), a.period, hex16(a.step_digest).c_str(),
+                  reason_text(a.reason).c_str());
+    }
+  }
+
+  void print_decisions() const {
+    if (t_.decisions.empty()) return;
+    std::printf("decisions\n  %-12s  %5s  %5s  %8s  %6s  %-8s %12s  %-8s  %-9s  %s\n", "comm",
+                "rank", "round", "position", "bucket", "dtype", "count", "callsite", "mode",
+                "verdict");
+    for (const trace::DecisionRecord& d : t_.decisions) {
+      if (!wanted(d.comm_id)) continue;
+      std::string verdict(trace::verdict_name(static_cast<trace::Verdict>(d.verdict)));
+      if (d.reason != 0) verdict += ": " + reason_text(d.reason);
+      if (d.refused_by >= 0) verdict += " (rank " + std::to_string(d.refused_by) + ")";
+      std::printf("  %-12s  %5d  %5u  %8u  %6u  %-8s %12" PRIu64 "  %-8s  %-9s  %s\n",
+                  comm_label(d.comm_id).c_str(), d.rank, d.round, d.position,
+                  static_cast<unsigned>(d.bucket), name(trace::dtype_name(d.dtype)).c_str(),
+                  d.count, callsite_label(d.callsite).c_str(),
+                  name(trace::mode_name(static_cast<trace::AgreementMode>(d.mode))).c_str(),
+                  verdict.c_str());
+    }
+  }
+
+  static std::string name(std::string_view text) { return std::string(text); }
+  static std::string reason_text(uint8_t reason) {
+    return reason == 0 ? "-" : name(trace::reason_name(static_cast<trace::Reason>(reason)));
   }
 
   void print_ends() const {

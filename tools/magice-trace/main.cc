@@ -22,6 +22,8 @@ constexpr Verb kVerbs[] = {
     {"skeleton", "each communicator's repeating step, found offline", magi::tool::skeleton_main},
     {"diff", "where the ranks' collectives part (exit 1 if they do)", magi::tool::diff_main},
     {"export", "Chrome trace-event JSON for Perfetto (--chrome)", magi::tool::export_main},
+    {"decisions", "what agreement decided per gather and rank (exit 1 if ranks differ)",
+     magi::tool::decisions_main},
 };
 
 // The full help also lists the library's settings, from the one option table.

@@ -11,5 +11,6 @@ int dump_main(std::span<const std::string> args);
 int skeleton_main(std::span<const std::string> args);
 int diff_main(std::span<const std::string> args);
 int export_main(std::span<const std::string> args);
+int decisions_main(std::span<const std::string> args);
 
 }  // namespace magi::tool

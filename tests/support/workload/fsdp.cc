@@ -1,18 +1,33 @@
 // fsdp --layers L --steps S [--diverge-rank R --diverge-step K --diverge-kind count|callsite]
 //      [--exit-without-destroy 1] [--fork-child 1]
+//      [--rewrite 1] [--callsite-rank R] [--group-rank R] [--newbuf-rank R --newbuf-step K]
+//      [--count-step K] [--mixed-group 1] [--comms 2 [--perturb-comm 1|2]]
 //
 // An FSDP-style inference loop: one all-reduce at start-up, then per step every layer's weight
 // shard is all-gathered (pairs of layers in one ncclGroupStart/End, as FSDP buckets them), used
-// for host "compute", and the step ends with an all-reduce of the logits. Silent unless wrong.
+// for host "compute", and the step ends with an all-reduce of the logits. Silent unless wrong:
+// every gathered element is checked.
 //
 // Divergence, for the tools that must notice it: at step K rank R gathers layer 0 with one
 // element less (count; run with STANDIN_MISMATCH=error and that call's error is reported and
 // ignored), or from another function with the same shape (callsite).
+//
+// Changes the agreement must survive (each about layer 0 of the perturbed communicator):
+//   --rewrite 1        the weights change every step (the shards are rewritten before gathering)
+//   --callsite-rank R  rank R gathers from another function for the whole run
+//   --group-rank R     rank R wraps its gather in a group of its own (the ranks group differently)
+//   --newbuf-rank R --newbuf-step K   rank R's shard moves to a new buffer at step K
+//   --count-step K     from step K every rank gathers one element less
+//   --mixed-group 1    each bucket's group also holds an all-reduce
+//   --comms 2          a second communicator (ncclCommSplit, color rank % 2) runs a model of its
+//                      own, step for step with the first; --perturb-comm picks which one the
+//                      changes above apply to (default 1)
 #include <cmath>
 #include <cstdlib>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,9 +42,9 @@ constexpr int kVocab = 32;
 
 size_t shard_elements(int layer) { return 256 * static_cast<size_t>(1 + layer % 3); }
 
-float weight(int layer, size_t index) {
-  const uint32_t h =
-      static_cast<uint32_t>(index * 2654435761u) ^ static_cast<uint32_t>(layer * 40503);
+float weight(int layer, size_t index, int step = 0) {
+  const uint32_t h = static_cast<uint32_t>(index * 2654435761u) ^
+                     static_cast<uint32_t>(layer * 40503) ^ static_cast<uint32_t>(step * 97);
   return static_cast<float>(h % 1000) / 1000.0f - 0.5f;
 }
 
@@ -57,10 +72,23 @@ struct Divergence {
   std::string kind;
 };
 
+// The changes of the header, for the communicator they apply to.
+struct Changes {
+  bool rewrite = false;
+  int callsite_rank = -1;
+  int group_rank = -1;
+  int newbuf_rank = -1;
+  int newbuf_step = -1;
+  int count_step = -1;
+  bool mixed_group = false;
+};
+
 class FsdpModel {
  public:
-  FsdpModel(ncclComm_t comm, int rank, int nranks, int layers, Divergence divergence)
-      : comm_(comm), rank_(rank), n_(nranks), layers_(layers), divergence_(std::move(divergence)) {
+  FsdpModel(ncclComm_t comm, int rank, int nranks, int layers, Divergence divergence,
+            Changes changes = {})
+      : comm_(comm), rank_(rank), n_(nranks), layers_(layers), divergence_(std::move(divergence)),
+        changes_(changes) {
     for (int l = 0; l < layers_; ++l) {
       const size_t shard = shard_elements(l);
       std::vector<float> mine(shard);
@@ -80,19 +108,40 @@ class FsdpModel {
   }
 
   void step(int s) {
+    step_ = s;
+    if (changes_.newbuf_rank == rank_ && changes_.newbuf_step == s) {
+      retired_.push_back(shards_[0]);  // kept alive: the old address must not come back
+      shards_[0] = std::vector<float>(shards_[0].size());
+    }
+    if (changes_.rewrite || (changes_.newbuf_rank == rank_ && changes_.newbuf_step == s)) {
+      for (int l = 0; l < layers_; ++l) {
+        const size_t shard = shard_elements(l);
+        for (size_t i = 0; i < shard; ++i) shards_[l][i] = weight(l, rank_ * shard + i, version());
+      }
+    }
     for (int l = 0; l < layers_;) {
       // Layers 1-2, 4-5, ... are bucketed: both gathers in one group.
       const bool bucket = l % 3 == 1 && l + 1 < layers_;
       if (bucket) {
+        int counter[1] = {rank_ + s};
         WORKLOAD_CHECK(ncclGroupStart());
         WORKLOAD_CHECK(gather(s, l));
+        if (changes_.mixed_group)
+          WORKLOAD_CHECK(ncclAllReduce(counter, counter, 1, ncclInt32, ncclSum, comm_, nullptr));
         WORKLOAD_CHECK(gather(s, l + 1));
         WORKLOAD_CHECK(ncclGroupEnd());
+        if (changes_.mixed_group && counter[0] != n_ * (n_ - 1) / 2 + n_ * s) {
+          throw ScenarioFailure(format("rank %d: step %d: all-reduce inside the group gave %d",
+                                       rank_, s, counter[0]));
+        }
         compute(l);
         compute(l + 1);
         l += 2;
       } else {
+        const bool own_group = l == 0 && changes_.group_rank == rank_;
+        if (own_group) WORKLOAD_CHECK(ncclGroupStart());
         const ncclResult_t result = gather(s, l);
+        if (own_group) WORKLOAD_CHECK(ncclGroupEnd());
         if (!diverged_here(s, l)) {
           check(result, "ncclAllGather");
           compute(l);
@@ -113,8 +162,19 @@ class FsdpModel {
     return s == divergence_.step && layer == 0 && divergence_.kind == "count";
   }
 
-  ncclResult_t gather(int s, int layer) {
+  // Which weights the shards hold this step: 0 unless they are rewritten.
+  int version() const { return changes_.rewrite ? step_ : 0; }
+
+  size_t gathered_count(int layer) const {
     const size_t shard = shard_elements(layer);
+    return layer == 0 && changes_.count_step >= 0 && step_ >= changes_.count_step ? shard - 1 : shard;
+  }
+
+  ncclResult_t gather(int s, int layer) {
+    const size_t shard = gathered_count(layer);
+    if (layer == 0 && changes_.callsite_rank == rank_) {
+      return gather_layer_elsewhere(shards_[layer].data(), full_[layer].data(), shard, comm_);
+    }
     const bool me = rank_ == divergence_.rank && s == divergence_.step && layer == 0;
     if (me && divergence_.kind == "count") {
       return gather_layer(shards_[layer].data(), full_[layer].data(), shard - 1, comm_);
@@ -128,10 +188,16 @@ class FsdpModel {
   // Checks the gathered weights, then applies the layer: a' = tanh(W a), W read cyclically.
   void compute(int layer) {
     const std::vector<float>& w = full_[layer];
-    for (size_t i = 0; i < w.size(); ++i) {
-      if (w[i] != weight(layer, i)) {
-        throw ScenarioFailure(format("rank %d: layer %d: gathered weight %zu is %g, expected %g",
-                                     rank_, layer, i, w[i], weight(layer, i)));
+    const size_t shard = shard_elements(layer);
+    const size_t count = gathered_count(layer);  // rank r's part starts at r * count
+    for (int r = 0; r < n_; ++r) {
+      for (size_t i = 0; i < count; ++i) {
+        const size_t at = r * count + i;
+        const float expected = weight(layer, r * shard + i, version());
+        if (w[at] != expected) {
+          throw ScenarioFailure(format("rank %d: step %d layer %d: gathered weight %zu is %g, "
+                                       "expected %g", rank_, step_, layer, at, w[at], expected));
+        }
       }
     }
     std::vector<float> next(kHidden);
@@ -167,7 +233,9 @@ class FsdpModel {
   ncclComm_t comm_;
   int rank_, n_, layers_;
   Divergence divergence_;
-  std::vector<std::vector<float>> shards_, full_;
+  Changes changes_;
+  int step_ = 0;
+  std::vector<std::vector<float>> shards_, full_, retired_;
   std::vector<float> activation_ = std::vector<float>(kHidden, 0.5f);
 };
 
@@ -186,12 +254,40 @@ int run_fsdp(const ScenarioOptions& options) {
     throw ScenarioFailure("--diverge-kind is count or callsite");
   }
 
+  Changes changes;
+  changes.rewrite = options.number("rewrite", 0) != 0;
+  changes.callsite_rank = static_cast<int>(options.number("callsite-rank", -1));
+  changes.group_rank = static_cast<int>(options.number("group-rank", -1));
+  changes.newbuf_rank = static_cast<int>(options.number("newbuf-rank", -1));
+  changes.newbuf_step = static_cast<int>(options.number("newbuf-step", -1));
+  changes.count_step = static_cast<int>(options.number("count-step", -1));
+  changes.mixed_group = options.number("mixed-group", 0) != 0;
+  const int comms = static_cast<int>(options.number("comms", 1));
+  const int perturbed = static_cast<int>(options.number("perturb-comm", 1));
+  if (comms != 1 && comms != 2) throw ScenarioFailure("--comms is 1 or 2");
+
   const Bootstrap boot = bootstrap_from_env();
   OwnedComm comm;
   WORKLOAD_CHECK(ncclCommInitRank(comm.out(), boot.nranks, boot.id, boot.rank));
-  FsdpModel model(comm.get(), boot.rank, boot.nranks, layers, divergence);
+  FsdpModel model(comm.get(), boot.rank, boot.nranks, layers, divergence,
+                  perturbed == 1 ? changes : Changes{});
+  OwnedComm sub;
+  std::unique_ptr<FsdpModel> sub_model;
+  if (comms == 2) {
+    WORKLOAD_CHECK(ncclCommSplit(comm.get(), boot.rank % 2, boot.rank, sub.out(), nullptr));
+    int sub_rank = 0, sub_n = 0;
+    WORKLOAD_CHECK(ncclCommUserRank(sub.get(), &sub_rank));
+    WORKLOAD_CHECK(ncclCommCount(sub.get(), &sub_n));
+    sub_model = std::make_unique<FsdpModel>(sub.get(), sub_rank, sub_n, layers + 1, Divergence{},
+                                            perturbed == 2 ? changes : Changes{});
+  }
   model.prologue();
-  for (int s = 0; s < steps; ++s) model.step(s);
+  if (sub_model) sub_model->prologue();
+  for (int s = 0; s < steps; ++s) {
+    model.step(s);
+    if (sub_model) sub_model->step(s);
+  }
+  if (sub.get() != nullptr) sub.destroy();
   if (options.has("fork-child")) {
     // Like a program that forks a helper process (Python multiprocessing, say) which then exits
     // normally: the child must leave no trace of the parent's communicators behind.

@@ -59,5 +59,6 @@ int run_ops(const ScenarioOptions& options);
 int run_fsdp(const ScenarioOptions& options);
 int run_split(const ScenarioOptions& options);
 int run_initall(const ScenarioOptions& options);
+int run_agree(const ScenarioOptions& options);
 
 }  // namespace workload

@@ -1,0 +1,121 @@
+// ce_transport/: moves agreed all-gathers without NCCL. The face of the folder.
+//
+// rewrite/ decides, with every rank, which gathers leave NCCL; this folder serves them. It knows
+// nothing of skeletons or agreement: it is handed a plan of buckets with symmetric offsets (equal
+// on every rank, computed by rewrite/ from shared facts), a handle blob to publish, the peers'
+// blobs to open, and then one call per bucket.
+//
+// Two backends behind one interface:
+//  - Cuda: device windows, peers' windows mapped through CUDA IPC, copy-engine reads
+//    (cudaMemcpyBatchAsync) on the caller's stream, cross-rank ordering by stream memory
+//    operations on peer-mapped flag words (no kernels).
+//  - Host (MAGI_BACKEND=host): the same logic over host memory (POSIX shared-memory windows,
+//    memcpy, the handshake on host atomics), for programs whose buffers are host memory (the NCCL
+//    stand-in, machines without GPUs). The CPU tests run every transport path through it.
+//
+// Window layout, the same on every rank (so a peer's slot for gather g of a bucket is at the same
+// offset in its window as ours):
+//   [ Flags (one cache line per word) | staging slot 0 | staging slot 1 ]
+// A moved bucket with sequence number n (counted per transport from 1, equal on every rank because
+// routes are) stages this rank's shards into slot n % 2, publishes ready = n, waits until every
+// peer's ready >= n, reads every peer's slot into the receive buffers (its own shard straight from
+// its send buffer), then publishes done = n. Before staging into a slot, it waits until every
+// peer's done >= n - 1 (the last reader of the other slot is at most one bucket behind, so slot
+// n % 2 was last read in bucket n - 2, and done >= n - 1 implies done >= n - 2 for every peer; the
+// wait is on the previous bucket, which is off the critical path of a steady run).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+namespace magi::ce {
+
+enum class Backend : uint8_t { Cuda = 0, Host = 1 };
+
+// What kind of memory a buffer is; decides eligibility (device memory for Cuda, host for Host).
+enum class MemoryKind : uint8_t { Device, Host, Managed, Unknown };
+
+struct BufferIdentity {
+  MemoryKind kind = MemoryKind::Unknown;
+  uint64_t allocation_id = 0;  // CUDA's buffer id (CU_POINTER_ATTRIBUTE_BUFFER_ID); 0 for host memory
+  int device = -1;             // CUDA device of device memory
+};
+// Classifies `ptr` for `backend`. Host backend: every pointer is Host memory, allocation id 0.
+// Cuda backend: asks the driver (only if the program already loaded it); Unknown otherwise.
+BufferIdentity identify_buffer(Backend backend, const void* ptr);
+
+// Where this process runs, for "every peer is on this node and can reach my memory".
+struct Locality {
+  uint64_t host = 0;               // XXH3 of hostname and boot id
+  int32_t device = -1;             // CUDA device ordinal (-1: host backend or unknown)
+  uint64_t peer_access_mask = 0;   // bit d: this device can access device d (cudaDeviceCanAccessPeer)
+};
+Locality local_locality(Backend backend, int cuda_device);
+
+// Opaque, fixed size: what a rank publishes so that peers can open its window.
+struct HandleBlob {
+  static constexpr size_t kBytes = 160;
+  uint8_t bytes[kBytes] = {};
+};
+
+// One gather of a bucket. `bytes` is this rank's shard (sendcount × element size); the receive
+// buffer holds nranks × bytes, rank r's shard at r × bytes. In-place (sendbuf == recvbuf +
+// rank × bytes) is allowed. `slot_offset` is where this gather's shard lies inside a staging slot:
+// equal on every rank.
+struct GatherOp {
+  const void* sendbuf;
+  void* recvbuf;
+  size_t bytes;
+  size_t slot_offset;
+};
+
+// A transport for one communicator. Every method may throw magi::Error; the caller (rewrite/)
+// turns a failure into "this communicator goes back to NCCL at the next agreement round".
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  // Allocates this rank's window with staging slots of `slot_bytes` each and fills `out` with
+  // what peers need to open it. Called once per agreed plan.
+  virtual void prepare(size_t slot_bytes, HandleBlob& out) = 0;
+  // Opens every peer's window (blobs indexed by rank; this rank's own entry is ignored).
+  virtual void attach(std::span<const HandleBlob> blobs) = 0;
+  // Serves one bucket on the caller's stream (ignored by the host backend, which completes the
+  // bucket before returning). Every rank calls this for the same buckets in the same order.
+  virtual void gather(std::span<const GatherOp> bucket, void* stream) = 0;
+  // Frees the window and unmaps the peers'. Safe to call more than once and after a failure.
+  virtual void release() = 0;
+
+  // Bytes this rank's window holds (flags and both slots); 0 before prepare.
+  virtual size_t window_bytes() const = 0;
+};
+
+// A waiting rank notices a dead peer (its pid is in its window) and throws instead of waiting
+// for ever.
+std::unique_ptr<Transport> make_transport(Backend backend, int rank, int nranks, uint64_t comm_identity);
+
+// ---- the exchange buffers of agreement rounds ----
+// rewrite/ runs each agreement round as one all-gather of fixed-size contributions through the
+// real NCCL on the communicator. Where those bytes live depends on the backend (NCCL needs device
+// memory; the stand-in takes host memory), so the buffers come from here.
+class Exchange {
+ public:
+  virtual ~Exchange() = default;
+  virtual void* send_buffer() = 0;              // contribution_bytes, where the real NCCL reads
+  virtual void* recv_buffer() = 0;              // nranks × contribution_bytes, where it writes
+  virtual void* stream() = 0;                   // the stream the all-gather is issued on
+  // Copies `contribution` to the send buffer before the all-gather is issued.
+  virtual void stage(std::span<const uint8_t> contribution) = 0;
+  // After the all-gather was issued: starts bringing the result back to the host.
+  virtual void issued() = 0;
+  // True once the result can be read without waiting.
+  virtual bool ready() = 0;
+  // Waits for the result and returns it (nranks × contribution_bytes).
+  virtual std::span<const uint8_t> result() = 0;
+};
+std::unique_ptr<Exchange> make_exchange(Backend backend, size_t contribution_bytes, int nranks);
+
+}  // namespace magi::ce

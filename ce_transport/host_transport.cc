@@ -1,0 +1,273 @@
+// The host backend of the transport: windows in POSIX shared memory, memcpy, and the bucket
+// handshake of ce_transport.h on host atomics in each window's flags.
+//
+// Why a bucket cannot read a stale byte: a peer's ready >= n is stored (release) after its shards
+// of bucket n are in its slot n % 2, and read here (acquire) before those bytes are. Why it cannot
+// overwrite a byte still being read: slot n % 2 is written only after every peer's done >= n - 1,
+// and a peer stores done (release) only after its reads of that bucket. Why it cannot hang: every
+// wait is on a peer that is either alive (and then gets there, as every rank runs the same
+// buckets) or dead, which the wait notices through the peer's pid and reports.
+#include <sched.h>
+#include <signal.h>
+#include <sys/types.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ce_transport/backends.h"
+#include "ce_transport/host_window.h"
+#include "shim/shim.h"
+
+namespace magi::ce {
+namespace {
+
+// What a rank publishes: enough to open its window and to check that both ranks run one plan.
+struct HostBlob {
+  static constexpr uint64_t kMagic = 0x314845434947414d;  // "MAGICEH1" in memory order
+  uint64_t magic;
+  uint64_t comm_identity;
+  uint64_t window_bytes;
+  uint64_t slot_bytes;
+  int32_t rank;
+  int32_t nranks;
+  int64_t pid;
+  char name[64];
+};
+static_assert(sizeof(HostBlob) <= HandleBlob::kBytes);
+
+// Slots start on cache lines, so packed 64-byte-aligned slot offsets stay aligned in memory.
+constexpr size_t kFlagBytes = sizeof(WindowFlags);
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// ---- waiting ----------------------------------------------------------------------------------
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+uint64_t now_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+// kill(pid, 0) alone is not enough: a killed process stays a zombie until its parent reaps it,
+// and a zombie still answers. Its state letter in /proc/<pid>/stat says so.
+bool process_alive(pid_t pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%ld/stat", static_cast<long>(pid));
+  FILE* stat = std::fopen(path, "re");
+  if (stat == nullptr) return errno != ENOENT;
+  char text[512];
+  const size_t n = std::fread(text, 1, sizeof(text) - 1, stat);
+  std::fclose(stat);
+  text[n] = '\0';
+  const char* close_paren = std::strrchr(text, ')');  // the command name may hold anything
+  if (close_paren == nullptr || close_paren[1] != ' ') return true;
+  const char state = close_paren[2];
+  return state != 'Z' && state != 'X';
+}
+
+[[noreturn]] void peer_gone(int rank, pid_t pid) {
+  throw Error(ErrorKind::System,
+              "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ") is gone");
+}
+
+// Spins briefly (a peer on another core is usually a few hundred cycles away), then yields the
+// core (ranks may outnumber cores), then sleeps in short steps. Only a dead peer ends the wait:
+// a slow one is waited for, however long.
+template <class Reached>
+void wait_for(int peer_rank, pid_t peer_pid, Reached reached) {
+  constexpr int kSpins = 128;
+  constexpr int kYields = 256;
+  constexpr uint64_t kLivenessPeriodNs = 10'000'000;
+  constexpr timespec kNap{0, 20'000};
+  uint64_t next_check = 0;
+  for (int round = 0; !reached();) {
+    if (round < kSpins) {
+      cpu_relax();
+      ++round;
+      continue;
+    }
+    if (round < kSpins + kYields) {
+      sched_yield();
+      ++round;  // stops counting here: a wait may last for hours
+    } else {
+      nanosleep(&kNap, nullptr);
+    }
+    const uint64_t now = now_ns();
+    if (next_check == 0) {
+      next_check = now + kLivenessPeriodNs;
+    } else if (now >= next_check) {
+      if (!process_alive(peer_pid)) {
+        if (reached()) return;  // it got there before it went
+        peer_gone(peer_rank, peer_pid);
+      }
+      next_check = now + kLivenessPeriodNs;
+    }
+  }
+}
+
+// ---- the transport ----------------------------------------------------------------------------
+
+class HostTransport final : public Transport {
+ public:
+  HostTransport(int rank, int nranks, uint64_t comm_identity)
+      : rank_(rank), nranks_(nranks), identity_(comm_identity) {
+    if (nranks < 1 || rank < 0 || rank >= nranks)
+      throw Error(ErrorKind::Usage, "rank " + std::to_string(rank) + " of " + std::to_string(nranks));
+  }
+  ~HostTransport() override { release(); }
+
+  void prepare(size_t slot_bytes, HandleBlob& out) override {
+    release();  // a new plan starts from a new window and bucket 1
+    const size_t stride = round_up(slot_bytes, kCacheLine);
+    own_ = HostWindow::create(kFlagBytes + 2 * stride, nranks_ - 1);
+    slot_bytes_ = slot_bytes;
+    slot_stride_ = stride;
+
+    HostBlob blob{};
+    blob.magic = HostBlob::kMagic;
+    blob.comm_identity = identity_;
+    blob.window_bytes = own_.size();
+    blob.slot_bytes = slot_bytes;
+    blob.rank = rank_;
+    blob.nranks = nranks_;
+    blob.pid = getpid();
+    std::snprintf(blob.name, sizeof(blob.name), "%s", own_.name().c_str());
+    out = HandleBlob{};
+    std::memcpy(out.bytes, &blob, sizeof(blob));
+  }
+
+  void attach(std::span<const HandleBlob> blobs) override {
+    if (!own_.is_open()) throw Error(ErrorKind::Usage, "attach before prepare");
+    if (attached_) throw Error(ErrorKind::Usage, "attach called twice for one window");
+    if (blobs.size() != static_cast<size_t>(nranks_))
+      throw Error(ErrorKind::Usage, std::to_string(blobs.size()) + " handle blobs for " +
+                                        std::to_string(nranks_) + " ranks");
+    peers_.resize(static_cast<size_t>(nranks_));
+    peer_pids_.assign(static_cast<size_t>(nranks_), 0);
+    for (int r = 0; r < nranks_; ++r) {
+      if (r == rank_) continue;
+      HostBlob blob{};
+      std::memcpy(&blob, blobs[static_cast<size_t>(r)].bytes, sizeof(blob));
+      check_blob(r, blob);
+      HostWindow& peer = peers_[static_cast<size_t>(r)];
+      peer = HostWindow::open(std::string(blob.name, strnlen(blob.name, sizeof(blob.name))),
+                              blob.window_bytes, nranks_ - 1);
+      const auto pid = static_cast<pid_t>(peer.flags().pid.value.load(std::memory_order_acquire));
+      if (pid != blob.pid)
+        throw Error(ErrorKind::Usage, "rank " + std::to_string(r) + "'s window belongs to pid " +
+                                          std::to_string(pid) + ", its blob says " +
+                                          std::to_string(blob.pid));
+      // A peer whose pid this process cannot see (another pid namespace) could never be told
+      // apart from a dead one while waiting: refuse it now.
+      if (!process_alive(pid)) peer_gone(r, pid);
+      peer_pids_[static_cast<size_t>(r)] = pid;
+    }
+    attached_ = true;
+  }
+
+  void gather(std::span<const GatherOp> bucket, void* /*stream*/) override {
+    if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
+    if (broken_) throw Error(ErrorKind::System, "an earlier bucket failed; this window is unusable");
+    for (const GatherOp& op : bucket)
+      if (op.bytes > slot_bytes_ || op.slot_offset > slot_bytes_ - op.bytes)
+        throw Error(ErrorKind::Usage, "gather of " + std::to_string(op.bytes) + " bytes at slot offset " +
+                                          std::to_string(op.slot_offset) + " overflows a slot of " +
+                                          std::to_string(slot_bytes_));
+    broken_ = true;  // until this bucket completes: a throw below leaves the ranks out of step
+    const uint64_t n = ++sequence_;
+    const size_t slot_offset = kFlagBytes + (n % 2) * slot_stride_;
+    WindowFlags& mine = own_.flags();
+
+    wait_for_every_peer(&WindowFlags::done, n - 1);
+    uint8_t* staging = own_.data() + slot_offset;
+    for (const GatherOp& op : bucket) std::memcpy(staging + op.slot_offset, op.sendbuf, op.bytes);
+    mine.ready.value.store(n, std::memory_order_release);
+
+    wait_for_every_peer(&WindowFlags::ready, n);
+    for (const GatherOp& op : bucket) {
+      auto* recv = static_cast<uint8_t*>(op.recvbuf);
+      for (int r = 0; r < nranks_; ++r) {
+        uint8_t* into = recv + static_cast<size_t>(r) * op.bytes;
+        if (r == rank_) {
+          if (into != op.sendbuf) std::memcpy(into, op.sendbuf, op.bytes);  // else in place
+          continue;
+        }
+        const uint8_t* from = peers_[static_cast<size_t>(r)].data() + slot_offset + op.slot_offset;
+        std::memcpy(into, from, op.bytes);
+      }
+    }
+    mine.done.value.store(n, std::memory_order_release);
+    broken_ = false;
+  }
+
+  void release() override {
+    peers_.clear();  // unmaps; their names were removed when the last peer opened them
+    peer_pids_.clear();
+    own_.close();
+    slot_bytes_ = slot_stride_ = 0;
+    sequence_ = 0;
+    attached_ = broken_ = false;
+  }
+
+  size_t window_bytes() const override { return own_.size(); }
+
+ private:
+  void check_blob(int r, const HostBlob& blob) const {
+    const std::string who = "rank " + std::to_string(r) + "'s handle blob";
+    if (blob.magic != HostBlob::kMagic) throw Error(ErrorKind::Usage, who + " is not a host window");
+    if (blob.rank != r || blob.nranks != nranks_)
+      throw Error(ErrorKind::Usage, who + " is rank " + std::to_string(blob.rank) + " of " +
+                                        std::to_string(blob.nranks));
+    if (blob.comm_identity != identity_)
+      throw Error(ErrorKind::Usage, who + " belongs to another communicator");
+    // Slot offsets are symmetric only if every rank sized its slots from the same plan.
+    if (blob.slot_bytes != slot_bytes_ || blob.window_bytes != own_.size())
+      throw Error(ErrorKind::Usage, who + " has slots of " + std::to_string(blob.slot_bytes) +
+                                        " bytes, this rank " + std::to_string(slot_bytes_));
+    if (strnlen(blob.name, sizeof(blob.name)) == sizeof(blob.name))
+      throw Error(ErrorKind::Usage, who + " has no window name");
+  }
+
+  void wait_for_every_peer(FlagWord WindowFlags::*word, uint64_t target) const {
+    if (target == 0) return;
+    for (int r = 0; r < nranks_; ++r) {
+      if (r == rank_) continue;
+      const std::atomic<uint64_t>& flag = (peers_[static_cast<size_t>(r)].flags().*word).value;
+      wait_for(r, peer_pids_[static_cast<size_t>(r)],
+               [&] { return flag.load(std::memory_order_acquire) >= target; });
+    }
+  }
+
+  const int rank_;
+  const int nranks_;
+  const uint64_t identity_;
+  HostWindow own_;
+  std::vector<HostWindow> peers_;  // by rank; this rank's entry stays closed
+  std::vector<pid_t> peer_pids_;
+  size_t slot_bytes_ = 0;
+  size_t slot_stride_ = 0;
+  uint64_t sequence_ = 0;  // the last bucket started
+  bool attached_ = false;
+  bool broken_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_host_transport(int rank, int nranks, uint64_t comm_identity) {
+  return std::make_unique<HostTransport>(rank, nranks, comm_identity);
+}
+
+}  // namespace magi::ce

@@ -1,0 +1,422 @@
+#include "rewrite/agreement.h"
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <string>
+
+namespace magi::rewrite {
+namespace {
+
+constexpr uint64_t kNever = UINT64_MAX;
+
+ce::Backend backend_of(const Options& options) {
+  return options.backend == Options::Backend::Host ? ce::Backend::Host : ce::Backend::Cuda;
+}
+
+unsigned long long short_id(uint64_t identity) { return identity & 0xffffffffffffull; }
+
+// Why a communicator can never take part in agreement; Reason::None if it can.
+Reason unagreeable(const capture::CommInfo& info, const Options& options) {
+  if (options.transport == Options::Transport::Nccl) return Reason::CommNotAgreeable;
+  // ncclCommInitAll puts every rank in this process, driven from one thread in groups: a round
+  // would need every rank's contribution from that thread at once. Unknown communicators were
+  // created before the shim saw them and have no identity shared with their peers.
+  if (info.origin == capture::CommOrigin::InitAll || info.origin == capture::CommOrigin::Unknown)
+    return Reason::CommNotAgreeable;
+  if (info.rank < 0 || info.nranks < 1 || info.rank >= info.nranks) return Reason::CommNotAgreeable;
+  return Reason::None;
+}
+
+}  // namespace
+
+CommAgreement::CommAgreement(ncclComm_t comm, const capture::CommInfo& info,
+                             const RealNcclCalls& nccl)
+    : comm_(comm), info_(info), nccl_(nccl), options_(Options::get()),
+      backend_(backend_of(options_)) {
+  agreeable_ = unagreeable(info_, options_) == Reason::None && nccl_.all_gather != nullptr;
+  if (!agreeable_) {
+    MAGI_INFO(Rewrite, "comm %012llx: no agreement on this communicator (%s)", short_id(info_.identity),
+              options_.transport == Options::Transport::Nccl ? "MAGI_TRANSPORT=nccl"
+                                                              : "ncclCommInitAll or unknown");
+  }
+}
+
+CommAgreement::~CommAgreement() {
+  drop_transport();
+  // A round still in flight belongs to NCCL until it completes; a finished one is freed here.
+  // One that never launched (a group left open at destroy) is left, not waited for.
+  if (pending_) retire(std::move(pending_->exchange));
+  for (auto& exchange : retired_) {
+    if (exchange && !exchange->ready()) {
+      MAGI_WARN(Rewrite, "comm %012llx: an agreement round was still in flight at destroy; its "
+                "buffers are left allocated", short_id(info_.identity));
+      exchange.release();
+    }
+  }
+}
+
+Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallRecord& record,
+                                   const capture::StepView& view) {
+  if (!agreeable_ || !view.collective) return {};
+  if (view.event == capture::StepDetector::Event::Lost) on_lost(view.collective_index);
+  if (!view.found) return {};
+  if (view.event == capture::StepDetector::Event::Found || view.digest != step_digest_) {
+    if (active_) deactivate(view.collective_index, Reason::Deviated);
+    if (pending_) {
+      record_round(pending_->kind, trace::RoundEvent::Abandoned, view.collective_index,
+                   AgreementMode::None, Reason::Deviated, 0);
+      retire(std::move(pending_->exchange));
+      pending_.reset();
+    }
+    seen_.reset(view.period);
+    step_digest_ = view.digest;
+    steps_ = 0;
+    anchor_ = 0;
+    next_propose_ = static_cast<uint64_t>(options_.warmup_steps) + 1;
+  }
+  if (view.position == 0) seen_.begin_step();
+  if (view.position == anchor_) {
+    ++steps_;
+    at_anchor(view);
+  }
+  seen_.observe(view.position, args, record, backend_);
+
+  if (active_ && view.digest == active_digest_ && args.op == trace::Op::AllGather &&
+      view.position < layout_.offset_by_position.size()) {
+    const size_t offset = layout_.offset_by_position[view.position];
+    if (offset != SIZE_MAX)
+      return {active_dry_ ? Route::Kind::WouldMove : Route::Kind::Move, offset,
+              layout_.bucket_by_position[view.position]};
+  }
+  return {};
+}
+
+ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket, cudaStream_t stream) {
+  if (!transport_) return ncclInternalError;  // routes say Move only with a transport
+  try {
+    transport_->gather(bucket, stream);
+    return ncclSuccess;
+  } catch (const Error& e) {
+    if (!transport_failed_)
+      MAGI_WARN(Transport, "comm %012llx: a moved gather failed: %s; the communicator goes back to "
+                "NCCL at its next agreement round", short_id(info_.identity), e.what());
+    transport_failed_ = true;
+    return e.result();
+  }
+}
+
+void CommAgreement::on_lost(uint64_t seq) {
+  if (active_) deactivate(seq, Reason::Deviated);
+  if (pending_) {
+    record_round(pending_->kind, trace::RoundEvent::Abandoned, seq, AgreementMode::None,
+                 Reason::Deviated, 0);
+    retire(std::move(pending_->exchange));
+    pending_.reset();
+  }
+  // The window stays until the next plan replaces it or the communicator ends: gathers routed
+  // before this call inside the still-open group are served when the group ends.
+  step_digest_ = 0;
+}
+
+void CommAgreement::at_anchor(const capture::StepView& view) {
+  for (auto it = retired_.begin(); it != retired_.end();)
+    it = (*it)->ready() ? retired_.erase(it) : it + 1;
+  if (pending_) {
+    read_round(view);
+  } else if (steps_ >= next_propose_ &&
+             seen_.complete_steps() >= static_cast<uint64_t>(options_.warmup_steps)) {
+    propose(view.collective_index);
+  }
+}
+
+Contribution CommAgreement::header_for(RoundKind kind) const {
+  Contribution c;
+  ContributionHeader& h = c.header;
+  h.magic = kContributionMagic;
+  h.version = kContributionVersion;
+  h.kind = static_cast<uint8_t>(kind);
+  h.backend = static_cast<uint8_t>(backend_);
+  h.rank = info_.rank;
+  h.nranks = info_.nranks;
+  h.step_digest = step_digest_;
+  h.period = seen_.period();
+  if (options_.dry_run) h.flags |= kDryRun;
+  return c;
+}
+
+void CommAgreement::propose(uint64_t seq) {
+  ++rounds_;
+  Contribution c = header_for(RoundKind::Propose);
+  c.entries = seen_.entries(options_, backend_);
+  if (transport_failed_) {
+    for (GatherEntry& e : c.entries) e.reason = static_cast<uint8_t>(Reason::TransportFailed);
+  }
+  ContributionHeader& h = c.header;
+  h.gathers = static_cast<uint32_t>(c.entries.size());
+  h.callsite_digest = seen_.callsite_digest();
+  h.group_digest = seen_.group_digest();
+  if (!seen_.groups_stable()) h.flags |= kGroupsUnstable;
+  const ce::Locality here = ce::local_locality(backend_, info_.cuda_device);
+  h.host = here.host;
+  h.device = here.device;
+  h.peer_access_mask = here.peer_access_mask;
+  issue(RoundKind::Propose, c, seq);
+}
+
+void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
+  const bool in_group = capture::group_depth() > 0;
+  if (in_group) {
+    c.header.flags |= kIssuedInGroup;
+    c.header.flags &= ~kCanServe;
+  }
+  c.header.round = rounds_;
+  auto round = std::make_unique<Round>();
+  round->kind = kind;
+  round->number = rounds_;
+  round->voted_no = in_group;
+  round->decision_hash = c.header.decision_hash;
+  try {
+    round->exchange = ce::make_exchange(backend_, kContributionBytes, info_.nranks);
+    std::vector<uint8_t> bytes(kContributionBytes);
+    c.serialize(bytes);
+    round->exchange->stage(bytes);
+  } catch (const Error& e) {
+    // Rare and serious (no memory for a few kilobytes): without a round of our own the peers'
+    // round would meet the program's next call, so say so loudly.
+    MAGI_WARN(Rewrite, "comm %012llx: cannot prepare an agreement round (%s); peers may wait for it",
+              short_id(info_.identity), e.what());
+    agreeable_ = false;
+    return;
+  }
+  const ncclResult_t result = nccl_.all_gather(
+      round->exchange->send_buffer(), round->exchange->recv_buffer(), kContributionBytes,
+      ncclUint8, comm_, static_cast<cudaStream_t>(round->exchange->stream()));
+  if (result != ncclSuccess && result != ncclInProgress) {
+    MAGI_WARN(Rewrite, "comm %012llx: NCCL refused an agreement round (%d); no agreement on this "
+              "communicator from now on", short_id(info_.identity), static_cast<int>(result));
+    agreeable_ = false;
+    return;
+  }
+  round->exchange->issued();
+  pending_ = std::move(round);
+  record_round(kind, trace::RoundEvent::Issued, seq, AgreementMode::None, Reason::None, 0);
+}
+
+void CommAgreement::read_round(const capture::StepView& view) {
+  std::unique_ptr<Round> round = std::move(pending_);
+  const uint64_t seq = view.collective_index;
+  const int n = info_.nranks;
+  if (round->voted_no) {
+    // This rank said no, so the answer is no whatever the others said: no need to wait for a
+    // round that may not have launched yet.
+    retire(std::move(round->exchange));
+    if (round->kind == RoundKind::Propose) {
+      Decision d;
+      d.reason = Reason::AnchorInGroup;
+      for (const GatherEntry& e : seen_.entries(options_, backend_))
+        d.gathers.push_back({e.position, e.bucket, false, Reason::AnchorInGroup, -1});
+      decision_ = d;
+      decision_round_ = round->number;
+      record_round(RoundKind::Propose, trace::RoundEvent::Read, seq, d.mode, d.reason, 0);
+      record_decision(d);
+      after_propose(d, seq);
+    } else {
+      record_round(round->kind, trace::RoundEvent::Read, seq, AgreementMode::None,
+                   Reason::AnchorInGroup, 0);
+      drop_transport();
+      next_propose_ = options_.reagree_steps > 0 ? steps_ + options_.reagree_steps : kNever;
+    }
+    return;
+  }
+
+  const std::span<const uint8_t> all = round->exchange->result();
+  switch (round->kind) {
+    case RoundKind::Propose: {
+      const Decision d = decide(all, n, info_.rank);
+      decision_ = d;
+      decision_round_ = round->number;
+      record_round(RoundKind::Propose, trace::RoundEvent::Read, seq, d.mode, d.reason, d.moved);
+      record_decision(d);
+      after_propose(d, seq);
+      break;
+    }
+    case RoundKind::Publish: {
+      const CommitOutcome c = decide_commit(all, n, RoundKind::Publish, round->decision_hash);
+      record_round(RoundKind::Publish, trace::RoundEvent::Read, seq, decision_.mode, c.reason,
+                   c.agreed ? decision_.moved : 0);
+      if (!c.agreed) {
+        MAGI_INFO(Rewrite, "comm %012llx round %u: not every rank can serve the plan (%s); "
+                  "everything stays on NCCL", short_id(info_.identity), round->number,
+                  std::string(trace::reason_name(c.reason)).c_str());
+        drop_transport();
+        next_propose_ = options_.reagree_steps > 0 ? steps_ + options_.reagree_steps : kNever;
+        break;
+      }
+      Contribution confirm = header_for(RoundKind::Confirm);
+      confirm.header.decision_hash = round->decision_hash;
+      try {
+        transport_->attach(c.handles);
+        confirm.header.flags |= kCanServe;
+      } catch (const Error& e) {
+        MAGI_WARN(Transport, "comm %012llx: cannot open the peers' windows: %s; everything stays on NCCL",
+                  short_id(info_.identity), e.what());
+        confirm.header.reason = static_cast<uint8_t>(Reason::TransportFailed);
+      }
+      issue(RoundKind::Confirm, confirm, seq);
+      break;
+    }
+    case RoundKind::Confirm: {
+      const CommitOutcome c = decide_commit(all, n, RoundKind::Confirm, round->decision_hash);
+      record_round(RoundKind::Confirm, trace::RoundEvent::Read, seq, decision_.mode, c.reason,
+                   c.agreed ? decision_.moved : 0);
+      if (c.agreed) {
+        activate(seq);
+      } else {
+        MAGI_INFO(Rewrite, "comm %012llx round %u: the commit was not confirmed by every rank (%s); "
+                  "everything stays on NCCL", short_id(info_.identity), round->number,
+                  std::string(trace::reason_name(c.reason)).c_str());
+        drop_transport();
+      }
+      next_propose_ = options_.reagree_steps > 0 ? steps_ + options_.reagree_steps : kNever;
+      break;
+    }
+  }
+}
+
+void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
+  decision_ = d;
+  next_propose_ = options_.reagree_steps > 0 ? steps_ + options_.reagree_steps : kNever;
+  if (d.reason == Reason::AnchorInGroup && seen_.period() > 1) {
+    // Every rank reached this same decision: all move the anchor, and try again a step later.
+    anchor_ = (anchor_ + 1) % seen_.period();
+    next_propose_ = steps_ + 1;
+  }
+  if (!d.moves_anything()) {
+    if (active_) deactivate(seq, d.reason != Reason::None ? d.reason : Reason::OtherRankRefused);
+    drop_transport();
+    return;
+  }
+  if (active_ && d.hash == active_hash_ && d.dry_run == active_dry_) return;  // the plan stands
+  if (active_) deactivate(seq, Reason::None);
+  layout_ = lay_out_slots(seen_, d.gathers);
+  if (d.dry_run) {
+    active_dry_ = true;
+    activate(seq);
+    return;
+  }
+  publish(seq);
+}
+
+void CommAgreement::publish(uint64_t seq) {
+  Contribution c = header_for(RoundKind::Publish);
+  c.header.decision_hash = decision_.hash;
+  drop_transport();
+  transport_failed_ = false;
+  try {
+    transport_ = ce::make_transport(backend_, info_.rank, info_.nranks, info_.identity);
+    transport_->prepare(layout_.slot_bytes, c.header.handle);
+    c.header.flags |= kCanServe;
+    MAGI_INFO(Transport, "comm %012llx: window of %zu bytes for %u gathers", short_id(info_.identity),
+              transport_->window_bytes(), decision_.moved);
+  } catch (const Error& e) {
+    MAGI_WARN(Transport, "comm %012llx: cannot prepare a window: %s; everything stays on NCCL",
+              short_id(info_.identity), e.what());
+    c.header.reason = static_cast<uint8_t>(Reason::TransportFailed);
+    drop_transport();
+  }
+  issue(RoundKind::Publish, c, seq);
+}
+
+void CommAgreement::activate(uint64_t seq) {
+  active_ = true;
+  active_digest_ = step_digest_;
+  active_hash_ = decision_.hash;
+  record_round(active_dry_ ? RoundKind::Propose : RoundKind::Confirm, trace::RoundEvent::Activated,
+               seq, decision_.mode, Reason::None, decision_.moved);
+  MAGI_INFO(Rewrite, "comm %012llx round %u: %s %u of %zu gathers per step from collective #%llu (%s)",
+            short_id(info_.identity), decision_round_, active_dry_ ? "would move" : "moving",
+            decision_.moved, decision_.gathers.size(), static_cast<unsigned long long>(seq),
+            std::string(trace::mode_name(decision_.mode)).c_str());
+}
+
+void CommAgreement::deactivate(uint64_t seq, Reason why) {
+  if (!active_) return;
+  active_ = false;
+  active_dry_ = false;
+  active_hash_ = 0;
+  record_round(RoundKind::Propose, trace::RoundEvent::Deactivated, seq, decision_.mode, why, 0);
+  MAGI_INFO(Rewrite, "comm %012llx: gathers back on NCCL from collective #%llu (%s)",
+            short_id(info_.identity), static_cast<unsigned long long>(seq),
+            std::string(trace::reason_name(why)).c_str());
+}
+
+void CommAgreement::drop_transport() {
+  if (!transport_) return;
+  try {
+    transport_->release();
+  } catch (const Error& e) {
+    MAGI_WARN(Transport, "comm %012llx: releasing the window: %s", short_id(info_.identity), e.what());
+  }
+  transport_.reset();
+}
+
+void CommAgreement::retire(std::unique_ptr<ce::Exchange> exchange) {
+  if (exchange) retired_.push_back(std::move(exchange));
+}
+
+void CommAgreement::record_round(RoundKind kind, trace::RoundEvent event, uint64_t seq,
+                                 AgreementMode mode, Reason reason, uint32_t moved) const {
+  trace::AgreementRecord r{};
+  r.comm_id = info_.identity;
+  r.seq = seq;
+  r.step_digest = step_digest_;
+  r.round = event == trace::RoundEvent::Issued || event == trace::RoundEvent::Abandoned
+                ? rounds_ : decision_round_;
+  r.period = seen_.period();
+  r.gathers = static_cast<uint32_t>(decision_.gathers.size());
+  r.moved = moved;
+  r.rank = info_.rank;
+  r.kind = static_cast<uint8_t>(kind);
+  r.event = static_cast<uint8_t>(event);
+  r.mode = static_cast<uint8_t>(mode);
+  r.reason = static_cast<uint8_t>(reason);
+  capture::trace_record(trace::RecordType::Agreement, &r, sizeof(r));
+}
+
+void CommAgreement::record_decision(const Decision& d) const {
+  std::map<Reason, uint32_t> stays;
+  for (const GatherDecision& g : d.gathers) {
+    const PositionSeen& p = seen_.at(g.position);
+    trace::DecisionRecord r{};
+    r.comm_id = info_.identity;
+    r.callsite = p.callsite;
+    r.count = p.count;
+    r.round = decision_round_;
+    r.position = g.position;
+    r.rank = info_.rank;
+    r.refused_by = g.refused_by;
+    r.bucket = g.bucket;
+    r.dtype = p.dtype;
+    r.verdict = static_cast<uint8_t>(!g.moves ? trace::Verdict::Stays
+                                     : d.dry_run ? trace::Verdict::WouldMove
+                                                 : trace::Verdict::Moved);
+    r.reason = static_cast<uint8_t>(g.reason);
+    r.mode = static_cast<uint8_t>(d.mode);
+    capture::trace_record(trace::RecordType::Decision, &r, sizeof(r));
+    if (!g.moves) ++stays[g.reason];
+    MAGI_TRACE(Rewrite, "comm %012llx round %u gather at position %u: %s%s%s",
+               short_id(info_.identity), decision_round_, g.position,
+               std::string(trace::verdict_name(static_cast<trace::Verdict>(r.verdict))).c_str(),
+               g.moves ? "" : ": ", g.moves ? "" : std::string(trace::reason_name(g.reason)).c_str());
+  }
+  std::string why;
+  for (const auto& [reason, count] : stays)
+    why += (why.empty() ? "" : "; ") + std::to_string(count) + " " + std::string(trace::reason_name(reason));
+  MAGI_INFO(Rewrite, "comm %012llx round %u: mode %s, %u of %zu gathers %s%s%s",
+            short_id(info_.identity), decision_round_, std::string(trace::mode_name(d.mode)).c_str(),
+            d.moved, d.gathers.size(), d.dry_run ? "would move" : "move", why.empty() ? "" : "; stay: ",
+            why.c_str());
+}
+
+}  // namespace magi::rewrite

@@ -1,0 +1,200 @@
+#include "rewrite/contribution.h"
+
+#include <algorithm>
+#include <cstring>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace magi::rewrite {
+
+void Contribution::serialize(std::span<uint8_t> out) const {
+  std::fill(out.begin(), out.end(), uint8_t{0});
+  std::memcpy(out.data(), &header, sizeof(header));
+  const size_t n = std::min<size_t>(entries.size(), kMaxGathers);
+  if (n > 0) std::memcpy(out.data() + sizeof(header), entries.data(), n * sizeof(GatherEntry));
+}
+
+bool Contribution::parse(std::span<const uint8_t> in, Contribution& out) {
+  if (in.size() < kContributionBytes) return false;
+  std::memcpy(&out.header, in.data(), sizeof(out.header));
+  if (out.header.magic != kContributionMagic || out.header.version != kContributionVersion)
+    return false;
+  const size_t n = std::min<size_t>(out.header.gathers, kMaxGathers);
+  out.entries.resize(n);
+  if (n > 0) std::memcpy(out.entries.data(), in.data() + sizeof(out.header), n * sizeof(GatherEntry));
+  return true;
+}
+
+namespace {
+
+std::vector<Contribution> parse_all(std::span<const uint8_t> all, int nranks) {
+  std::vector<Contribution> out(static_cast<size_t>(nranks));
+  for (int r = 0; r < nranks; ++r) {
+    if (!Contribution::parse(all.subspan(static_cast<size_t>(r) * kContributionBytes,
+                                         kContributionBytes),
+                             out[static_cast<size_t>(r)]))
+      return {};
+  }
+  return out;
+}
+
+// Every rank's memory reachable from every other's: same host, and for GPUs either the same
+// device (processes sharing one GPU) or peer access both ways.
+Reason locality_refusal(const std::vector<Contribution>& c) {
+  for (const Contribution& a : c)
+    if (a.header.host != c[0].header.host) return Reason::PeerOffNode;
+  if (static_cast<ce::Backend>(c[0].header.backend) != ce::Backend::Cuda) return Reason::None;
+  for (const Contribution& a : c) {
+    for (const Contribution& b : c) {
+      const int32_t d = b.header.device;
+      if (a.header.device == d) continue;
+      if (d < 0 || d >= 64 || a.header.device < 0 || !(a.header.peer_access_mask >> d & 1u))
+        return Reason::PeerNotAccessible;
+    }
+  }
+  return Reason::None;
+}
+
+Decision nothing_moves(Decision d, Reason why, const Contribution& mine) {
+  d.reason = why;
+  d.gathers.clear();
+  for (const GatherEntry& e : mine.entries)
+    d.gathers.push_back({e.position, e.bucket, false, why, -1});
+  d.moved = 0;
+  d.hash = 0;
+  return d;
+}
+
+// Identical mode matches gathers by (call site, occurrence of that call site in the step). With
+// equal call-site digests this is the position order; checked anyway, since the digest is a hash.
+bool same_callsite_keys(const std::vector<Contribution>& c) {
+  for (const Contribution& other : c) {
+    if (other.entries.size() != c[0].entries.size()) return false;
+    for (size_t g = 0; g < other.entries.size(); ++g)
+      if (other.entries[g].callsite != c[0].entries[g].callsite) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
+  Decision d;
+  const std::vector<Contribution> c = parse_all(all, nranks);
+  if (c.empty() || my_rank < 0 || my_rank >= nranks) {
+    d.mode = AgreementMode::Abort;
+    d.reason = Reason::StepsDiffer;
+    return d;
+  }
+  const Contribution& mine = c[static_cast<size_t>(my_rank)];
+  for (const Contribution& x : c) d.dry_run = d.dry_run || (x.header.flags & kDryRun) != 0;
+
+  // A round issued inside an open group on some rank is void, whatever else it says: that rank
+  // decided so without reading it, and every rank must reach the same decision.
+  for (const Contribution& x : c) {
+    if (x.header.flags & kIssuedInGroup) return nothing_moves(d, Reason::AnchorInGroup, mine);
+  }
+  // Abort: the steps themselves differ, so no gather can be matched.
+  for (const Contribution& x : c) {
+    const ContributionHeader& h = x.header;
+    if (h.kind != static_cast<uint8_t>(RoundKind::Propose) || h.round != mine.header.round ||
+        h.nranks != nranks || h.step_digest != mine.header.step_digest ||
+        h.period != mine.header.period || h.gathers != mine.header.gathers) {
+      d.mode = AgreementMode::Abort;
+      return nothing_moves(d, Reason::StepsDiffer, mine);
+    }
+  }
+  if (mine.header.gathers > kMaxGathers) {
+    d.mode = AgreementMode::Abort;
+    return nothing_moves(d, Reason::TooManyGathers, mine);
+  }
+  for (const Contribution& x : c) {
+    if (x.header.group_digest != mine.header.group_digest || (x.header.flags & kGroupsUnstable)) {
+      d.mode = AgreementMode::Abort;
+      return nothing_moves(d, Reason::GroupsDiffer, mine);
+    }
+  }
+
+  bool identical = true;
+  for (const Contribution& x : c)
+    identical = identical && x.header.callsite_digest == mine.header.callsite_digest;
+  d.mode = identical && same_callsite_keys(c) ? AgreementMode::Identical : AgreementMode::Slot;
+
+  // Whole-communicator refusals: nothing moves, but the mode is still reported.
+  for (const Contribution& x : c) {
+    if (x.header.backend != mine.header.backend) return nothing_moves(d, Reason::BackendDiffers, mine);
+  }
+  if (const Reason r = locality_refusal(c); r != Reason::None) return nothing_moves(d, r, mine);
+
+  // AND across ranks, gather by gather (matched by position: in identical mode the call-site
+  // keys were checked to line up with it).
+  const size_t n = mine.entries.size();
+  d.gathers.resize(n);
+  for (size_t g = 0; g < n; ++g) {
+    GatherDecision& out = d.gathers[g];
+    out.position = mine.entries[g].position;
+    out.bucket = mine.entries[g].bucket;
+    out.reason = static_cast<Reason>(mine.entries[g].reason);
+    out.refused_by = -1;
+    for (int r = 0; r < nranks; ++r) {
+      const GatherEntry& e = c[static_cast<size_t>(r)].entries[g];
+      if (e.position != out.position || e.bucket != out.bucket) {
+        return nothing_moves(d, Reason::GroupsDiffer, mine);  // digests collided; be safe
+      }
+      if (r != my_rank && e.reason != static_cast<uint8_t>(Reason::None) && out.refused_by < 0)
+        out.refused_by = r;
+    }
+    if (out.reason == Reason::None && out.refused_by >= 0) out.reason = Reason::OtherRankRefused;
+    out.moves = out.reason == Reason::None;
+  }
+  // A bucket moves whole or not at all.
+  for (size_t g = 0; g < n; ++g) {
+    if (d.gathers[g].moves) continue;
+    for (GatherDecision& other : d.gathers) {
+      if (other.bucket == d.gathers[g].bucket && other.moves) {
+        other.moves = false;
+        other.reason = Reason::BucketPartial;
+      }
+    }
+  }
+
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
+  XXH3_64bits_update(&state, &mine.header.step_digest, sizeof(mine.header.step_digest));
+  XXH3_64bits_update(&state, &d.mode, sizeof(d.mode));
+  for (const GatherDecision& g : d.gathers) {
+    if (!g.moves) continue;
+    ++d.moved;
+    XXH3_64bits_update(&state, &g.position, sizeof(g.position));
+    XXH3_64bits_update(&state, &g.bucket, sizeof(g.bucket));
+  }
+  d.hash = d.moved != 0 ? XXH3_64bits_digest(&state) | 1u : 0;
+  return d;
+}
+
+CommitOutcome decide_commit(std::span<const uint8_t> all, int nranks, RoundKind kind,
+                            uint64_t decision_hash) {
+  CommitOutcome out;
+  const std::vector<Contribution> c = parse_all(all, nranks);
+  if (c.empty()) {
+    out.reason = Reason::CommitRefused;
+    return out;
+  }
+  for (const Contribution& x : c) {
+    if (x.header.kind != static_cast<uint8_t>(kind) || x.header.decision_hash != decision_hash) {
+      out.reason = Reason::CommitRefused;
+      return out;
+    }
+    if (!(x.header.flags & kCanServe)) {
+      out.reason = x.header.flags & kIssuedInGroup ? Reason::AnchorInGroup : Reason::TransportFailed;
+      return out;
+    }
+  }
+  if (kind == RoundKind::Publish)
+    for (const Contribution& x : c) out.handles.push_back(x.header.handle);
+  out.agreed = true;
+  return out;
+}
+
+}  // namespace magi::rewrite

@@ -1,0 +1,113 @@
+// What a rank puts into an agreement round, and the decision every rank derives from all of them.
+//
+// A round is one all-gather of fixed-size contributions (kContributionBytes, whatever the step),
+// so the round itself can never mismatch between ranks, even when their steps differ. decide()
+// is a pure function of all ranks' contributions: every rank that reads the same bytes reaches the
+// same decision. The only rank-local input it takes is which rank is "me", used for wording the
+// reasons, never for what moves.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "capture/trace_format.h"
+#include "ce_transport/ce_transport.h"
+
+namespace magi::rewrite {
+
+using trace::AgreementMode;
+using trace::Reason;
+using trace::RoundKind;
+
+inline constexpr uint32_t kContributionMagic = 0x4147524d;  // "MRGA"
+inline constexpr uint32_t kContributionVersion = 1;
+inline constexpr uint32_t kMaxGathers = 1024;  // gathers per step a round can carry
+
+// Flags of a contribution.
+inline constexpr uint32_t kIssuedInGroup = 1u << 0;  // this rank's round call was inside a group
+inline constexpr uint32_t kGroupsUnstable = 1u << 1; // its grouping changed between steps
+inline constexpr uint32_t kDryRun = 1u << 2;         // MAGI_DRY_RUN=1 on this rank
+inline constexpr uint32_t kCanServe = 1u << 3;       // publish/confirm: prepared / attached
+
+struct ContributionHeader {
+  uint32_t magic;
+  uint32_t version;
+  uint32_t round;
+  uint8_t kind;        // RoundKind
+  uint8_t backend;     // ce::Backend
+  uint8_t reason;      // publish/confirm: why this rank cannot serve
+  uint8_t reserved0;
+  int32_t rank;
+  int32_t nranks;
+  uint32_t flags;
+  uint64_t step_digest;      // shapes of the step (capture's digest)
+  uint64_t callsite_digest;  // call sites of the step's collectives, in order
+  uint64_t group_digest;     // which positions are grouped together
+  uint32_t period;
+  uint32_t gathers;          // all-gathers in the step
+  uint64_t host;             // ce::Locality
+  int32_t device;
+  uint32_t reserved1;
+  uint64_t peer_access_mask;
+  uint64_t decision_hash;    // publish/confirm: the decision being served
+  ce::HandleBlob handle;     // publish: how to open this rank's window
+};
+
+// One all-gather of the step as this rank saw it.
+struct GatherEntry {
+  uint64_t callsite;
+  uint64_t count;
+  uint32_t position;  // in the step
+  uint16_t bucket;    // bucket index in the step
+  uint8_t dtype;
+  uint8_t reason;     // Reason::None: eligible on this rank
+};
+static_assert(sizeof(GatherEntry) == 24);
+
+inline constexpr size_t kContributionBytes =
+    (sizeof(ContributionHeader) + kMaxGathers * sizeof(GatherEntry) + 63) / 64 * 64;
+
+// A contribution being built or read: header, then entries.
+struct Contribution {
+  ContributionHeader header{};
+  std::vector<GatherEntry> entries;  // header.gathers of them, at most kMaxGathers
+
+  void serialize(std::span<uint8_t> out) const;  // out.size() == kContributionBytes
+  // Parses one rank's slice; false when it is not a contribution of this version.
+  static bool parse(std::span<const uint8_t> in, Contribution& out);
+};
+
+struct GatherDecision {
+  uint32_t position;
+  uint16_t bucket;
+  bool moves;
+  Reason reason;      // why it stays (Reason::None when it moves)
+  int32_t refused_by; // lowest other rank that held it ineligible, else -1
+};
+
+struct Decision {
+  AgreementMode mode = AgreementMode::None;
+  Reason reason = Reason::None;  // when nothing moves because of the whole communicator
+  bool dry_run = false;          // some rank runs dry: everyone only reports
+  std::vector<GatherDecision> gathers;  // in step order
+  uint32_t moved = 0;
+  uint64_t hash = 0;             // of step digest, mode and the moving positions; 0 if none move
+
+  bool moves_anything() const { return moved != 0; }
+};
+
+// The ladder. `all` holds nranks contributions of kContributionBytes, rank order.
+Decision decide(std::span<const uint8_t> all, int nranks, int my_rank);
+
+// Publish and confirm rounds: true when every rank can serve `decision_hash`; else the reason.
+struct CommitOutcome {
+  bool agreed = false;
+  Reason reason = Reason::None;
+  std::vector<ce::HandleBlob> handles;  // publish: by rank
+};
+CommitOutcome decide_commit(std::span<const uint8_t> all, int nranks, RoundKind kind,
+                            uint64_t decision_hash);
+
+}  // namespace magi::rewrite

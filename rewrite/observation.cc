@@ -1,0 +1,161 @@
+#include "rewrite/observation.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace magi::rewrite {
+
+size_t datatype_bytes(uint8_t dtype) {
+  switch (static_cast<ncclDataType_t>(dtype)) {
+    case ncclInt8: case ncclUint8: case ncclFloat8e4m3: case ncclFloat8e5m2: return 1;
+    case ncclFloat16: case ncclBfloat16: return 2;
+    case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
+    case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
+    default: return 0;
+  }
+}
+
+namespace {
+size_t aligned(size_t bytes) { return (bytes + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment; }
+}  // namespace
+
+void StepObservation::reset(uint32_t period) {
+  positions_.assign(period, PositionSeen{});
+  complete_steps_ = 0;
+  step_open_ = false;
+  groups_in_step_ = 0;
+  group_digest_ = previous_group_digest_ = 0;
+  groups_stable_ = false;
+}
+
+void StepObservation::begin_step() {
+  if (step_open_) {
+    ++complete_steps_;
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+    for (const PositionSeen& p : positions_) XXH3_64bits_update(&state, &p.group, sizeof(p.group));
+    previous_group_digest_ = group_digest_;
+    group_digest_ = XXH3_64bits_digest(&state);
+    groups_stable_ = complete_steps_ >= 2 && group_digest_ == previous_group_digest_;
+  }
+  step_open_ = true;
+  groups_in_step_ = 0;
+  last_group_ordinal_ = 0;
+}
+
+void StepObservation::observe(uint32_t position, const capture::CallArgs& args,
+                              const capture::CallRecord& record, ce::Backend backend) {
+  if (!step_open_ || position >= positions_.size()) return;
+  PositionSeen& p = positions_[position];
+  uint16_t group = kNoGroup;
+  if (record.flags & trace::kCallInGroup) {
+    if (record.group != last_group_ordinal_) {
+      last_group_ordinal_ = record.group;
+      if (groups_in_step_ < kNoGroup - 1) ++groups_in_step_;
+    }
+    group = static_cast<uint16_t>(groups_in_step_ - 1);
+  }
+  const bool gather = args.op == trace::Op::AllGather;
+  const ce::BufferIdentity send = gather ? ce::identify_buffer(backend, args.sendbuf) : ce::BufferIdentity{};
+  const bool same = p.seen && p.count == args.count && p.dtype == static_cast<uint8_t>(args.dtype) &&
+                    p.callsite == record.callsite && p.sendbuf == record.sendbuf &&
+                    p.send.allocation_id == send.allocation_id && p.group == group;
+  p.stable_steps = same ? p.stable_steps + 1 : 1;
+  p.seen = true;
+  p.op = static_cast<uint8_t>(args.op);
+  p.dtype = static_cast<uint8_t>(args.dtype);
+  p.capturing = (record.flags & trace::kCallCapturing) != 0;
+  p.group = group;
+  p.count = args.count;
+  p.callsite = record.callsite;
+  p.sendbuf = record.sendbuf;
+  p.recvbuf = record.recvbuf;
+  p.send = send;
+  p.recv = gather ? ce::identify_buffer(backend, args.recvbuf) : ce::BufferIdentity{};
+}
+
+uint64_t StepObservation::callsite_digest() const {
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
+  for (const PositionSeen& p : positions_) XXH3_64bits_update(&state, &p.callsite, sizeof(p.callsite));
+  return XXH3_64bits_digest(&state);
+}
+
+namespace {
+
+Reason memory_refusal(const ce::BufferIdentity& id, ce::Backend backend) {
+  if (backend == ce::Backend::Host)
+    return id.kind == ce::MemoryKind::Host ? Reason::None : Reason::DeviceMemory;
+  switch (id.kind) {
+    case ce::MemoryKind::Device: return Reason::None;
+    case ce::MemoryKind::Host: return Reason::HostMemory;
+    case ce::MemoryKind::Managed: return Reason::ManagedMemory;
+    case ce::MemoryKind::Unknown: break;
+  }
+  return Reason::UnknownMemory;
+}
+
+}  // namespace
+
+std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Backend backend) const {
+  std::vector<GatherEntry> out;
+  // Buckets: the gathers of one group share one; an ungrouped gather is a bucket of its own.
+  std::map<uint32_t, uint16_t> bucket_of_key;
+  for (uint32_t pos = 0; pos < positions_.size(); ++pos) {
+    const PositionSeen& p = positions_[pos];
+    if (p.op != static_cast<uint8_t>(trace::Op::AllGather)) continue;
+    const uint32_t key = p.group != kNoGroup ? p.group : 0x10000u + pos;
+    const auto [it, inserted] = bucket_of_key.try_emplace(key, static_cast<uint16_t>(bucket_of_key.size()));
+    GatherEntry e{};
+    e.callsite = p.callsite;
+    e.count = p.count;
+    e.position = pos;
+    e.bucket = it->second;
+    e.dtype = p.dtype;
+    Reason why = Reason::None;
+    const uint64_t min_bytes = static_cast<uint64_t>(options.symm_min_shard_mib) << 20;
+    if (p.stable_steps < static_cast<uint64_t>(options.warmup_steps)) why = Reason::NotStable;
+    else if (Reason m = memory_refusal(p.send, backend); m != Reason::None) why = m;
+    else if (Reason m2 = memory_refusal(p.recv, backend); m2 != Reason::None) why = m2;
+    else if (p.capturing) why = Reason::GraphCapture;
+    else if (p.count * datatype_bytes(p.dtype) < min_bytes) why = Reason::ShardTooSmall;
+    e.reason = static_cast<uint8_t>(why);
+    out.push_back(e);
+  }
+  // A bucket larger than a window's slot may hold stays, all of it.
+  const uint64_t max_slot = static_cast<uint64_t>(options.window_max_mib) << 20;
+  for (GatherEntry& e : out) {
+    if (e.reason == static_cast<uint8_t>(Reason::None) && bucket_bytes(*this, e.bucket, out) > max_slot)
+      e.reason = static_cast<uint8_t>(Reason::WindowTooLarge);
+  }
+  return out;
+}
+
+size_t bucket_bytes(const StepObservation& seen, uint16_t bucket, const std::vector<GatherEntry>& entries) {
+  size_t total = 0;
+  for (const GatherEntry& e : entries)
+    if (e.bucket == bucket) total += aligned(seen.at(e.position).count * datatype_bytes(seen.at(e.position).dtype));
+  return total;
+}
+
+SlotLayout lay_out_slots(const StepObservation& seen, const std::vector<GatherDecision>& gathers) {
+  SlotLayout layout;
+  layout.offset_by_position.assign(seen.period(), SIZE_MAX);
+  layout.bucket_by_position.assign(seen.period(), 0);
+  std::map<uint16_t, size_t> used;  // bytes of each bucket so far
+  for (const GatherDecision& g : gathers) {
+    if (!g.moves) continue;
+    size_t& offset = used[g.bucket];
+    layout.offset_by_position[g.position] = offset;
+    layout.bucket_by_position[g.position] = g.bucket;
+    offset += aligned(seen.at(g.position).count * datatype_bytes(seen.at(g.position).dtype));
+    layout.slot_bytes = std::max(layout.slot_bytes, offset);
+  }
+  return layout;
+}
+
+}  // namespace magi::rewrite

@@ -1,0 +1,81 @@
+// What this rank saw at each position of its communicator's step, step after step: the facts a
+// candidate needs (same count, type, call site and send buffer for MAGI_WARMUP_STEPS steps), how
+// the step's calls are grouped, and the buckets and staging offsets that follow from it.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "capture/capture.h"
+#include "ce_transport/ce_transport.h"
+#include "rewrite/contribution.h"
+#include "shim/shim.h"
+
+namespace magi::rewrite {
+
+size_t datatype_bytes(uint8_t dtype);
+
+inline constexpr uint16_t kNoGroup = 0xffff;
+inline constexpr size_t kSlotAlignment = 256;
+
+struct PositionSeen {
+  bool seen = false;
+  uint8_t op = 0;
+  uint8_t dtype = 0;
+  bool capturing = false;
+  uint16_t group = kNoGroup;  // index of its ncclGroupStart/End within the step, or kNoGroup
+  uint64_t count = 0;
+  uint64_t callsite = 0;
+  uint64_t sendbuf = 0;
+  uint64_t recvbuf = 0;
+  ce::BufferIdentity send;
+  ce::BufferIdentity recv;
+  uint32_t stable_steps = 0;  // consecutive steps with the same count, type, call site, send buffer
+};
+
+class StepObservation {
+ public:
+  // Starts over for a step of `period` collectives (step found, lost or changed).
+  void reset(uint32_t period);
+  // At position 0: the step that just ended becomes the one decisions are made from.
+  void begin_step();
+  void observe(uint32_t position, const capture::CallArgs& args, const capture::CallRecord& record,
+               ce::Backend backend);
+
+  // Complete steps observed since reset.
+  uint64_t complete_steps() const { return complete_steps_; }
+  uint64_t callsite_digest() const;
+  uint64_t group_digest() const { return group_digest_; }
+  bool groups_stable() const { return groups_stable_; }
+  uint32_t period() const { return static_cast<uint32_t>(positions_.size()); }
+  const PositionSeen& at(uint32_t position) const { return positions_[position]; }
+
+  // This rank's entries for a propose round: every all-gather of the step, with its bucket and,
+  // if it cannot move on this rank, why.
+  std::vector<GatherEntry> entries(const Options& options, ce::Backend backend) const;
+
+ private:
+  std::vector<PositionSeen> positions_;
+  uint64_t complete_steps_ = 0;
+  bool step_open_ = false;
+  uint32_t last_group_ordinal_ = 0;
+  uint16_t groups_in_step_ = 0;
+  uint64_t group_digest_ = 0;
+  uint64_t previous_group_digest_ = 0;
+  bool groups_stable_ = false;
+};
+
+// Where each moving gather's shard lies in a staging slot: packed per bucket from the shapes (so
+// equal on every rank), and the slot size the plan needs (its largest bucket).
+struct SlotLayout {
+  std::vector<size_t> offset_by_position;  // SIZE_MAX for positions that do not move
+  std::vector<uint16_t> bucket_by_position;
+  size_t slot_bytes = 0;
+};
+SlotLayout lay_out_slots(const StepObservation& seen, const std::vector<GatherDecision>& gathers);
+
+// Staging a bucket needs: its gathers' shards, each aligned.
+size_t bucket_bytes(const StepObservation& seen, uint16_t bucket,
+                    const std::vector<GatherEntry>& entries);
+
+}  // namespace magi::rewrite

@@ -1,0 +1,122 @@
+// The call path of rewrite/: finds the communicator's agreement, asks it for the call's route,
+// and serves moved gathers now or, inside a group, when the group ends (one bucket per
+// communicator, like NCCL launching a group's work at ncclGroupEnd).
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "rewrite/agreement.h"
+#include "rewrite/observation.h"
+#include "rewrite/rewrite.h"
+
+namespace magi::rewrite {
+namespace {
+
+RealNcclCalls g_nccl{};
+
+std::mutex g_mutex;
+std::unordered_map<ncclComm_t, std::unique_ptr<CommAgreement>>& agreements() {
+  static auto* map = new std::unordered_map<ncclComm_t, std::unique_ptr<CommAgreement>>();
+  return *map;  // never destroyed: exit hooks and late threads may still look things up
+}
+
+CommAgreement* find(ncclComm_t comm) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = agreements().find(comm);
+  return it == agreements().end() ? nullptr : it->second.get();
+}
+
+// Moved gathers issued inside the calling thread's open group, in call order.
+struct Queued {
+  CommAgreement* agreement;
+  uint16_t bucket;
+  cudaStream_t stream;
+  ce::GatherOp op;
+};
+thread_local std::vector<Queued> t_queued;
+
+}  // namespace
+
+void install(const RealNcclCalls& calls) { g_nccl = calls; }
+
+// A program may exit without destroying its communicators: their windows are released then
+// (shared-memory names unlinked, device memory freed), so nothing outlives the process.
+void release_at_exit() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  agreements().clear();
+}
+
+void comm_joined(ncclComm_t comm, const capture::CommInfo& info) {
+  static std::once_flag hook;
+  std::call_once(hook, [] { std::atexit(release_at_exit); });
+  auto agreement = std::make_unique<CommAgreement>(comm, info, g_nccl);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  agreements()[comm] = std::move(agreement);
+}
+
+void comm_left(ncclComm_t comm) {
+  std::unique_ptr<CommAgreement> gone;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = agreements().find(comm);
+    if (it == agreements().end()) return;
+    gone = std::move(it->second);
+    agreements().erase(it);
+  }
+  std::erase_if(t_queued, [&](const Queued& q) { return q.agreement == gone.get(); });
+}
+
+Outcome intercept(ncclComm_t comm, const capture::CallArgs& args, capture::CallRecord& record,
+                  const capture::StepView& view) noexcept {
+  Outcome outcome;
+  guarded("rewrite", [&] {
+    if (!view.collective) return;
+    CommAgreement* agreement = find(comm);
+    if (agreement == nullptr) return;
+    const Route route = agreement->on_collective(args, record, view);
+    if (route.kind == Route::Kind::WouldMove) record.flags |= trace::kCallWouldMove;
+    if (route.kind != Route::Kind::Move) return;
+    record.flags |= trace::kCallMoved;
+    const ce::GatherOp op{args.sendbuf, args.recvbuf, args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)),
+                          route.slot_offset};
+    outcome.served = true;
+    if (capture::group_depth() > 0) {
+      t_queued.push_back({agreement, route.bucket, args.stream, op});
+      outcome.result = ncclSuccess;
+    } else {
+      outcome.result = agreement->serve({&op, 1}, args.stream);
+    }
+  });
+  return outcome;
+}
+
+ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
+  if (t_queued.empty()) return nccl_result;
+  ncclResult_t result = nccl_result;
+  guarded("ncclGroupEnd", [&] {
+    std::vector<Queued> queued = std::move(t_queued);
+    t_queued.clear();
+    // One bucket of the plan at a time, in the order the group first named each. The ranks
+    // queued the same calls (routes are shared), so they serve the same buckets in this order.
+    std::vector<bool> done(queued.size(), false);
+    std::vector<ce::GatherOp> bucket;
+    for (size_t i = 0; i < queued.size(); ++i) {
+      if (done[i]) continue;
+      bucket.clear();
+      for (size_t j = i; j < queued.size(); ++j) {
+        if (queued[j].agreement != queued[i].agreement || queued[j].bucket != queued[i].bucket) continue;
+        bucket.push_back(queued[j].op);
+        done[j] = true;
+      }
+      const ncclResult_t served = queued[i].agreement->serve(bucket, queued[i].stream);
+      if (result == ncclSuccess) result = served;
+    }
+  });
+  return result;
+}
+
+void group_discarded() noexcept { t_queued.clear(); }
+
+}  // namespace magi::rewrite

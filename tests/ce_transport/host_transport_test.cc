@@ -1,0 +1,550 @@
+// The host backend of ce_transport across real processes: N forked ranks prepare windows, swap
+// handle blobs through memory they share from before the fork, and run buckets of gathers whose
+// every received byte is checked. Also: a rank killed while the others wait makes their gather
+// throw instead of hang, and no window name is left in /dev/shm.
+//
+// Each child reports by its exit status (0: everything it checked held); the parent kills every
+// child and fails after a timeout, so a hang fails the test instead of stalling it.
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <new>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ce_transport/ce_transport.h"
+#include "ce_transport/host_window.h"
+#include "shim/shim.h"
+
+namespace magi::ce {
+namespace {
+
+constexpr int kMaxRanks = 8;
+constexpr int kIterations = 24;
+constexpr int kBucketGathers[] = {1, 2, 7, 64};
+constexpr size_t kShardBytes[] = {1, 3, 1000, 4099, 17, 64, 5, 255, 4096, 2, 63, 65};
+constexpr uint64_t kCommIdentity = 0x5eed'c0ff'ee00'0001;
+
+// ---- processes ------------------------------------------------------------------------------
+
+// What the ranks share: made before the fork, so every child maps the same pages.
+struct Shared {
+  std::atomic<uint32_t> arrived{0};
+  std::atomic<uint32_t> generation{0};
+  std::atomic<int64_t> pids[kMaxRanks] = {};
+  HandleBlob blobs[kMaxRanks];
+};
+
+class SharedArea {
+ public:
+  SharedArea() {
+    void* p = mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("mmap of the shared area failed");
+    shared_ = ::new (p) Shared{};
+  }
+  ~SharedArea() { munmap(shared_, sizeof(Shared)); }
+  Shared& get() { return *shared_; }
+
+ private:
+  Shared* shared_;
+};
+
+// Every rank waits here until all have arrived. A rank that never arrives hangs the others,
+// and the parent's timeout ends the test.
+void barrier(Shared& shared, int nranks) {
+  const uint32_t generation = shared.generation.load(std::memory_order_acquire);
+  if (shared.arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint32_t>(nranks)) {
+    shared.arrived.store(0, std::memory_order_relaxed);
+    shared.generation.fetch_add(1, std::memory_order_acq_rel);
+    return;
+  }
+  while (shared.generation.load(std::memory_order_acquire) == generation) sched_yield();
+}
+
+struct Outcome {
+  pid_t pid = 0;
+  int exit_code = -1;  // -1 when killed by a signal
+  int signal = 0;
+};
+struct RankRun {
+  bool timed_out = false;
+  std::vector<Outcome> ranks;
+};
+
+// Forks `nranks` children running `body(rank, shared)`; its return value is the exit status.
+// The rank `reap_last` (if >= 0) is reaped only after every other rank has exited, so while the
+// others run it stays a zombie once dead, as a child whose parent is busy elsewhere would.
+RankRun run_ranks(int nranks, Shared& shared, double timeout_s,
+              const std::function<int(int rank, Shared& shared)>& body, int reap_last = -1) {
+  RankRun run;
+  run.ranks.resize(static_cast<size_t>(nranks));
+  std::fflush(nullptr);
+  for (int r = 0; r < nranks; ++r) {
+    const pid_t pid = fork();
+    if (pid < 0) throw std::runtime_error("fork failed");
+    if (pid == 0) {
+      shared.pids[r].store(getpid(), std::memory_order_release);  // before any barrier
+      int status = 3;
+      try {
+        status = body(r, shared);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+        status = 2;
+      }
+      std::fflush(nullptr);
+      _exit(status);
+    }
+    run.ranks[static_cast<size_t>(r)].pid = pid;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  std::vector<bool> reaped(static_cast<size_t>(nranks), false);
+  int left = nranks;
+  while (left > 0) {
+    for (int r = 0; r < nranks; ++r) {
+      if (reaped[static_cast<size_t>(r)] || (r == reap_last && left > 1)) continue;
+      Outcome& outcome = run.ranks[static_cast<size_t>(r)];
+      int status = 0;
+      if (waitpid(outcome.pid, &status, WNOHANG) != outcome.pid) continue;
+      if (WIFEXITED(status)) outcome.exit_code = WEXITSTATUS(status);
+      if (WIFSIGNALED(status)) outcome.signal = WTERMSIG(status);
+      reaped[static_cast<size_t>(r)] = true;
+      --left;
+    }
+    if (left == 0) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      run.timed_out = true;
+      for (int r = 0; r < nranks; ++r)
+        if (!reaped[static_cast<size_t>(r)]) kill(run.ranks[static_cast<size_t>(r)].pid, SIGKILL);
+      for (int r = 0; r < nranks; ++r)
+        if (!reaped[static_cast<size_t>(r)]) waitpid(run.ranks[static_cast<size_t>(r)].pid, nullptr, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return run;
+}
+
+// Window names in /dev/shm that belong to one of `pids` (each name ends in ".<owner pid>").
+std::vector<std::string> window_names_of(const std::vector<pid_t>& pids) {
+  std::vector<std::string> found;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(kWindowNamePrefix, 0) != 0) continue;
+    for (const pid_t pid : pids) {
+      const std::string tail = "." + std::to_string(pid);
+      if (name.size() > tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0)
+        found.push_back(name);
+    }
+  }
+  return found;
+}
+
+std::vector<pid_t> pids_of(const RankRun& run) {
+  std::vector<pid_t> pids;
+  for (const Outcome& o : run.ranks) pids.push_back(o.pid);
+  return pids;
+}
+
+// ---- the plan and its data ------------------------------------------------------------------
+
+struct Gather {
+  size_t bytes;
+  size_t slot_offset;
+  bool in_place;
+};
+struct Plan {
+  std::vector<std::vector<Gather>> buckets;
+  size_t slot_bytes = 0;
+};
+
+// Odd sizes, offsets packed on 64-byte boundaries (as rewrite/ lays out a slot), in-place and
+// out-of-place mixed.
+Plan make_plan() {
+  Plan plan;
+  size_t next_size = 0;
+  for (const int gathers : kBucketGathers) {
+    std::vector<Gather> bucket;
+    size_t end = 0;
+    for (int g = 0; g < gathers; ++g) {
+      const size_t bytes = kShardBytes[next_size++ % std::size(kShardBytes)];
+      const size_t offset = (end + 63) / 64 * 64;
+      bucket.push_back({bytes, offset, (g + gathers) % 2 == 1});
+      end = offset + bytes;
+    }
+    plan.slot_bytes = std::max(plan.slot_bytes, end);
+    plan.buckets.push_back(std::move(bucket));
+  }
+  return plan;
+}
+
+// The byte rank `rank` contributes at `index` of gather `gather` of bucket `bucket` in
+// iteration `iteration`: every one of them changes from one iteration to the next, so a stale
+// byte is caught.
+uint8_t value(int iteration, int rank, size_t bucket, size_t gather, size_t index) {
+  uint32_t x = static_cast<uint32_t>(iteration) * 0x9E3779B1u ^ static_cast<uint32_t>(rank) * 0x85EBCA77u ^
+               static_cast<uint32_t>(bucket) * 0xC2B2AE3Du ^ static_cast<uint32_t>(gather) * 0x27D4EB2Fu ^
+               static_cast<uint32_t>(index) * 0x165667B1u;
+  x ^= x >> 15;
+  x *= 0x2C1B3C6Du;
+  x ^= x >> 12;
+  return static_cast<uint8_t>(x);
+}
+
+// One rank's buffers for every gather of the plan.
+struct Buffers {
+  std::vector<std::vector<std::vector<uint8_t>>> send, recv;  // [bucket][gather]
+};
+
+Buffers make_buffers(const Plan& plan, int nranks) {
+  Buffers buffers;
+  for (const auto& bucket : plan.buckets) {
+    buffers.send.emplace_back();
+    buffers.recv.emplace_back();
+    for (const Gather& g : bucket) {
+      buffers.send.back().emplace_back(g.bytes);
+      buffers.recv.back().emplace_back(g.bytes * static_cast<size_t>(nranks));
+    }
+  }
+  return buffers;
+}
+
+// Writes this rank's shards for `iteration`, poisons the rest of the receive buffers and
+// returns the bucket's ops.
+std::vector<GatherOp> fill_bucket(const Plan& plan, Buffers& buffers, size_t b, int iteration, int rank) {
+  std::vector<GatherOp> ops;
+  for (size_t g = 0; g < plan.buckets[b].size(); ++g) {
+    const Gather& gather = plan.buckets[b][g];
+    uint8_t* recv = buffers.recv[b][g].data();
+    std::memset(recv, 0xEE, buffers.recv[b][g].size());
+    uint8_t* send = gather.in_place ? recv + static_cast<size_t>(rank) * gather.bytes : buffers.send[b][g].data();
+    for (size_t i = 0; i < gather.bytes; ++i) send[i] = value(iteration, rank, b, g, i);
+    ops.push_back({send, recv, gather.bytes, gather.slot_offset});
+  }
+  return ops;
+}
+
+// 0 if every byte of every rank's shard arrived; else says where the first one did not.
+int check_bucket(const Plan& plan, const Buffers& buffers, size_t b, int iteration, int rank, int nranks) {
+  for (size_t g = 0; g < plan.buckets[b].size(); ++g) {
+    const size_t bytes = plan.buckets[b][g].bytes;
+    const uint8_t* recv = buffers.recv[b][g].data();
+    for (int r = 0; r < nranks; ++r)
+      for (size_t i = 0; i < bytes; ++i) {
+        const uint8_t want = value(iteration, r, b, g, i);
+        const uint8_t got = recv[static_cast<size_t>(r) * bytes + i];
+        if (got != want) {
+          std::fprintf(stderr,
+                       "rank %d, iteration %d, bucket %zu, gather %zu: byte %zu of rank %d's shard is "
+                       "%#x, expected %#x\n",
+                       rank, iteration, b, g, i, r, got, want);
+          return 1;
+        }
+      }
+  }
+  return 0;
+}
+
+// Makes the transport, prepares, swaps blobs through `shared`, attaches.
+std::unique_ptr<Transport> join(int rank, int nranks, Shared& shared, size_t slot_bytes) {
+  auto transport = make_transport(Backend::Host, rank, nranks, kCommIdentity);
+  HandleBlob blob;
+  transport->prepare(slot_bytes, blob);
+  shared.blobs[rank] = blob;
+  barrier(shared, nranks);
+  transport->attach(std::span<const HandleBlob>(shared.blobs, static_cast<size_t>(nranks)));
+  return transport;
+}
+
+int gather_and_check(int rank, int nranks, Shared& shared) {
+  const Plan plan = make_plan();
+  Buffers buffers = make_buffers(plan, nranks);
+  auto transport = make_transport(Backend::Host, rank, nranks, kCommIdentity);
+  if (transport->window_bytes() != 0) {
+    std::fprintf(stderr, "rank %d: a window before prepare\n", rank);
+    return 1;
+  }
+  HandleBlob blob;
+  transport->prepare(plan.slot_bytes, blob);
+  if (transport->window_bytes() < 2 * plan.slot_bytes) {
+    std::fprintf(stderr, "rank %d: window of %zu bytes for two slots of %zu\n", rank,
+                 transport->window_bytes(), plan.slot_bytes);
+    return 1;
+  }
+  shared.blobs[rank] = blob;
+  barrier(shared, nranks);
+  transport->attach(std::span<const HandleBlob>(shared.blobs, static_cast<size_t>(nranks)));
+  barrier(shared, nranks);
+  // Every peer has opened every window: no name is left to leak if a rank dies from here on.
+  if (rank == 0) {
+    std::vector<pid_t> pids;
+    for (int r = 0; r < nranks; ++r) pids.push_back(static_cast<pid_t>(shared.pids[r].load()));
+    for (const std::string& name : window_names_of(pids)) {
+      std::fprintf(stderr, "window name %s still in /dev/shm after every rank attached\n", name.c_str());
+      return 1;
+    }
+  }
+
+  for (int iteration = 0; iteration < kIterations; ++iteration)
+    for (size_t b = 0; b < plan.buckets.size(); ++b) {
+      const std::vector<GatherOp> ops = fill_bucket(plan, buffers, b, iteration, rank);
+      transport->gather(ops, nullptr);
+      if (check_bucket(plan, buffers, b, iteration, rank, nranks) != 0) return 1;
+    }
+
+  transport->release();
+  transport->release();
+  if (transport->window_bytes() != 0) {
+    std::fprintf(stderr, "rank %d: window_bytes %zu after release\n", rank, transport->window_bytes());
+    return 1;
+  }
+  return 0;
+}
+
+// ---- tests --------------------------------------------------------------------------------
+
+class HostTransportRanks : public ::testing::TestWithParam<int> {};
+
+TEST_P(HostTransportRanks, EveryRankReceivesEveryByteOfEveryBucket) {
+  const int nranks = GetParam();
+  SharedArea area;
+  const RankRun run = run_ranks(nranks, area.get(), 30,
+                                [nranks](int rank, Shared& shared) { return gather_and_check(rank, nranks, shared); });
+  ASSERT_FALSE(run.timed_out) << "ranks still running after 30 s; killed";
+  for (int r = 0; r < nranks; ++r) {
+    EXPECT_EQ(run.ranks[static_cast<size_t>(r)].exit_code, 0) << "rank " << r;
+    EXPECT_EQ(run.ranks[static_cast<size_t>(r)].signal, 0) << "rank " << r;
+  }
+  EXPECT_EQ(window_names_of(pids_of(run)), std::vector<std::string>{});
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, HostTransportRanks, ::testing::Values(2, 3, 4, 8));
+
+// The last rank dies by SIGKILL after a few buckets; the others are then waiting for it inside
+// gather and must get an error naming it. `zombie`: its parent does not reap it meanwhile.
+void peer_killed_while_others_wait(bool zombie) {
+  constexpr int kRanks = 3;
+  constexpr int kVictim = kRanks - 1;
+  constexpr int kGoodBuckets = 5;
+  SharedArea area;
+  const auto body = [](int rank, Shared& shared) -> int {
+    const Plan plan = make_plan();
+    Buffers buffers = make_buffers(plan, kRanks);
+    auto transport = join(rank, kRanks, shared, plan.slot_bytes);
+    for (int i = 0; i < kGoodBuckets; ++i) {
+      const std::vector<GatherOp> ops = fill_bucket(plan, buffers, 2, i, rank);
+      transport->gather(ops, nullptr);
+      if (check_bucket(plan, buffers, 2, i, rank, kRanks) != 0) return 1;
+    }
+    if (rank == kVictim) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the others are waiting by now
+      raise(SIGKILL);
+    }
+    const std::vector<GatherOp> ops = fill_bucket(plan, buffers, 2, kGoodBuckets, rank);
+    const std::string expected = "rank " + std::to_string(kVictim) + " (pid " +
+                                 std::to_string(shared.pids[kVictim].load()) + ") is gone";
+    try {
+      transport->gather(ops, nullptr);
+    } catch (const Error& e) {
+      if (e.kind() == ErrorKind::System && std::string(e.what()) == expected) {
+        transport->release();
+        transport->release();
+        return 0;
+      }
+      std::fprintf(stderr, "rank %d: \"%s\", expected \"%s\"\n", rank, e.what(), expected.c_str());
+      return 1;
+    }
+    std::fprintf(stderr, "rank %d: gather returned although rank %d is dead\n", rank, kVictim);
+    return 1;
+  };
+  const RankRun run = run_ranks(kRanks, area.get(), 15, body, zombie ? kVictim : -1);
+  ASSERT_FALSE(run.timed_out) << "a rank waited for a dead peer for 15 s";
+  for (int r = 0; r < kVictim; ++r) EXPECT_EQ(run.ranks[static_cast<size_t>(r)].exit_code, 0) << "rank " << r;
+  EXPECT_EQ(run.ranks[kVictim].signal, SIGKILL);
+  EXPECT_EQ(window_names_of(pids_of(run)), std::vector<std::string>{});
+}
+
+TEST(HostTransport, PeerKilledWhileOthersWaitMakesTheirGatherThrow) { peer_killed_while_others_wait(false); }
+
+TEST(HostTransport, PeerKilledAndNotYetReapedMakesTheirGatherThrow) { peer_killed_while_others_wait(true); }
+
+// Two ranks of one process, each on a thread: the same handshake without fork.
+TEST(HostTransport, TwoThreadsGatherThroughEachOthersWindows) {
+  constexpr int kRanks = 2;
+  const Plan plan = make_plan();
+  std::unique_ptr<Transport> transports[kRanks];
+  HandleBlob blobs[kRanks];
+  for (int r = 0; r < kRanks; ++r) {
+    transports[r] = make_transport(Backend::Host, r, kRanks, kCommIdentity);
+    transports[r]->prepare(plan.slot_bytes, blobs[r]);
+  }
+  for (int r = 0; r < kRanks; ++r) transports[r]->attach(blobs);
+  EXPECT_EQ(window_names_of({getpid()}), std::vector<std::string>{});
+  int failures[kRanks] = {};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r)
+    threads.emplace_back([&, r] {
+      Buffers buffers = make_buffers(plan, kRanks);
+      for (int iteration = 0; iteration < kIterations; ++iteration)
+        for (size_t b = 0; b < plan.buckets.size(); ++b) {
+          transports[r]->gather(fill_bucket(plan, buffers, b, iteration, r), nullptr);
+          failures[r] += check_bucket(plan, buffers, b, iteration, r, kRanks);
+        }
+    });
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(failures[0], 0);
+  EXPECT_EQ(failures[1], 0);
+}
+
+TEST(HostTransport, OneRankGathersItsOwnShardAndLeavesNoName) {
+  auto transport = make_transport(Backend::Host, 0, 1, kCommIdentity);
+  EXPECT_EQ(transport->window_bytes(), 0u);
+  HandleBlob blob;
+  transport->prepare(1000, blob);
+  EXPECT_GE(transport->window_bytes(), 2000u);
+  EXPECT_EQ(window_names_of({getpid()}), std::vector<std::string>{});  // nobody will open it
+  transport->attach(std::span<const HandleBlob>(&blob, 1));
+  std::vector<uint8_t> send(999), recv(999, 0);
+  for (size_t i = 0; i < send.size(); ++i) send[i] = static_cast<uint8_t>(i * 7 + 1);
+  const GatherOp op{send.data(), recv.data(), send.size(), 0};
+  transport->gather(std::span<const GatherOp>(&op, 1), nullptr);
+  EXPECT_EQ(recv, send);
+  transport->release();
+  EXPECT_EQ(transport->window_bytes(), 0u);
+  transport->release();
+  EXPECT_EQ(transport->window_bytes(), 0u);
+}
+
+ErrorKind kind_of(const std::function<void()>& work) {
+  try {
+    work();
+  } catch (const Error& e) {
+    return e.kind();
+  }
+  ADD_FAILURE() << "nothing thrown";
+  return ErrorKind::Internal;
+}
+
+TEST(HostTransport, RefusesBlobsOfAnotherPlanAndGathersThatOverflowASlot) {
+  auto a = make_transport(Backend::Host, 0, 2, kCommIdentity);
+  auto other_comm = make_transport(Backend::Host, 1, 2, kCommIdentity + 1);
+  auto other_slots = make_transport(Backend::Host, 1, 2, kCommIdentity);
+  auto b = make_transport(Backend::Host, 1, 2, kCommIdentity);
+  HandleBlob blob_a, blob_other_comm, blob_other_slots, blob_b;
+  EXPECT_EQ(kind_of([&] { a->gather({}, nullptr); }), ErrorKind::Usage);  // before prepare
+  a->prepare(256, blob_a);
+  other_comm->prepare(256, blob_other_comm);
+  other_slots->prepare(512, blob_other_slots);
+  b->prepare(256, blob_b);
+
+  const HandleBlob wrong_comm[] = {blob_a, blob_other_comm};
+  EXPECT_EQ(kind_of([&] { a->attach(wrong_comm); }), ErrorKind::Usage);
+  const HandleBlob wrong_slots[] = {blob_a, blob_other_slots};
+  EXPECT_EQ(kind_of([&] { a->attach(wrong_slots); }), ErrorKind::Usage);
+  const HandleBlob wrong_rank[] = {blob_b, blob_a};
+  EXPECT_EQ(kind_of([&] { a->attach(wrong_rank); }), ErrorKind::Usage);
+  EXPECT_EQ(kind_of([&] { a->attach(std::span<const HandleBlob>(&blob_a, 1)); }), ErrorKind::Usage);
+
+  const HandleBlob right[] = {blob_a, blob_b};
+  a->attach(right);
+  b->attach(right);
+  uint8_t send[100] = {}, recv[200] = {};
+  const GatherOp overflow{send, recv, 100, 192};
+  EXPECT_EQ(kind_of([&] { a->gather(std::span<const GatherOp>(&overflow, 1), nullptr); }), ErrorKind::Usage);
+
+  for (auto* t : {&a, &other_comm, &other_slots, &b}) (*t)->release();
+  EXPECT_EQ(window_names_of({getpid()}), std::vector<std::string>{});
+}
+
+TEST(CudaTransport, RefusesAtPrepareUntilItIsWritten) {
+  auto transport = make_transport(Backend::Cuda, 0, 2, kCommIdentity);
+  HandleBlob blob;
+  try {
+    transport->prepare(1024, blob);
+    ADD_FAILURE() << "prepare succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::System);
+  }
+  EXPECT_EQ(transport->window_bytes(), 0u);
+  transport->release();
+}
+
+// ---- memory and locality ----------------------------------------------------------------------
+
+bool cuda_driver_in_process() {
+  void* driver = dlopen("libcuda.so.1", RTLD_NOLOAD | RTLD_LAZY);
+  if (driver != nullptr) dlclose(driver);
+  return driver != nullptr;
+}
+
+TEST(Memory, HostBackendCallsEveryBufferHostMemory) {
+  std::vector<uint8_t> heap(64);
+  int stack = 0;
+  for (const void* p : {static_cast<const void*>(heap.data()), static_cast<const void*>(&stack)}) {
+    const BufferIdentity id = identify_buffer(Backend::Host, p);
+    EXPECT_EQ(id.kind, MemoryKind::Host);
+    EXPECT_EQ(id.allocation_id, 0u);
+    EXPECT_EQ(id.device, -1);
+  }
+}
+
+TEST(Memory, CudaBackendWithoutADriverKnowsNothingAndLoadsNoDriver) {
+  if (cuda_driver_in_process()) GTEST_SKIP() << "this process has the CUDA driver loaded";
+  std::vector<uint8_t> heap(64);
+  const BufferIdentity id = identify_buffer(Backend::Cuda, heap.data());
+  EXPECT_EQ(id.kind, MemoryKind::Unknown);
+  const Locality here = local_locality(Backend::Cuda, 0);
+  EXPECT_EQ(here.device, -1);
+  EXPECT_EQ(here.peer_access_mask, 0u);
+  EXPECT_EQ(here.host, local_locality(Backend::Host, 0).host);
+  EXPECT_FALSE(cuda_driver_in_process());
+}
+
+TEST(Locality, HostBackendGivesTheSameHostTwiceAndNoDevice) {
+  const Locality first = local_locality(Backend::Host, 0);
+  const Locality second = local_locality(Backend::Host, 3);
+  EXPECT_NE(first.host, 0u);
+  EXPECT_EQ(first.host, second.host);
+  EXPECT_EQ(first.device, -1);
+  EXPECT_EQ(first.peer_access_mask, 0u);
+}
+
+// ---- exchange ---------------------------------------------------------------------------------
+
+TEST(HostExchange, ResultIsWhatTheAllGatherWroteOnceIssued) {
+  constexpr size_t kBytes = 24;
+  constexpr int kRanks = 3;
+  auto exchange = make_exchange(Backend::Host, kBytes, kRanks);
+  std::vector<uint8_t> contribution(kBytes);
+  for (size_t i = 0; i < kBytes; ++i) contribution[i] = static_cast<uint8_t>(i + 1);
+  exchange->stage(contribution);
+  EXPECT_EQ(std::memcmp(exchange->send_buffer(), contribution.data(), kBytes), 0);
+  EXPECT_FALSE(exchange->ready());
+  // The all-gather, as the stand-in would do it.
+  auto* recv = static_cast<uint8_t*>(exchange->recv_buffer());
+  for (int r = 0; r < kRanks; ++r)
+    for (size_t i = 0; i < kBytes; ++i) recv[static_cast<size_t>(r) * kBytes + i] = static_cast<uint8_t>(r * 100 + i);
+  exchange->issued();
+  EXPECT_TRUE(exchange->ready());
+  const std::span<const uint8_t> result = exchange->result();
+  ASSERT_EQ(result.size(), kBytes * kRanks);
+  for (size_t i = 0; i < result.size(); ++i) EXPECT_EQ(result[i], static_cast<uint8_t>(i / kBytes * 100 + i % kBytes));
+  exchange->stage(contribution);
+  EXPECT_FALSE(exchange->ready());  // a new round is not ready until issued
+}
+
+}  // namespace
+}  // namespace magi::ce

@@ -1,0 +1,369 @@
+// Agreement end to end: N processes over the NCCL stand-in with the shim preloaded and the host
+// backend serving moved gathers. Every run checks every gathered byte (the workloads fail on a
+// wrong one), has a timeout (a hang fails), and then reads every rank's trace: the ranks must
+// have taken the same route for every call and reached the same decisions.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "capture/trace_reader.h"
+#include "tests/support/launch.h"
+
+namespace magi {
+namespace {
+
+namespace fs = std::filesystem;
+using trace::AgreementMode;
+using trace::Reason;
+using trace::RoundEvent;
+using trace::RoundKind;
+using trace::Verdict;
+
+std::string build_dir() {
+  const char* dir = std::getenv("TEST_BUILD_DIR");
+  return dir ? dir : fs::absolute("build").string();
+}
+std::string workload() { return build_dir() + "/tests/support/magi-workload"; }
+std::string shim_preload() {
+  const char* first = std::getenv("TEST_PRELOAD_FIRST");
+  const std::string shim = build_dir() + "/libmagice.so";
+  return first != nullptr && *first != '\0' ? std::string(first) + " " + shim : shim;
+}
+
+struct TempDir {
+  TempDir() {
+    char tmpl[] = "/tmp/magice-agree.XXXXXX";
+    path = mkdtemp(tmpl);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string path;
+};
+
+// What one rank of one communicator did, as its trace tells.
+struct RankView {
+  std::vector<uint64_t> moved;       // seq of calls served off NCCL
+  std::vector<uint64_t> would_move;  // seq of calls a dry run would have moved
+  std::vector<uint64_t> in_group_moved;
+  std::vector<trace::AgreementRecord> rounds;
+  std::vector<trace::DecisionRecord> decisions;
+};
+
+struct AgreedRun {
+  support::LaunchResult result;
+  std::map<uint64_t, std::map<int, RankView>> comms;  // comm id -> rank -> view
+  std::string log;                                     // every rank's stderr
+
+  const RankView& view(uint64_t comm, int rank) const { return comms.at(comm).at(rank); }
+  // The communicator that has `nranks` ranks recorded, in order of first appearance.
+  std::vector<uint64_t> comm_ids() const {
+    std::vector<uint64_t> ids;
+    for (const auto& [id, ranks] : comms) ids.push_back(id);
+    return ids;
+  }
+};
+
+AgreedRun run_agreed(int n, std::vector<std::string> args, std::vector<std::pair<std::string, std::string>> env = {},
+        double timeout_s = 60) {
+  TempDir dir;
+  support::LaunchSpec spec;
+  spec.nranks = n;
+  spec.argv = {workload()};
+  spec.argv.insert(spec.argv.end(), args.begin(), args.end());
+  spec.env = {{"LD_PRELOAD", shim_preload()}, {"MAGI_BACKEND", "host"},
+              {"MAGI_TRACE_DIR", dir.path}, {"MAGI_LOG", "INFO"}, {"MAGI_LOG_SUBSYS", "REWRITE,TRANSPORT"}};
+  for (auto& e : env) spec.env.push_back(e);
+  spec.timeout_s = timeout_s;
+  spec.capture_output = true;
+  AgreedRun out;
+  out.result = support::launch(spec);
+  for (const auto& rank : out.result.ranks) out.log += rank.stderr_text;
+  for (const auto& entry : fs::directory_iterator(dir.path)) {
+    if (entry.path().extension() != ".trace") continue;
+    const trace::Trace t = trace::read_trace(entry.path().string());
+    std::map<uint64_t, int> rank_of;
+    for (const auto& c : t.comms) rank_of[c.comm_id] = c.rank;
+    for (const auto& c : t.comms) out.comms[c.comm_id][c.rank];
+    for (const auto& call : t.calls) {
+      RankView& v = out.comms[call.comm_id][call.rank];
+      if (call.flags & trace::kCallMoved) v.moved.push_back(call.seq);
+      if ((call.flags & trace::kCallMoved) && (call.flags & trace::kCallInGroup))
+        v.in_group_moved.push_back(call.seq);
+      if (call.flags & trace::kCallWouldMove) v.would_move.push_back(call.seq);
+    }
+    for (const auto& a : t.agreements) out.comms[a.comm_id][a.rank].rounds.push_back(a);
+    for (const auto& d : t.decisions) out.comms[d.comm_id][d.rank].decisions.push_back(d);
+  }
+  for (auto& [id, ranks] : out.comms)
+    for (auto& [rank, v] : ranks) {
+      std::sort(v.moved.begin(), v.moved.end());
+      std::sort(v.would_move.begin(), v.would_move.end());
+    }
+  return out;
+}
+
+std::string transcript(const AgreedRun& r) { return r.result.summary() + "\n" + r.log; }
+
+// The heart of it: for every communicator, every rank took the same route for every call, went
+// through the same rounds at the same calls, and reached the same verdict for every gather.
+void expect_ranks_agree(const AgreedRun& r) {
+  for (const auto& [id, ranks] : r.comms) {
+    const RankView& first = ranks.begin()->second;
+    for (const auto& [rank, v] : ranks) {
+      EXPECT_EQ(v.moved, first.moved) << "comm " << id << " rank " << rank << " moved other calls";
+      EXPECT_EQ(v.would_move, first.would_move) << "comm " << id << " rank " << rank;
+      ASSERT_EQ(v.rounds.size(), first.rounds.size()) << "comm " << id << " rank " << rank;
+      for (size_t i = 0; i < v.rounds.size(); ++i) {
+        const auto& a = v.rounds[i];
+        const auto& b = first.rounds[i];
+        EXPECT_EQ(std::tie(a.round, a.kind, a.event, a.seq, a.moved, a.mode),
+                  std::tie(b.round, b.kind, b.event, b.seq, b.moved, b.mode))
+            << "comm " << id << " rank " << rank << " round record " << i;
+      }
+      ASSERT_EQ(v.decisions.size(), first.decisions.size()) << "comm " << id << " rank " << rank;
+      for (size_t i = 0; i < v.decisions.size(); ++i) {
+        const auto& a = v.decisions[i];
+        const auto& b = first.decisions[i];
+        EXPECT_EQ(std::tie(a.round, a.position, a.verdict, a.bucket),
+                  std::tie(b.round, b.position, b.verdict, b.bucket))
+            << "comm " << id << " rank " << rank << " decision " << i;
+      }
+    }
+  }
+}
+
+std::vector<trace::AgreementRecord> rounds_with(const RankView& v, RoundKind kind, RoundEvent event) {
+  std::vector<trace::AgreementRecord> out;
+  for (const auto& a : v.rounds)
+    if (a.kind == static_cast<uint8_t>(kind) && a.event == static_cast<uint8_t>(event)) out.push_back(a);
+  return out;
+}
+
+bool has_abort(const std::vector<trace::AgreementRecord>& reads) {
+  for (const auto& a : reads)
+    if (a.mode == static_cast<uint8_t>(AgreementMode::Abort) &&
+        a.reason == static_cast<uint8_t>(Reason::GroupsDiffer))
+      return true;
+  return false;
+}
+
+const std::vector<std::string> kFsdp = {"fsdp", "--layers", "5", "--steps", "16", "--rewrite", "1"};
+
+std::vector<std::string> fsdp(std::vector<std::string> extra, int steps = 16) {
+  std::vector<std::string> args = kFsdp;
+  args[4] = std::to_string(steps);
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+TEST(Agreement, IdenticalStepsMoveEveryStableGatherOnEveryRank) {
+  const AgreedRun r = run_agreed(4, fsdp({}));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  ASSERT_EQ(r.comms.size(), 1u);
+  expect_ranks_agree(r);
+  const uint64_t comm = r.comm_ids()[0];
+  for (int rank = 0; rank < 4; ++rank) {
+    const RankView& v = r.view(comm, rank);
+    const auto read = rounds_with(v, RoundKind::Propose, RoundEvent::Read);
+    ASSERT_FALSE(read.empty());
+    EXPECT_EQ(read[0].mode, static_cast<uint8_t>(AgreementMode::Identical));
+    EXPECT_EQ(read[0].moved, 5u);
+    EXPECT_EQ(rounds_with(v, RoundKind::Confirm, RoundEvent::Activated).size(), 1u);
+    ASSERT_EQ(v.decisions.size(), 5u);
+    for (const auto& d : v.decisions) EXPECT_EQ(d.verdict, static_cast<uint8_t>(Verdict::Moved));
+    EXPECT_GE(v.moved.size(), 5u * 4);  // at least four steps ran moved
+    EXPECT_FALSE(v.in_group_moved.empty());  // the bucketed layers moved as a bucket
+  }
+}
+
+TEST(Agreement, DifferentCallSitesAgreeBySlot) {
+  const AgreedRun r = run_agreed(3, fsdp({"--callsite-rank", "1"}));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    const auto read = rounds_with(v, RoundKind::Propose, RoundEvent::Read);
+    ASSERT_FALSE(read.empty()) << "rank " << rank;
+    EXPECT_EQ(read[0].mode, static_cast<uint8_t>(AgreementMode::Slot)) << "rank " << rank;
+    EXPECT_FALSE(v.moved.empty()) << "rank " << rank;
+  }
+}
+
+TEST(Agreement, DifferentGroupingAbortsAndNothingMoves) {
+  const AgreedRun r = run_agreed(4, fsdp({"--group-rank", "2"}));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    const auto read = rounds_with(v, RoundKind::Propose, RoundEvent::Read);
+    ASSERT_FALSE(read.empty()) << "rank " << rank;
+    // Rank 2's own group holds position 0, where rounds start: that round is void on every
+    // rank, the anchor moves on, and the next round compares the groupings and aborts.
+    EXPECT_EQ(read[0].reason, static_cast<uint8_t>(Reason::AnchorInGroup));
+    EXPECT_TRUE(has_abort(read)) << "rank " << rank;
+    for (const auto& a : read) EXPECT_EQ(a.moved, 0u);
+    EXPECT_TRUE(v.moved.empty()) << "rank " << rank;
+    for (const auto& d : v.decisions) EXPECT_EQ(d.verdict, static_cast<uint8_t>(Verdict::Stays));
+  }
+  EXPECT_NE(r.log.find("abort: the ranks group their calls differently"), std::string::npos) << r.log;
+}
+
+TEST(Agreement, ASendBufferMovedAfterCommitKeepsOneRouteAndCorrectBytes) {
+  // Rank 1's layer-0 shard moves to a new buffer at step 10, long after the commit; rounds every
+  // 2 steps see it as "not stable" on rank 1, which every rank then honours.
+  const AgreedRun r = run_agreed(4, fsdp({"--newbuf-rank", "1", "--newbuf-step", "10"}, 30),
+                    {{"MAGI_REAGREE_STEPS", "2"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  const uint64_t comm = r.comm_ids()[0];
+  bool refused_by_rank1 = false;
+  for (const auto& d : r.view(comm, 1).decisions)
+    if (d.position == 0 && d.reason == static_cast<uint8_t>(Reason::NotStable)) refused_by_rank1 = true;
+  EXPECT_TRUE(refused_by_rank1);
+  bool others_followed = false;
+  for (const auto& d : r.view(comm, 0).decisions)
+    if (d.reason == static_cast<uint8_t>(Reason::OtherRankRefused) && d.refused_by == 1) others_followed = true;
+  EXPECT_TRUE(others_followed);
+  EXPECT_GE(rounds_with(r.view(comm, 0), RoundKind::Confirm, RoundEvent::Activated).size(), 1u);
+}
+
+TEST(Agreement, ACountChangeAfterCommitSendsTheGatherBackToNcclOnEveryRankAtOnce) {
+  const AgreedRun r = run_agreed(4, fsdp({"--count-step", "12"}, 40));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  const uint64_t comm = r.comm_ids()[0];
+  const auto off = rounds_with(r.view(comm, 0), RoundKind::Propose, RoundEvent::Deactivated);
+  ASSERT_FALSE(off.empty()) << transcript(r);
+  EXPECT_EQ(off[0].reason, static_cast<uint8_t>(Reason::Deviated));
+  // Agreed again later, on the new step.
+  EXPECT_GE(rounds_with(r.view(comm, 0), RoundKind::Confirm, RoundEvent::Activated).size(), 2u);
+}
+
+TEST(Agreement, AGroupMixingMovedGathersAndAnAllReduceStaysCorrect) {
+  const AgreedRun r = run_agreed(4, fsdp({"--mixed-group", "1"}));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) EXPECT_FALSE(v.in_group_moved.empty());
+}
+
+TEST(Agreement, TwoCommunicatorsAgreeIndependentlyAndOneAborting) {
+  // Three ranks split by rank % 2: the world, {0, 2} and {1}. The change applies to rank 1 of
+  // each half, which only {0, 2} has (world rank 2): that half aborts, the others agree.
+  const AgreedRun r = run_agreed(3, fsdp({"--comms", "2", "--perturb-comm", "2", "--group-rank", "1"}));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  ASSERT_EQ(r.comms.size(), 3u);
+  int agreed = 0, aborted = 0;
+  for (const auto& [id, ranks] : r.comms) {
+    const RankView& v = ranks.begin()->second;
+    const auto read = rounds_with(v, RoundKind::Propose, RoundEvent::Read);
+    ASSERT_FALSE(read.empty());
+    if (has_abort(read)) {
+      ++aborted;
+      EXPECT_TRUE(v.moved.empty());
+    } else {
+      ++agreed;
+      EXPECT_FALSE(v.moved.empty());
+    }
+  }
+  EXPECT_EQ(agreed, 2);   // the world, and {1}
+  EXPECT_EQ(aborted, 1);  // {0, 2}, where world rank 2 groups its gather alone
+}
+
+TEST(Agreement, DryRunDecidesEverythingAndMovesNothing) {
+  const AgreedRun r = run_agreed(3, fsdp({}), {{"MAGI_DRY_RUN", "1"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    EXPECT_TRUE(v.moved.empty());
+    EXPECT_FALSE(v.would_move.empty());
+    ASSERT_FALSE(v.decisions.empty());
+    for (const auto& d : v.decisions) EXPECT_EQ(d.verdict, static_cast<uint8_t>(Verdict::WouldMove));
+  }
+  EXPECT_NE(r.log.find("would move"), std::string::npos);
+}
+
+TEST(Agreement, TransportNcclOnlyCapturesAndTraces) {
+  const AgreedRun r = run_agreed(2, fsdp({}), {{"MAGI_TRANSPORT", "nccl"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    EXPECT_TRUE(v.moved.empty());
+    EXPECT_TRUE(v.rounds.empty());
+  }
+}
+
+TEST(Agreement, WithoutTheHostBackendHostBuffersStayOnNccl) {
+  // The default backend serves device memory only: the stand-in's host buffers are refused, and
+  // the refusal says why. (Machines without a driver cannot even make the round's buffers.)
+  const AgreedRun r = run_agreed(2, fsdp({}), {{"MAGI_BACKEND", "cuda"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) EXPECT_TRUE(v.moved.empty());
+}
+
+std::set<std::string> window_names() {
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator("/dev/shm"))
+    if (e.path().filename().string().rfind("magice-ce-", 0) == 0) names.insert(e.path().filename());
+  return names;
+}
+
+TEST(Agreement, WindowsAreReleasedHoweverTheProgramEnds) {
+  // Ending at each step around the rounds (propose, publish, confirm, moved steps), with and
+  // without destroying the communicator: no window name outlives the ranks.
+  const std::set<std::string> before = window_names();
+  for (int steps = 5; steps <= 11; ++steps) {
+    for (const bool destroy : {true, false}) {
+      std::vector<std::string> extra;
+      if (!destroy) extra = {"--exit-without-destroy", "1"};
+      const AgreedRun r = run_agreed(3, fsdp(extra, steps));
+      ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+    }
+  }
+  std::set<std::string> left;
+  for (const std::string& name : window_names())
+    if (!before.count(name)) left.insert(name);
+  EXPECT_TRUE(left.empty()) << left.size() << " window names left, e.g. " << *left.begin();
+}
+
+// Seeded random programs (tests/support/workload/agree.cc): random steps of gathers, groups,
+// reductions and broadcasts over one or two communicators, with random per-rank call sites,
+// flapping call sites, new buffers, shared count changes and different grouping. Every byte is
+// checked by the program; here every run must end in time and the ranks' traces must agree.
+// TEST_AGREE_SCENARIOS=N runs N of them (default 200).
+TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
+  const char* env = std::getenv("TEST_AGREE_SCENARIOS");
+  const int scenarios = env != nullptr && std::atoi(env) > 0 ? std::atoi(env) : 200;
+  int with_moves = 0, failures = 0;
+  for (int seed = 1; seed <= scenarios && failures < 3; ++seed) {
+    const int n = 2 + seed % 7;
+    const std::vector<std::string> args = {"agree", "--seed", std::to_string(seed), "--steps", "14",
+                                           "--comms", seed % 3 == 0 ? "2" : "1"};
+    const AgreedRun r = run_agreed(n, args, {{"MAGI_WARMUP_STEPS", "2"}, {"MAGI_REAGREE_STEPS", "3"}}, 60);
+    if (!r.result.all_ok()) {
+      ++failures;
+      ADD_FAILURE() << "seed " << seed << " on " << n << " ranks: " << transcript(r);
+      continue;
+    }
+    const int before = ::testing::Test::HasFailure() ? 1 : 0;
+    expect_ranks_agree(r);
+    if (!before && ::testing::Test::HasFailure()) {
+      ++failures;
+      ADD_FAILURE() << "seed " << seed << " on " << n << " ranks: ranks disagree";
+    }
+    for (const auto& [id, ranks] : r.comms)
+      if (!ranks.begin()->second.moved.empty()) { ++with_moves; break; }
+  }
+  std::printf("agreement: %d random scenarios, %d moved gathers, %d failed\n", scenarios,
+              with_moves, failures);
+  EXPECT_EQ(failures, 0);
+  EXPECT_GT(with_moves, scenarios / 3);  // the generator must exercise the moved path
+}
+
+}  // namespace
+}  // namespace magi

@@ -1,0 +1,233 @@
+// The agreement ladder as a pure function: contributions in, one decision out, equal from every
+// rank's point of view.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "rewrite/contribution.h"
+
+namespace magi::rewrite {
+namespace {
+
+// A step of `gathers` all-gathers, each its own bucket unless `buckets` says otherwise.
+Contribution propose(int rank, int nranks, int gathers, std::vector<uint16_t> buckets = {}) {
+  Contribution c;
+  ContributionHeader& h = c.header;
+  h.magic = kContributionMagic;
+  h.version = kContributionVersion;
+  h.round = 1;
+  h.kind = static_cast<uint8_t>(RoundKind::Propose);
+  h.backend = static_cast<uint8_t>(ce::Backend::Host);
+  h.rank = rank;
+  h.nranks = nranks;
+  h.step_digest = 0xabcdef;
+  h.callsite_digest = 0x1234;
+  h.group_digest = 0x77;
+  h.period = static_cast<uint32_t>(gathers + 1);
+  h.gathers = static_cast<uint32_t>(gathers);
+  h.host = 42;
+  for (int g = 0; g < gathers; ++g) {
+    GatherEntry e{};
+    e.callsite = 1000 + static_cast<uint64_t>(g);
+    e.count = 256;
+    e.position = static_cast<uint32_t>(g);
+    e.bucket = buckets.empty() ? static_cast<uint16_t>(g) : buckets[static_cast<size_t>(g)];
+    e.dtype = 7;
+    c.entries.push_back(e);
+  }
+  return c;
+}
+
+std::vector<uint8_t> gather_all(const std::vector<Contribution>& all) {
+  std::vector<uint8_t> bytes(all.size() * kContributionBytes);
+  for (size_t r = 0; r < all.size(); ++r)
+    all[r].serialize(std::span<uint8_t>(bytes).subspan(r * kContributionBytes, kContributionBytes));
+  return bytes;
+}
+
+std::vector<Contribution> ranks(int n, int gathers, std::vector<uint16_t> buckets = {}) {
+  std::vector<Contribution> all;
+  for (int r = 0; r < n; ++r) all.push_back(propose(r, n, gathers, buckets));
+  return all;
+}
+
+// Decides from every rank's point of view and checks that they reach the same plan.
+Decision decide_everywhere(const std::vector<Contribution>& all) {
+  const std::vector<uint8_t> bytes = gather_all(all);
+  const int n = static_cast<int>(all.size());
+  const Decision first = decide(bytes, n, 0);
+  for (int r = 1; r < n; ++r) {
+    const Decision d = decide(bytes, n, r);
+    EXPECT_EQ(d.mode, first.mode) << "rank " << r;
+    EXPECT_EQ(d.hash, first.hash) << "rank " << r;
+    EXPECT_EQ(d.moved, first.moved) << "rank " << r;
+    // Under abort each rank lists its own gathers, which may be other ones: none moves.
+    if (d.mode != AgreementMode::Abort) {
+      EXPECT_EQ(d.gathers.size(), first.gathers.size());
+    }
+    for (size_t g = 0; g < d.gathers.size() && g < first.gathers.size(); ++g)
+      EXPECT_EQ(d.gathers[g].moves, first.gathers[g].moves) << "rank " << r << " gather " << g;
+  }
+  return first;
+}
+
+TEST(Ladder, IdenticalWhenStepsAndCallsitesAreEqual) {
+  const Decision d = decide_everywhere(ranks(4, 5));
+  EXPECT_EQ(d.mode, AgreementMode::Identical);
+  EXPECT_EQ(d.moved, 5u);
+  EXPECT_NE(d.hash, 0u);
+  for (const GatherDecision& g : d.gathers) EXPECT_TRUE(g.moves);
+}
+
+TEST(Ladder, SlotWhenOnlyCallsitesDiffer) {
+  auto all = ranks(3, 4);
+  all[2].header.callsite_digest = 0x9999;
+  all[2].entries[1].callsite = 5;
+  const Decision d = decide_everywhere(all);
+  EXPECT_EQ(d.mode, AgreementMode::Slot);
+  EXPECT_EQ(d.moved, 4u);
+}
+
+TEST(Ladder, IdenticalAndSlotPlansDiffer) {
+  auto all = ranks(2, 3);
+  const Decision identical = decide_everywhere(all);
+  all[1].header.callsite_digest = 0x5555;
+  const Decision slot = decide_everywhere(all);
+  EXPECT_NE(identical.hash, slot.hash);  // a plan names its mode: a new mode means a new commit
+}
+
+TEST(Ladder, AbortWhenStepsDiffer) {
+  auto all = ranks(4, 3);
+  all[3].header.step_digest = 0xdead;
+  const Decision d = decide_everywhere(all);
+  EXPECT_EQ(d.mode, AgreementMode::Abort);
+  EXPECT_EQ(d.reason, Reason::StepsDiffer);
+  EXPECT_EQ(d.moved, 0u);
+  EXPECT_EQ(d.hash, 0u);
+  ASSERT_EQ(d.gathers.size(), 3u);
+  for (const GatherDecision& g : d.gathers) EXPECT_EQ(g.reason, Reason::StepsDiffer);
+}
+
+TEST(Ladder, AbortWhenGatherCountsDiffer) {
+  auto all = ranks(2, 3);
+  all[1] = propose(1, 2, 4);
+  EXPECT_EQ(decide_everywhere(all).mode, AgreementMode::Abort);
+}
+
+TEST(Ladder, AbortWhenGroupingDiffersOrIsUnstable) {
+  auto all = ranks(3, 3);
+  all[1].header.group_digest = 0x78;
+  Decision d = decide_everywhere(all);
+  EXPECT_EQ(d.mode, AgreementMode::Abort);
+  EXPECT_EQ(d.reason, Reason::GroupsDiffer);
+  all = ranks(3, 3);
+  all[2].header.flags |= kGroupsUnstable;
+  d = decide_everywhere(all);
+  EXPECT_EQ(d.reason, Reason::GroupsDiffer);
+}
+
+TEST(Ladder, AbortOnGarbage) {
+  auto all = ranks(2, 2);
+  all[1].header.magic = 0;
+  EXPECT_EQ(decide_everywhere(all).mode, AgreementMode::Abort);
+}
+
+TEST(Ladder, AGatherMovesOnlyIfEveryRankHoldsItEligible) {
+  auto all = ranks(4, 3);
+  all[2].entries[1].reason = static_cast<uint8_t>(Reason::NotStable);
+  const std::vector<uint8_t> bytes = gather_all(all);
+  const Decision d0 = decide(bytes, 4, 0);
+  EXPECT_EQ(d0.moved, 2u);
+  EXPECT_FALSE(d0.gathers[1].moves);
+  EXPECT_EQ(d0.gathers[1].reason, Reason::OtherRankRefused);
+  EXPECT_EQ(d0.gathers[1].refused_by, 2);
+  const Decision d2 = decide(bytes, 4, 2);
+  EXPECT_EQ(d2.gathers[1].reason, Reason::NotStable);  // the refusing rank names its own reason
+  EXPECT_EQ(d0.hash, d2.hash);
+}
+
+TEST(Ladder, ABucketMovesWholeOrNotAtAll) {
+  auto all = ranks(2, 4, {0, 1, 1, 2});
+  all[0].entries[2].reason = static_cast<uint8_t>(Reason::ShardTooSmall);
+  const Decision d = decide_everywhere(all);
+  EXPECT_TRUE(d.gathers[0].moves);
+  EXPECT_FALSE(d.gathers[1].moves);
+  EXPECT_EQ(decide(gather_all(all), 2, 1).gathers[1].reason, Reason::BucketPartial);
+  EXPECT_FALSE(d.gathers[2].moves);
+  EXPECT_TRUE(d.gathers[3].moves);
+  EXPECT_EQ(d.moved, 2u);
+}
+
+TEST(Ladder, NothingMovesWhenARoundWasIssuedInsideAGroup) {
+  auto all = ranks(3, 2);
+  all[1].header.flags |= kIssuedInGroup;
+  const Decision d = decide_everywhere(all);
+  EXPECT_EQ(d.reason, Reason::AnchorInGroup);
+  EXPECT_EQ(d.moved, 0u);
+  // Whatever else differs: the rank that voted from inside a group decided without reading.
+  all[2].header.step_digest = 0xdead;
+  EXPECT_EQ(decide_everywhere(all).reason, Reason::AnchorInGroup);
+}
+
+TEST(Ladder, PeersMustShareTheHostAndReachEachOthersGpus) {
+  auto all = ranks(2, 2);
+  all[1].header.host = 43;
+  EXPECT_EQ(decide_everywhere(all).reason, Reason::PeerOffNode);
+
+  all = ranks(3, 2);
+  for (auto& c : all) {
+    c.header.backend = static_cast<uint8_t>(ce::Backend::Cuda);
+    c.header.device = c.header.rank;
+    c.header.peer_access_mask = 0b111;
+  }
+  EXPECT_EQ(decide_everywhere(all).moved, 2u);
+  all[2].header.peer_access_mask = 0b100;  // device 2 cannot reach 0 and 1
+  EXPECT_EQ(decide_everywhere(all).reason, Reason::PeerNotAccessible);
+  for (auto& c : all) c.header.device = 0;  // processes sharing one GPU reach each other
+  EXPECT_EQ(decide_everywhere(all).moved, 2u);
+}
+
+TEST(Ladder, DifferentBackendsMoveNothing) {
+  auto all = ranks(2, 1);
+  all[0].header.backend = static_cast<uint8_t>(ce::Backend::Cuda);
+  EXPECT_EQ(decide_everywhere(all).reason, Reason::BackendDiffers);
+}
+
+TEST(Ladder, OneDryRankMakesEveryRankDry) {
+  auto all = ranks(3, 2);
+  all[1].header.flags |= kDryRun;
+  const std::vector<uint8_t> bytes = gather_all(all);
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(decide(bytes, 3, r).dry_run);
+}
+
+Contribution commit(int rank, int n, RoundKind kind, uint64_t hash, bool can_serve) {
+  Contribution c = propose(rank, n, 0);
+  c.header.kind = static_cast<uint8_t>(kind);
+  c.header.decision_hash = hash;
+  if (can_serve) c.header.flags |= kCanServe;
+  c.header.handle.bytes[0] = static_cast<uint8_t>(rank + 1);
+  return c;
+}
+
+TEST(Commit, AgreedOnlyWhenEveryRankCanServeTheSamePlan) {
+  std::vector<Contribution> all;
+  for (int r = 0; r < 3; ++r) all.push_back(commit(r, 3, RoundKind::Publish, 77, true));
+  CommitOutcome c = decide_commit(gather_all(all), 3, RoundKind::Publish, 77);
+  ASSERT_TRUE(c.agreed);
+  ASSERT_EQ(c.handles.size(), 3u);
+  EXPECT_EQ(c.handles[2].bytes[0], 3);
+
+  all[1].header.flags &= ~kCanServe;
+  c = decide_commit(gather_all(all), 3, RoundKind::Publish, 77);
+  EXPECT_FALSE(c.agreed);
+  EXPECT_EQ(c.reason, Reason::TransportFailed);
+
+  all[1] = commit(1, 3, RoundKind::Publish, 78, true);  // another plan
+  EXPECT_FALSE(decide_commit(gather_all(all), 3, RoundKind::Publish, 77).agreed);
+
+  all[1] = commit(1, 3, RoundKind::Confirm, 77, true);  // another round
+  EXPECT_FALSE(decide_commit(gather_all(all), 3, RoundKind::Publish, 77).agreed);
+}
+
+}  // namespace
+}  // namespace magi::rewrite

@@ -1,0 +1,331 @@
+// magice-trace decisions: what the agreement rounds of each communicator decided, gather by
+// gather and rank by rank, and whether the ranks decided alike. They must: a gather that leaves
+// NCCL on one rank and stays on another hangs the job or corrupts its data, so any difference
+// is reported and exits 1.
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "tools/magice-trace/cli.h"
+#include "tools/magice-trace/json_writer.h"
+#include "tools/magice-trace/members.h"
+#include "tools/magice-trace/rounds.h"
+#include "tools/magice-trace/verbs.h"
+
+namespace magi::tool {
+namespace {
+
+using trace::AgreementRecord;
+using trace::DecisionRecord;
+
+constexpr std::string_view kUsage =
+    "usage: magice-trace decisions [--all] [--json] FILE...\n"
+    "  For each communicator and rank (from all files): the last agreement round it read, with\n"
+    "  its mode and how many gathers move, and the route changes after it; then one line per\n"
+    "  gather and rank, by position in the step: moved, would move (MAGI_DRY_RUN), or stays and\n"
+    "  why. Checks that the ranks of each communicator read the same round and decided the same\n"
+    "  verdict for every gather.\n"
+    "  --all   every round read, not only the last\n"
+    "  --json  the same as JSON on stdout\n"
+    "  Exit status: 0 the ranks agree, 1 they do not (\"ranks disagree on comm ...\"), 2 bad\n"
+    "  usage or unreadable input.\n";
+
+// What is printed together: one communicator (one of its rounds, under --all), every rank.
+struct Block {
+  const CommRounds* comm = nullptr;
+  std::optional<uint32_t> round;  // --all: the round shown; else each rank's last
+  std::vector<RankRound> ranks;
+  std::vector<std::string> disagreements;
+};
+
+std::string round_text(const ReadRound* round) {
+  return round == nullptr ? "none" : std::to_string(round->round);
+}
+
+// Ranks grouped by the round they show; disagreement when there is more than one group, and
+// within each group wherever the verdicts differ.
+void compare(Block& block) {
+  std::map<std::optional<uint32_t>, std::vector<RankRound>> by_round;
+  for (const RankRound& r : block.ranks) {
+    by_round[r.round ? std::optional(r.round->round) : std::nullopt].push_back(r);
+  }
+  const std::string comm = comm_label(block.comm->comm_id);
+  if (by_round.size() > 1) {
+    std::string line = "ranks disagree on comm " + comm;
+    if (block.round) {
+      line += " round " + std::to_string(*block.round) + ": ";
+    } else {
+      line += ": last round read is ";
+    }
+    // Rounds read first, highest first; ranks that read none (or not this one) last.
+    bool first = true;
+    for (auto it = by_round.rbegin(); it != by_round.rend(); ++it) {
+      std::vector<int32_t> ranks;
+      for (const RankRound& r : it->second) ranks.push_back(r.rank);
+      line += first ? "" : "; ";
+      first = false;
+      if (block.round) {
+        line += (it->first ? "read on " : "not on ") + ranks_text(ranks);
+      } else {
+        line += round_text(it->second.front().round) + " on " + ranks_text(ranks);
+      }
+    }
+    block.disagreements.push_back(line);
+  }
+  for (const auto& [number, ranks] : by_round) {
+    if (!number) continue;
+    for (std::string& line : verdict_disagreements(block.comm->comm_id, ranks)) {
+      block.disagreements.push_back(std::move(line));
+    }
+  }
+}
+
+std::vector<Block> blocks_of(const CommRounds& comm, bool all) {
+  std::vector<Block> blocks;
+  if (!all) {
+    Block& block = blocks.emplace_back();
+    block.comm = &comm;
+    for (const RankRounds& r : comm.ranks) {
+      block.ranks.push_back({r.rank, r.rounds.empty() ? nullptr : &r.rounds.back()});
+    }
+    compare(block);
+    return blocks;
+  }
+  std::set<uint32_t> numbers;
+  for (const RankRounds& r : comm.ranks) {
+    for (const ReadRound& round : r.rounds) numbers.insert(round.round);
+  }
+  for (uint32_t number : numbers) {
+    Block& block = blocks.emplace_back();
+    block.comm = &comm;
+    block.round = number;
+    for (const RankRounds& r : comm.ranks) {
+      const auto it = std::find_if(r.rounds.begin(), r.rounds.end(),
+                                   [&](const ReadRound& round) { return round.round == number; });
+      block.ranks.push_back({r.rank, it == r.rounds.end() ? nullptr : &*it});
+    }
+    compare(block);
+  }
+  return blocks;
+}
+
+std::string gathers_text(uint32_t moved, uint32_t gathers, bool dry_run) {
+  return std::to_string(moved) + " of " + std::to_string(gathers) + " gathers " +
+         (dry_run ? "would move" : "move");
+}
+
+// "round 2 propose: mode slot, 3 of 8 gathers move"
+std::string round_summary(const ReadRound& round) {
+  std::string text = "round " + std::to_string(round.round) + " propose: mode " +
+                     std::string(trace::mode_name(round.mode())) + ", " +
+                     gathers_text(round.moved(), round.gathers(), round.dry_run());
+  if (round.reason() != trace::Reason::None) {
+    text += " (" + std::string(trace::reason_name(round.reason())) + ")";
+  }
+  if (round.read == nullptr) text += " (from its decisions: the round's read record is missing)";
+  return text;
+}
+
+// "round 2 activated at collective #57: 3 of 8 gathers leave NCCL",
+// "round 2 deactivated at collective #90: back to NCCL (the call deviated from the agreed step)",
+// "round 2 publish read at collective #61: nothing leaves NCCL (the transport failed on some rank)"
+std::string route_change_text(const AgreementRecord& change) {
+  const auto event = static_cast<trace::RoundEvent>(change.event);
+  const auto reason = static_cast<trace::Reason>(change.reason);
+  std::string text = "round " + std::to_string(change.round) + " ";
+  if (event == trace::RoundEvent::Read) {
+    text += std::string(trace::round_kind_name(static_cast<trace::RoundKind>(change.kind))) + " ";
+  }
+  text += std::string(trace::round_event_name(event)) + " at collective #" +
+          std::to_string(change.seq) + ": ";
+  if (event == trace::RoundEvent::Activated) {
+    text += std::to_string(change.moved) + " of " + std::to_string(change.gathers) +
+            " gathers leave NCCL";
+  } else if (event == trace::RoundEvent::Read) {
+    text += "nothing leaves NCCL";
+  } else {
+    text += "back to NCCL";
+  }
+  if (reason != trace::Reason::None) text += " (" + std::string(trace::reason_name(reason)) + ")";
+  return text;
+}
+
+// "moved", "would move", "stays: another rank refused it (rank 0)"
+std::string verdict_text(const DecisionRecord& d) {
+  const auto verdict = static_cast<trace::Verdict>(d.verdict);
+  std::string text(trace::verdict_name(verdict));
+  if (verdict != trace::Verdict::Stays) return text;
+  const auto reason = static_cast<trace::Reason>(d.reason);
+  if (reason != trace::Reason::None) text += ": " + std::string(trace::reason_name(reason));
+  if (d.refused_by >= 0) text += " (rank " + std::to_string(d.refused_by) + ")";
+  return text;
+}
+
+// The decisions of a block by position, then rank, each with its index among its rank's gathers.
+struct Row {
+  uint32_t position;
+  int32_t rank;
+  size_t ordinal;
+  const DecisionRecord* decision;
+};
+std::vector<Row> rows_of(const Block& block) {
+  std::vector<Row> rows;
+  for (const RankRound& r : block.ranks) {
+    if (r.round == nullptr) continue;
+    for (size_t i = 0; i < r.round->decisions.size(); ++i) {
+      rows.push_back({r.round->decisions[i]->position, r.rank, i, r.round->decisions[i]});
+    }
+  }
+  std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
+    return std::tie(a.position, a.rank) < std::tie(b.position, b.rank);
+  });
+  return rows;
+}
+
+void print_block(const Block& block) {
+  const std::string comm = comm_label(block.comm->comm_id);
+  for (const RankRound& r : block.ranks) {
+    const std::string who = "comm " + comm + " rank " + std::to_string(r.rank) + ": ";
+    if (r.round == nullptr) {
+      std::printf("%s%s\n", who.c_str(),
+                  block.round ? ("round " + std::to_string(*block.round) + " not read").c_str()
+                              : "no agreement round read");
+      continue;
+    }
+    std::printf("%s%s\n", who.c_str(), round_summary(*r.round).c_str());
+    for (const AgreementRecord* change : r.round->route_changes) {
+      std::printf("%s%s\n", who.c_str(), route_change_text(*change).c_str());
+    }
+  }
+  for (const Row& row : rows_of(block)) {
+    const DecisionRecord& d = *row.decision;
+    std::printf("comm %s rank %d gather #%zu (pos %u, %s x %" PRIu64 ", bucket %u): %s\n",
+                comm.c_str(), row.rank, row.ordinal, d.position,
+                std::string(trace::dtype_name(d.dtype)).c_str(), d.count,
+                static_cast<unsigned>(d.bucket), verdict_text(d).c_str());
+  }
+  for (const std::string& line : block.disagreements) std::printf("%s\n", line.c_str());
+}
+
+void print_text(const std::vector<CommRounds>& comms,
+                const std::vector<std::vector<Block>>& blocks) {
+  if (comms.empty()) std::printf("no communicators in these traces\n");
+  for (size_t c = 0; c < comms.size(); ++c) {
+    if (!comms[c].any_read()) {
+      std::printf("comm %s: no agreement rounds%s\n", comm_label(comms[c].comm_id).c_str(),
+                  comms[c].any_agreement ? " read" : "");
+      continue;
+    }
+    for (const Block& block : blocks[c]) print_block(block);
+  }
+}
+
+// ---- --json ----
+
+std::string json_reason(uint8_t reason) {
+  return reason == 0 ? "null" : json_string(trace::reason_name(static_cast<trace::Reason>(reason)));
+}
+
+void append_round(std::string& out, int32_t rank, const ReadRound& round) {
+  out += "{\"rank\":" + std::to_string(rank) + ",\"round\":" + std::to_string(round.round) +
+         ",\"mode\":" + json_string(trace::mode_name(round.mode())) +
+         ",\"gathers\":" + std::to_string(round.gathers()) +
+         ",\"moved\":" + std::to_string(round.moved()) +
+         ",\"dry_run\":" + (round.dry_run() ? "true" : "false") +
+         ",\"reason\":" + json_reason(static_cast<uint8_t>(round.reason())) +
+         ",\"read_record\":" + (round.read != nullptr ? "true" : "false") + ",\"route_changes\":[";
+  for (size_t i = 0; i < round.route_changes.size(); ++i) {
+    const AgreementRecord& c = *round.route_changes[i];
+    out += (i == 0 ? "" : ",");
+    out += "{\"round\":" + std::to_string(c.round) + ",\"event\":" +
+           json_string(trace::round_event_name(static_cast<trace::RoundEvent>(c.event))) +
+           ",\"collective\":" + std::to_string(c.seq) + ",\"moved\":" + std::to_string(c.moved) +
+           ",\"gathers\":" + std::to_string(c.gathers) + ",\"reason\":" + json_reason(c.reason) +
+           "}";
+  }
+  out += "],\"decisions\":[";
+  for (size_t i = 0; i < round.decisions.size(); ++i) {
+    const DecisionRecord& d = *round.decisions[i];
+    out += (i == 0 ? "" : ",");
+    out += "{\"gather\":" + std::to_string(i) + ",\"position\":" + std::to_string(d.position) +
+           ",\"dtype\":" + json_string(trace::dtype_name(d.dtype)) +
+           ",\"count\":" + std::to_string(d.count) + ",\"bucket\":" + std::to_string(d.bucket) +
+           ",\"callsite\":" + json_string(hex16(d.callsite)) + ",\"verdict\":" +
+           json_string(trace::verdict_name(static_cast<trace::Verdict>(d.verdict))) +
+           ",\"reason\":" + json_reason(d.reason) + ",\"refused_by\":" +
+           (d.refused_by < 0 ? "null" : std::to_string(d.refused_by)) + "}";
+  }
+  out += "]}";
+}
+
+void print_json(const std::vector<CommRounds>& comms, const std::vector<std::vector<Block>>& blocks,
+                bool agree) {
+  std::string out = "{\"communicators\":[";
+  for (size_t c = 0; c < comms.size(); ++c) {
+    out += (c == 0 ? "\n" : ",\n");
+    out += "{\"comm\":" + json_string(hex16(comms[c].comm_id)) + ",\"rounds\":[";
+    std::vector<std::string> disagreements;
+    bool first = true;
+    for (const Block& block : blocks[c]) {
+      for (const RankRound& r : block.ranks) {
+        if (r.round == nullptr) continue;
+        out += first ? "" : ",";
+        first = false;
+        append_round(out, r.rank, *r.round);
+      }
+      disagreements.insert(disagreements.end(), block.disagreements.begin(),
+                           block.disagreements.end());
+    }
+    out += "],\"disagreements\":[";
+    for (size_t i = 0; i < disagreements.size(); ++i) {
+      out += (i == 0 ? "" : ",") + json_string(disagreements[i]);
+    }
+    out += "]}";
+  }
+  out += std::string("\n],\"agree\":") + (agree ? "true" : "false") + "}\n";
+  JsonOutput json("-");
+  json.write(out);
+  json.close();
+}
+
+}  // namespace
+
+int decisions_main(std::span<const std::string> args) {
+  return run_verb(kUsage, args, [&] {
+    bool all = false, json = false;
+    std::vector<std::string> files;
+    ArgCursor cursor(args);
+    while (!cursor.done()) {
+      if (cursor.flag("--all")) {
+        all = true;
+      } else if (cursor.flag("--json")) {
+        json = true;
+      } else {
+        cursor.operand(files);
+      }
+    }
+    if (files.empty()) throw UsageError("decisions needs the trace files of the ranks");
+    const std::vector<trace::Trace> traces = load_traces(files);
+    const std::vector<CommRounds> comms = rounds_of(traces);
+    std::vector<std::vector<Block>> blocks;
+    bool agree = true;
+    for (const CommRounds& comm : comms) {
+      blocks.push_back(comm.any_read() ? blocks_of(comm, all) : std::vector<Block>{});
+      for (const Block& block : blocks.back()) agree = agree && block.disagreements.empty();
+    }
+    if (json) {
+      print_json(comms, blocks, agree);
+    } else {
+      print_text(comms, blocks);
+    }
+    return agree ? 0 : 1;
+  });
+}
+
+}  // namespace magi::tool
