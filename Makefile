@@ -100,7 +100,8 @@ $(BUILD)/obj/tests/support/standin/%.o: CXXFLAGS += -fvisibility=hidden
 $(STANDIN): $(STANDIN_SRCS:%.cc=$(BUILD)/obj/%.o) tests/support/standin/exports.map
 	@mkdir -p $(dir $@)
 	$(CXX) -shared -o $@ $(filter %.o,$^) -Wl,-soname,libnccl.so.2 -Wl,--no-undefined \
-	  -Wl,--version-script=tests/support/standin/exports.map -lrt -pthread
+	  -Wl,--version-script=tests/support/standin/exports.map -L$(CUDA_HOME)/lib64 -lcudart_static \
+	  -ldl -lrt -pthread
 	ln -sf libnccl.so.2 $(SUPPORT)/libnccl.so
 
 $(LAUNCH): $(BUILD)/obj/tests/support/launch_main.o $(BUILD)/obj/tests/support/launch.o
@@ -116,7 +117,7 @@ WORKLOAD_SRCS  := tests/support/workload_scenarios.cc $(wildcard tests/support/w
 
 $(WORKLOAD_LIB): $(WORKLOAD_SRCS:%.cc=$(BUILD)/obj/%.o) $(STANDIN)
 	$(CXX) -shared -o $@ $(filter %.o,$^) -L$(SUPPORT) -l:libnccl.so.2 -Wl,-rpath,'$$ORIGIN' \
-	  -Wl,--no-undefined -pthread
+	  -Wl,--no-undefined -L$(CUDA_HOME)/lib64 -lcudart_static -Wl,--exclude-libs,ALL -ldl -lrt -pthread
 
 $(WORKLOAD): $(BUILD)/obj/tests/support/workload_main.o $(WORKLOAD_LIB)
 	$(CXX) -o $@ $< -L$(SUPPORT) -l:libworkload.so -Wl,-rpath,'$$ORIGIN' -Wl,-rpath-link,$(SUPPORT) \

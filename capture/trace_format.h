@@ -195,6 +195,8 @@ enum class Reason : uint8_t {
   CommitRefused,       // some rank did not confirm the commit
   Deviated,            // the call deviated from the agreed step in a shared fact
   CommNotAgreeable,    // communicator made by ncclCommInitAll or unknown to the shim
+  BindTooLarge,        // static weights: the bindings would pass MAGI_BIND_MAX_MIB
+  BindingChanged,      // static weights: the shard changed after it was bound (verification)
   Count
 };
 

@@ -19,10 +19,9 @@
 // A moved bucket with sequence number n (counted per transport from 1, equal on every rank because
 // routes are) stages this rank's shards into slot n % 2, publishes ready = n, waits until every
 // peer's ready >= n, reads every peer's slot into the receive buffers (its own shard straight from
-// its send buffer), then publishes done = n. Before staging into a slot, it waits until every
-// peer's done >= n - 1 (the last reader of the other slot is at most one bucket behind, so slot
-// n % 2 was last read in bucket n - 2, and done >= n - 1 implies done >= n - 2 for every peer; the
-// wait is on the previous bucket, which is off the critical path of a steady run).
+// its send buffer), then publishes done = n. Before staging into slot n % 2 it waits until every
+// peer's done >= n - 2: that slot was last read in bucket n - 2. A steady run finds that wait
+// already met, so it is off the critical path; the one wait that matters is "every peer staged".
 #pragma once
 
 #include <cstddef>
@@ -30,6 +29,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace magi::ce {
 
@@ -61,10 +61,34 @@ struct HandleBlob {
   uint8_t bytes[kBytes] = {};
 };
 
+// Static weights (MAGI_STATIC_WEIGHTS=1): a shard copied once into the window, where peers then
+// read it on every call with no handshake.
+struct BindOp {
+  const void* sendbuf;
+  size_t bytes;
+  size_t slot_offset;
+};
+
+// What a window holds.
+//  - Default: two staging slots of `slot_bytes` (a bucket's shards, packed), the handshake flags.
+//  - Bound (static weights): one region of `slot_bytes` holding every moved gather's shard at its
+//    own offset, filled from `bind` during prepare (complete before prepare returns, so before
+//    any peer can read: peers attach only after every rank published). Each gather then reads
+//    peers' regions directly. The rank checks its shard against its region on each of its first
+//    `verify_first` calls and then every `verify_every` calls (0: never after the first); a
+//    mismatch is re-bound and reported by take_stale_bindings().
+struct WindowPlan {
+  size_t slot_bytes = 0;
+  bool bound = false;
+  std::vector<BindOp> bind;
+  uint64_t verify_first = 3;
+  uint64_t verify_every = 64;
+};
+
 // One gather of a bucket. `bytes` is this rank's shard (sendcount × element size); the receive
 // buffer holds nranks × bytes, rank r's shard at r × bytes. In-place (sendbuf == recvbuf +
-// rank × bytes) is allowed. `slot_offset` is where this gather's shard lies inside a staging slot:
-// equal on every rank.
+// rank × bytes) is allowed. `slot_offset` is where this gather's shard lies inside a staging slot
+// (bound windows: inside the region): equal on every rank.
 struct GatherOp {
   const void* sendbuf;
   void* recvbuf;
@@ -78,9 +102,9 @@ class Transport {
  public:
   virtual ~Transport() = default;
 
-  // Allocates this rank's window with staging slots of `slot_bytes` each and fills `out` with
+  // Allocates this rank's window for `plan` (binding its shards if bound) and fills `out` with
   // what peers need to open it. Called once per agreed plan.
-  virtual void prepare(size_t slot_bytes, HandleBlob& out) = 0;
+  virtual void prepare(const WindowPlan& plan, HandleBlob& out) = 0;
   // Opens every peer's window (blobs indexed by rank; this rank's own entry is ignored).
   virtual void attach(std::span<const HandleBlob> blobs) = 0;
   // Serves one bucket on the caller's stream (ignored by the host backend, which completes the
@@ -89,13 +113,21 @@ class Transport {
   // Frees the window and unmaps the peers'. Safe to call more than once and after a failure.
   virtual void release() = 0;
 
-  // Bytes this rank's window holds (flags and both slots); 0 before prepare.
+  // Bytes this rank's window holds (flags and slots, or the bound region); 0 before prepare.
   virtual size_t window_bytes() const = 0;
+  // Bound windows: slot offsets of bindings found stale (the shard changed) since the last call.
+  virtual std::vector<size_t> take_stale_bindings() { return {}; }
 };
 
 // A waiting rank notices a dead peer (its pid is in its window) and throws instead of waiting
 // for ever.
-std::unique_ptr<Transport> make_transport(Backend backend, int rank, int nranks, uint64_t comm_identity);
+// `device`: the communicator's CUDA device (Cuda backend; -1 when unknown).
+std::unique_ptr<Transport> make_transport(Backend backend, int rank, int nranks, uint64_t comm_identity,
+                                          int device = -1);
+
+// Whether `backend` can run in this process now: the host backend always; the CUDA backend once
+// the program has loaded the CUDA driver (we never start CUDA ourselves).
+bool backend_available(Backend backend);
 
 // ---- the exchange buffers of agreement rounds ----
 // rewrite/ runs each agreement round as one all-gather of fixed-size contributions through the
@@ -116,6 +148,7 @@ class Exchange {
   // Waits for the result and returns it (nranks × contribution_bytes).
   virtual std::span<const uint8_t> result() = 0;
 };
-std::unique_ptr<Exchange> make_exchange(Backend backend, size_t contribution_bytes, int nranks);
+std::unique_ptr<Exchange> make_exchange(Backend backend, size_t contribution_bytes, int nranks,
+                                        int device = -1);
 
 }  // namespace magi::ce

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "ce_transport/backends.h"
+#include "ce_transport/cuda_driver.h"
 #include "shim/shim.h"
 
 namespace magi::ce {
@@ -105,13 +106,19 @@ class CudaExchange final : public Exchange {
 
 }  // namespace
 
-std::unique_ptr<Exchange> make_cuda_exchange(size_t contribution_bytes, int nranks) {
+std::unique_ptr<Exchange> make_cuda_exchange(size_t contribution_bytes, int nranks, int device) {
+  // Never the first to start CUDA in a process: only a program that already uses it gets here.
+  if (!cuda_driver_loaded()) throw Error(ErrorKind::System, "the CUDA driver is not loaded in this process");
+  // Our CUDA runtime is not the program's: it follows the communicator's device explicitly.
+  if (device >= 0) cuda_check(cudaSetDevice(device), "cudaSetDevice");
   return std::make_unique<CudaExchange>(contribution_bytes, nranks);
 }
 
-std::unique_ptr<Exchange> make_exchange(Backend backend, size_t contribution_bytes, int nranks) {
+std::unique_ptr<Exchange> make_exchange(Backend backend, size_t contribution_bytes, int nranks, int device) {
   if (backend == Backend::Host) return make_host_exchange(contribution_bytes, nranks);
-  return make_cuda_exchange(contribution_bytes, nranks);
+  return make_cuda_exchange(contribution_bytes, nranks, device);
 }
+
+bool backend_available(Backend backend) { return backend == Backend::Host || cuda_driver_loaded(); }
 
 }  // namespace magi::ce

@@ -3,7 +3,7 @@
 //
 // Why a bucket cannot read a stale byte: a peer's ready >= n is stored (release) after its shards
 // of bucket n are in its slot n % 2, and read here (acquire) before those bytes are. Why it cannot
-// overwrite a byte still being read: slot n % 2 is written only after every peer's done >= n - 1,
+// overwrite a byte still being read: slot n % 2 is written only after every peer's done >= n - 2,
 // and a peer stores done (release) only after its reads of that bucket. Why it cannot hang: every
 // wait is on a peer that is either alive (and then gets there, as every rank runs the same
 // buckets) or dead, which the wait notices through the peer's pid and reports.
@@ -16,11 +16,14 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ce_transport/backends.h"
 #include "ce_transport/host_window.h"
+#include "ce_transport/process.h"
 #include "shim/shim.h"
 
 namespace magi::ce {
@@ -33,6 +36,7 @@ struct HostBlob {
   uint64_t comm_identity;
   uint64_t window_bytes;
   uint64_t slot_bytes;
+  uint64_t bound;
   int32_t rank;
   int32_t nranks;
   int64_t pid;
@@ -58,24 +62,6 @@ uint64_t now_ns() {
   timespec ts{};
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
-
-// kill(pid, 0) alone is not enough: a killed process stays a zombie until its parent reaps it,
-// and a zombie still answers. Its state letter in /proc/<pid>/stat says so.
-bool process_alive(pid_t pid) {
-  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%ld/stat", static_cast<long>(pid));
-  FILE* stat = std::fopen(path, "re");
-  if (stat == nullptr) return errno != ENOENT;
-  char text[512];
-  const size_t n = std::fread(text, 1, sizeof(text) - 1, stat);
-  std::fclose(stat);
-  text[n] = '\0';
-  const char* close_paren = std::strrchr(text, ')');  // the command name may hold anything
-  if (close_paren == nullptr || close_paren[1] != ' ') return true;
-  const char state = close_paren[2];
-  return state != 'Z' && state != 'X';
 }
 
 [[noreturn]] void peer_gone(int rank, pid_t pid) {
@@ -129,18 +115,30 @@ class HostTransport final : public Transport {
   }
   ~HostTransport() override { release(); }
 
-  void prepare(size_t slot_bytes, HandleBlob& out) override {
+  void prepare(const WindowPlan& plan, HandleBlob& out) override {
     release();  // a new plan starts from a new window and bucket 1
+    const size_t slot_bytes = plan.slot_bytes;
     const size_t stride = round_up(slot_bytes, kCacheLine);
-    own_ = HostWindow::create(kFlagBytes + 2 * stride, nranks_ - 1);
+    own_ = HostWindow::create(kFlagBytes + (plan.bound ? 1 : 2) * stride, nranks_ - 1);
     slot_bytes_ = slot_bytes;
     slot_stride_ = stride;
+    bound_ = plan.bound;
+    verify_first_ = plan.verify_first;
+    verify_every_ = plan.verify_every;
+    if (bound_) {
+      for (const BindOp& b : plan.bind) {
+        if (b.bytes > slot_bytes_ || b.slot_offset > slot_bytes_ - b.bytes)
+          throw Error(ErrorKind::Usage, "a binding overflows the bound region");
+        std::memcpy(own_.data() + kFlagBytes + b.slot_offset, b.sendbuf, b.bytes);
+      }
+    }
 
     HostBlob blob{};
     blob.magic = HostBlob::kMagic;
     blob.comm_identity = identity_;
     blob.window_bytes = own_.size();
     blob.slot_bytes = slot_bytes;
+    blob.bound = bound_ ? 1 : 0;
     blob.rank = rank_;
     blob.nranks = nranks_;
     blob.pid = getpid();
@@ -186,12 +184,13 @@ class HostTransport final : public Transport {
         throw Error(ErrorKind::Usage, "gather of " + std::to_string(op.bytes) + " bytes at slot offset " +
                                           std::to_string(op.slot_offset) + " overflows a slot of " +
                                           std::to_string(slot_bytes_));
+    if (bound_) return gather_bound(bucket);
     broken_ = true;  // until this bucket completes: a throw below leaves the ranks out of step
     const uint64_t n = ++sequence_;
     const size_t slot_offset = kFlagBytes + (n % 2) * slot_stride_;
     WindowFlags& mine = own_.flags();
 
-    wait_for_every_peer(&WindowFlags::done, n - 1);
+    wait_for_every_peer(&WindowFlags::done, n > 2 ? n - 2 : 0);  // 0: nothing to wait for
     uint8_t* staging = own_.data() + slot_offset;
     for (const GatherOp& op : bucket) std::memcpy(staging + op.slot_offset, op.sendbuf, op.bytes);
     mine.ready.value.store(n, std::memory_order_release);
@@ -213,12 +212,44 @@ class HostTransport final : public Transport {
     broken_ = false;
   }
 
+  // Static weights: every peer's shard has been in its region since before the plan was
+  // confirmed, so a call is only reads. The rank's own shard is checked against its region now
+  // and then (the user asserted it does not change; if it did, peers read stale bytes until the
+  // next agreement round takes the gather back to NCCL, and the region is re-bound meanwhile).
+  void gather_bound(std::span<const GatherOp> bucket) {
+    ++sequence_;
+    for (const GatherOp& op : bucket) {
+      auto* recv = static_cast<uint8_t*>(op.recvbuf);
+      uint8_t* region = own_.data() + kFlagBytes + op.slot_offset;
+      uint64_t& calls = verified_calls_[op.slot_offset];
+      ++calls;
+      const bool due = calls <= verify_first_ || (verify_every_ != 0 && calls % verify_every_ == 0);
+      if (due && std::memcmp(region, op.sendbuf, op.bytes) != 0) {
+        std::memcpy(region, op.sendbuf, op.bytes);
+        stale_.push_back(op.slot_offset);
+      }
+      for (int r = 0; r < nranks_; ++r) {
+        uint8_t* into = recv + static_cast<size_t>(r) * op.bytes;
+        if (r == rank_) {
+          if (into != op.sendbuf) std::memcpy(into, op.sendbuf, op.bytes);
+          continue;
+        }
+        std::memcpy(into, peers_[static_cast<size_t>(r)].data() + kFlagBytes + op.slot_offset, op.bytes);
+      }
+    }
+  }
+
+  std::vector<size_t> take_stale_bindings() override { return std::exchange(stale_, {}); }
+
   void release() override {
     peers_.clear();  // unmaps; their names were removed when the last peer opened them
     peer_pids_.clear();
     own_.close();
     slot_bytes_ = slot_stride_ = 0;
     sequence_ = 0;
+    bound_ = false;
+    verified_calls_.clear();
+    stale_.clear();
     attached_ = broken_ = false;
   }
 
@@ -234,7 +265,8 @@ class HostTransport final : public Transport {
     if (blob.comm_identity != identity_)
       throw Error(ErrorKind::Usage, who + " belongs to another communicator");
     // Slot offsets are symmetric only if every rank sized its slots from the same plan.
-    if (blob.slot_bytes != slot_bytes_ || blob.window_bytes != own_.size())
+    if (blob.slot_bytes != slot_bytes_ || blob.window_bytes != own_.size() ||
+        (blob.bound != 0) != bound_)
       throw Error(ErrorKind::Usage, who + " has slots of " + std::to_string(blob.slot_bytes) +
                                         " bytes, this rank " + std::to_string(slot_bytes_));
     if (strnlen(blob.name, sizeof(blob.name)) == sizeof(blob.name))
@@ -260,6 +292,11 @@ class HostTransport final : public Transport {
   size_t slot_bytes_ = 0;
   size_t slot_stride_ = 0;
   uint64_t sequence_ = 0;  // the last bucket started
+  bool bound_ = false;
+  uint64_t verify_first_ = 0;
+  uint64_t verify_every_ = 0;
+  std::map<size_t, uint64_t> verified_calls_;  // bound: calls served per binding (slot offset)
+  std::vector<size_t> stale_;
   bool attached_ = false;
   bool broken_ = false;
 };

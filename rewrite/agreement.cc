@@ -39,6 +39,12 @@ CommAgreement::CommAgreement(ncclComm_t comm, const capture::CommInfo& info,
     MAGI_INFO(Rewrite, "comm %012llx: no agreement on this communicator (%s)", short_id(info_.identity),
               options_.transport == Options::Transport::Nccl ? "MAGI_TRANSPORT=nccl"
                                                               : "ncclCommInitAll or unknown");
+  } else if (!ce::backend_available(backend_)) {
+    // Every rank of a job runs with the same environment and the same kind of program, so they
+    // all end up here alike.
+    agreeable_ = false;
+    MAGI_INFO(Rewrite, "comm %012llx: no agreement: MAGI_BACKEND=cuda and the program has not loaded "
+              "the CUDA driver (MAGI_BACKEND=host serves host buffers)", short_id(info_.identity));
   }
 }
 
@@ -70,6 +76,7 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
       pending_.reset();
     }
     seen_.reset(view.period);
+    stale_positions_.clear();
     step_digest_ = view.digest;
     steps_ = 0;
     anchor_ = 0;
@@ -82,7 +89,11 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   }
   seen_.observe(view.position, args, record, backend_);
 
-  if (active_ && view.digest == active_digest_ && args.op == trace::Op::AllGather &&
+  // A call captured into a CUDA graph stays on NCCL: a replayed graph would repeat the
+  // handshake's sequence numbers of the capture. Capture is the one route input that is not a
+  // shape: programs capture the same calls on every rank (one graph, replayed by all).
+  const bool capturing = (record.flags & trace::kCallCapturing) != 0;
+  if (active_ && !capturing && view.digest == active_digest_ && args.op == trace::Op::AllGather &&
       view.position < layout_.offset_by_position.size()) {
     const size_t offset = layout_.offset_by_position[view.position];
     if (offset != SIZE_MAX)
@@ -96,6 +107,15 @@ ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket, cudaStre
   if (!transport_) return ncclInternalError;  // routes say Move only with a transport
   try {
     transport_->gather(bucket, stream);
+    for (const size_t offset : transport_->take_stale_bindings()) {
+      for (uint32_t p = 0; p < layout_.offset_by_position.size(); ++p) {
+        if (layout_.offset_by_position[p] != offset) continue;
+        MAGI_WARN(Transport, "comm %012llx: MAGI_STATIC_WEIGHTS=1, but the shard of the gather at "
+                  "position %u changed after it was bound; peers may have read stale bytes. It goes "
+                  "back to NCCL at the next agreement round", short_id(info_.identity), p);
+        stale_positions_.push_back(p);
+      }
+    }
     return ncclSuccess;
   } catch (const Error& e) {
     if (!transport_failed_)
@@ -142,13 +162,14 @@ Contribution CommAgreement::header_for(RoundKind kind) const {
   h.step_digest = step_digest_;
   h.period = seen_.period();
   if (options_.dry_run) h.flags |= kDryRun;
+  if (options_.static_weights) h.flags |= kStaticWeights;
   return c;
 }
 
 void CommAgreement::propose(uint64_t seq) {
   ++rounds_;
   Contribution c = header_for(RoundKind::Propose);
-  c.entries = seen_.entries(options_, backend_);
+  c.entries = seen_.entries(options_, backend_, stale_positions_);
   if (transport_failed_) {
     for (GatherEntry& e : c.entries) e.reason = static_cast<uint8_t>(Reason::TransportFailed);
   }
@@ -177,7 +198,7 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
   round->voted_no = in_group;
   round->decision_hash = c.header.decision_hash;
   try {
-    round->exchange = ce::make_exchange(backend_, kContributionBytes, info_.nranks);
+    round->exchange = ce::make_exchange(backend_, kContributionBytes, info_.nranks, info_.cuda_device);
     std::vector<uint8_t> bytes(kContributionBytes);
     c.serialize(bytes);
     round->exchange->stage(bytes);
@@ -299,7 +320,7 @@ void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
   }
   if (active_ && d.hash == active_hash_ && d.dry_run == active_dry_) return;  // the plan stands
   if (active_) deactivate(seq, Reason::None);
-  layout_ = lay_out_slots(seen_, d.gathers);
+  layout_ = lay_out_slots(seen_, d.gathers, d.bound);
   if (d.dry_run) {
     active_dry_ = true;
     activate(seq);
@@ -314,11 +335,31 @@ void CommAgreement::publish(uint64_t seq) {
   drop_transport();
   transport_failed_ = false;
   try {
-    transport_ = ce::make_transport(backend_, info_.rank, info_.nranks, info_.identity);
-    transport_->prepare(layout_.slot_bytes, c.header.handle);
+    ce::WindowPlan plan;
+    plan.slot_bytes = layout_.slot_bytes;
+    plan.bound = decision_.bound;
+    plan.verify_every = static_cast<uint64_t>(options_.verify_every);
+    if (plan.bound) {
+      // The send buffers of the last step: stable (same address and allocation) for the whole
+      // warmup, which is what made them candidates.
+      for (const GatherDecision& g : decision_.gathers) {
+        if (!g.moves) continue;
+        const PositionSeen& p = seen_.at(g.position);
+        plan.bind.push_back({reinterpret_cast<const void*>(p.sendbuf), p.count * datatype_bytes(p.dtype),
+                             layout_.offset_by_position[g.position]});
+      }
+    }
+    transport_ = ce::make_transport(backend_, info_.rank, info_.nranks, info_.identity, info_.cuda_device);
+    transport_->prepare(plan, c.header.handle);
     c.header.flags |= kCanServe;
-    MAGI_INFO(Transport, "comm %012llx: window of %zu bytes for %u gathers", short_id(info_.identity),
-              transport_->window_bytes(), decision_.moved);
+    if (plan.bound)
+      MAGI_INFO(Transport, "comm %012llx: static weights: %u gathers bound, %.1f MiB of window "
+                "(MAGI_BIND_MAX_MIB=%lld)", short_id(info_.identity), decision_.moved,
+                static_cast<double>(transport_->window_bytes()) / (1 << 20),
+                static_cast<long long>(options_.bind_max_mib));
+    else
+      MAGI_INFO(Transport, "comm %012llx: window of %zu bytes (two staging slots of %zu) for %u gathers",
+                short_id(info_.identity), transport_->window_bytes(), layout_.slot_bytes, decision_.moved);
   } catch (const Error& e) {
     MAGI_WARN(Transport, "comm %012llx: cannot prepare a window: %s; everything stays on NCCL",
               short_id(info_.identity), e.what());

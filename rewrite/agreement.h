@@ -36,6 +36,8 @@
 //    every gather in the next propose, so routes go back to NCCL everywhere at one call.
 // Assumed, and checked at each propose: the ranks group their calls (ncclGroupStart/End) the
 // same way; a difference aborts the agreement (buckets and window slots follow the groups).
+// Assumed, not checkable: a call captured into a CUDA graph on one rank is captured on all (it
+// stays on NCCL, since a replay would repeat the handshake's sequence numbers).
 #pragma once
 
 #include <nccl.h>
@@ -123,6 +125,7 @@ class CommAgreement {
   SlotLayout layout_;
   std::unique_ptr<ce::Transport> transport_;
   bool transport_failed_ = false;
+  std::vector<uint32_t> stale_positions_;  // static bindings found changed, until the step changes
 
   // The active plan: routes follow it while the step digest is this one.
   bool active_ = false;

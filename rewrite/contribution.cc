@@ -88,7 +88,11 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
     return d;
   }
   const Contribution& mine = c[static_cast<size_t>(my_rank)];
-  for (const Contribution& x : c) d.dry_run = d.dry_run || (x.header.flags & kDryRun) != 0;
+  d.bound = true;
+  for (const Contribution& x : c) {
+    d.dry_run = d.dry_run || (x.header.flags & kDryRun) != 0;
+    d.bound = d.bound && (x.header.flags & kStaticWeights) != 0;  // default mode unless all assert
+  }
 
   // A round issued inside an open group on some rank is void, whatever else it says: that rank
   // decided so without reading it, and every rank must reach the same decision.
@@ -163,6 +167,7 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
   XXH3_64bits_reset(&state);
   XXH3_64bits_update(&state, &mine.header.step_digest, sizeof(mine.header.step_digest));
   XXH3_64bits_update(&state, &d.mode, sizeof(d.mode));
+  XXH3_64bits_update(&state, &d.bound, sizeof(d.bound));
   for (const GatherDecision& g : d.gathers) {
     if (!g.moves) continue;
     ++d.moved;

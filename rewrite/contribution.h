@@ -30,6 +30,7 @@ inline constexpr uint32_t kIssuedInGroup = 1u << 0;  // this rank's round call w
 inline constexpr uint32_t kGroupsUnstable = 1u << 1; // its grouping changed between steps
 inline constexpr uint32_t kDryRun = 1u << 2;         // MAGI_DRY_RUN=1 on this rank
 inline constexpr uint32_t kCanServe = 1u << 3;       // publish/confirm: prepared / attached
+inline constexpr uint32_t kStaticWeights = 1u << 4;  // MAGI_STATIC_WEIGHTS=1 on this rank
 
 struct ContributionHeader {
   uint32_t magic;
@@ -91,6 +92,7 @@ struct Decision {
   AgreementMode mode = AgreementMode::None;
   Reason reason = Reason::None;  // when nothing moves because of the whole communicator
   bool dry_run = false;          // some rank runs dry: everyone only reports
+  bool bound = false;            // every rank asserted static weights: shards are bound once
   std::vector<GatherDecision> gathers;  // in step order
   uint32_t moved = 0;
   uint64_t hash = 0;             // of step digest, mode and the moving positions; 0 if none move

@@ -101,7 +101,8 @@ Reason memory_refusal(const ce::BufferIdentity& id, ce::Backend backend) {
 
 }  // namespace
 
-std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Backend backend) const {
+std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Backend backend,
+                                                  const std::vector<uint32_t>& stale) const {
   std::vector<GatherEntry> out;
   // Buckets: the gathers of one group share one; an ungrouped gather is a bucket of its own.
   std::map<uint32_t, uint16_t> bucket_of_key;
@@ -132,6 +133,21 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
     if (e.reason == static_cast<uint8_t>(Reason::None) && bucket_bytes(*this, e.bucket, out) > max_slot)
       e.reason = static_cast<uint8_t>(Reason::WindowTooLarge);
   }
+  for (GatherEntry& e : out) {
+    for (uint32_t p : stale)
+      if (e.position == p) e.reason = static_cast<uint8_t>(Reason::BindingChanged);
+  }
+  // Static weights: bindings take memory for good; past the cap (in step order) gathers stay.
+  if (options.static_weights) {
+    const uint64_t cap = static_cast<uint64_t>(std::min(options.bind_max_mib, options.window_max_mib)) << 20;
+    uint64_t bound = 0;
+    for (GatherEntry& e : out) {
+      if (e.reason != static_cast<uint8_t>(Reason::None)) continue;
+      const uint64_t bytes = aligned(e.count * datatype_bytes(e.dtype));
+      if (bound + bytes > cap) e.reason = static_cast<uint8_t>(Reason::BindTooLarge);
+      else bound += bytes;
+    }
+  }
   return out;
 }
 
@@ -142,14 +158,15 @@ size_t bucket_bytes(const StepObservation& seen, uint16_t bucket, const std::vec
   return total;
 }
 
-SlotLayout lay_out_slots(const StepObservation& seen, const std::vector<GatherDecision>& gathers) {
+SlotLayout lay_out_slots(const StepObservation& seen, const std::vector<GatherDecision>& gathers,
+                         bool bound) {
   SlotLayout layout;
   layout.offset_by_position.assign(seen.period(), SIZE_MAX);
   layout.bucket_by_position.assign(seen.period(), 0);
-  std::map<uint16_t, size_t> used;  // bytes of each bucket so far
+  std::map<uint16_t, size_t> used;  // bytes of each bucket so far (bound: all in bucket 0's count)
   for (const GatherDecision& g : gathers) {
     if (!g.moves) continue;
-    size_t& offset = used[g.bucket];
+    size_t& offset = used[bound ? 0 : g.bucket];
     layout.offset_by_position[g.position] = offset;
     layout.bucket_by_position[g.position] = g.bucket;
     offset += aligned(seen.at(g.position).count * datatype_bytes(seen.at(g.position).dtype));

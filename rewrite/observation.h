@@ -52,7 +52,9 @@ class StepObservation {
 
   // This rank's entries for a propose round: every all-gather of the step, with its bucket and,
   // if it cannot move on this rank, why.
-  std::vector<GatherEntry> entries(const Options& options, ce::Backend backend) const;
+  // `stale`: positions whose static binding was found changed (they stay until the step changes).
+  std::vector<GatherEntry> entries(const Options& options, ce::Backend backend,
+                                   const std::vector<uint32_t>& stale = {}) const;
 
  private:
   std::vector<PositionSeen> positions_;
@@ -72,7 +74,9 @@ struct SlotLayout {
   std::vector<uint16_t> bucket_by_position;
   size_t slot_bytes = 0;
 };
-SlotLayout lay_out_slots(const StepObservation& seen, const std::vector<GatherDecision>& gathers);
+// Bound (static weights): every moving gather has its own place in one region instead.
+SlotLayout lay_out_slots(const StepObservation& seen, const std::vector<GatherDecision>& gathers,
+                         bool bound);
 
 // Staging a bucket needs: its gathers' shards, each aligned.
 size_t bucket_bytes(const StepObservation& seen, uint16_t bucket,

@@ -131,10 +131,10 @@ bool apply(Options& o, std::string_view name, std::string_view value) {
     (name == "MAGI_TRACE_DIR" ? o.trace_dir : o.nccl_library) = trim(value);
     return true;
   }
-  if (name == "MAGI_CALLSITES" || name == "MAGI_DRY_RUN") {
+  if (name == "MAGI_CALLSITES" || name == "MAGI_DRY_RUN" || name == "MAGI_STATIC_WEIGHTS") {
     auto b = parse_bool(value);
     if (!b) return false;
-    (name == "MAGI_CALLSITES" ? o.callsites : o.dry_run) = *b;
+    (name == "MAGI_CALLSITES" ? o.callsites : name == "MAGI_DRY_RUN" ? o.dry_run : o.static_weights) = *b;
     return true;
   }
   if (name == "MAGI_TRANSPORT") {
@@ -162,6 +162,8 @@ bool apply(Options& o, std::string_view name, std::string_view value) {
   else if (name == "MAGI_REAGREE_STEPS") o.reagree_steps = *v;
   else if (name == "MAGI_SYMM_MIN_SHARD_MIB") o.symm_min_shard_mib = *v;
   else if (name == "MAGI_WINDOW_MAX_MIB") o.window_max_mib = *v;
+  else if (name == "MAGI_VERIFY_EVERY") o.verify_every = *v;
+  else if (name == "MAGI_BIND_MAX_MIB") o.bind_max_mib = *v;
   else return false;
   return true;
 }
@@ -248,6 +250,9 @@ std::string Options::describe() const {
   out += " MAGI_SYMM_MIN_SHARD_MIB=" + std::to_string(symm_min_shard_mib);
   out += " MAGI_WINDOW_MAX_MIB=" + std::to_string(window_max_mib);
   out += " MAGI_DRY_RUN=" + std::string(dry_run ? "1" : "0");
+  out += " MAGI_STATIC_WEIGHTS=" + std::string(static_weights ? "1" : "0");
+  out += " MAGI_VERIFY_EVERY=" + std::to_string(verify_every);
+  out += " MAGI_BIND_MAX_MIB=" + std::to_string(bind_max_mib);
   return out;
 }
 

@@ -57,7 +57,13 @@ struct OptionSpec {
   X(MAGI_WINDOW_MAX_MIB, Int, "4096", "an integer from 1 to 1048576", 1, 1048576,                  \
     "Largest staging slot (MiB) of a communicator's window; a bigger bucket stays on NCCL.")      \
   X(MAGI_DRY_RUN, Bool, "0", "0 or 1", 0, 0,                                                      \
-    "Agree and decide as usual, move nothing: decisions show as 'would move' in log and trace.")
+    "Agree and decide as usual, move nothing: decisions show as 'would move' in log and trace.")     \
+  X(MAGI_STATIC_WEIGHTS, Bool, "0", "0 or 1", 0, 0,                                               \
+    "You assert weights do not change after warmup: shards are bound once, calls are pure peer reads.") \
+  X(MAGI_VERIFY_EVERY, Int, "64", "an integer from 0 to 1000000000", 0, 1000000000,               \
+    "Static weights: check a shard against its binding every this many calls (0: only the first 3).") \
+  X(MAGI_BIND_MAX_MIB, Int, "16384", "an integer from 0 to 1048576", 0, 1048576,                  \
+    "Static weights: most device memory (MiB) a communicator's bindings may take; gathers beyond stay on NCCL.")
 
 // The typed view, filled once from the environment (Options::get()).
 struct Options {
@@ -81,6 +87,9 @@ struct Options {
   int64_t symm_min_shard_mib{};
   int64_t window_max_mib{};
   bool dry_run{};
+  bool static_weights{};
+  int64_t verify_every{};
+  int64_t bind_max_mib{};
 
   // The process-wide options: parsed from environ on first use, then immutable.
   static const Options& get();

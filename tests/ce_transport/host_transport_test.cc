@@ -32,6 +32,13 @@
 namespace magi::ce {
 namespace {
 
+// A default-mode window: two staging slots of `slot_bytes`.
+WindowPlan staging_plan(size_t slot_bytes) {
+  WindowPlan plan;
+  plan.slot_bytes = slot_bytes;
+  return plan;
+}
+
 constexpr int kMaxRanks = 8;
 constexpr int kIterations = 24;
 constexpr int kBucketGathers[] = {1, 2, 7, 64};
@@ -262,7 +269,7 @@ int check_bucket(const Plan& plan, const Buffers& buffers, size_t b, int iterati
 std::unique_ptr<Transport> join(int rank, int nranks, Shared& shared, size_t slot_bytes) {
   auto transport = make_transport(Backend::Host, rank, nranks, kCommIdentity);
   HandleBlob blob;
-  transport->prepare(slot_bytes, blob);
+  transport->prepare(staging_plan(slot_bytes), blob);
   shared.blobs[rank] = blob;
   barrier(shared, nranks);
   transport->attach(std::span<const HandleBlob>(shared.blobs, static_cast<size_t>(nranks)));
@@ -278,7 +285,7 @@ int gather_and_check(int rank, int nranks, Shared& shared) {
     return 1;
   }
   HandleBlob blob;
-  transport->prepare(plan.slot_bytes, blob);
+  transport->prepare(staging_plan(plan.slot_bytes), blob);
   if (transport->window_bytes() < 2 * plan.slot_bytes) {
     std::fprintf(stderr, "rank %d: window of %zu bytes for two slots of %zu\n", rank,
                  transport->window_bytes(), plan.slot_bytes);
@@ -332,6 +339,86 @@ TEST_P(HostTransportRanks, EveryRankReceivesEveryByteOfEveryBucket) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, HostTransportRanks, ::testing::Values(2, 3, 4, 8));
+
+// Static weights: shards bound once, then pure reads. A shard that changes in place is found at
+// the next verification, reported once, and re-bound, so from the call after that peers read the
+// new bytes.
+int bound_gathers(int rank, int nranks, Shared& shared) {
+  constexpr size_t kShards[] = {1000, 3, 4099};
+  std::vector<std::vector<uint8_t>> send, recv;
+  std::vector<BindOp> binds;
+  size_t offset = 0;
+  for (size_t g = 0; g < std::size(kShards); ++g) {
+    send.emplace_back(kShards[g]);
+    recv.emplace_back(kShards[g] * static_cast<size_t>(nranks));
+    for (size_t i = 0; i < kShards[g]; ++i) send[g][i] = static_cast<uint8_t>(rank * 31 + g * 7 + i);
+    binds.push_back({send[g].data(), kShards[g], offset});
+    offset += (kShards[g] + 255) / 256 * 256;
+  }
+  WindowPlan plan;
+  plan.slot_bytes = offset;
+  plan.bound = true;
+  plan.bind = binds;
+  plan.verify_first = 1;
+  plan.verify_every = 4;
+  auto transport = make_transport(Backend::Host, rank, nranks, kCommIdentity);
+  HandleBlob blob;
+  transport->prepare(plan, blob);
+  shared.blobs[rank] = blob;
+  barrier(shared, nranks);
+  transport->attach(std::span<const HandleBlob>(shared.blobs, static_cast<size_t>(nranks)));
+  barrier(shared, nranks);
+
+  auto expected = [&](int r, size_t g, size_t i, int version) {
+    return static_cast<uint8_t>(r * 31 + g * 7 + i + (version != 0 && r == 1 && g == 2 ? 100 : 0));
+  };
+  for (int call = 1; call <= 12; ++call) {
+    // Rank 1 breaks its promise before call 6: its third shard changes in place.
+    if (rank == 1 && call == 6)
+      for (size_t i = 0; i < kShards[2]; ++i) send[2][i] = expected(1, 2, i, 1);
+    std::vector<GatherOp> ops;
+    for (size_t g = 0; g < std::size(kShards); ++g)
+      ops.push_back({send[g].data(), recv[g].data(), kShards[g], binds[g].slot_offset});
+    transport->gather(ops, nullptr);
+    barrier(shared, nranks);  // every rank has read this call before the next one changes anything
+    const std::vector<size_t> stale = transport->take_stale_bindings();
+    // Verified on calls 1, 4, 8, 12: the change before call 6 is found on call 8, by rank 1 only.
+    const bool should_find = rank == 1 && call == 8;
+    if (should_find != (stale.size() == 1 && stale[0] == binds[2].slot_offset) || (!should_find && !stale.empty())) {
+      std::fprintf(stderr, "rank %d call %d: %zu stale bindings reported\n", rank, call, stale.size());
+      return 1;
+    }
+    for (int r = 0; r < nranks; ++r)
+      for (size_t g = 0; g < std::size(kShards); ++g)
+        for (size_t i = 0; i < kShards[g]; ++i) {
+          // Peers read the old bytes until the re-binding on call 8; the owner reads its own
+          // shard from its send buffer, always current.
+          // On call 8 itself the re-binding races with the peers' reads: either byte is fine.
+          const int version = r == 1 && (call > 8 || (rank == 1 && call >= 6)) ? 1 : 0;
+          const uint8_t got = recv[g][static_cast<size_t>(r) * kShards[g] + i];
+          const bool racing = r == 1 && rank != 1 && call == 8 && got == expected(r, g, i, 1);
+          if (got != expected(r, g, i, version) && !racing) {
+            std::fprintf(stderr, "rank %d call %d: gather %zu byte %zu of rank %d is %#x, expected %#x\n",
+                         rank, call, g, i, r, got, expected(r, g, i, version));
+            return 1;
+          }
+        }
+    barrier(shared, nranks);
+  }
+  transport->release();
+  return 0;
+}
+
+TEST(HostTransport, BoundShardsAreReadWithoutHandshakeAndAChangeIsFoundAndRebound) {
+  for (const int nranks : {2, 4}) {
+    SharedArea area;
+    const RankRun run = run_ranks(nranks, area.get(), 30,
+                                  [nranks](int rank, Shared& shared) { return bound_gathers(rank, nranks, shared); });
+    ASSERT_FALSE(run.timed_out);
+    for (int r = 0; r < nranks; ++r) EXPECT_EQ(run.ranks[static_cast<size_t>(r)].exit_code, 0) << "rank " << r;
+    EXPECT_EQ(window_names_of(pids_of(run)), std::vector<std::string>{});
+  }
+}
 
 // The last rank dies by SIGKILL after a few buckets; the others are then waiting for it inside
 // gather and must get an error naming it. `zombie`: its parent does not reap it meanwhile.
@@ -389,7 +476,7 @@ TEST(HostTransport, TwoThreadsGatherThroughEachOthersWindows) {
   HandleBlob blobs[kRanks];
   for (int r = 0; r < kRanks; ++r) {
     transports[r] = make_transport(Backend::Host, r, kRanks, kCommIdentity);
-    transports[r]->prepare(plan.slot_bytes, blobs[r]);
+    transports[r]->prepare(staging_plan(plan.slot_bytes), blobs[r]);
   }
   for (int r = 0; r < kRanks; ++r) transports[r]->attach(blobs);
   EXPECT_EQ(window_names_of({getpid()}), std::vector<std::string>{});
@@ -413,7 +500,7 @@ TEST(HostTransport, OneRankGathersItsOwnShardAndLeavesNoName) {
   auto transport = make_transport(Backend::Host, 0, 1, kCommIdentity);
   EXPECT_EQ(transport->window_bytes(), 0u);
   HandleBlob blob;
-  transport->prepare(1000, blob);
+  transport->prepare(staging_plan(1000), blob);
   EXPECT_GE(transport->window_bytes(), 2000u);
   EXPECT_EQ(window_names_of({getpid()}), std::vector<std::string>{});  // nobody will open it
   transport->attach(std::span<const HandleBlob>(&blob, 1));
@@ -445,10 +532,10 @@ TEST(HostTransport, RefusesBlobsOfAnotherPlanAndGathersThatOverflowASlot) {
   auto b = make_transport(Backend::Host, 1, 2, kCommIdentity);
   HandleBlob blob_a, blob_other_comm, blob_other_slots, blob_b;
   EXPECT_EQ(kind_of([&] { a->gather({}, nullptr); }), ErrorKind::Usage);  // before prepare
-  a->prepare(256, blob_a);
-  other_comm->prepare(256, blob_other_comm);
-  other_slots->prepare(512, blob_other_slots);
-  b->prepare(256, blob_b);
+  a->prepare(staging_plan(256), blob_a);
+  other_comm->prepare(staging_plan(256), blob_other_comm);
+  other_slots->prepare(staging_plan(512), blob_other_slots);
+  b->prepare(staging_plan(256), blob_b);
 
   const HandleBlob wrong_comm[] = {blob_a, blob_other_comm};
   EXPECT_EQ(kind_of([&] { a->attach(wrong_comm); }), ErrorKind::Usage);
@@ -469,17 +556,24 @@ TEST(HostTransport, RefusesBlobsOfAnotherPlanAndGathersThatOverflowASlot) {
   EXPECT_EQ(window_names_of({getpid()}), std::vector<std::string>{});
 }
 
-TEST(CudaTransport, RefusesAtPrepareUntilItIsWritten) {
-  auto transport = make_transport(Backend::Cuda, 0, 2, kCommIdentity);
-  HandleBlob blob;
+// Without a driver in the process the CUDA backend refuses at once, and never loads CUDA itself.
+TEST(CudaTransport, RefusesWithoutADriverAndNeverLoadsOne) {
+  if (dlopen("libcuda.so.1", RTLD_NOLOAD | RTLD_LAZY) != nullptr) GTEST_SKIP() << "a CUDA driver is loaded";
   try {
-    transport->prepare(1024, blob);
-    ADD_FAILURE() << "prepare succeeded";
+    make_transport(Backend::Cuda, 0, 2, kCommIdentity);
+    ADD_FAILURE() << "a CUDA transport without a driver";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::System);
   }
-  EXPECT_EQ(transport->window_bytes(), 0u);
-  transport->release();
+  try {
+    make_exchange(Backend::Cuda, 1024, 2);
+    ADD_FAILURE() << "a CUDA exchange without a driver";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::System);
+  }
+  EXPECT_FALSE(backend_available(Backend::Cuda));
+  EXPECT_TRUE(backend_available(Backend::Host));
+  EXPECT_EQ(dlopen("libcuda.so.1", RTLD_NOLOAD | RTLD_LAZY), nullptr);
 }
 
 // ---- memory and locality ----------------------------------------------------------------------

@@ -30,15 +30,21 @@ def main(out_path: str) -> None:
         broadcast = shard.clone()
         dist.broadcast(broadcast, src=0)
         results[str(dtype)] = [t.cpu() for t in (gathered, reduced, scattered, broadcast)]
-    # A small FSDP-like loop: the same gathers, step after step, as the skeleton sees them.
+    # A small FSDP-like loop: the same gathers, step after step, as the skeleton sees them; long
+    # enough for the ranks to agree and then move the gathers. The weights change every step (in
+    # place), so a moved gather must carry each step's bytes, not the first ones.
     weights = [torch.randn(4096, device=dev) for _ in range(4)]
-    for _ in range(5):
+    loop = []
+    for step in range(16):
         for w in weights:
+            w.add_(1.0)
             full = torch.empty_like(w)
             dist.all_gather_into_tensor(full, w)
+            loop.append(full.cpu())
         logits = torch.ones(8, device=dev)
         dist.all_reduce(logits)
-    results["loop"] = [full.cpu(), logits.cpu()]
+        loop.append(logits.cpu())
+    results["loop"] = loop
     torch.cuda.synchronize()
     torch.save(results, out_path)
     dist.destroy_process_group()

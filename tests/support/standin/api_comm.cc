@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "tests/support/standin/comm.h"
+#include "tests/support/standin/device_memory.h"
 #include "tests/support/standin/export.h"
 #include "tests/support/standin/group.h"
 #include "tests/support/standin/report.h"
@@ -31,7 +32,10 @@ ncclResult_t init_rank(ncclComm_t* comm, int nranks, const ncclUniqueId& id, int
   if (rank < 0 || rank >= nranks) {
     throw Failure(ncclInvalidArgument, format("rank %d is not in 0..%d", rank, nranks - 1));
   }
-  ncclComm* joined = standin::join_communicator(standin::segment_name_of(id), nranks, rank, 0);
+  // Like NCCL, the communicator belongs to the device current at its creation; without a loaded
+  // driver there is no device to ask (and CUDA is not started to find one): 0.
+  ncclComm* joined = standin::join_communicator(standin::segment_name_of(id), nranks, rank,
+                                                standin::current_cuda_device(0));
   *comm = joined;
   // Inside a group the wait for the other ranks happens at ncclGroupEnd, so one thread can
   // create several communicators of one clique.

@@ -1,9 +1,11 @@
 // Collectives, Send/Recv and groups. Each call is checked here, then becomes an Operation that
-// runs now or at the outermost ncclGroupEnd (group.h). The stream argument is ignored: buffers
-// are host memory and the work is done on the calling thread.
+// runs now or at the outermost ncclGroupEnd (group.h). The work is done on the calling thread;
+// the stream matters only for device buffers, which are staged through host memory on it
+// (device_memory.h).
 #include <nccl.h>
 
 #include "tests/support/standin/comm.h"
+#include "tests/support/standin/device_memory.h"
 #include "tests/support/standin/elements.h"
 #include "tests/support/standin/export.h"
 #include "tests/support/standin/group.h"
@@ -24,7 +26,8 @@ void check_buffer(const void* buffer, size_t count, bool used, const char* what)
   }
 }
 
-ncclResult_t collective(const char* entry_point, ncclComm_t comm, const CollectiveArgs& a) {
+ncclResult_t collective(const char* entry_point, ncclComm_t comm, const CollectiveArgs& a,
+                        cudaStream_t stream) {
   return api_edge(entry_point, [&] {
     standin::check_usable(comm);
     if (!standin::valid_datatype(a.dtype)) {
@@ -57,12 +60,12 @@ ncclResult_t collective(const char* entry_point, ncclComm_t comm, const Collecti
     }
     check_buffer(a.sendbuf, a.count, sends, "sendbuff");
     check_buffer(a.recvbuf, a.count, receives, "recvbuff");
-    return standin::submit(standin::make_collective(comm, a));
+    return standin::submit(standin::collective_on_any_memory(comm, a, sends, receives, stream));
   });
 }
 
 ncclResult_t point_to_point(const char* entry_point, ncclComm_t comm, bool sending, void* buffer,
-                            size_t count, ncclDataType_t dtype, int peer) {
+                            size_t count, ncclDataType_t dtype, int peer, cudaStream_t stream) {
   return api_edge(entry_point, [&] {
     standin::check_usable(comm);
     if (!standin::valid_datatype(dtype)) {
@@ -72,41 +75,43 @@ ncclResult_t point_to_point(const char* entry_point, ncclComm_t comm, bool sendi
       throw Failure(ncclInvalidArgument, format("peer %d is not in 0..%d", peer, comm->nranks - 1));
     }
     check_buffer(buffer, count, true, sending ? "sendbuff" : "recvbuff");
-    return standin::submit(sending ? standin::make_send(comm, buffer, count, dtype, peer)
-                                   : standin::make_recv(comm, buffer, count, dtype, peer));
+    return standin::submit(
+        standin::transfer_on_any_memory(comm, sending, buffer, count, dtype, peer, stream));
   });
 }
 
 }  // namespace
 
 STANDIN_API ncclResult_t pncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
-                                        ncclDataType_t datatype, ncclComm_t comm, cudaStream_t) {
+                                        ncclDataType_t datatype, ncclComm_t comm,
+                                        cudaStream_t stream) {
   return collective("ncclAllGather", comm,
-                    {OpKind::AllGather, sendbuff, recvbuff, sendcount, datatype, -1, -1});
+                    {OpKind::AllGather, sendbuff, recvbuff, sendcount, datatype, -1, -1}, stream);
 }
 STANDIN_ALIAS(ncclAllGather)
 
 STANDIN_API ncclResult_t pncclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
                                         ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
-                                        cudaStream_t) {
+                                        cudaStream_t stream) {
   return collective("ncclAllReduce", comm,
-                    {OpKind::AllReduce, sendbuff, recvbuff, count, datatype, -1, op});
+                    {OpKind::AllReduce, sendbuff, recvbuff, count, datatype, -1, op}, stream);
 }
 STANDIN_ALIAS(ncclAllReduce)
 
 STANDIN_API ncclResult_t pncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
                                             ncclDataType_t datatype, ncclRedOp_t op,
-                                            ncclComm_t comm, cudaStream_t) {
+                                            ncclComm_t comm, cudaStream_t stream) {
   return collective("ncclReduceScatter", comm,
-                    {OpKind::ReduceScatter, sendbuff, recvbuff, recvcount, datatype, -1, op});
+                    {OpKind::ReduceScatter, sendbuff, recvbuff, recvcount, datatype, -1, op},
+                    stream);
 }
 STANDIN_ALIAS(ncclReduceScatter)
 
 STANDIN_API ncclResult_t pncclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
                                         ncclDataType_t datatype, int root, ncclComm_t comm,
-                                        cudaStream_t) {
+                                        cudaStream_t stream) {
   return collective("ncclBroadcast", comm,
-                    {OpKind::Broadcast, sendbuff, recvbuff, count, datatype, root, -1});
+                    {OpKind::Broadcast, sendbuff, recvbuff, count, datatype, root, -1}, stream);
 }
 STANDIN_ALIAS(ncclBroadcast)
 
@@ -121,44 +126,46 @@ STANDIN_ALIAS(ncclBcast)
 
 STANDIN_API ncclResult_t pncclReduce(const void* sendbuff, void* recvbuff, size_t count,
                                      ncclDataType_t datatype, ncclRedOp_t op, int root,
-                                     ncclComm_t comm, cudaStream_t) {
+                                     ncclComm_t comm, cudaStream_t stream) {
   return collective("ncclReduce", comm,
-                    {OpKind::Reduce, sendbuff, recvbuff, count, datatype, root, op});
+                    {OpKind::Reduce, sendbuff, recvbuff, count, datatype, root, op}, stream);
 }
 STANDIN_ALIAS(ncclReduce)
 
 STANDIN_API ncclResult_t pncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count,
-                                       ncclDataType_t datatype, ncclComm_t comm, cudaStream_t) {
+                                       ncclDataType_t datatype, ncclComm_t comm,
+                                       cudaStream_t stream) {
   return collective("ncclAlltoAll", comm,
-                    {OpKind::AlltoAll, sendbuff, recvbuff, count, datatype, -1, -1});
+                    {OpKind::AlltoAll, sendbuff, recvbuff, count, datatype, -1, -1}, stream);
 }
 STANDIN_ALIAS(ncclAlltoAll)
 
 STANDIN_API ncclResult_t pncclGather(const void* sendbuff, void* recvbuff, size_t count,
                                      ncclDataType_t datatype, int root, ncclComm_t comm,
-                                     cudaStream_t) {
+                                     cudaStream_t stream) {
   return collective("ncclGather", comm,
-                    {OpKind::Gather, sendbuff, recvbuff, count, datatype, root, -1});
+                    {OpKind::Gather, sendbuff, recvbuff, count, datatype, root, -1}, stream);
 }
 STANDIN_ALIAS(ncclGather)
 
 STANDIN_API ncclResult_t pncclScatter(const void* sendbuff, void* recvbuff, size_t count,
                                       ncclDataType_t datatype, int root, ncclComm_t comm,
-                                      cudaStream_t) {
+                                      cudaStream_t stream) {
   return collective("ncclScatter", comm,
-                    {OpKind::Scatter, sendbuff, recvbuff, count, datatype, root, -1});
+                    {OpKind::Scatter, sendbuff, recvbuff, count, datatype, root, -1}, stream);
 }
 STANDIN_ALIAS(ncclScatter)
 
 STANDIN_API ncclResult_t pncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype,
-                                   int peer, ncclComm_t comm, cudaStream_t) {
-  return point_to_point("ncclSend", comm, true, const_cast<void*>(sendbuff), count, datatype, peer);
+                                   int peer, ncclComm_t comm, cudaStream_t stream) {
+  return point_to_point("ncclSend", comm, true, const_cast<void*>(sendbuff), count, datatype, peer,
+                        stream);
 }
 STANDIN_ALIAS(ncclSend)
 
 STANDIN_API ncclResult_t pncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer,
-                                   ncclComm_t comm, cudaStream_t) {
-  return point_to_point("ncclRecv", comm, false, recvbuff, count, datatype, peer);
+                                   ncclComm_t comm, cudaStream_t stream) {
+  return point_to_point("ncclRecv", comm, false, recvbuff, count, datatype, peer, stream);
 }
 STANDIN_ALIAS(ncclRecv)
 

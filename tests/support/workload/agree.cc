@@ -1,4 +1,4 @@
-// agree --seed S --steps N [--comms 1|2] [--dump 1]
+// agree --seed S --steps N [--comms 1|2] [--dump 1] [--device 1]
 //
 // A seeded random program (random_skeleton.h) for the ranks' agreement on each communicator's
 // step: a prologue, then a step of all-gathers (single and grouped, every datatype, odd counts,
@@ -10,7 +10,10 @@
 //
 // Every call's send data is written afresh before the call, from (seed, step, call, rank), and
 // every received byte is checked after the step: gathers and broadcasts byte for byte (so
-// datatypes never matter), all-reduce and reduce-scatter as exact int32 sums.
+// datatypes never matter), all-reduce and reduce-scatter as exact int32 sums. With --device 1
+// every buffer NCCL sees is device memory on GPU 0 and the calls run on a stream of the
+// scenario's own (Placement, scenario.h): the data goes in before each call and the results come
+// out after the step, before they are checked.
 //
 // Hidden, for the test that a wrong byte is caught: --corrupt-rank R [--corrupt-offset O] flips
 // byte O (modulo its size) of the first all-gather's result on rank R at step 0 before checking.
@@ -34,39 +37,25 @@ namespace {
 // from becoming a tail call (which would leave no frame of its own on the stack), and the bodies
 // differ so identical-code folding cannot merge the two functions.
 __attribute__((noinline)) ncclResult_t gather_here(const void* send, void* recv, size_t count,
-                                                   ncclDataType_t dtype, ncclComm_t comm) {
-  const ncclResult_t result = ncclAllGather(send, recv, count, dtype, comm, nullptr);
+                                                   ncclDataType_t dtype, ncclComm_t comm,
+                                                   cudaStream_t stream) {
+  const ncclResult_t result = ncclAllGather(send, recv, count, dtype, comm, stream);
   asm volatile("" ::: "memory");
   return result;
 }
 
 __attribute__((noinline)) ncclResult_t gather_elsewhere(const void* send, void* recv, size_t count,
-                                                        ncclDataType_t dtype, ncclComm_t comm) {
+                                                        ncclDataType_t dtype, ncclComm_t comm,
+                                                        cudaStream_t stream) {
   volatile size_t elements = count;
-  const ncclResult_t result = ncclAllGather(send, recv, elements, dtype, comm, nullptr);
+  const ncclResult_t result = ncclAllGather(send, recv, elements, dtype, comm, stream);
   asm volatile("" ::: "memory");
   return result;
 }
 
-// Host memory on a 64-byte boundary, as a device allocation would be.
-class HostBuffer {
- public:
-  explicit HostBuffer(size_t bytes) {
-    const size_t rounded = (bytes + 63) / 64 * 64;
-    data_.reset(static_cast<unsigned char*>(std::aligned_alloc(64, rounded == 0 ? 64 : rounded)));
-    if (!data_) throw ScenarioFailure(format("cannot allocate %zu bytes", bytes));
-  }
-  unsigned char* data() const { return data_.get(); }
-
- private:
-  struct Free {
-    void operator()(unsigned char* p) const { std::free(p); }
-  };
-  std::unique_ptr<unsigned char, Free> data_;
-};
-
 // The calling process's place in one communicator.
 struct Party {
+  const Placement* placement = nullptr;
   ncclComm_t comm = nullptr;
   int index = 0;  // 0: the first communicator, 1: the split one
   int global_rank = 0;
@@ -121,41 +110,50 @@ class CallSlot {
     allocate();
   }
 
-  // Writes this step's send data, then issues the call; gathers from gather_elsewhere when asked.
+  // Writes this step's send data (and copies it to what NCCL reads), then issues the call;
+  // gathers from gather_elsewhere when asked.
   void issue(uint64_t seed, int step, size_t count, bool elsewhere) {
     seed_ = seed;
     step_ = step;
     count_ = count;
     const uint64_t mine = key(party_.rank);
-    unsigned char* send = send_->data();
-    unsigned char* recv = recv_->data();
     const ncclComm_t comm = party_.comm;
+    const cudaStream_t stream = party_.placement->stream();
+    // Where the send data goes (reduce-scatter, below, always sends from its send buffer).
+    const Buffer& in = call_.in_place ? *recv_ : *send_;
+    const size_t at =
+        call_.in_place && call_.kind == CallKind::AllGather ? party_.rank * count * size_ : 0;
+    const void* from = static_cast<const unsigned char*>(in.nccl()) + at;
+    void* recv = recv_->nccl();
     switch (call_.kind) {
-      case CallKind::AllGather: {
-        unsigned char* from = call_.in_place ? recv + party_.rank * count * size_ : send;
-        fill(from, call_.dtype, count, mine);
-        WORKLOAD_CHECK(
-            (elsewhere ? gather_elsewhere : gather_here)(from, recv, count, call_.dtype, comm));
+      case CallKind::AllGather:
+        fill(in.host() + at, call_.dtype, count, mine);
+        in.upload(at, count * size_);
+        WORKLOAD_CHECK((elsewhere ? gather_elsewhere : gather_here)(from, recv, count, call_.dtype,
+                                                                    comm, stream));
         break;
-      }
-      case CallKind::AllReduce: {
-        unsigned char* from = call_.in_place ? recv : send;
-        fill_addends(from, count, mine);
-        WORKLOAD_CHECK(ncclAllReduce(from, recv, count, ncclInt32, ncclSum, comm, nullptr));
+      case CallKind::AllReduce:
+        fill_addends(in.host(), count, mine);
+        in.upload(0, count * size_);
+        WORKLOAD_CHECK(ncclAllReduce(from, recv, count, ncclInt32, ncclSum, comm, stream));
         break;
-      }
-      case CallKind::Broadcast: {
-        unsigned char* from = call_.in_place ? recv : send;
-        fill(from, call_.dtype, count, mine);
-        WORKLOAD_CHECK(ncclBroadcast(from, recv, count, call_.dtype, root(), comm, nullptr));
+      case CallKind::Broadcast:
+        fill(in.host(), call_.dtype, count, mine);
+        in.upload(0, count * size_);
+        WORKLOAD_CHECK(ncclBroadcast(from, recv, count, call_.dtype, root(), comm, stream));
         break;
-      }
       case CallKind::ReduceScatter:
-        fill_addends(send, count * party_.size, mine);
-        WORKLOAD_CHECK(ncclReduceScatter(send, result(), count, ncclInt32, ncclSum, comm, nullptr));
+        fill_addends(send_->host(), count * party_.size, mine);
+        send_->upload(0, count * party_.size * size_);
+        WORKLOAD_CHECK(ncclReduceScatter(
+            send_->nccl(), static_cast<unsigned char*>(result_buffer().nccl()) + result_offset(),
+            count, ncclInt32, ncclSum, comm, stream));
         break;
     }
   }
+
+  // Copies the result out of what NCCL wrote (device memory), once the stream is synchronized.
+  void collect() const { result_buffer().download(result_offset(), result_bytes()); }
 
   // newbuf: from now on this rank's call reads from (or, in place, works in) memory at another
   // address. The old buffer stays allocated, so the new one cannot reuse its address.
@@ -164,12 +162,8 @@ class CallSlot {
     allocate();
   }
 
-  unsigned char* result() const {
-    if (call_.kind == CallKind::ReduceScatter && call_.in_place) {
-      return send_->data() + party_.rank * count_ * sizeof(int32_t);
-    }
-    return recv_->data();
-  }
+  // The result as the scenario sees it (host memory, after collect()).
+  unsigned char* result() const { return result_buffer().host() + result_offset(); }
   size_t result_bytes() const {
     return call_.kind == CallKind::AllGather ? count_ * party_.size * size_ : count_ * size_;
   }
@@ -192,8 +186,19 @@ class CallSlot {
     const size_t n = static_cast<size_t>(party_.size);
     const bool gather = call_.kind == CallKind::AllGather;
     const bool scatter = call_.kind == CallKind::ReduceScatter;
-    if (!send_) send_ = std::make_unique<HostBuffer>(scatter ? capacity * n : capacity);
-    if (!recv_) recv_ = std::make_unique<HostBuffer>(gather ? capacity * n : capacity);
+    const Placement& placement = *party_.placement;
+    if (!send_) send_ = std::make_unique<Buffer>(placement, scatter ? capacity * n : capacity);
+    if (!recv_) recv_ = std::make_unique<Buffer>(placement, gather ? capacity * n : capacity);
+  }
+
+  // Reduce-scatter in place leaves its result in its block of the send buffer.
+  const Buffer& result_buffer() const {
+    return call_.kind == CallKind::ReduceScatter && call_.in_place ? *send_ : *recv_;
+  }
+  size_t result_offset() const {
+    return call_.kind == CallKind::ReduceScatter && call_.in_place
+               ? party_.rank * count_ * sizeof(int32_t)
+               : 0;
   }
 
   uint64_t key(int rank) const { return data_key(seed_, step_, call_.id, rank); }
@@ -230,8 +235,8 @@ class CallSlot {
   SkeletonCall call_;
   Party party_;
   size_t size_;
-  std::unique_ptr<HostBuffer> send_, recv_;
-  std::vector<std::unique_ptr<HostBuffer>> retired_;
+  std::unique_ptr<Buffer> send_, recv_;
+  std::vector<std::unique_ptr<Buffer>> retired_;
   uint64_t seed_ = 0;
   int step_ = 0;
   size_t count_ = 0;
@@ -270,6 +275,15 @@ class StepRun {
     }
   }
 
+  // After the step: every result out of device memory, so verify() and a planted corruption
+  // work on the host copy.
+  void collect() const {
+    party_.placement->synchronize();
+    for (const std::vector<CallSlot>& calls : slots_) {
+      for (const CallSlot& slot : calls) slot.collect();
+    }
+  }
+
   void verify(int step) const {
     for (size_t i = 0; i < slots_.size(); ++i) {
       for (size_t c = 0; c < slots_[i].size(); ++c) {
@@ -301,8 +315,9 @@ class StepRun {
   std::vector<std::vector<CallSlot>> slots_;
 };
 
-Party party_of(ncclComm_t comm, int index, int global_rank) {
+Party party_of(const Placement& placement, ncclComm_t comm, int index, int global_rank) {
   Party party;
+  party.placement = &placement;
   party.comm = comm;
   party.index = index;
   party.global_rank = global_rank;
@@ -323,6 +338,7 @@ int run_agree(const ScenarioOptions& options) {
     throw ScenarioFailure("--steps not negative, --comms 1 or 2, --corrupt-offset not negative");
   }
 
+  const Placement placement(options);  // before the communicators: NCCL takes the device then
   const Bootstrap boot = bootstrap_from_env();
   const Skeleton skeleton = make_skeleton(static_cast<uint64_t>(seed), boot.nranks, comms, steps);
   if (options.number("dump", 0) != 0)
@@ -330,13 +346,15 @@ int run_agree(const ScenarioOptions& options) {
 
   OwnedComm world;
   WORKLOAD_CHECK(ncclCommInitRank(world.out(), boot.nranks, boot.id, boot.rank));
-  const Party first = party_of(world.get(), 0, boot.rank);
+  const Party first = party_of(placement, world.get(), 0, boot.rank);
   {
     std::vector<CallSlot> prologue;
     for (const SkeletonCall& call : skeleton.prologue) prologue.emplace_back(call, first);
     for (size_t i = 0; i < prologue.size(); ++i) {
       prologue[i].issue(skeleton.seed, -1, skeleton.prologue[i].count, false);
     }
+    placement.synchronize();
+    for (const CallSlot& slot : prologue) slot.collect();
     for (size_t i = 0; i < prologue.size(); ++i) {
       prologue[i].verify(format("rank %d: prologue call %zu", boot.rank, i));
     }
@@ -347,11 +365,12 @@ int run_agree(const ScenarioOptions& options) {
   runs.emplace_back(skeleton, first);
   if (comms == 2) {
     WORKLOAD_CHECK(ncclCommSplit(world.get(), boot.rank % 2, boot.rank, half.out(), nullptr));
-    runs.emplace_back(skeleton, party_of(half.get(), 1, boot.rank));
+    runs.emplace_back(skeleton, party_of(placement, half.get(), 1, boot.rank));
   }
 
   for (int s = 0; s < steps; ++s) {
     for (StepRun& run : runs) run.issue(s);
+    for (const StepRun& run : runs) run.collect();
     if (s == 0 && boot.rank == corrupt_rank) {
       CallSlot& slot = runs[0].first_gather();
       slot.result()[static_cast<size_t>(corrupt_offset) % slot.result_bytes()] ^= 0x01;

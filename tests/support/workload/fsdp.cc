@@ -1,12 +1,13 @@
 // fsdp --layers L --steps S [--diverge-rank R --diverge-step K --diverge-kind count|callsite]
 //      [--exit-without-destroy 1] [--fork-child 1]
 //      [--rewrite 1] [--callsite-rank R] [--group-rank R] [--newbuf-rank R --newbuf-step K]
-//      [--count-step K] [--mixed-group 1] [--comms 2 [--perturb-comm 1|2]]
+//      [--count-step K] [--mixed-group 1] [--comms 2 [--perturb-comm 1|2]] [--device 1]
 //
 // An FSDP-style inference loop: one all-reduce at start-up, then per step every layer's weight
 // shard is all-gathered (pairs of layers in one ncclGroupStart/End, as FSDP buckets them), used
 // for host "compute", and the step ends with an all-reduce of the logits. Silent unless wrong:
-// every gathered element is checked.
+// every gathered element is checked. With --device 1 every buffer NCCL sees is device memory on
+// GPU 0 and the calls run on a stream of the scenario's own (Placement, scenario.h).
 //
 // Divergence, for the tools that must notice it: at step K rank R gathers layer 0 with one
 // element less (count; run with STANDIN_MISMATCH=error and that call's error is reported and
@@ -51,17 +52,18 @@ float weight(int layer, size_t index, int step = 0) {
 // Two distinct native call sites for the same gather. The empty asm after each call keeps it
 // from becoming a tail call (which would leave no frame of its own on the stack), and the bodies
 // differ so identical-code folding cannot merge the two functions.
-__attribute__((noinline)) ncclResult_t gather_layer(const float* shard, float* full, size_t count,
-                                                    ncclComm_t comm) {
-  const ncclResult_t result = ncclAllGather(shard, full, count, ncclFloat32, comm, nullptr);
+__attribute__((noinline)) ncclResult_t gather_layer(const void* shard, void* full, size_t count,
+                                                    ncclComm_t comm, cudaStream_t stream) {
+  const ncclResult_t result = ncclAllGather(shard, full, count, ncclFloat32, comm, stream);
   asm volatile("" ::: "memory");
   return result;
 }
 
-__attribute__((noinline)) ncclResult_t gather_layer_elsewhere(const float* shard, float* full,
-                                                              size_t count, ncclComm_t comm) {
+__attribute__((noinline)) ncclResult_t gather_layer_elsewhere(const void* shard, void* full,
+                                                              size_t count, ncclComm_t comm,
+                                                              cudaStream_t stream) {
   volatile size_t elements = count;
-  const ncclResult_t result = ncclAllGather(shard, full, elements, ncclFloat32, comm, nullptr);
+  const ncclResult_t result = ncclAllGather(shard, full, elements, ncclFloat32, comm, stream);
   asm volatile("" ::: "memory");
   return result;
 }
@@ -83,56 +85,71 @@ struct Changes {
   bool mixed_group = false;
 };
 
+float* floats(const Buffer& buffer) { return reinterpret_cast<float*>(buffer.host()); }
+int* ints(const Buffer& buffer) { return reinterpret_cast<int*>(buffer.host()); }
+
 class FsdpModel {
  public:
-  FsdpModel(ncclComm_t comm, int rank, int nranks, int layers, Divergence divergence,
-            Changes changes = {})
-      : comm_(comm), rank_(rank), n_(nranks), layers_(layers), divergence_(std::move(divergence)),
-        changes_(changes) {
+  FsdpModel(const Placement& placement, ncclComm_t comm, int rank, int nranks, int layers,
+            Divergence divergence, Changes changes = {})
+      : placement_(placement), comm_(comm), rank_(rank), n_(nranks), layers_(layers),
+        divergence_(std::move(divergence)), changes_(changes) {
     for (int l = 0; l < layers_; ++l) {
       const size_t shard = shard_elements(l);
-      std::vector<float> mine(shard);
-      for (size_t i = 0; i < shard; ++i) mine[i] = weight(l, rank_ * shard + i);
-      shards_.push_back(std::move(mine));
-      full_.emplace_back(shard * n_);
+      shards_.emplace_back(placement_, shard * sizeof(float));
+      for (size_t i = 0; i < shard; ++i) floats(shards_.back())[i] = weight(l, rank_ * shard + i);
+      full_.emplace_back(placement_, shard * n_ * sizeof(float));
     }
   }
 
   void prologue() {
-    int config[2] = {1, rank_};
-    WORKLOAD_CHECK(ncclAllReduce(config, config, 2, ncclInt32, ncclSum, comm_, nullptr));
-    if (config[0] != n_ || config[1] != n_ * (n_ - 1) / 2) {
-      throw ScenarioFailure(
-          format("rank %d: prologue all-reduce gave {%d, %d}", rank_, config[0], config[1]));
+    Buffer config(placement_, 2 * sizeof(int));
+    ints(config)[0] = 1;
+    ints(config)[1] = rank_;
+    config.upload(0, config.bytes());
+    WORKLOAD_CHECK(ncclAllReduce(config.nccl(), config.nccl(), 2, ncclInt32, ncclSum, comm_,
+                                 placement_.stream()));
+    placement_.synchronize();
+    config.download(0, config.bytes());
+    if (ints(config)[0] != n_ || ints(config)[1] != n_ * (n_ - 1) / 2) {
+      throw ScenarioFailure(format("rank %d: prologue all-reduce gave {%d, %d}", rank_,
+                                   ints(config)[0], ints(config)[1]));
     }
   }
 
   void step(int s) {
     step_ = s;
     if (changes_.newbuf_rank == rank_ && changes_.newbuf_step == s) {
-      retired_.push_back(shards_[0]);  // kept alive: the old address must not come back
-      shards_[0] = std::vector<float>(shards_[0].size());
+      // The old buffer is kept alive: its address must not come back.
+      retired_.push_back(std::exchange(shards_[0], Buffer(placement_, shards_[0].bytes())));
     }
     if (changes_.rewrite || (changes_.newbuf_rank == rank_ && changes_.newbuf_step == s)) {
       for (int l = 0; l < layers_; ++l) {
         const size_t shard = shard_elements(l);
-        for (size_t i = 0; i < shard; ++i) shards_[l][i] = weight(l, rank_ * shard + i, version());
+        for (size_t i = 0; i < shard; ++i) {
+          floats(shards_[l])[i] = weight(l, rank_ * shard + i, version());
+        }
       }
     }
     for (int l = 0; l < layers_;) {
       // Layers 1-2, 4-5, ... are bucketed: both gathers in one group.
       const bool bucket = l % 3 == 1 && l + 1 < layers_;
       if (bucket) {
-        int counter[1] = {rank_ + s};
+        ints(counter_)[0] = rank_ + s;
+        counter_.upload(0, counter_.bytes());
         WORKLOAD_CHECK(ncclGroupStart());
         WORKLOAD_CHECK(gather(s, l));
-        if (changes_.mixed_group)
-          WORKLOAD_CHECK(ncclAllReduce(counter, counter, 1, ncclInt32, ncclSum, comm_, nullptr));
+        if (changes_.mixed_group) {
+          WORKLOAD_CHECK(ncclAllReduce(counter_.nccl(), counter_.nccl(), 1, ncclInt32, ncclSum,
+                                       comm_, placement_.stream()));
+        }
         WORKLOAD_CHECK(gather(s, l + 1));
         WORKLOAD_CHECK(ncclGroupEnd());
-        if (changes_.mixed_group && counter[0] != n_ * (n_ - 1) / 2 + n_ * s) {
+        placement_.synchronize();
+        counter_.download(0, counter_.bytes());
+        if (changes_.mixed_group && ints(counter_)[0] != n_ * (n_ - 1) / 2 + n_ * s) {
           throw ScenarioFailure(format("rank %d: step %d: all-reduce inside the group gave %d",
-                                       rank_, s, counter[0]));
+                                       rank_, s, ints(counter_)[0]));
         }
         compute(l);
         compute(l + 1);
@@ -170,26 +187,35 @@ class FsdpModel {
     return layer == 0 && changes_.count_step >= 0 && step_ >= changes_.count_step ? shard - 1 : shard;
   }
 
+  // Writes the shard's current weights to what NCCL reads (device memory: a copy), then gathers.
   ncclResult_t gather(int s, int layer) {
     const size_t shard = gathered_count(layer);
+    const Buffer& mine = shards_[layer];
+    mine.upload(0, mine.bytes());
+    const void* send = mine.nccl();
+    void* recv = full_[layer].nccl();
+    const cudaStream_t stream = placement_.stream();
     if (layer == 0 && changes_.callsite_rank == rank_) {
-      return gather_layer_elsewhere(shards_[layer].data(), full_[layer].data(), shard, comm_);
+      return gather_layer_elsewhere(send, recv, shard, comm_, stream);
     }
     const bool me = rank_ == divergence_.rank && s == divergence_.step && layer == 0;
     if (me && divergence_.kind == "count") {
-      return gather_layer(shards_[layer].data(), full_[layer].data(), shard - 1, comm_);
+      return gather_layer(send, recv, shard - 1, comm_, stream);
     }
     if (me && divergence_.kind == "callsite") {
-      return gather_layer_elsewhere(shards_[layer].data(), full_[layer].data(), shard, comm_);
+      return gather_layer_elsewhere(send, recv, shard, comm_, stream);
     }
-    return gather_layer(shards_[layer].data(), full_[layer].data(), shard, comm_);
+    return gather_layer(send, recv, shard, comm_, stream);
   }
 
   // Checks the gathered weights, then applies the layer: a' = tanh(W a), W read cyclically.
   void compute(int layer) {
-    const std::vector<float>& w = full_[layer];
     const size_t shard = shard_elements(layer);
     const size_t count = gathered_count(layer);  // rank r's part starts at r * count
+    placement_.synchronize();
+    full_[layer].download(0, count * n_ * sizeof(float));
+    const float* w = floats(full_[layer]);
+    const size_t w_size = shard * n_;
     for (int r = 0; r < n_; ++r) {
       for (size_t i = 0; i < count; ++i) {
         const size_t at = r * count + i;
@@ -204,7 +230,7 @@ class FsdpModel {
     for (int k = 0; k < kHidden; ++k) {
       float sum = 0;
       for (int i = 0; i < kHidden; ++i)
-        sum += w[(static_cast<size_t>(k) * kHidden + i) % w.size()] * activation_[i];
+        sum += w[(static_cast<size_t>(k) * kHidden + i) % w_size] * activation_[i];
       next[k] = std::tanh(sum);
     }
     activation_ = next;
@@ -212,14 +238,18 @@ class FsdpModel {
 
   // Every rank holds the same activations; rank r contributes (r + 1) times the logits.
   void logits(int s) {
-    std::vector<float> base(kVocab), mine(kVocab);
+    std::vector<float> base(kVocab);
+    float* mine = floats(mine_logits_);
     for (int v = 0; v < kVocab; ++v) {
       base[v] = activation_[v % kHidden] + static_cast<float>(v) * 0.01f;
       mine[v] = base[v] * static_cast<float>(rank_ + 1);
     }
-    std::vector<float> total(kVocab);
-    WORKLOAD_CHECK(
-        ncclAllReduce(mine.data(), total.data(), kVocab, ncclFloat32, ncclSum, comm_, nullptr));
+    mine_logits_.upload(0, mine_logits_.bytes());
+    WORKLOAD_CHECK(ncclAllReduce(mine_logits_.nccl(), total_logits_.nccl(), kVocab, ncclFloat32,
+                                 ncclSum, comm_, placement_.stream()));
+    placement_.synchronize();
+    total_logits_.download(0, total_logits_.bytes());
+    const float* total = floats(total_logits_);
     const float factor = static_cast<float>(n_ * (n_ + 1) / 2);
     for (int v = 0; v < kVocab; ++v) {
       if (std::fabs(total[v] - base[v] * factor) > 1e-4f * (1.0f + std::fabs(base[v] * factor))) {
@@ -230,12 +260,16 @@ class FsdpModel {
     activation_[s % kHidden] += total[0] * 1e-3f;  // the next step depends on this one
   }
 
+  const Placement& placement_;
   ncclComm_t comm_;
   int rank_, n_, layers_;
   Divergence divergence_;
   Changes changes_;
   int step_ = 0;
-  std::vector<std::vector<float>> shards_, full_, retired_;
+  std::vector<Buffer> shards_, full_, retired_;
+  Buffer counter_{placement_, sizeof(int)};
+  Buffer mine_logits_{placement_, kVocab * sizeof(float)};
+  Buffer total_logits_{placement_, kVocab * sizeof(float)};
   std::vector<float> activation_ = std::vector<float>(kHidden, 0.5f);
 };
 
@@ -266,10 +300,11 @@ int run_fsdp(const ScenarioOptions& options) {
   const int perturbed = static_cast<int>(options.number("perturb-comm", 1));
   if (comms != 1 && comms != 2) throw ScenarioFailure("--comms is 1 or 2");
 
+  const Placement placement(options);  // before the communicators: NCCL takes the device then
   const Bootstrap boot = bootstrap_from_env();
   OwnedComm comm;
   WORKLOAD_CHECK(ncclCommInitRank(comm.out(), boot.nranks, boot.id, boot.rank));
-  FsdpModel model(comm.get(), boot.rank, boot.nranks, layers, divergence,
+  FsdpModel model(placement, comm.get(), boot.rank, boot.nranks, layers, divergence,
                   perturbed == 1 ? changes : Changes{});
   OwnedComm sub;
   std::unique_ptr<FsdpModel> sub_model;
@@ -278,8 +313,8 @@ int run_fsdp(const ScenarioOptions& options) {
     int sub_rank = 0, sub_n = 0;
     WORKLOAD_CHECK(ncclCommUserRank(sub.get(), &sub_rank));
     WORKLOAD_CHECK(ncclCommCount(sub.get(), &sub_n));
-    sub_model = std::make_unique<FsdpModel>(sub.get(), sub_rank, sub_n, layers + 1, Divergence{},
-                                            perturbed == 2 ? changes : Changes{});
+    sub_model = std::make_unique<FsdpModel>(placement, sub.get(), sub_rank, sub_n, layers + 1,
+                                            Divergence{}, perturbed == 2 ? changes : Changes{});
   }
   model.prologue();
   if (sub_model) sub_model->prologue();

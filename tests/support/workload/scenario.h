@@ -3,8 +3,11 @@
 // user's program, so the same run can go straight to NCCL or through the shim.
 #pragma once
 
+#include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -53,6 +56,110 @@ class OwnedComm {
 
  private:
   ncclComm_t comm_ = nullptr;
+};
+
+// Where a scenario keeps the buffers it hands to NCCL. Host memory by default. With --device 1
+// every such buffer is cudaMalloc'ed on GPU 0 (all ranks share that GPU), its data is written on
+// the host as before and copied in with cudaMemcpy before each call, the result is copied out
+// after the stream is synchronized, and the calls run on a stream the scenario creates (not the
+// legacy default stream). Without --device nothing here calls CUDA: a run on a machine without a
+// GPU never starts it.
+class Placement {
+ public:
+  explicit Placement(const ScenarioOptions& options) : device_(options.number("device", 0) != 0) {
+    if (!device_) return;
+    cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
+    // A blocking stream: it waits for the cudaMemcpy that wrote a call's input (legacy stream).
+    cuda_check(cudaStreamCreate(&stream_), "cudaStreamCreate");
+  }
+  ~Placement() {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+  Placement(const Placement&) = delete;
+  Placement& operator=(const Placement&) = delete;
+
+  bool device() const { return device_; }
+  cudaStream_t stream() const { return stream_; }  // nullptr in host memory, as before
+  // Waits for every call issued on the stream; results may be read after it.
+  void synchronize() const {
+    if (device_) cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+  }
+
+  static void cuda_check(cudaError_t err, const char* call) {
+    if (err != cudaSuccess) {
+      throw ScenarioFailure(
+          format("%s: %s (%s)", call, cudaGetErrorName(err), cudaGetErrorString(err)));
+    }
+  }
+
+ private:
+  bool device_;
+  cudaStream_t stream_ = nullptr;
+};
+
+// Memory a call reads or writes. The scenario writes and checks host(); NCCL gets nccl(): the
+// same bytes in host memory, or a device allocation of the same size that upload() and
+// download() copy to and from. Both sides are 64-byte aligned, as device allocations are.
+class Buffer {
+ public:
+  Buffer(const Placement& placement, size_t bytes)
+      : bytes_(bytes), host_(static_cast<unsigned char*>(std::aligned_alloc(64, rounded(bytes)))) {
+    if (host_ == nullptr) throw ScenarioFailure(format("cannot allocate %zu bytes", bytes));
+    std::memset(host_, 0, rounded(bytes));
+    if (placement.device()) {
+      const cudaError_t err = cudaMalloc(&device_, rounded(bytes));
+      if (err != cudaSuccess) std::free(host_);
+      Placement::cuda_check(err, "cudaMalloc");
+    }
+  }
+  Buffer(Buffer&& other) noexcept
+      : bytes_(other.bytes_),
+        host_(std::exchange(other.host_, nullptr)),
+        device_(std::exchange(other.device_, nullptr)) {}
+  Buffer& operator=(Buffer&& other) noexcept {
+    std::swap(bytes_, other.bytes_);
+    std::swap(host_, other.host_);
+    std::swap(device_, other.device_);
+    return *this;
+  }
+  ~Buffer() {
+    std::free(host_);
+    if (device_ != nullptr) cudaFree(device_);
+  }
+
+  unsigned char* host() const { return host_; }
+  void* nccl() const { return device_ != nullptr ? device_ : host_; }
+  size_t bytes() const { return bytes_; }
+
+  // Bytes [offset, offset + n) of the host side to the device side (before the call).
+  void upload(size_t offset, size_t n) const {
+    if (device_ == nullptr || n == 0) return;
+    check_range(offset, n);
+    Placement::cuda_check(cudaMemcpy(static_cast<unsigned char*>(device_) + offset, host_ + offset,
+                                     n, cudaMemcpyHostToDevice),
+                          "cudaMemcpy to the device");
+  }
+  // Bytes [offset, offset + n) of the device side to the host side (after the stream's sync).
+  void download(size_t offset, size_t n) const {
+    if (device_ == nullptr || n == 0) return;
+    check_range(offset, n);
+    Placement::cuda_check(cudaMemcpy(host_ + offset, static_cast<unsigned char*>(device_) + offset,
+                                     n, cudaMemcpyDeviceToHost),
+                          "cudaMemcpy from the device");
+  }
+
+ private:
+  static size_t rounded(size_t bytes) { return bytes == 0 ? 64 : (bytes + 63) / 64 * 64; }
+  void check_range(size_t offset, size_t n) const {
+    if (offset > bytes_ || n > bytes_ - offset) {
+      throw ScenarioFailure(format("bytes %zu..%zu are outside a buffer of %zu", offset,
+                                   offset + n, bytes_));
+    }
+  }
+
+  size_t bytes_;
+  unsigned char* host_;
+  void* device_ = nullptr;
 };
 
 int run_ops(const ScenarioOptions& options);

@@ -1,0 +1,112 @@
+# shellcheck shell=bash disable=SC2154  # build, work, pass, fail: from run.sh
+# Sourced by tests/gpu/run.sh: ranks of magi-workload on one GPU over the NCCL stand-in, under
+# the shim. Uses run.sh's build, work, pass and fail. Each launch has a timeout, and a collective
+# that blocks gives up sooner (STANDIN_TIMEOUT_S), so a hang fails a check instead of stalling.
+support="$build/tests/support"
+launch="$support/magi-launch"
+workload="$support/magi-workload"
+export STANDIN_TIMEOUT_S=60
+
+standin_programs_present() {
+  [ -x "$launch" ] && [ -x "$workload" ] && [ -e "$support/libnccl.so.2" ] &&
+    [ -e "$support/libworkload.so" ] && [ -x "$build/magice-trace" ]
+}
+
+# launch_ranks NAME N WRAPPER [KEY=VALUE...] -- SCENARIO ARGS...
+# N ranks of `WRAPPER magi-workload SCENARIO ARGS` (WRAPPER "" for none) under the shim, with
+# MAGI_LOG=INFO and a trace directory; output in $work/NAME/log. Returns the launcher's status.
+launch_ranks() {
+  local name=$1 n=$2 wrapper=$3
+  shift 3
+  local envs=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+    envs+=(--env "$1")
+    shift
+  done
+  shift
+  local dir="$work/$name"
+  mkdir -p "$dir/trace"
+  # shellcheck disable=SC2086  # the wrapper is a command line of its own
+  "$launch" -n "$n" --timeout 120 --env LD_PRELOAD="$build/libmagice.so" --env MAGI_LOG=INFO \
+    --env MAGI_TRACE_DIR="$dir/trace" ${envs[@]+"${envs[@]}"} -- $wrapper "$workload" "$@" \
+    >"$dir/log" 2>&1
+}
+
+# The traces of a run must read, with the same verdict on every rank (decisions exits 0).
+check_decisions() {
+  local name=$1 lines=$2 dir="$work/$1"
+  if "$build/magice-trace" decisions "$dir"/trace/* >"$dir/decisions" 2>&1; then
+    pass "$name: magice-trace decisions (every rank the same verdict)"
+    head -n "$lines" "$dir/decisions" | sed 's/^/  /'
+  else
+    fail "$name: magice-trace decisions (every rank the same verdict)"
+    head -n 20 "$dir/decisions" | sed 's/^/  /'
+  fi
+}
+
+# standin_run NAME N [KEY=VALUE...] -- SCENARIO ARGS...: every rank exits 0, traces agree.
+standin_run() {
+  local name=$1 n=$2
+  shift 2
+  if launch_ranks "$name" "$n" "" "$@"; then
+    pass "$name: $n ranks on one GPU, every byte right, every rank exit 0"
+  else
+    fail "$name: $n ranks on one GPU, every byte right, every rank exit 0"
+    grep -v " MAGI INFO " "$work/$name/log" | tail -n 20 | sed 's/^/  /'
+    return
+  fi
+  grep -m 2 " REWRITE .*round" "$work/$name/log" | sed 's/^/  /'
+  case $name in agree-*) check_decisions "$name" 2 ;; *) check_decisions "$name" 6 ;; esac
+}
+
+sanitizer_binary() {
+  command -v compute-sanitizer 2>/dev/null ||
+    { [ -x /usr/local/cuda/bin/compute-sanitizer ] && echo /usr/local/cuda/bin/compute-sanitizer; }
+}
+
+# The same run with every rank under compute-sanitizer's memcheck (leaks too): no rank's error
+# summary may count an error.
+standin_sanitized_run() {
+  local name=$1 n=$2
+  shift 2
+  local sanitizer
+  sanitizer=$(sanitizer_binary) ||
+    { echo "SKIP $name: compute-sanitizer is neither in PATH nor in /usr/local/cuda/bin"; return; }
+  launch_ranks "$name" "$n" "$sanitizer --tool memcheck --leak-check full" "$@"
+  local status=$? log="$work/$name/log"
+  if grep -q "Device not supported\|device is not supported" "$log"; then
+    echo "SKIP $name: compute-sanitizer cannot run on this machine's GPU:"
+    grep -m 3 "=========" "$log" | sed 's/^/  /'
+    return
+  fi
+  local clean summaries
+  clean=$(grep -c "ERROR SUMMARY: 0 errors" "$log")
+  summaries=$(grep -c "ERROR SUMMARY:" "$log")
+  if [ "$status" = 0 ] && [ "$summaries" = "$n" ] && [ "$clean" = "$n" ]; then
+    pass "$name: compute-sanitizer memcheck --leak-check full, $n ranks, no errors"
+  else
+    fail "$name: compute-sanitizer memcheck --leak-check full, $n ranks, no errors (launcher status $status, $clean of $summaries summaries clean)"
+    grep "=========" "$log" | grep -v "^========= *$" | head -n 30 | sed 's/^/  /'
+  fi
+}
+
+# Kernel launches per rank under Nsight Systems, when it is installed (optional: only printed).
+standin_profiled_run() {
+  local name=$1 n=$2
+  shift 2
+  if ! command -v nsys >/dev/null 2>&1; then
+    echo "SKIP $name: nsys is not in PATH, kernel launches not counted"
+    return
+  fi
+  local dir="$work/$name"
+  if launch_ranks "$name" "$n" "nsys profile --trace=cuda --output $dir/rank-%p" "$@"; then
+    pass "$name: $n ranks under nsys profile, every rank exit 0"
+    for report in "$dir"/rank-*.nsys-rep; do
+      echo "  $(basename "$report"): $(nsys stats --report cuda_api_sum --format csv "$report" \
+        2>/dev/null | grep -i "LaunchKernel" | awk -F, '{gsub(/"/, "", $3); n += $3} END {print n + 0}') kernel launches"
+    done
+  else
+    fail "$name: $n ranks under nsys profile, every rank exit 0"
+    tail -n 20 "$dir/log" | sed 's/^/  /'
+  fi
+}

@@ -1,0 +1,219 @@
+#include "tests/support/standin/device_memory.h"
+
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#include "tests/support/standin/comm.h"
+#include "tests/support/standin/elements.h"
+#include "tests/support/standin/report.h"
+
+namespace standin {
+
+bool cuda_driver_loaded() {
+  // Once loaded, the driver stays for the life of the process: ask the loader until then only.
+  static std::atomic<bool> loaded{false};
+  if (loaded.load(std::memory_order_relaxed)) return true;
+  void* driver = ::dlopen("libcuda.so.1", RTLD_NOLOAD | RTLD_LAZY);
+  if (driver == nullptr) return false;
+  ::dlclose(driver);  // drops only the reference RTLD_NOLOAD just took
+  loaded.store(true, std::memory_order_relaxed);
+  return true;
+}
+
+int current_cuda_device(int fallback) {
+  if (!cuda_driver_loaded()) return fallback;
+  int device = fallback;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return fallback;
+  }
+  return device;
+}
+
+namespace {
+
+bool is_device_memory(const void* p) {
+  if (p == nullptr || !cuda_driver_loaded()) return false;
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+    cudaGetLastError();  // a pointer CUDA does not know is host memory; leave no error behind
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+}
+
+// A buffer the operation uses, as bytes; `device` is false for host memory.
+struct Span {
+  const std::byte* at = nullptr;
+  size_t bytes = 0;
+  bool device = false;
+};
+
+Span span_of(const void* p, size_t bytes, bool used) {
+  if (!used || bytes == 0) return {};  // count 0: the pointer may be anything, even NULL
+  return {static_cast<const std::byte*>(p), bytes, is_device_memory(p)};
+}
+
+bool overlap(const Span& a, const Span& b) {
+  const auto a0 = reinterpret_cast<uintptr_t>(a.at), b0 = reinterpret_cast<uintptr_t>(b.at);
+  return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
+}
+
+std::string cuda_failure(const char* what, cudaError_t err) {
+  return format("%s: %s (%s)", what, cudaGetErrorName(err), cudaGetErrorString(err));
+}
+
+// Wraps the host operation that runs on the staging. The staging mirrors the device ranges of
+// the send buffer (`in`) and the receive buffer (`out`); when the two overlap (the in-place
+// forms) one host area stands for both at the same relative offsets, so the host protocol sees
+// exactly the aliasing the program made.
+class Staged final : public Operation {
+ public:
+  Staged(cudaStream_t stream, Span in, Span out) : stream_(stream), in_(in), out_(out) {
+    if (in_.device && out_.device && overlap(in_, out_)) {
+      const std::byte* lo = std::min(in_.at, out_.at);
+      const std::byte* hi = std::max(in_.at + in_.bytes, out_.at + out_.bytes);
+      areas_.push_back({lo, std::vector<std::byte>(static_cast<size_t>(hi - lo))});
+    } else {
+      for (const Span* s : {&in_, &out_}) {
+        if (s->device) areas_.push_back({s->at, std::vector<std::byte>(s->bytes)});
+      }
+    }
+  }
+
+  // Where the host operation finds the buffer at `p`: its staging, or `p` for host memory.
+  void* host_of(const void* p, const Span& span) {
+    if (!span.device) return const_cast<void*>(p);
+    const auto* at = static_cast<const std::byte*>(p);
+    for (Area& a : areas_) {
+      if (at >= a.device && at < a.device + a.host.size()) return a.host.data() + (at - a.device);
+    }
+    return nullptr;  // unreachable: every device span has an area
+  }
+
+  void run_on_staging(std::unique_ptr<Operation> inner) { inner_ = std::move(inner); }
+
+  // The send data is read when the group runs, as NCCL reads it when its kernel runs: after the
+  // program's earlier work on the stream.
+  void launch() override {
+    if (in_.device) copy(host_of(in_.at, in_), in_.at, in_.bytes, cudaMemcpyDeviceToHost);
+    inner_->launch();  // also after a failed copy: the peers expect this rank in the protocol
+  }
+
+  bool progress() override {
+    const bool moved = inner_->progress();
+    if (!inner_->done()) return moved;
+    if (inner_->result() != ncclSuccess) {
+      finish(inner_->result(), inner_->error());
+    } else {
+      if (out_.device)
+        copy(const_cast<std::byte*>(out_.at), host_of(out_.at, out_), out_.bytes,
+             cudaMemcpyHostToDevice);
+      if (copy_error_.empty()) {
+        finish(ncclSuccess);
+      } else {
+        finish(ncclUnhandledCudaError, copy_error_);
+      }
+    }
+    return true;
+  }
+
+  Segment* awaited() const override { return inner_->awaited(); }
+  int rank() const override { return inner_->rank(); }
+  std::string describe() const override { return inner_->describe(); }
+  std::string why_waiting() const override { return inner_->why_waiting(); }
+  int awaited_rank() const override { return inner_->awaited_rank(); }
+  void give_up(ncclResult_t code, const std::string& message) override {
+    inner_->give_up(code, message);
+    finish(code, message);
+  }
+
+ private:
+  struct Area {
+    const std::byte* device;
+    std::vector<std::byte> host;
+  };
+
+  // On the call's stream, so it is ordered after the program's earlier work there; the stream
+  // is synchronized before anyone reads the destination, so the call completes before it
+  // returns (host side) and the program's next work sees the result (device side).
+  void copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+    if (!copy_error_.empty()) return;
+    cudaError_t err = cudaMemcpyAsync(dst, src, bytes, kind, stream_);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream_);
+    if (err == cudaSuccess) return;
+    cudaGetLastError();
+    copy_error_ = format(
+        "rank %d: %s", inner_->rank(),
+        cuda_failure(kind == cudaMemcpyDeviceToHost ? "copying the send buffer from the device"
+                                                    : "copying the result to the device",
+                     err)
+            .c_str());
+  }
+
+  cudaStream_t stream_;
+  Span in_, out_;
+  std::vector<Area> areas_;
+  std::unique_ptr<Operation> inner_;
+  std::string copy_error_;  // the first failed copy; the operation then fails with it
+};
+
+void refuse_graph_capture(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(stream, &status);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw Failure(ncclUnhandledCudaError, cuda_failure("cudaStreamIsCapturing", err));
+  }
+  if (status != cudaStreamCaptureStatusNone) {
+    throw Failure(ncclInvalidUsage,
+                  "device buffers on a stream capturing a CUDA graph are not supported by the "
+                  "stand-in (it copies synchronously)");
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Operation> collective_on_any_memory(ncclComm* comm, const CollectiveArgs& args,
+                                                    bool sends, bool receives,
+                                                    cudaStream_t stream) {
+  const size_t element = datatype_bytes(args.dtype);
+  const size_t n = static_cast<size_t>(comm->nranks);
+  const bool send_blocks = args.kind == OpKind::ReduceScatter || args.kind == OpKind::AlltoAll ||
+                           args.kind == OpKind::Scatter;
+  const bool recv_blocks = args.kind == OpKind::AllGather || args.kind == OpKind::AlltoAll ||
+                           args.kind == OpKind::Gather;
+  const Span in = span_of(args.sendbuf, args.count * (send_blocks ? n : 1) * element, sends);
+  const Span out = span_of(args.recvbuf, args.count * (recv_blocks ? n : 1) * element, receives);
+  if (!in.device && !out.device) return make_collective(comm, args);
+  refuse_graph_capture(stream);
+  auto staged = std::make_unique<Staged>(stream, in, out);
+  CollectiveArgs on_host = args;
+  on_host.sendbuf = staged->host_of(args.sendbuf, in);
+  on_host.recvbuf = staged->host_of(args.recvbuf, out);
+  staged->run_on_staging(make_collective(comm, on_host));
+  return staged;
+}
+
+std::unique_ptr<Operation> transfer_on_any_memory(ncclComm* comm, bool sending, void* buffer,
+                                                  size_t count, ncclDataType_t dtype, int peer,
+                                                  cudaStream_t stream) {
+  const Span span = span_of(buffer, count * datatype_bytes(dtype), true);
+  if (!span.device) {
+    return sending ? make_send(comm, buffer, count, dtype, peer)
+                   : make_recv(comm, buffer, count, dtype, peer);
+  }
+  refuse_graph_capture(stream);
+  auto staged = std::make_unique<Staged>(stream, sending ? span : Span{}, sending ? Span{} : span);
+  void* host = staged->host_of(buffer, span);
+  staged->run_on_staging(sending ? make_send(comm, host, count, dtype, peer)
+                                 : make_recv(comm, host, count, dtype, peer));
+  return staged;
+}
+
+}  // namespace standin
