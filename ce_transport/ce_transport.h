@@ -109,7 +109,11 @@ class Transport {
   virtual void attach(std::span<const HandleBlob> blobs) = 0;
   // Serves one bucket on the caller's stream (ignored by the host backend, which completes the
   // bucket before returning). Every rank calls this for the same buckets in the same order.
-  virtual void gather(std::span<const GatherOp> bucket, void* stream) = 0;
+  // FallBack: some rank failed before moving anything, and every rank learned it within this
+  // same bucket and moved nothing: the caller serves the bucket another way (NCCL). Throws when
+  // this rank failed in a way its peers cannot learn of in the bucket.
+  enum class Served : uint8_t { Moved, FallBack };
+  virtual Served gather(std::span<const GatherOp> bucket, void* stream) = 0;
   // Frees the window and unmaps the peers'. Safe to call more than once and after a failure.
   virtual void release() = 0;
 

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "ce_transport/backends.h"
+#include "ce_transport/faults.h"
 #include "ce_transport/cuda_driver.h"
 #include "ce_transport/process.h"
 #include "shim/shim.h"
@@ -106,6 +107,7 @@ class CudaTransport final : public Transport {
 
   void prepare(const WindowPlan& plan, HandleBlob& out) override {
     release();
+    inject_fault(Options::Fault::Where::Prepare, rank_, "preparing the window");
     use_device();
     slot_bytes_ = plan.slot_bytes;
     stride_ = round_up(std::max<size_t>(plan.slot_bytes, 1), kSlotAlign);
@@ -147,6 +149,7 @@ class CudaTransport final : public Transport {
   void attach(std::span<const HandleBlob> blobs) override {
     if (base_ == nullptr) throw Error(ErrorKind::Usage, "attach before prepare");
     if (blobs.size() != static_cast<size_t>(nranks_)) throw Error(ErrorKind::Usage, "one handle blob per rank");
+    inject_fault(Options::Fault::Where::Attach, rank_, "opening the peers' windows");
     use_device();
     if (nranks_ > 1) batch_mem_op();  // refuse now, not on the first gather
     peers_.assign(static_cast<size_t>(nranks_), nullptr);
@@ -168,7 +171,7 @@ class CudaTransport final : public Transport {
     attached_ = true;
   }
 
-  void gather(std::span<const GatherOp> bucket, void* stream_handle) override {
+  Served gather(std::span<const GatherOp> bucket, void* stream_handle) override {
     if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
     use_device();
     const auto stream = static_cast<cudaStream_t>(stream_handle);
@@ -183,7 +186,7 @@ class CudaTransport final : public Transport {
       issue_copies(stream);
       mem_ops_.assign(1, write_op(base(kDoneOffset), n));  // release() waits for peers' reads
       issue_mem_ops(stream);
-      return;
+      return Served::Moved;
     }
     const size_t slot = kFlagBytes + (n % 2) * stride_;
     // 1. Slot n % 2 was last read in bucket n - 2: every peer must be done with it.
@@ -205,6 +208,7 @@ class CudaTransport final : public Transport {
     // 5. Done reading: peers may reuse their slot n % 2 (in bucket n + 2).
     mem_ops_.assign(1, write_op(base(kDoneOffset), n));
     issue_mem_ops(stream);
+    return Served::Moved;
   }
 
   void release() override {
@@ -303,9 +307,16 @@ class CudaTransport final : public Transport {
     attributes.srcLocHint.id = device_ < 0 ? 0 : device_;
     attributes.dstLocHint = attributes.srcLocHint;
     size_t first = 0;
-    cuda_check(cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(), copies_.size(),
-                                    &attributes, &first, 1, stream),
-               "cudaMemcpyBatchAsync");
+    const cudaError_t batched = cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(),
+                                                     copies_.size(), &attributes, &first, 1, stream);
+    if (batched == cudaSuccess) return;
+    // The peers are already waiting on this bucket's flags: a refused batch (not a broken
+    // context) is retried copy by copy rather than leaving them without their bytes.
+    cudaGetLastError();
+    MAGI_WARN(Transport, "cudaMemcpyBatchAsync refused a bucket (%s); copying one by one",
+              cudaGetErrorName(batched));
+    for (const Copy& c : copies_)
+      cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync");
   }
 
   void issue_mem_ops(cudaStream_t stream) {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "ce_transport/backends.h"
+#include "ce_transport/faults.h"
 #include "ce_transport/host_window.h"
 #include "ce_transport/process.h"
 #include "shim/shim.h"
@@ -117,6 +118,7 @@ class HostTransport final : public Transport {
 
   void prepare(const WindowPlan& plan, HandleBlob& out) override {
     release();  // a new plan starts from a new window and bucket 1
+    inject_fault(Options::Fault::Where::Prepare, rank_, "preparing the window");
     const size_t slot_bytes = plan.slot_bytes;
     const size_t stride = round_up(slot_bytes, kCacheLine);
     own_ = HostWindow::create(kFlagBytes + (plan.bound ? 1 : 2) * stride, nranks_ - 1);
@@ -150,6 +152,7 @@ class HostTransport final : public Transport {
   void attach(std::span<const HandleBlob> blobs) override {
     if (!own_.is_open()) throw Error(ErrorKind::Usage, "attach before prepare");
     if (attached_) throw Error(ErrorKind::Usage, "attach called twice for one window");
+    inject_fault(Options::Fault::Where::Attach, rank_, "opening the peers' windows");
     if (blobs.size() != static_cast<size_t>(nranks_))
       throw Error(ErrorKind::Usage, std::to_string(blobs.size()) + " handle blobs for " +
                                         std::to_string(nranks_) + " ranks");
@@ -176,7 +179,7 @@ class HostTransport final : public Transport {
     attached_ = true;
   }
 
-  void gather(std::span<const GatherOp> bucket, void* /*stream*/) override {
+  Served gather(std::span<const GatherOp> bucket, void* /*stream*/) override {
     if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
     if (broken_) throw Error(ErrorKind::System, "an earlier bucket failed; this window is unusable");
     for (const GatherOp& op : bucket)
@@ -184,11 +187,25 @@ class HostTransport final : public Transport {
         throw Error(ErrorKind::Usage, "gather of " + std::to_string(op.bytes) + " bytes at slot offset " +
                                           std::to_string(op.slot_offset) + " overflows a slot of " +
                                           std::to_string(slot_bytes_));
-    if (bound_) return gather_bound(bucket);
+    if (bound_) {
+      gather_bound(bucket);
+      return Served::Moved;
+    }
     broken_ = true;  // until this bucket completes: a throw below leaves the ranks out of step
     const uint64_t n = ++sequence_;
     const size_t slot_offset = kFlagBytes + (n % 2) * slot_stride_;
     WindowFlags& mine = own_.flags();
+
+    // A rank that cannot serve says so before its ready: every peer, once its wait for ready is
+    // over, sees it, and the whole bucket falls back together (done is still published, so the
+    // slots stay in step for the buckets after).
+    if (fault_injected(Options::Fault::Where::Gather, rank_)) {
+      mine.failed.value.store(n, std::memory_order_relaxed);
+      mine.ready.value.store(n, std::memory_order_release);
+      mine.done.value.store(n, std::memory_order_release);
+      broken_ = false;
+      return Served::FallBack;
+    }
 
     wait_for_every_peer(&WindowFlags::done, n > 2 ? n - 2 : 0);  // 0: nothing to wait for
     uint8_t* staging = own_.data() + slot_offset;
@@ -196,6 +213,13 @@ class HostTransport final : public Transport {
     mine.ready.value.store(n, std::memory_order_release);
 
     wait_for_every_peer(&WindowFlags::ready, n);
+    for (int r = 0; r < nranks_; ++r) {
+      if (r != rank_ && peers_[static_cast<size_t>(r)].flags().failed.value.load(std::memory_order_relaxed) == n) {
+        mine.done.value.store(n, std::memory_order_release);
+        broken_ = false;
+        return Served::FallBack;
+      }
+    }
     for (const GatherOp& op : bucket) {
       auto* recv = static_cast<uint8_t*>(op.recvbuf);
       for (int r = 0; r < nranks_; ++r) {
@@ -210,6 +234,7 @@ class HostTransport final : public Transport {
     }
     mine.done.value.store(n, std::memory_order_release);
     broken_ = false;
+    return Served::Moved;
   }
 
   // Static weights: every peer's shard has been in its region since before the plan was

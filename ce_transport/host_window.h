@@ -29,9 +29,10 @@ struct WindowFlags {
   FlagWord done;      // the last bucket the owner has finished reading from its peers
   FlagWord pid;       // the owner's pid, so a waiting peer can tell whether it is alive
   FlagWord attached;  // peers that have opened the window
+  FlagWord failed;    // the last bucket the owner could not serve (set before its ready)
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "flags are shared between processes");
-static_assert(sizeof(WindowFlags) == 4 * kCacheLine);
+static_assert(sizeof(WindowFlags) == 5 * kCacheLine);
 
 class HostWindow {
  public:

@@ -103,10 +103,19 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   return {};
 }
 
-ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket, cudaStream_t stream) {
+ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket,
+                                  std::span<const NcclGather> calls, cudaStream_t stream) {
   if (!transport_) return ncclInternalError;  // routes say Move only with a transport
   try {
-    transport_->gather(bucket, stream);
+    if (transport_->gather(bucket, stream) == ce::Transport::Served::FallBack) {
+      // Every rank learned of the failure in this bucket: all of them hand it to NCCL now, and
+      // refuse its gathers at the next round.
+      if (!transport_failed_)
+        MAGI_WARN(Transport, "comm %012llx: the transport failed on some rank; its gathers go to NCCL "
+                  "until the next agreement round takes them back", short_id(info_.identity));
+      transport_failed_ = true;
+      return forward_to_nccl(calls, stream);
+    }
     for (const size_t offset : transport_->take_stale_bindings()) {
       for (uint32_t p = 0; p < layout_.offset_by_position.size(); ++p) {
         if (layout_.offset_by_position[p] != offset) continue;
@@ -124,6 +133,21 @@ ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket, cudaStre
     transport_failed_ = true;
     return e.result();
   }
+}
+
+ncclResult_t CommAgreement::forward_to_nccl(std::span<const NcclGather> calls, cudaStream_t stream) {
+  const bool grouped = calls.size() > 1;
+  if (grouped) nccl_.group_start();
+  ncclResult_t result = ncclSuccess;
+  for (const NcclGather& g : calls) {
+    const ncclResult_t r = nccl_.all_gather(g.sendbuf, g.recvbuf, g.count, g.dtype, comm_, stream);
+    if (result == ncclSuccess) result = r;
+  }
+  if (grouped) {
+    const ncclResult_t r = nccl_.group_end();
+    if (result == ncclSuccess) result = r;
+  }
+  return result;
 }
 
 void CommAgreement::on_lost(uint64_t seq) {
@@ -353,9 +377,9 @@ void CommAgreement::publish(uint64_t seq) {
     transport_->prepare(plan, c.header.handle);
     c.header.flags |= kCanServe;
     if (plan.bound)
-      MAGI_INFO(Transport, "comm %012llx: static weights: %u gathers bound, %.1f MiB of window "
-                "(MAGI_BIND_MAX_MIB=%lld)", short_id(info_.identity), decision_.moved,
-                static_cast<double>(transport_->window_bytes()) / (1 << 20),
+      MAGI_INFO(Transport, "comm %012llx: static weights: %u gathers bound in a window of %zu bytes "
+                "(%.1f MiB; MAGI_BIND_MAX_MIB=%lld)", short_id(info_.identity), decision_.moved,
+                transport_->window_bytes(), static_cast<double>(transport_->window_bytes()) / (1 << 20),
                 static_cast<long long>(options_.bind_max_mib));
     else
       MAGI_INFO(Transport, "comm %012llx: window of %zu bytes (two staging slots of %zu) for %u gathers",
@@ -389,7 +413,8 @@ void CommAgreement::deactivate(uint64_t seq, Reason why) {
   record_round(RoundKind::Propose, trace::RoundEvent::Deactivated, seq, decision_.mode, why, 0);
   MAGI_INFO(Rewrite, "comm %012llx: gathers back on NCCL from collective #%llu (%s)",
             short_id(info_.identity), static_cast<unsigned long long>(seq),
-            std::string(trace::reason_name(why)).c_str());
+            why == Reason::None ? "a new plan replaces this one"
+                                : std::string(trace::reason_name(why)).c_str());
 }
 
 void CommAgreement::drop_transport() {

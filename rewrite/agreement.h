@@ -53,6 +53,14 @@
 
 namespace magi::rewrite {
 
+// A moved gather as its NCCL call, kept to fall back on.
+struct NcclGather {
+  const void* sendbuf;
+  void* recvbuf;
+  size_t count;
+  ncclDataType_t dtype;
+};
+
 struct Route {
   enum class Kind : uint8_t { Nccl, Move, WouldMove };
   Kind kind = Kind::Nccl;
@@ -74,7 +82,9 @@ class CommAgreement {
                       const capture::StepView& view);
 
   // Serves moved gathers (one bucket) on the caller's stream. Returns what the program gets.
-  ncclResult_t serve(std::span<const ce::GatherOp> bucket, cudaStream_t stream);
+  // `calls` are the same gathers as NCCL would take them, for a bucket every rank falls back on.
+  ncclResult_t serve(std::span<const ce::GatherOp> bucket, std::span<const NcclGather> calls,
+                     cudaStream_t stream);
 
   uint64_t identity() const { return info_.identity; }
 
@@ -87,6 +97,7 @@ class CommAgreement {
     uint64_t decision_hash = 0;   // publish/confirm
   };
 
+  ncclResult_t forward_to_nccl(std::span<const NcclGather> calls, cudaStream_t stream);
   void on_lost(uint64_t seq);
   void at_anchor(const capture::StepView& view);
   void read_round(const capture::StepView& view);

@@ -22,6 +22,8 @@ namespace magi::rewrite {
 struct RealNcclCalls {
   ncclResult_t (*all_gather)(const void* sendbuff, void* recvbuff, size_t sendcount,
                              ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream);
+  ncclResult_t (*group_start)();
+  ncclResult_t (*group_end)();
 };
 void install(const RealNcclCalls& calls);
 

@@ -34,6 +34,7 @@ struct Queued {
   uint16_t bucket;
   cudaStream_t stream;
   ce::GatherOp op;
+  NcclGather call;
 };
 thread_local std::vector<Queued> t_queued;
 
@@ -81,12 +82,13 @@ Outcome intercept(ncclComm_t comm, const capture::CallArgs& args, capture::CallR
     record.flags |= trace::kCallMoved;
     const ce::GatherOp op{args.sendbuf, args.recvbuf, args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)),
                           route.slot_offset};
+    const NcclGather call{args.sendbuf, args.recvbuf, args.count, args.dtype};
     outcome.served = true;
     if (capture::group_depth() > 0) {
-      t_queued.push_back({agreement, route.bucket, args.stream, op});
+      t_queued.push_back({agreement, route.bucket, args.stream, op, call});
       outcome.result = ncclSuccess;
     } else {
-      outcome.result = agreement->serve({&op, 1}, args.stream);
+      outcome.result = agreement->serve({&op, 1}, {&call, 1}, args.stream);
     }
   });
   return outcome;
@@ -102,15 +104,18 @@ ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
     // queued the same calls (routes are shared), so they serve the same buckets in this order.
     std::vector<bool> done(queued.size(), false);
     std::vector<ce::GatherOp> bucket;
+    std::vector<NcclGather> calls;
     for (size_t i = 0; i < queued.size(); ++i) {
       if (done[i]) continue;
       bucket.clear();
+      calls.clear();
       for (size_t j = i; j < queued.size(); ++j) {
         if (queued[j].agreement != queued[i].agreement || queued[j].bucket != queued[i].bucket) continue;
         bucket.push_back(queued[j].op);
+        calls.push_back(queued[j].call);
         done[j] = true;
       }
-      const ncclResult_t served = queued[i].agreement->serve(bucket, queued[i].stream);
+      const ncclResult_t served = queued[i].agreement->serve(bucket, calls, queued[i].stream);
       if (result == ncclSuccess) result = served;
     }
   });

@@ -67,6 +67,8 @@ ncclResult_t agreement_all_gather(const void* sendbuff, void* recvbuff, size_t s
                                   ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
   return MAGI_FORWARD(AllGather, sendbuff, recvbuff, sendcount, datatype, comm, stream);
 }
+ncclResult_t agreement_group_start() { return MAGI_FORWARD(GroupStart); }
+ncclResult_t agreement_group_end() { return MAGI_FORWARD(GroupEnd); }
 
 int query(ncclResult_t (*const fn)(const ncclComm_t, int*), ncclComm_t comm) {
   int value = -1;
@@ -89,7 +91,7 @@ void joined(ncclResult_t result, ncclComm_t comm, uint64_t identity, uint64_t pa
   info.origin = origin;
   capture::comm_joined(comm, info);
   static std::once_flag installed;
-  std::call_once(installed, [] { rewrite::install({&agreement_all_gather}); });
+  std::call_once(installed, [] { rewrite::install({&agreement_all_gather, &agreement_group_start, &agreement_group_end}); });
   rewrite::comm_joined(comm, info);
 }
 

@@ -137,6 +137,26 @@ bool apply(Options& o, std::string_view name, std::string_view value) {
     (name == "MAGI_CALLSITES" ? o.callsites : name == "MAGI_DRY_RUN" ? o.dry_run : o.static_weights) = *b;
     return true;
   }
+  if (name == "MAGI_INJECT_FAULT") {
+    const std::string v = lower(trim(value));
+    if (v == "none") {
+      o.inject_fault = {};
+      return true;
+    }
+    const size_t colon = v.find(':');
+    if (colon == std::string::npos) return false;
+    const std::string where = v.substr(0, colon);
+    Options::Fault fault;
+    if (where == "prepare") fault.where = Options::Fault::Where::Prepare;
+    else if (where == "attach") fault.where = Options::Fault::Where::Attach;
+    else if (where == "gather") fault.where = Options::Fault::Where::Gather;
+    else return false;
+    auto rank = parse_int(v.substr(colon + 1), 0, 1 << 24);
+    if (!rank) return false;
+    fault.rank = static_cast<int>(*rank);
+    o.inject_fault = fault;
+    return true;
+  }
   if (name == "MAGI_TRANSPORT") {
     const std::string v = lower(trim(value));
     if (v == "copy_engine") o.transport = Options::Transport::CopyEngine;
@@ -253,6 +273,9 @@ std::string Options::describe() const {
   out += " MAGI_STATIC_WEIGHTS=" + std::string(static_weights ? "1" : "0");
   out += " MAGI_VERIFY_EVERY=" + std::to_string(verify_every);
   out += " MAGI_BIND_MAX_MIB=" + std::to_string(bind_max_mib);
+  static constexpr const char* kWhere[] = {"none", "prepare", "attach", "gather"};
+  out += " MAGI_INJECT_FAULT=" + std::string(kWhere[static_cast<int>(inject_fault.where)]);
+  if (inject_fault.where != Fault::Where::None) out += ":" + std::to_string(inject_fault.rank);
   return out;
 }
 

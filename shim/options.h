@@ -63,7 +63,9 @@ struct OptionSpec {
   X(MAGI_VERIFY_EVERY, Int, "64", "an integer from 0 to 1000000000", 0, 1000000000,               \
     "Static weights: check a shard against its binding every this many calls (0: only the first 3).") \
   X(MAGI_BIND_MAX_MIB, Int, "16384", "an integer from 0 to 1048576", 0, 1048576,                  \
-    "Static weights: most device memory (MiB) a communicator's bindings may take; gathers beyond stay on NCCL.")
+    "Static weights: most device memory (MiB) a communicator's bindings may take; gathers beyond stay on NCCL.")  \
+  X(MAGI_INJECT_FAULT, Enum, "none", "none, or prepare:RANK, attach:RANK or gather:RANK", 0, 0,    \
+    "For tests: the transport of that rank of every communicator fails there, as a CUDA error would.")
 
 // The typed view, filled once from the environment (Options::get()).
 struct Options {
@@ -88,6 +90,12 @@ struct Options {
   int64_t window_max_mib{};
   bool dry_run{};
   bool static_weights{};
+  struct Fault {
+    enum class Where : uint8_t { None, Prepare, Attach, Gather };
+    Where where = Where::None;
+    int rank = -1;
+  };
+  Fault inject_fault{};
   int64_t verify_every{};
   int64_t bind_max_mib{};
 

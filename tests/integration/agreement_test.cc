@@ -306,6 +306,71 @@ TEST(Agreement, WithoutTheHostBackendHostBuffersStayOnNccl) {
   for (const auto& [rank, v] : r.comms.begin()->second) EXPECT_TRUE(v.moved.empty());
 }
 
+TEST(Agreement, StaticWeightsAreBoundOnceAndReadWithoutHandshake) {
+  // Static weights: the shards do not change (no --rewrite).
+  const AgreedRun r = run_agreed(4, {"fsdp", "--layers", "5", "--steps", "20"}, {{"MAGI_STATIC_WEIGHTS", "1"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) EXPECT_GE(v.moved.size(), 5u * 4);
+  EXPECT_NE(r.log.find("static weights: 5 gathers bound"), std::string::npos) << r.log;
+}
+
+TEST(Agreement, StaticWeightsThatChangeAreCaughtAndGoBackToNcclOnEveryRank) {
+  // Rank 1 breaks the promise at step 12; verification on every call finds it, and the next
+  // round (every 2 steps) takes that gather back to NCCL on every rank: the last steps are right.
+  const AgreedRun r = run_agreed(4, {"fsdp", "--layers", "5", "--steps", "30", "--static-change-rank", "1",
+                                     "--static-change-step", "12"},
+                                 {{"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_VERIFY_EVERY", "1"},
+                                  {"MAGI_REAGREE_STEPS", "2"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  EXPECT_NE(r.log.find("changed after it was bound"), std::string::npos) << r.log;
+  const uint64_t comm = r.comm_ids()[0];
+  bool caught = false;
+  for (const auto& d : r.view(comm, 1).decisions)
+    caught = caught || (d.position == 0 && d.reason == static_cast<uint8_t>(Reason::BindingChanged));
+  EXPECT_TRUE(caught);
+  bool followed = false;
+  for (const auto& d : r.view(comm, 2).decisions)
+    followed = followed || (d.position == 0 && d.reason == static_cast<uint8_t>(Reason::OtherRankRefused));
+  EXPECT_TRUE(followed);
+}
+
+// A transport that fails on one rank, where a CUDA error could: every rank ends up on NCCL, at
+// the same call, and the program never notices.
+TEST(Agreement, ATransportThatCannotPrepareOrAttachKeepsEveryRankOnNccl) {
+  for (const char* fault : {"prepare:1", "attach:2"}) {
+    const AgreedRun r = run_agreed(4, fsdp({}), {{"MAGI_INJECT_FAULT", fault}});
+    ASSERT_TRUE(r.result.all_ok()) << fault << "\n" << transcript(r);
+    expect_ranks_agree(r);
+    for (const auto& [rank, v] : r.comms.begin()->second) {
+      EXPECT_TRUE(v.moved.empty()) << fault << " rank " << rank;
+      EXPECT_TRUE(rounds_with(v, RoundKind::Confirm, RoundEvent::Activated).empty()) << fault;
+      const auto publish = rounds_with(v, RoundKind::Publish, RoundEvent::Read);
+      const auto confirm = rounds_with(v, RoundKind::Confirm, RoundEvent::Read);
+      const bool refused = (!publish.empty() && publish[0].reason == static_cast<uint8_t>(Reason::TransportFailed)) ||
+                           (!confirm.empty() && confirm[0].reason == static_cast<uint8_t>(Reason::TransportFailed));
+      EXPECT_TRUE(refused) << fault << " rank " << rank;
+    }
+    EXPECT_NE(r.log.find("injected by MAGI_INJECT_FAULT"), std::string::npos) << r.log;
+  }
+}
+
+TEST(Agreement, ATransportThatFailsWhileGatheringFallsBackOnEveryRankInTheSameBucket) {
+  const AgreedRun r = run_agreed(4, fsdp({}, 24), {{"MAGI_INJECT_FAULT", "gather:3"}, {"MAGI_REAGREE_STEPS", "2"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);  // every byte right: the buckets went to NCCL
+  expect_ranks_agree(r);
+  const uint64_t comm = r.comm_ids()[0];
+  EXPECT_FALSE(rounds_with(r.view(comm, 0), RoundKind::Confirm, RoundEvent::Activated).empty());
+  const auto off = rounds_with(r.view(comm, 0), RoundKind::Propose, RoundEvent::Deactivated);
+  ASSERT_FALSE(off.empty()) << transcript(r);
+  bool refused = false;
+  for (const auto& d : r.view(comm, 3).decisions)
+    refused = refused || d.reason == static_cast<uint8_t>(Reason::TransportFailed);
+  EXPECT_TRUE(refused);
+  EXPECT_NE(r.log.find("the transport failed on some rank"), std::string::npos) << r.log;
+}
+
 std::set<std::string> window_names() {
   std::set<std::string> names;
   for (const auto& e : fs::directory_iterator("/dev/shm"))

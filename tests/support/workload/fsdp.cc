@@ -2,6 +2,7 @@
 //      [--exit-without-destroy 1] [--fork-child 1]
 //      [--rewrite 1] [--callsite-rank R] [--group-rank R] [--newbuf-rank R --newbuf-step K]
 //      [--count-step K] [--mixed-group 1] [--comms 2 [--perturb-comm 1|2]] [--device 1]
+//      [--static-change-rank R --static-change-step K]
 //
 // An FSDP-style inference loop: one all-reduce at start-up, then per step every layer's weight
 // shard is all-gathered (pairs of layers in one ncclGroupStart/End, as FSDP buckets them), used
@@ -20,6 +21,8 @@
 //   --newbuf-rank R --newbuf-step K   rank R's shard moves to a new buffer at step K
 //   --count-step K     from step K every rank gathers one element less
 //   --mixed-group 1    each bucket's group also holds an all-reduce
+//   --static-change-rank R --static-change-step K   rank R's shard changes in place at step K,
+//                      breaking MAGI_STATIC_WEIGHTS's promise (stale reads accepted until the end)
 //   --comms 2          a second communicator (ncclCommSplit, color rank % 2) runs a model of its
 //                      own, step for step with the first; --perturb-comm picks which one the
 //                      changes above apply to (default 1)
@@ -77,6 +80,12 @@ struct Divergence {
 // The changes of the header, for the communicator they apply to.
 struct Changes {
   bool rewrite = false;
+  // Breaks the promise of MAGI_STATIC_WEIGHTS: rank R's layer-0 shard changes in place at step K.
+  // Peers may read the old bytes until the shim takes the gather back to NCCL, so both are
+  // accepted until the last step, which must see the new ones.
+  int static_change_rank = -1;
+  int static_change_step = -1;
+  int last_step = -1;
   int callsite_rank = -1;
   int group_rank = -1;
   int newbuf_rank = -1;
@@ -122,6 +131,10 @@ class FsdpModel {
     if (changes_.newbuf_rank == rank_ && changes_.newbuf_step == s) {
       // The old buffer is kept alive: its address must not come back.
       retired_.push_back(std::exchange(shards_[0], Buffer(placement_, shards_[0].bytes())));
+    }
+    if (changes_.static_change_rank == rank_ && changes_.static_change_step == s) {
+      const size_t shard = shard_elements(0);
+      for (size_t i = 0; i < shard; ++i) floats(shards_[0])[i] = weight(0, rank_ * shard + i, kChanged);
     }
     if (changes_.rewrite || (changes_.newbuf_rank == rank_ && changes_.newbuf_step == s)) {
       for (int l = 0; l < layers_; ++l) {
@@ -179,6 +192,8 @@ class FsdpModel {
     return s == divergence_.step && layer == 0 && divergence_.kind == "count";
   }
 
+  static constexpr int kChanged = 1000;  // the version a static shard changes to
+
   // Which weights the shards hold this step: 0 unless they are rewritten.
   int version() const { return changes_.rewrite ? step_ : 0; }
 
@@ -214,16 +229,21 @@ class FsdpModel {
     const size_t count = gathered_count(layer);  // rank r's part starts at r * count
     placement_.synchronize();
     full_[layer].download(0, count * n_ * sizeof(float));
-    const float* w = floats(full_[layer]);
+    float* w = floats(full_[layer]);
     const size_t w_size = shard * n_;
     for (int r = 0; r < n_; ++r) {
       for (size_t i = 0; i < count; ++i) {
         const size_t at = r * count + i;
-        const float expected = weight(layer, r * shard + i, version());
-        if (w[at] != expected) {
+        const bool changed = layer == 0 && r == changes_.static_change_rank &&
+                             step_ >= changes_.static_change_step;
+        const float expected = weight(layer, r * shard + i, changed ? kChanged : version());
+        const bool stale_allowed = changed && step_ < changes_.last_step &&
+                                   w[at] == weight(layer, r * shard + i, version());
+        if (w[at] != expected && !stale_allowed) {
           throw ScenarioFailure(format("rank %d: step %d layer %d: gathered weight %zu is %g, "
                                        "expected %g", rank_, step_, layer, at, w[at], expected));
         }
+        w[at] = expected;  // a tolerated stale weight must not make this rank compute otherwise
       }
     }
     std::vector<float> next(kHidden);
@@ -295,6 +315,9 @@ int run_fsdp(const ScenarioOptions& options) {
   changes.newbuf_rank = static_cast<int>(options.number("newbuf-rank", -1));
   changes.newbuf_step = static_cast<int>(options.number("newbuf-step", -1));
   changes.count_step = static_cast<int>(options.number("count-step", -1));
+  changes.static_change_rank = static_cast<int>(options.number("static-change-rank", -1));
+  changes.static_change_step = static_cast<int>(options.number("static-change-step", -1));
+  changes.last_step = steps - 1;
   changes.mixed_group = options.number("mixed-group", 0) != 0;
   const int comms = static_cast<int>(options.number("comms", 1));
   const int perturbed = static_cast<int>(options.number("perturb-comm", 1));
