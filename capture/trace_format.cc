@@ -77,7 +77,7 @@ std::string_view mode_name(AgreementMode mode) {
 
 std::string_view round_kind_name(RoundKind kind) {
   static const auto names =
-      names_with_fallback<3>({"propose", "publish", "confirm"}, 1, "round#");
+      names_with_fallback<4>({"propose", "publish", "confirm", "cost"}, 1, "round#");
   return names[static_cast<uint8_t>(kind)];
 }
 
@@ -112,7 +112,8 @@ std::string_view reason_name(Reason reason) {
        "the call deviated from the agreed step",
        "communicator not agreeable (ncclCommInitAll or unknown)",
        "static bindings would pass MAGI_BIND_MAX_MIB",
-       "static weights changed after binding"},
+       "static weights changed after binding",
+       "NCCL was faster for its bucket (timed both ways)"},
       0, "reason#");
   return names[static_cast<uint8_t>(reason)];
 }

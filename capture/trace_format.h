@@ -161,7 +161,8 @@ enum class AgreementMode : uint8_t {
 
 // Rounds of one agreement: propose (decide what moves), publish (windows prepared, handles
 // exchanged), confirm (every rank opened every window). Routes change when a confirm is read.
-enum class RoundKind : uint8_t { Propose = 1, Publish = 2, Confirm = 3 };
+// Then cost: after a trial of both routes, each bucket keeps the faster one.
+enum class RoundKind : uint8_t { Propose = 1, Publish = 2, Confirm = 3, Cost = 4 };
 
 enum class RoundEvent : uint8_t {
   Issued = 1,       // this rank's contribution went into the all-gather
@@ -197,6 +198,7 @@ enum class Reason : uint8_t {
   CommNotAgreeable,    // communicator made by ncclCommInitAll or unknown to the shim
   BindTooLarge,        // static weights: the bindings would pass MAGI_BIND_MAX_MIB
   BindingChanged,      // static weights: the shard changed after it was bound (verification)
+  NcclFaster,          // timed both ways during the trial: NCCL completed its bucket sooner
   Count
 };
 

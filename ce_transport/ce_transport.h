@@ -129,6 +129,18 @@ class Transport {
 std::unique_ptr<Transport> make_transport(Backend backend, int rank, int nranks, uint64_t comm_identity,
                                           int device = -1);
 
+// Times one bucket to its completion on its stream (seed 000: wait(launch()), not the launch):
+// the wall clock for the host backend, whose buckets complete before the call returns; CUDA
+// events for the CUDA backend, read once the bucket is long done.
+class CompletionTimer {
+ public:
+  virtual ~CompletionTimer() = default;
+  virtual void start(void* stream) = 0;
+  virtual void stop(void* stream) = 0;
+  virtual uint64_t elapsed_ns() = 0;  // waits for the stop point if it has not passed yet
+};
+std::unique_ptr<CompletionTimer> make_timer(Backend backend);
+
 // Whether `backend` can run in this process now: the host backend always; the CUDA backend once
 // the program has loaded the CUDA driver (we never start CUDA ourselves).
 bool backend_available(Backend backend);

@@ -1,5 +1,6 @@
 #include "rewrite/agreement.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -96,16 +97,41 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   if (active_ && !capturing && view.digest == active_digest_ && args.op == trace::Op::AllGather &&
       view.position < layout_.offset_by_position.size()) {
     const size_t offset = layout_.offset_by_position[view.position];
-    if (offset != SIZE_MAX)
-      return {active_dry_ ? Route::Kind::WouldMove : Route::Kind::Move, offset,
-              layout_.bucket_by_position[view.position]};
+    if (offset != SIZE_MAX) {
+      Route::Kind kind = active_dry_ ? Route::Kind::WouldMove : Route::Kind::Move;
+      if (trial_ && (steps_ - trial_start_) % 2 == 0) kind = Route::Kind::TrialNccl;
+      return {kind, offset, layout_.bucket_by_position[view.position]};
+    }
   }
   return {};
 }
 
 ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket,
-                                  std::span<const NcclGather> calls, cudaStream_t stream) {
+                                  std::span<const NcclGather> calls, cudaStream_t stream,
+                                  uint16_t bucket_id, bool via_nccl) {
   if (!transport_) return ncclInternalError;  // routes say Move only with a transport
+  std::unique_ptr<ce::CompletionTimer> timer;
+  if (trial_) {
+    try {
+      timer = ce::make_timer(backend_);
+      timer->start(stream);
+    } catch (const Error&) {
+      timer.reset();  // unmeasured: the cost round then keeps the bucket moving
+    }
+  }
+  struct Stop {
+    CommAgreement& self;
+    std::unique_ptr<ce::CompletionTimer>& timer;
+    cudaStream_t stream;
+    uint16_t bucket;
+    bool via_nccl;
+    ~Stop() {
+      if (!timer) return;
+      timer->stop(stream);
+      self.timings_.push_back({bucket, via_nccl, std::move(timer)});
+    }
+  } stop{*this, timer, stream, bucket_id, via_nccl};
+  if (via_nccl) return forward_to_nccl(calls, stream);
   try {
     if (transport_->gather(bucket, stream) == ce::Transport::Served::FallBack) {
       // Every rank learned of the failure in this bucket: all of them hand it to NCCL now, and
@@ -166,8 +192,11 @@ void CommAgreement::on_lost(uint64_t seq) {
 void CommAgreement::at_anchor(const capture::StepView& view) {
   for (auto it = retired_.begin(); it != retired_.end();)
     it = (*it)->ready() ? retired_.erase(it) : it + 1;
+  collect_timings();
   if (pending_) {
     read_round(view);
+  } else if (trial_ && active_ && steps_ >= trial_end_) {
+    issue_cost(view.collective_index);
   } else if (steps_ >= next_propose_ &&
              seen_.complete_steps() >= static_cast<uint64_t>(options_.warmup_steps)) {
     propose(view.collective_index);
@@ -266,6 +295,10 @@ void CommAgreement::read_round(const capture::StepView& view) {
       record_round(RoundKind::Propose, trace::RoundEvent::Read, seq, d.mode, d.reason, 0);
       record_decision(d);
       after_propose(d, seq);
+    } else if (round->kind == RoundKind::Cost) {
+      // Unread, so unmeasured for every rank alike: the agreed plan stands as it is.
+      record_round(RoundKind::Cost, trace::RoundEvent::Read, seq, decision_.mode, Reason::AnchorInGroup,
+                   decision_.moved);
     } else {
       record_round(round->kind, trace::RoundEvent::Read, seq, AgreementMode::None,
                    Reason::AnchorInGroup, 0);
@@ -311,6 +344,9 @@ void CommAgreement::read_round(const capture::StepView& view) {
       issue(RoundKind::Confirm, confirm, seq);
       break;
     }
+    case RoundKind::Cost:
+      after_cost(all, seq);
+      break;
     case RoundKind::Confirm: {
       const CommitOutcome c = decide_commit(all, n, RoundKind::Confirm, round->decision_hash);
       record_round(RoundKind::Confirm, trace::RoundEvent::Read, seq, decision_.mode, c.reason,
@@ -397,6 +433,15 @@ void CommAgreement::activate(uint64_t seq) {
   active_ = true;
   active_digest_ = step_digest_;
   active_hash_ = decision_.hash;
+  trial_ = !active_dry_ && !options_.ce_force;
+  trial_start_ = steps_;
+  trial_end_ = steps_ + 2 * static_cast<uint64_t>(options_.warmup_steps);
+  timings_.clear();
+  size_t buckets = 0;
+  for (const GatherDecision& g : decision_.gathers)
+    if (g.moves) buckets = std::max<size_t>(buckets, g.bucket + 1u);
+  moved_ns_.assign(buckets, {});
+  nccl_ns_.assign(buckets, {});
   record_round(active_dry_ ? RoundKind::Propose : RoundKind::Confirm, trace::RoundEvent::Activated,
                seq, decision_.mode, Reason::None, decision_.moved);
   MAGI_INFO(Rewrite, "comm %012llx round %u: %s %u of %zu gathers per step from collective #%llu (%s)",
@@ -405,11 +450,70 @@ void CommAgreement::activate(uint64_t seq) {
             std::string(trace::mode_name(decision_.mode)).c_str());
 }
 
+void CommAgreement::collect_timings() {
+  for (Timing& t : timings_) {
+    const uint64_t ns = t.timer->elapsed_ns();  // a step later: long complete
+    if (ns == 0 || t.bucket >= moved_ns_.size()) continue;
+    (t.via_nccl ? nccl_ns_ : moved_ns_)[t.bucket].push_back(ns);
+  }
+  timings_.clear();
+}
+
+void CommAgreement::issue_cost(uint64_t seq) {
+  trial_ = false;  // from here every agreed bucket moves again, until the cost round is read
+  collect_timings();
+  Contribution c = header_for(RoundKind::Cost);
+  c.header.decision_hash = decision_.hash;
+  auto median = [](std::vector<uint64_t> v) -> uint64_t {
+    if (v.empty()) return 0;
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    return v[v.size() / 2];
+  };
+  for (size_t b = 0; b < moved_ns_.size(); ++b) c.costs.push_back({median(moved_ns_[b]), median(nccl_ns_[b])});
+  c.header.gathers = static_cast<uint32_t>(c.costs.size());
+  issue(RoundKind::Cost, c, seq);
+}
+
+void CommAgreement::after_cost(std::span<const uint8_t> all, uint64_t seq) {
+  const std::vector<bool> keep = decide_cost(all, info_.nranks, moved_ns_.size());
+  uint32_t moved = 0;
+  for (GatherDecision& g : decision_.gathers) {
+    if (!g.moves) continue;
+    if (g.bucket < keep.size() && !keep[g.bucket]) {
+      g.moves = false;
+      g.reason = Reason::NcclFaster;
+      layout_.offset_by_position[g.position] = SIZE_MAX;
+    } else {
+      ++moved;
+    }
+  }
+  const bool changed = moved != decision_.moved;
+  decision_.moved = moved;
+  record_round(RoundKind::Cost, trace::RoundEvent::Read, seq, decision_.mode,
+               changed ? Reason::NcclFaster : Reason::None, moved);
+  if (!changed) {
+    MAGI_INFO(Rewrite, "comm %012llx round %u: timed both ways, every moved bucket was as fast or "
+              "faster off NCCL: %u gathers keep moving", short_id(info_.identity), decision_round_, moved);
+    return;
+  }
+  record_decision(decision_);
+  if (moved == 0) {
+    deactivate(seq, Reason::NcclFaster);
+    drop_transport();
+    return;
+  }
+  record_round(RoundKind::Cost, trace::RoundEvent::Activated, seq, decision_.mode, Reason::NcclFaster, moved);
+  MAGI_INFO(Rewrite, "comm %012llx round %u: timed both ways: %u of %zu gathers keep moving, the rest "
+            "were faster on NCCL", short_id(info_.identity), decision_round_, moved, decision_.gathers.size());
+}
+
 void CommAgreement::deactivate(uint64_t seq, Reason why) {
   if (!active_) return;
   active_ = false;
   active_dry_ = false;
   active_hash_ = 0;
+  trial_ = false;
+  timings_.clear();
   record_round(RoundKind::Propose, trace::RoundEvent::Deactivated, seq, decision_.mode, why, 0);
   MAGI_INFO(Rewrite, "comm %012llx: gathers back on NCCL from collective #%llu (%s)",
             short_id(info_.identity), static_cast<unsigned long long>(seq),

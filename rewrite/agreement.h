@@ -62,7 +62,8 @@ struct NcclGather {
 };
 
 struct Route {
-  enum class Kind : uint8_t { Nccl, Move, WouldMove };
+  // TrialNccl: a moved gather sent to NCCL on purpose, and timed, during the cost trial.
+  enum class Kind : uint8_t { Nccl, Move, WouldMove, TrialNccl };
   Kind kind = Kind::Nccl;
   size_t slot_offset = 0;
   // Bucket of the plan. Usually one per ncclGroupStart/End; a group that straddles the step's
@@ -83,8 +84,9 @@ class CommAgreement {
 
   // Serves moved gathers (one bucket) on the caller's stream. Returns what the program gets.
   // `calls` are the same gathers as NCCL would take them, for a bucket every rank falls back on.
+  // `via_nccl`: a trial bucket, served by NCCL and timed.
   ncclResult_t serve(std::span<const ce::GatherOp> bucket, std::span<const NcclGather> calls,
-                     cudaStream_t stream);
+                     cudaStream_t stream, uint16_t bucket_id, bool via_nccl);
 
   uint64_t identity() const { return info_.identity; }
 
@@ -107,6 +109,9 @@ class CommAgreement {
   void after_propose(const Decision& decision, uint64_t seq);
   void publish(uint64_t seq);
   void activate(uint64_t seq);
+  void issue_cost(uint64_t seq);
+  void after_cost(std::span<const uint8_t> all, uint64_t seq);
+  void collect_timings();
   void deactivate(uint64_t seq, Reason why);
   void drop_transport();
   void retire(std::unique_ptr<ce::Exchange> exchange);
@@ -137,6 +142,22 @@ class CommAgreement {
   std::unique_ptr<ce::Transport> transport_;
   bool transport_failed_ = false;
   std::vector<uint32_t> stale_positions_;  // static bindings found changed, until the step changes
+
+  // The cost trial (unless MAGI_CE_FORCE=1): for 2 × MAGI_WARMUP_STEPS steps after activation,
+  // the moved buckets alternate, step by step, between the transport and NCCL, each timed to
+  // completion; then a cost round keeps, per bucket, the route that was faster on the slowest
+  // rank. Which steps go where is a function of the anchor count: shared by every rank.
+  bool trial_ = false;
+  uint64_t trial_start_ = 0;  // steps_ at activation
+  uint64_t trial_end_ = 0;
+  struct Timing {
+    uint16_t bucket;
+    bool via_nccl;
+    std::unique_ptr<ce::CompletionTimer> timer;
+  };
+  std::vector<Timing> timings_;                    // waiting to be read
+  std::vector<std::vector<uint64_t>> moved_ns_;    // by bucket
+  std::vector<std::vector<uint64_t>> nccl_ns_;
 
   // The active plan: routes follow it while the step digest is this one.
   bool active_ = false;

@@ -11,6 +11,11 @@ namespace magi::rewrite {
 void Contribution::serialize(std::span<uint8_t> out) const {
   std::fill(out.begin(), out.end(), uint8_t{0});
   std::memcpy(out.data(), &header, sizeof(header));
+  if (!costs.empty()) {
+    const size_t n = std::min<size_t>(costs.size(), kMaxGathers);
+    std::memcpy(out.data() + sizeof(header), costs.data(), n * sizeof(BucketCost));
+    return;
+  }
   const size_t n = std::min<size_t>(entries.size(), kMaxGathers);
   if (n > 0) std::memcpy(out.data() + sizeof(header), entries.data(), n * sizeof(GatherEntry));
 }
@@ -21,6 +26,12 @@ bool Contribution::parse(std::span<const uint8_t> in, Contribution& out) {
   if (out.header.magic != kContributionMagic || out.header.version != kContributionVersion)
     return false;
   const size_t n = std::min<size_t>(out.header.gathers, kMaxGathers);
+  if (out.header.kind == static_cast<uint8_t>(RoundKind::Cost)) {
+    out.costs.resize(n);
+    if (n > 0) std::memcpy(out.costs.data(), in.data() + sizeof(out.header), n * sizeof(BucketCost));
+    out.entries.clear();
+    return true;
+  }
   out.entries.resize(n);
   if (n > 0) std::memcpy(out.entries.data(), in.data() + sizeof(out.header), n * sizeof(GatherEntry));
   return true;
@@ -176,6 +187,27 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
   }
   d.hash = d.moved != 0 ? XXH3_64bits_digest(&state) | 1u : 0;
   return d;
+}
+
+std::vector<bool> decide_cost(std::span<const uint8_t> all, int nranks, size_t buckets) {
+  std::vector<bool> keep(buckets, true);
+  const std::vector<Contribution> c = parse_all(all, nranks);
+  if (c.empty()) return keep;  // cannot compare: the agreed plan stands
+  for (size_t b = 0; b < buckets; ++b) {
+    uint64_t moved = 0, nccl = 0;
+    bool measured = true;
+    for (const Contribution& x : c) {
+      if (x.header.kind != static_cast<uint8_t>(RoundKind::Cost) || b >= x.costs.size() ||
+          x.costs[b].moved_ns == 0 || x.costs[b].nccl_ns == 0) {
+        measured = false;
+        break;
+      }
+      moved = std::max(moved, x.costs[b].moved_ns);
+      nccl = std::max(nccl, x.costs[b].nccl_ns);
+    }
+    keep[b] = !measured || moved <= nccl;
+  }
+  return keep;
 }
 
 CommitOutcome decide_commit(std::span<const uint8_t> all, int nranks, RoundKind kind,

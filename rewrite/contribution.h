@@ -67,6 +67,14 @@ struct GatherEntry {
 };
 static_assert(sizeof(GatherEntry) == 24);
 
+// Cost rounds: per bucket of the plan, the median time this rank measured each way (0: not
+// measured).
+struct BucketCost {
+  uint64_t moved_ns;
+  uint64_t nccl_ns;
+};
+static_assert(sizeof(BucketCost) <= sizeof(GatherEntry));
+
 inline constexpr size_t kContributionBytes =
     (sizeof(ContributionHeader) + kMaxGathers * sizeof(GatherEntry) + 63) / 64 * 64;
 
@@ -74,6 +82,7 @@ inline constexpr size_t kContributionBytes =
 struct Contribution {
   ContributionHeader header{};
   std::vector<GatherEntry> entries;  // header.gathers of them, at most kMaxGathers
+  std::vector<BucketCost> costs;     // cost rounds instead of entries: header.gathers of them
 
   void serialize(std::span<uint8_t> out) const;  // out.size() == kContributionBytes
   // Parses one rank's slice; false when it is not a contribution of this version.
@@ -109,6 +118,11 @@ struct CommitOutcome {
   Reason reason = Reason::None;
   std::vector<ce::HandleBlob> handles;  // publish: by rank
 };
+// Cost rounds: for each bucket, whether it keeps moving. A bucket moves on when the slowest rank's
+// moved time is no worse than the slowest rank's NCCL time (every rank waits for the slowest), or
+// when some rank could not measure it.
+std::vector<bool> decide_cost(std::span<const uint8_t> all, int nranks, size_t buckets);
+
 CommitOutcome decide_commit(std::span<const uint8_t> all, int nranks, RoundKind kind,
                             uint64_t decision_hash);
 

@@ -32,6 +32,7 @@ CommAgreement* find(ncclComm_t comm) {
 struct Queued {
   CommAgreement* agreement;
   uint16_t bucket;
+  bool via_nccl;
   cudaStream_t stream;
   ce::GatherOp op;
   NcclGather call;
@@ -78,17 +79,18 @@ Outcome intercept(ncclComm_t comm, const capture::CallArgs& args, capture::CallR
     if (agreement == nullptr) return;
     const Route route = agreement->on_collective(args, record, view);
     if (route.kind == Route::Kind::WouldMove) record.flags |= trace::kCallWouldMove;
-    if (route.kind != Route::Kind::Move) return;
-    record.flags |= trace::kCallMoved;
+    if (route.kind != Route::Kind::Move && route.kind != Route::Kind::TrialNccl) return;
+    const bool via_nccl = route.kind == Route::Kind::TrialNccl;
+    if (!via_nccl) record.flags |= trace::kCallMoved;
     const ce::GatherOp op{args.sendbuf, args.recvbuf, args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)),
                           route.slot_offset};
     const NcclGather call{args.sendbuf, args.recvbuf, args.count, args.dtype};
     outcome.served = true;
     if (capture::group_depth() > 0) {
-      t_queued.push_back({agreement, route.bucket, args.stream, op, call});
+      t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, op, call});
       outcome.result = ncclSuccess;
     } else {
-      outcome.result = agreement->serve({&op, 1}, {&call, 1}, args.stream);
+      outcome.result = agreement->serve({&op, 1}, {&call, 1}, args.stream, route.bucket, via_nccl);
     }
   });
   return outcome;
@@ -115,7 +117,8 @@ ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
         calls.push_back(queued[j].call);
         done[j] = true;
       }
-      const ncclResult_t served = queued[i].agreement->serve(bucket, calls, queued[i].stream);
+      const ncclResult_t served = queued[i].agreement->serve(bucket, calls, queued[i].stream,
+                                                             queued[i].bucket, queued[i].via_nccl);
       if (result == ncclSuccess) result = served;
     }
   });

@@ -131,10 +131,15 @@ bool apply(Options& o, std::string_view name, std::string_view value) {
     (name == "MAGI_TRACE_DIR" ? o.trace_dir : o.nccl_library) = trim(value);
     return true;
   }
-  if (name == "MAGI_CALLSITES" || name == "MAGI_DRY_RUN" || name == "MAGI_STATIC_WEIGHTS") {
+  if (name == "MAGI_CALLSITES" || name == "MAGI_DRY_RUN" || name == "MAGI_STATIC_WEIGHTS" ||
+      name == "MAGI_CE_FORCE") {
     auto b = parse_bool(value);
     if (!b) return false;
-    (name == "MAGI_CALLSITES" ? o.callsites : name == "MAGI_DRY_RUN" ? o.dry_run : o.static_weights) = *b;
+    bool& field = name == "MAGI_CALLSITES"        ? o.callsites
+                  : name == "MAGI_DRY_RUN"        ? o.dry_run
+                  : name == "MAGI_STATIC_WEIGHTS" ? o.static_weights
+                                                  : o.ce_force;
+    field = *b;
     return true;
   }
   if (name == "MAGI_INJECT_FAULT") {
@@ -273,6 +278,7 @@ std::string Options::describe() const {
   out += " MAGI_STATIC_WEIGHTS=" + std::string(static_weights ? "1" : "0");
   out += " MAGI_VERIFY_EVERY=" + std::to_string(verify_every);
   out += " MAGI_BIND_MAX_MIB=" + std::to_string(bind_max_mib);
+  out += " MAGI_CE_FORCE=" + std::string(ce_force ? "1" : "0");
   static constexpr const char* kWhere[] = {"none", "prepare", "attach", "gather"};
   out += " MAGI_INJECT_FAULT=" + std::string(kWhere[static_cast<int>(inject_fault.where)]);
   if (inject_fault.where != Fault::Where::None) out += ":" + std::to_string(inject_fault.rank);

@@ -64,6 +64,8 @@ struct OptionSpec {
     "Static weights: check a shard against its binding every this many calls (0: only the first 3).") \
   X(MAGI_BIND_MAX_MIB, Int, "16384", "an integer from 0 to 1048576", 0, 1048576,                  \
     "Static weights: most device memory (MiB) a communicator's bindings may take; gathers beyond stay on NCCL.")  \
+  X(MAGI_CE_FORCE, Bool, "0", "0 or 1", 0, 0,                                                     \
+    "Skip the trial that times each moved bucket both ways: agreed gathers always move.")         \
   X(MAGI_INJECT_FAULT, Enum, "none", "none, or prepare:RANK, attach:RANK or gather:RANK", 0, 0,    \
     "For tests: the transport of that rank of every communicator fails there, as a CUDA error would.")
 
@@ -90,6 +92,7 @@ struct Options {
   int64_t window_max_mib{};
   bool dry_run{};
   bool static_weights{};
+  bool ce_force{};
   struct Fault {
     enum class Where : uint8_t { None, Prepare, Attach, Gather };
     Where where = Where::None;

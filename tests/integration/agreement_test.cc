@@ -78,9 +78,16 @@ AgreedRun run_agreed(int n, std::vector<std::string> args, std::vector<std::pair
   spec.nranks = n;
   spec.argv = {workload()};
   spec.argv.insert(spec.argv.end(), args.begin(), args.end());
+  // Routes here must not hang on timing: the cost trial (which keeps, per bucket, whichever route
+  // was faster) is skipped unless a test asks for it with MAGI_CE_FORCE=0.
   spec.env = {{"LD_PRELOAD", shim_preload()}, {"MAGI_BACKEND", "host"},
               {"MAGI_TRACE_DIR", dir.path}, {"MAGI_LOG", "INFO"}, {"MAGI_LOG_SUBSYS", "REWRITE,TRANSPORT"}};
-  for (auto& e : env) spec.env.push_back(e);
+  bool force_set = false;
+  for (auto& e : env) {
+    spec.env.push_back(e);
+    force_set = force_set || e.first == "MAGI_CE_FORCE";
+  }
+  if (!force_set) spec.env.emplace_back("MAGI_CE_FORCE", "1");
   spec.timeout_s = timeout_s;
   spec.capture_output = true;
   AgreedRun out;
@@ -371,6 +378,23 @@ TEST(Agreement, ATransportThatFailsWhileGatheringFallsBackOnEveryRankInTheSameBu
   EXPECT_NE(r.log.find("the transport failed on some rank"), std::string::npos) << r.log;
 }
 
+TEST(Agreement, TheCostTrialTimesBothRoutesAndEveryRankKeepsTheSameOnes) {
+  const AgreedRun r = run_agreed(4, fsdp({}, 30), {{"MAGI_CE_FORCE", "0"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    const auto cost = rounds_with(v, RoundKind::Cost, RoundEvent::Read);
+    ASSERT_EQ(cost.size(), 1u) << "rank " << rank << "\n" << transcript(r);
+    // During the trial every other step's agreed gathers went to NCCL: fewer moved calls than
+    // agreed gathers times moved steps.
+    const auto on = rounds_with(v, RoundKind::Confirm, RoundEvent::Activated);
+    ASSERT_EQ(on.size(), 1u);
+  }
+  // Which route wins depends on this machine; that every rank took the same one is what counts
+  // (expect_ranks_agree), and that the outcome is said.
+  EXPECT_NE(r.log.find("timed both ways"), std::string::npos) << r.log;
+}
+
 std::set<std::string> window_names() {
   std::set<std::string> names;
   for (const auto& e : fs::directory_iterator("/dev/shm"))
@@ -409,7 +433,10 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
     const int n = 2 + seed % 7;
     const std::vector<std::string> args = {"agree", "--seed", std::to_string(seed), "--steps", "14",
                                            "--comms", seed % 3 == 0 ? "2" : "1"};
-    const AgreedRun r = run_agreed(n, args, {{"MAGI_WARMUP_STEPS", "2"}, {"MAGI_REAGREE_STEPS", "3"}}, 60);
+    // Every other seed runs the cost trial too: its routes alternate and then narrow, and must
+    // still be the same on every rank.
+    const AgreedRun r = run_agreed(n, args, {{"MAGI_WARMUP_STEPS", "2"}, {"MAGI_REAGREE_STEPS", "3"},
+                                             {"MAGI_CE_FORCE", seed % 2 == 0 ? "0" : "1"}}, 60);
     if (!r.result.all_ok()) {
       ++failures;
       ADD_FAILURE() << "seed " << seed << " on " << n << " ranks: " << transcript(r);

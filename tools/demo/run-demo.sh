@@ -7,7 +7,7 @@ set -euo pipefail
 build=$(cd "${1:-build}" && pwd)
 traces=$(mktemp -d /tmp/magice-demo.XXXXXX)
 ranks=4
-steps=16
+steps=28
 
 echo "== 1. the program alone, $ranks ranks on the NCCL stand-in"
 reference=$("$build/tests/support/magi-launch" -n "$ranks" --timeout 120 -- "$build/magice-demo" --steps "$steps" | tail -1)

@@ -46,7 +46,11 @@ std::vector<ReadRound> read_rounds(const Collected& rank) {
     ReadRound& round = by_round[r->round];
     if (round.read == nullptr) round.read = r;
   }
-  for (const DecisionRecord* d : rank.decisions) by_round[d->round].decisions.push_back(d);
+  // A later record for a position supersedes an earlier one of the same round (the cost round
+  // re-decides the gathers its propose moved).
+  std::map<std::pair<uint32_t, uint32_t>, const DecisionRecord*> last;
+  for (const DecisionRecord* d : rank.decisions) last[{d->round, d->position}] = d;
+  for (const auto& [key, d] : last) by_round[key.first].decisions.push_back(d);
 
   // Where each round begins: its read, else (the read was lost) its earliest record of any kind.
   std::map<uint32_t, uint64_t> earliest;
