@@ -169,7 +169,11 @@ demo: all $(SUPPORT_BINS)
 $(BENCH): $(BUILD)/obj/tools/bench/shim_overhead.o
 	$(CXX) -o $@ $^ -lbenchmark -ldl -pthread
 
-bench: all $(STANDIN) $(BENCH)
+# The copy-engine transport against cudaMemcpyAsync, N processes on one GPU (needs a GPU to run).
+$(BUILD)/magice-ce-bench: $(BUILD)/obj/tools/bench/ce_gather_bench.o $(filter-out $(BUILD)/obj/shim/exports.o,$(LIB_OBJS))
+	$(CXX) -o $@ $(filter %.o,$^) $(LIB_LDLIBS) -Wl,-rpath,'$$ORIGIN'
+
+bench: all $(STANDIN) $(BENCH) $(BUILD)/magice-ce-bench
 	@tools/bench/run-bench.sh $(BUILD)
 
 # Runs what is already built (build here, carry build/ to the GPU machine): no compiler needed there.

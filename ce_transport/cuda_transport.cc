@@ -12,8 +12,11 @@
 // one mapping per peer: a communicator costs nranks - 1 mappings per process, far below drivers'
 // limits.
 //
-// Flags: each window starts with two 64-bit words, ready and done, each on its own 256-byte line.
-// A rank writes only its own; peers wait on them through their IPC mappings.
+// Layout: the slots (or the bound region) start at offset 0 of the allocation, the flags follow
+// them, and the allocation is rounded up to 2 MiB. Measured on an H200: copies out of a region
+// that starts 512 bytes into its allocation ran at 78-80% of the same copies from offset 0 for
+// 256 MiB shards. Flags: two 64-bit words, ready and done, each on its own 256-byte line. A rank
+// writes only its own; peers wait on them through their IPC mappings.
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <unistd.h>
@@ -36,10 +39,11 @@ namespace magi::ce {
 namespace {
 
 constexpr size_t kFlagLine = 256;
-constexpr size_t kReadyOffset = 0;
+constexpr size_t kReadyOffset = 0;  // from the flags' start
 constexpr size_t kDoneOffset = kFlagLine;
 constexpr size_t kFlagBytes = 2 * kFlagLine;
 constexpr size_t kSlotAlign = 256;
+constexpr size_t kAllocationGranule = size_t{2} << 20;
 
 void cuda_check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {
@@ -81,7 +85,8 @@ CUstreamBatchMemOpParams write_op(const uint8_t* address, uint64_t value) {
   op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
   op.writeValue.address = reinterpret_cast<CUdeviceptr>(address);
   op.writeValue.value64 = value;
-  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;  // with a memory barrier before the write
+  // With the memory barrier that precedes it by default (a batch refuses the flag that drops it).
+  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
   return op;
 }
 
@@ -114,10 +119,11 @@ class CudaTransport final : public Transport {
     bound_ = plan.bound;
     verify_first_ = plan.verify_first;
     verify_every_ = plan.verify_every;
-    bytes_ = kFlagBytes + (bound_ ? 1 : 2) * stride_;
+    flags_at_ = (bound_ ? 1 : 2) * stride_;
+    bytes_ = round_up(flags_at_ + kFlagBytes, kAllocationGranule);
     cuda_check(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
     cuda_check(cudaMalloc(&base_, bytes_), "cudaMalloc (window)");
-    cuda_check(cudaMemsetAsync(base_, 0, kFlagBytes, own_stream_), "cudaMemsetAsync (flags)");
+    cuda_check(cudaMemsetAsync(base(0), 0, kFlagBytes, own_stream_), "cudaMemsetAsync (flags)");
     if (bound_) {
       // The shards must hold what the program last wrote: wait for all its work once, here,
       // at the plan's start, never on the call path.
@@ -182,13 +188,13 @@ class CudaTransport final : public Transport {
     copies_.clear();
     if (bound_) {
       verify(bucket, stream);
-      add_reads(bucket, [&](int r) { return peers_[static_cast<size_t>(r)] + kFlagBytes; });
+      add_reads(bucket, [&](int r) { return peers_[static_cast<size_t>(r)]; });
       issue_copies(stream);
       mem_ops_.assign(1, write_op(base(kDoneOffset), n));  // release() waits for peers' reads
       issue_mem_ops(stream);
       return Served::Moved;
     }
-    const size_t slot = kFlagBytes + (n % 2) * stride_;
+    const size_t slot = (n % 2) * stride_;
     // 1. Slot n % 2 was last read in bucket n - 2: every peer must be done with it.
     mem_ops_.clear();
     if (n > 2) for_each_peer([&](int r) { mem_ops_.push_back(wait_op(peer(r, kDoneOffset), n - 2)); });
@@ -253,9 +259,12 @@ class CudaTransport final : public Transport {
       cuda_check(cudaSetDevice(device_), "cudaSetDevice");
   }
 
-  uint8_t* region() const { return static_cast<uint8_t*>(base_) + kFlagBytes; }
-  uint8_t* base(size_t offset) const { return static_cast<uint8_t*>(base_) + offset; }
-  const uint8_t* peer(int r, size_t offset) const { return peers_[static_cast<size_t>(r)] + offset; }
+  uint8_t* region() const { return static_cast<uint8_t*>(base_); }
+  // Flag words, by their offset from the flags' start.
+  uint8_t* base(size_t offset) const { return static_cast<uint8_t*>(base_) + flags_at_ + offset; }
+  const uint8_t* peer(int r, size_t offset) const {
+    return peers_[static_cast<size_t>(r)] + flags_at_ + offset;
+  }
 
   template <class Visit>
   void for_each_peer(Visit visit) const {
@@ -384,6 +393,7 @@ class CudaTransport final : public Transport {
   const int device_;
   void* base_ = nullptr;
   size_t bytes_ = 0;
+  size_t flags_at_ = 0;  // offset of the flag words in the allocation
   size_t slot_bytes_ = 0;
   size_t stride_ = 0;
   bool bound_ = false;

@@ -83,17 +83,19 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
     anchor_ = 0;
     next_propose_ = static_cast<uint64_t>(options_.warmup_steps) + 1;
   }
+  // A call captured into a CUDA graph stays on NCCL: a replayed graph would repeat the
+  // handshake's sequence numbers of the capture. Nor does a round happen at a captured anchor:
+  // a capture forbids the waits and allocations a round may need, and the round's all-gather
+  // must run now, not at each replay. Capture is the one input here that is not a shape:
+  // programs capture the same calls on every rank (one graph, replayed by all).
+  const bool capturing = (record.flags & trace::kCallCapturing) != 0;
   if (view.position == 0) seen_.begin_step();
   if (view.position == anchor_) {
     ++steps_;
-    at_anchor(view);
+    if (!capturing) at_anchor(view);
   }
   seen_.observe(view.position, args, record, backend_);
 
-  // A call captured into a CUDA graph stays on NCCL: a replayed graph would repeat the
-  // handshake's sequence numbers of the capture. Capture is the one route input that is not a
-  // shape: programs capture the same calls on every rank (one graph, replayed by all).
-  const bool capturing = (record.flags & trace::kCallCapturing) != 0;
   if (active_ && !capturing && view.digest == active_digest_ && args.op == trace::Op::AllGather &&
       view.position < layout_.offset_by_position.size()) {
     const size_t offset = layout_.offset_by_position[view.position];

@@ -1,7 +1,10 @@
 // The call path of rewrite/: finds the communicator's agreement, asks it for the call's route,
 // and serves moved gathers now or, inside a group, when the group ends (one bucket per
 // communicator, like NCCL launching a group's work at ncclGroupEnd).
+#include <pthread.h>
+
 #include <cstdlib>
+#include <new>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -50,9 +53,22 @@ void release_at_exit() {
   agreements().clear();
 }
 
+// A child after fork() owns none of this: its parent's windows, mappings and CUDA memory are the
+// parent's (and CUDA does not survive fork). The child forgets them without releasing anything;
+// the leak is of the parent's state and only in the child.
+void forget_in_child() {
+  new (&g_mutex) std::mutex();  // another parent thread may have held it at the fork
+  for (auto& [comm, agreement] : agreements()) agreement.release();
+  agreements().clear();
+  t_queued.clear();
+}
+
 void comm_joined(ncclComm_t comm, const capture::CommInfo& info) {
   static std::once_flag hook;
-  std::call_once(hook, [] { std::atexit(release_at_exit); });
+  std::call_once(hook, [] {
+    std::atexit(release_at_exit);
+    pthread_atfork(nullptr, nullptr, forget_in_child);
+  });
   auto agreement = std::make_unique<CommAgreement>(comm, info, g_nccl);
   std::lock_guard<std::mutex> lock(g_mutex);
   agreements()[comm] = std::move(agreement);
