@@ -420,14 +420,29 @@ TEST(Agreement, WindowsAreReleasedHoweverTheProgramEnds) {
   EXPECT_TRUE(left.empty()) << left.size() << " window names left, e.g. " << *left.begin();
 }
 
+TEST(Agreement, AForkedChildLeavesTheParentsWindowsAlone) {
+  // The child is forked after 16 steps, with gathers moving; it exits at once. The parent's
+  // windows must survive it (the ranks go on to destroy normally) and nothing is left after.
+  const std::set<std::string> before = window_names();
+  const AgreedRun r = run_agreed(3, fsdp({"--fork-child", "1"}, 16));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) EXPECT_FALSE(v.moved.empty());
+  std::set<std::string> left;
+  for (const std::string& name : window_names())
+    if (!before.count(name)) left.insert(name);
+  EXPECT_TRUE(left.empty());
+}
+
 // Seeded random programs (tests/support/workload/agree.cc): random steps of gathers, groups,
 // reductions and broadcasts over one or two communicators, with random per-rank call sites,
-// flapping call sites, new buffers, shared count changes and different grouping. Every byte is
-// checked by the program; here every run must end in time and the ranks' traces must agree.
+// flapping call sites, new buffers, shared count changes and different grouping; half of them
+// run the cost trial, and every fifth has one rank's transport fail. Every byte is checked by
+// the program; here every run must end in time and the ranks' traces must agree.
 // TEST_AGREE_SCENARIOS=N runs N of them (default 200).
 TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
-  const char* env = std::getenv("TEST_AGREE_SCENARIOS");
-  const int scenarios = env != nullptr && std::atoi(env) > 0 ? std::atoi(env) : 200;
+  const char* count = std::getenv("TEST_AGREE_SCENARIOS");
+  const int scenarios = count != nullptr && std::atoi(count) > 0 ? std::atoi(count) : 200;
   int with_moves = 0, failures = 0;
   for (int seed = 1; seed <= scenarios && failures < 3; ++seed) {
     const int n = 2 + seed % 7;
@@ -435,8 +450,14 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
                                            "--comms", seed % 3 == 0 ? "2" : "1"};
     // Every other seed runs the cost trial too: its routes alternate and then narrow, and must
     // still be the same on every rank.
-    const AgreedRun r = run_agreed(n, args, {{"MAGI_WARMUP_STEPS", "2"}, {"MAGI_REAGREE_STEPS", "3"},
-                                             {"MAGI_CE_FORCE", seed % 2 == 0 ? "0" : "1"}}, 60);
+    // Every fifth seed has one rank's transport fail, at prepare, attach or inside a bucket.
+    std::vector<std::pair<std::string, std::string>> env = {
+        {"MAGI_WARMUP_STEPS", "2"}, {"MAGI_REAGREE_STEPS", "3"}, {"MAGI_CE_FORCE", seed % 2 == 0 ? "0" : "1"}};
+    if (seed % 5 == 4) {
+      static const char* kWhere[] = {"prepare", "attach", "gather"};
+      env.emplace_back("MAGI_INJECT_FAULT", std::string(kWhere[(seed / 5) % 3]) + ":" + std::to_string(seed % n));
+    }
+    const AgreedRun r = run_agreed(n, args, env, 60);
     if (!r.result.all_ok()) {
       ++failures;
       ADD_FAILURE() << "seed " << seed << " on " << n << " ranks: " << transcript(r);
