@@ -8,6 +8,7 @@
 // wait is on a peer that is either alive (and then gets there, as every rank runs the same
 // buckets) or dead, which the wait notices through the peer's pid and reports.
 #include <sched.h>
+#include <sys/uio.h>
 #include <signal.h>
 #include <sys/types.h>
 #include <time.h>
@@ -105,6 +106,18 @@ void wait_for(int peer_rank, pid_t peer_pid, Reached reached) {
   }
 }
 
+// A binding copies from the send buffer the last step named, and the program may have freed it
+// since (a new buffer this step). A plain memcpy from unmapped memory would kill the program;
+// process_vm_readv on ourselves reads the same bytes, or fails with EFAULT.
+void copy_checked(void* into, const void* from, size_t bytes) {
+  iovec local{into, bytes};
+  iovec remote{const_cast<void*>(from), bytes};
+  const ssize_t n = process_vm_readv(getpid(), &local, 1, &remote, 1, 0);
+  if (n != static_cast<ssize_t>(bytes))
+    throw Error(ErrorKind::System, "binding a shard: its send buffer is no longer readable (" +
+                                       std::string(n < 0 ? std::strerror(errno) : "short read") + ")");
+}
+
 // ---- the transport ----------------------------------------------------------------------------
 
 class HostTransport final : public Transport {
@@ -131,7 +144,7 @@ class HostTransport final : public Transport {
       for (const BindOp& b : plan.bind) {
         if (b.bytes > slot_bytes_ || b.slot_offset > slot_bytes_ - b.bytes)
           throw Error(ErrorKind::Usage, "a binding overflows the bound region");
-        std::memcpy(own_.data() + kFlagBytes + b.slot_offset, b.sendbuf, b.bytes);
+        copy_checked(own_.data() + kFlagBytes + b.slot_offset, b.sendbuf, b.bytes);
       }
     }
 

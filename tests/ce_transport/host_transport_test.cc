@@ -409,6 +409,32 @@ int bound_gathers(int rank, int nranks, Shared& shared) {
   return 0;
 }
 
+// A shard freed by the program before it was bound: prepare refuses (the commit then fails on
+// every rank) instead of the process dying on a read of unmapped memory.
+TEST(HostTransport, BindingAFreedBufferIsRefusedNotACrash) {
+  // Unreadable as a freed, unmapped buffer is, but still reserved, so that the window's own
+  // mapping cannot land on the same address.
+  const long page = sysconf(_SC_PAGESIZE);
+  void* gone = mmap(nullptr, static_cast<size_t>(page), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(gone, MAP_FAILED);
+  WindowPlan plan;
+  plan.slot_bytes = 4096;
+  plan.bound = true;
+  plan.bind = {{gone, 1024, 0}};
+  auto transport = make_transport(Backend::Host, 0, 2, kCommIdentity);
+  HandleBlob blob;
+  try {
+    transport->prepare(plan, blob);
+    ADD_FAILURE() << "bound a freed buffer";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::System);
+    EXPECT_NE(std::string(e.what()).find("no longer readable"), std::string::npos) << e.what();
+  }
+  transport->release();
+  munmap(gone, static_cast<size_t>(page));
+  EXPECT_EQ(window_names_of({getpid()}), std::vector<std::string>{});
+}
+
 TEST(HostTransport, BoundShardsAreReadWithoutHandshakeAndAChangeIsFoundAndRebound) {
   for (const int nranks : {2, 4}) {
     SharedArea area;

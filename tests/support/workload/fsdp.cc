@@ -2,7 +2,7 @@
 //      [--exit-without-destroy 1] [--fork-child 1]
 //      [--rewrite 1] [--callsite-rank R] [--group-rank R] [--newbuf-rank R --newbuf-step K]
 //      [--count-step K] [--mixed-group 1] [--comms 2 [--perturb-comm 1|2]] [--device 1]
-//      [--static-change-rank R --static-change-step K]
+//      [--static-change-rank R --static-change-step K] [--die-rank R --die-step K] [--abort-step K]
 //
 // An FSDP-style inference loop: one all-reduce at start-up, then per step every layer's weight
 // shard is all-gathered (pairs of layers in one ncclGroupStart/End, as FSDP buckets them), used
@@ -23,9 +23,13 @@
 //   --mixed-group 1    each bucket's group also holds an all-reduce
 //   --static-change-rank R --static-change-step K   rank R's shard changes in place at step K,
 //                      breaking MAGI_STATIC_WEIGHTS's promise (stale reads accepted until the end)
+//   --die-rank R --die-step K   rank R kills itself (SIGKILL) as step K begins
+//   --abort-step K     every rank calls ncclCommAbort as step K begins, then returns
 //   --comms 2          a second communicator (ncclCommSplit, color rank % 2) runs a model of its
 //                      own, step for step with the first; --perturb-comm picks which one the
 //                      changes above apply to (default 1)
+#include <signal.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <sys/wait.h>
@@ -341,7 +345,20 @@ int run_fsdp(const ScenarioOptions& options) {
   }
   model.prologue();
   if (sub_model) sub_model->prologue();
+  const int die_rank = static_cast<int>(options.number("die-rank", -1));
+  const int die_step = static_cast<int>(options.number("die-step", -1));
+  const int abort_step = static_cast<int>(options.number("abort-step", -1));
   for (int s = 0; s < steps; ++s) {
+    if (boot.rank == die_rank && s == die_step) raise(SIGKILL);  // a crashed rank: no goodbye
+    if (s == abort_step) {
+      // Every rank abandons its communicators mid-run, as a program that gives up on an error
+      // does: no destroy afterwards, and the process ends normally.
+      if (sub.get() != nullptr) WORKLOAD_CHECK(ncclCommAbort(*sub.out()));
+      WORKLOAD_CHECK(ncclCommAbort(*comm.out()));
+      *sub.out() = nullptr;
+      *comm.out() = nullptr;
+      return 0;
+    }
     model.step(s);
     if (sub_model) sub_model->step(s);
   }
