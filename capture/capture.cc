@@ -163,6 +163,11 @@ uint64_t derive_identity(ncclComm_t parent, CommOrigin origin, int color,
   return XXH3_64bits_digest(&state);
 }
 
+const CommInfo* info_of(ncclComm_t comm) {
+  const Communicator* state = find_communicator(comm);
+  return state ? &state->info : nullptr;
+}
+
 uint64_t identity_of(ncclComm_t comm) {
   const Communicator* state = find_communicator(comm);
   return state ? state->info.identity : 0;

@@ -43,7 +43,11 @@ struct CommInfo {
   int nranks;
   int cuda_device;           // -1 when unknown
   CommOrigin origin;
+  bool nonblocking = false;  // made with config.blocking = 0 (its calls may return ncclInProgress)
 };
+
+// What was recorded for `comm` when it joined; nullptr if it was never seen.
+const CommInfo* info_of(ncclComm_t comm);
 
 // ---- identities: equal on every rank, computed only from what every rank passes alike ----
 uint64_t identity_from_unique_ids(std::span<const ncclUniqueId> ids);

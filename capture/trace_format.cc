@@ -110,7 +110,7 @@ std::string_view reason_name(Reason reason) {
        "the transport failed on some rank",
        "some rank did not confirm the commit",
        "the call deviated from the agreed step",
-       "communicator not agreeable (ncclCommInitAll or unknown)",
+       "communicator not agreeable (ncclCommInitAll, non-blocking, or unknown)",
        "static bindings would pass MAGI_BIND_MAX_MIB",
        "static weights changed after binding",
        "NCCL was faster for its bucket (timed both ways)"},

@@ -195,7 +195,7 @@ enum class Reason : uint8_t {
   TransportFailed,     // the transport could not prepare, attach or serve on some rank
   CommitRefused,       // some rank did not confirm the commit
   Deviated,            // the call deviated from the agreed step in a shared fact
-  CommNotAgreeable,    // communicator made by ncclCommInitAll or unknown to the shim
+  CommNotAgreeable,    // made by ncclCommInitAll, non-blocking, or unknown to the shim
   BindTooLarge,        // static weights: the bindings would pass MAGI_BIND_MAX_MIB
   BindingChanged,      // static weights: the shard changed after it was bound (verification)
   NcclFaster,          // timed both ways during the trial: NCCL completed its bucket sooner

@@ -26,6 +26,10 @@ Reason unagreeable(const capture::CommInfo& info, const Options& options) {
   if (info.origin == capture::CommOrigin::InitAll || info.origin == capture::CommOrigin::Unknown)
     return Reason::CommNotAgreeable;
   if (info.rank < 0 || info.nranks < 1 || info.rank >= info.nranks) return Reason::CommNotAgreeable;
+  // A non-blocking communicator may not even have enqueued a round's all-gather when the call
+  // returns (ncclInProgress): a round could not be waited for safely. Every rank created it
+  // with the same config, so every rank stays out alike.
+  if (info.nonblocking) return Reason::CommNotAgreeable;
   return Reason::None;
 }
 
@@ -39,7 +43,8 @@ CommAgreement::CommAgreement(ncclComm_t comm, const capture::CommInfo& info,
   if (!agreeable_) {
     MAGI_INFO(Rewrite, "comm %012llx: no agreement on this communicator (%s)", short_id(info_.identity),
               options_.transport == Options::Transport::Nccl ? "MAGI_TRANSPORT=nccl"
-                                                              : "ncclCommInitAll or unknown");
+              : info_.nonblocking                            ? "non-blocking communicator"
+                                                             : "ncclCommInitAll or unknown");
   } else if (!ce::backend_available(backend_)) {
     // Every rank of a job runs with the same environment and the same kind of program, so they
     // all end up here alike.

@@ -78,8 +78,16 @@ int query(ncclResult_t (*const fn)(const ncclComm_t, int*), ncclComm_t comm) {
 
 // After a successful init, tells capture who the new communicator is. Non-blocking
 // communicators may still be initialising (ncclInProgress); their handle is valid already.
+// Non-blocking communicators: from their config, or (Split/Shrink without one) their parent's,
+// which NCCL then hands down.
+bool nonblocking(const ncclConfig_t* config, ncclComm_t parent = nullptr) {
+  if (config != nullptr) return config->blocking == 0;
+  const capture::CommInfo* info = parent != nullptr ? capture::info_of(parent) : nullptr;
+  return info != nullptr && info->nonblocking;
+}
+
 void joined(ncclResult_t result, ncclComm_t comm, uint64_t identity, uint64_t parent, CommOrigin origin,
-            int rank_hint = -1, int nranks_hint = -1) {
+            int rank_hint = -1, int nranks_hint = -1, bool is_nonblocking = false) {
   if ((result != ncclSuccess && result != ncclInProgress) || comm == nullptr) return;
   const RealNccl& real = real_nccl();
   CommInfo info{};
@@ -89,6 +97,7 @@ void joined(ncclResult_t result, ncclComm_t comm, uint64_t identity, uint64_t pa
   info.nranks = nranks_hint >= 0 ? nranks_hint : query(real.CommCount, comm);
   info.cuda_device = query(real.CommCuDevice, comm);
   info.origin = origin;
+  info.nonblocking = is_nonblocking;
   capture::comm_joined(comm, info);
   static std::once_flag installed;
   std::call_once(installed, [] { rewrite::install({&agreement_all_gather, &agreement_group_start, &agreement_group_end}); });
@@ -123,7 +132,7 @@ MAGI_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, nc
   const ncclResult_t r = MAGI_FORWARD(CommInitRankConfig, comm, nranks, id, rank, config);
   if (!nested) guarded("ncclCommInitRankConfig", [&] {
     joined(r, comm ? *comm : nullptr, magi::capture::identity_from_unique_ids({&id, 1}), 0,
-           CommOrigin::InitRankConfig, rank, nranks);
+           CommOrigin::InitRankConfig, rank, nranks, nonblocking(config));
   });
   return r;
 }
@@ -136,7 +145,7 @@ MAGI_EXPORT ncclResult_t ncclCommInitRankScalable(ncclComm_t* comm, int nranks, 
     if (ids == nullptr || nIds <= 0) return;
     joined(r, comm ? *comm : nullptr,
            magi::capture::identity_from_unique_ids({ids, static_cast<size_t>(nIds)}), 0,
-           CommOrigin::InitRankScalable, rank, nranks);
+           CommOrigin::InitRankScalable, rank, nranks, nonblocking(config));
   });
   return r;
 }
@@ -163,7 +172,7 @@ MAGI_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, nccl
   const ncclResult_t r = MAGI_FORWARD(CommSplit, comm, color, key, newcomm, config);
   if (!nested) guarded("ncclCommSplit", [&] {
     joined(r, newcomm ? *newcomm : nullptr, identity, magi::capture::identity_of(comm),
-           CommOrigin::Split);
+           CommOrigin::Split, -1, -1, nonblocking(config, comm));
   });
   return r;
 }
@@ -183,7 +192,7 @@ MAGI_EXPORT ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, 
                                       newcomm, config, shrinkFlags);
   if (!nested) guarded("ncclCommShrink", [&] {
     joined(r, newcomm ? *newcomm : nullptr, identity, magi::capture::identity_of(comm),
-           CommOrigin::Shrink);
+           CommOrigin::Shrink, -1, -1, nonblocking(config, comm));
   });
   return r;
 }

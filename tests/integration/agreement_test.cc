@@ -467,6 +467,16 @@ TEST(Agreement, APeerKilledBeforeDuringOrAfterAgreementHangsNoOne) {
   EXPECT_LE(left.size(), 1u);
 }
 
+TEST(Agreement, NonBlockingCommunicatorsStayOnNcclAndSaySo) {
+  const AgreedRun r = run_agreed(3, fsdp({"--nonblocking", "1"}));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    EXPECT_TRUE(v.rounds.empty());
+    EXPECT_TRUE(v.moved.empty());
+  }
+  EXPECT_NE(r.log.find("non-blocking communicator"), std::string::npos) << r.log;
+}
+
 TEST(Agreement, AbortingMidRunReleasesEverything) {
   const std::set<std::string> before = window_names();
   for (const int step : {6, 7, 14}) {

@@ -25,6 +25,7 @@
 //                      breaking MAGI_STATIC_WEIGHTS's promise (stale reads accepted until the end)
 //   --die-rank R --die-step K   rank R kills itself (SIGKILL) as step K begins
 //   --abort-step K     every rank calls ncclCommAbort as step K begins, then returns
+//   --nonblocking 1    the communicator is made with config.blocking = 0
 //   --comms 2          a second communicator (ncclCommSplit, color rank % 2) runs a model of its
 //                      own, step for step with the first; --perturb-comm picks which one the
 //                      changes above apply to (default 1)
@@ -330,7 +331,19 @@ int run_fsdp(const ScenarioOptions& options) {
   const Placement placement(options);  // before the communicators: NCCL takes the device then
   const Bootstrap boot = bootstrap_from_env();
   OwnedComm comm;
-  WORKLOAD_CHECK(ncclCommInitRank(comm.out(), boot.nranks, boot.id, boot.rank));
+  if (options.number("nonblocking", 0) != 0) {
+    // A non-blocking communicator (config.blocking = 0): its calls may return ncclInProgress.
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclResult_t r = ncclCommInitRankConfig(comm.out(), boot.nranks, boot.id, boot.rank, &config);
+    while (r == ncclInProgress) {
+      const ncclResult_t polled = ncclCommGetAsyncError(comm.get(), &r);
+      if (polled != ncclSuccess) r = polled;
+    }
+    WORKLOAD_CHECK(r);
+  } else {
+    WORKLOAD_CHECK(ncclCommInitRank(comm.out(), boot.nranks, boot.id, boot.rank));
+  }
   FsdpModel model(placement, comm.get(), boot.rank, boot.nranks, layers, divergence,
                   perturbed == 1 ? changes : Changes{});
   OwnedComm sub;
