@@ -147,7 +147,12 @@ CALLSITE_PROBE := $(SUPPORT)/libcallsite_probe.so
 $(CALLSITE_PROBE): $(BUILD)/obj/tests/capture/callsite_probe_lib.o
 	@mkdir -p $(dir $@)
 	$(CXX) -shared -o $@ $^
-TEST_BINS := $(SUPPORT_BINS) $(PROBE) $(PARTIAL) $(CALLSITE_PROBE)
+# A disk that fills up: writes to *.trace files fail with ENOSPC past FULL_DISK_BYTES.
+FULL_DISK := $(SUPPORT)/libfull_disk.so
+$(FULL_DISK): $(BUILD)/obj/tests/support/full_disk.o
+	@mkdir -p $(dir $@)
+	$(CXX) -shared -o $@ $^ -ldl
+TEST_BINS := $(SUPPORT_BINS) $(PROBE) $(PARTIAL) $(CALLSITE_PROBE) $(FULL_DISK)
 
 # Unit tests link the library's objects directly (all but the exported entry points);
 # integration tests run real processes under LD_PRELOAD.

@@ -192,6 +192,41 @@ TEST(Shim, BadOptionValueGivesOneLineAndTheProgramRunsOn) {
             std::string::npos) << err;
 }
 
+// The disk fills up while tracing (tests/support/full_disk.cc fails trace writes with ENOSPC
+// past a few kilobytes): one line, tracing stops, the program and its results are unchanged,
+// and what was written reads back or says where it was cut.
+TEST(Shim, AFullDiskStopsTracingWithOneLineAndTheProgramRunsOn) {
+  TempDir out, traces;
+  // After a sanitizer's runtime (which must come first), before the shim.
+  const char* first = std::getenv("TEST_PRELOAD_FIRST");
+  const std::string preload = (first != nullptr && *first != '\0' ? std::string(first) + " " : "") +
+                              support("libfull_disk.so") + " " + shim();
+  support::LaunchSpec spec;
+  spec.nranks = 2;
+  spec.argv = {support("magi-workload"), "fsdp", "--layers", "4", "--steps", "40"};
+  spec.env = {{"LD_PRELOAD", preload}, {"MAGI_TRACE_DIR", traces.path}, {"FULL_DISK_BYTES", "6000"},
+              {"MAGI_TRACE_BUFFER_KIB", "16"}};
+  spec.timeout_s = 60;
+  spec.capture_output = true;
+  const support::LaunchResult r = support::launch(spec);
+  ASSERT_TRUE(r.all_ok()) << describe(r);
+  size_t lines = 0;
+  for (const auto& rank : r.ranks) {
+    for (size_t at = rank.stderr_text.find("writing the trace failed (No space left on device)");
+         at != std::string::npos; at = rank.stderr_text.find("writing the trace failed", at + 1))
+      ++lines;
+  }
+  EXPECT_GE(lines, 1u) << describe(r);
+  EXPECT_LE(lines, 2u) << "one line per process at most\n" << describe(r);
+  for (const auto& file : traces_in(traces.path)) {
+    try {
+      trace::read_trace(file);  // cut at a record boundary, or
+    } catch (const trace::TraceFormatError& e) {
+      EXPECT_GT(e.offset(), 0u) << e.what();  // says where the damage starts
+    }
+  }
+}
+
 TEST(Shim, UnwritableTraceDirGivesOneLineAndTheProgramRunsOn) {
   TempDir out;
   auto r = run_ranks(2, {support("magi-workload"), "ops", "--out", out.path}, true,
