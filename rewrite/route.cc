@@ -58,7 +58,10 @@ void release_at_exit() {
 // the leak is of the parent's state and only in the child.
 void forget_in_child() {
   new (&g_mutex) std::mutex();  // another parent thread may have held it at the fork
-  for (auto& [comm, agreement] : agreements()) agreement.release();
+  // Set aside, reachable, never freed: it is the parent's (a leak checker in the child sees a
+  // live pointer, not a leak).
+  static auto* parents = new std::vector<CommAgreement*>();
+  for (auto& [comm, agreement] : agreements()) parents->push_back(agreement.release());
   agreements().clear();
   t_queued.clear();
 }

@@ -49,7 +49,7 @@ def init(cpu: bool = False, timeout_s: int = 600) -> Env:
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     """all_gather_into_tensor, as a program would call it. gloo builds without it (older
     PyTorch) gather into the chunks of `out` instead: the same bytes land in the same places."""
-    if out.device.type == "cuda" or hasattr(dist, "all_gather_into_tensor") and _gloo_has_into():
+    if out.device.type == "cuda" or _gloo_has_into():
         dist.all_gather_into_tensor(out, inp, group=group)
     else:
         world = dist.get_world_size(group)
@@ -63,6 +63,8 @@ def _gloo_has_into() -> bool:
     """Whether gloo serves all_gather_into_tensor here; probed once with a one-element gather,
     which every rank runs at the same point, so all take the same branch afterwards."""
     global _GLOO_INTO
+    if _GLOO_INTO is None and not hasattr(dist, "all_gather_into_tensor"):
+        _GLOO_INTO = False
     if _GLOO_INTO is None:
         world = dist.get_world_size()
         probe = torch.zeros(world, dtype=torch.int32)

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# The multi-GPU correctness runs (issue 5) with real NCCL, one process per GPU under torchrun,
+# each without and with the shim. Prints PASS/FAIL lines and a closing "multi: N passed, M failed".
+# Usage: tests/gpu/multi/run.sh BUILD_DIR   (needs libmagice.so and magice-trace in BUILD_DIR)
+# Environment (all optional):
+#   MULTI_NPROC     ranks (default: the GPUs nvidia-smi lists)
+#   MULTI_MAX_MIB   largest per-rank all-gather of allgather_check (default 1024)
+#   MULTI_STEPS     steps per size / inference steps (default 32)
+#   MULTI_JOBS      runs at once (default 1; more only where they share GPUs harmlessly, N = 1)
+#   MULTI_TIMEOUT_S each run's limit (default 1200): a hang fails its check instead of stalling
+#   MULTI_KEEP      keep every run's log and traces in this directory (default: a temporary one)
+#   TORCHRUN, PYTHON  the launcher and the interpreter that holds PyTorch
+set -u
+build=$(cd "${1:-build}" && pwd)
+here=$(cd "$(dirname "$0")" && pwd)
+if [ -n "${MULTI_KEEP:-}" ]; then
+  work=$(mkdir -p "$MULTI_KEEP" && cd "$MULTI_KEEP" && pwd)
+else
+  work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+fi
+passed=0; failed=0
+pass() { echo "PASS $1"; passed=$((passed + 1)); }
+fail() { echo "FAIL $1"; failed=$((failed + 1)); }
+
+for f in libmagice.so magice-trace; do
+  [ -e "$build/$f" ] || { echo "no $build/$f: build it (make BUILD=$build all)"; exit 2; }
+done
+# NVLink multicast stays off: a program that uses it can take a shared host's GPUs down.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONUNBUFFERED=1
+n=${MULTI_NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+max_mib=${MULTI_MAX_MIB:-1024}
+steps=${MULTI_STEPS:-32}
+jobs=${MULTI_JOBS:-1}
+limit=${MULTI_TIMEOUT_S:-1200}
+torchrun=${TORCHRUN:-torchrun}
+python=${PYTHON:-python3}
+tool="$build/magice-trace"
+[ "$n" -ge 1 ] || { echo "multi: no GPU"; echo "multi: 0 passed, 1 failed"; exit 1; }
+echo "multi: $n rank(s), all-gathers up to $max_mib MiB per rank, $steps steps, $jobs run(s) at once"
+
+# start NAME SHIM(0|1) [VAR=VALUE...] -- SCRIPT ARGS...: one torchrun job in the background.
+# Only the ranks get the shim (torchrun --no-python runs `env ... python3 SCRIPT`), with its
+# decisions logged and a trace per rank in $work/NAME/trace; its exit status lands in
+# $work/NAME/rc, its output in $work/NAME/log.
+start() {
+  local name=$1 shim=$2
+  shift 2
+  local envs=()
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  local dir="$work/$name" script="$here/$1"
+  shift
+  mkdir -p "$dir/trace"
+  [ "$shim" = 1 ] && envs+=(LD_PRELOAD="$build/libmagice.so" MAGI_LOG=INFO MAGI_TRACE_DIR="$dir/trace")
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+  (
+    cd "$here" || exit 2
+    timeout -k 30 "$limit" "$torchrun" --standalone --nproc_per_node "$n" --no_python \
+      env ${envs[@]+"${envs[@]}"} "$python" "$script" "$@" >"$dir/log" 2>&1
+    echo $? >"$dir/rc"
+  ) &
+}
+
+# ran NAME WHAT: PASS when the job exited 0; else FAIL with the end of its log.
+ran() {
+  local rc
+  rc=$(cat "$work/$1/rc" 2>/dev/null || echo "?")
+  grep -E "^(allgather_check|fsdp_infer|two_comms):|WRONG|SKIP|DIFFERS" "$work/$1/log" | sed 's/^/  /' | head -20
+  if [ "$rc" = 0 ]; then pass "$1: $2"; return 0; fi
+  case $rc in 124|137) rc="$rc (timed out after $limit s)" ;; esac
+  fail "$1: $2 (exit $rc)"
+  grep -v " MAGI INFO " "$work/$1/log" | tail -n 15 | sed 's/^/  /'
+  return 1
+}
+
+# traced NAME WHAT [trace_check options]: the traces say what the shim did, the same on every rank.
+traced() {
+  local name=$1 what=$2
+  shift 2
+  if "$python" "$here/trace_check.py" "$tool" "$work/$name/trace" "$@" >"$work/$name/check" 2>&1; then
+    pass "$name: $what"
+  else
+    fail "$name: $what"
+  fi
+  sed 's/^/  /' "$work/$name/check"
+}
+
+# bitwise NAME_A NAME_B WHAT: every rank's saved outputs are the same bytes in both runs.
+bitwise() {
+  local r bad=0
+  for ((r = 0; r < n; r++)); do
+    "$python" "$here/../compare_results.py" "$work/$1/out/rank$r.pt" "$work/$2/out/rank$r.pt" \
+      >"$work/$2/compare.$r" 2>&1 || bad=1
+  done
+  if [ $bad = 0 ]; then pass "$3"; else fail "$3"; cat "$work/$2"/compare.* | sed 's/^/  /'; fi
+}
+
+# The shim's expected agreement mode when odd ranks differ from even ones: none differ at N = 1.
+skewed() { if [ "$n" -ge 2 ]; then echo "$1"; else echo identical; fi; }
+
+agc=(allgather_check.py --max-mib "$max_mib" --steps "$steps")
+small=(allgather_check.py --max-mib 4 --dtypes float32,bfloat16 --steps "$steps")
+infer=(fsdp_infer.py --steps "$steps")
+force=MAGI_CE_FORCE=1  # every agreed gather moves: no trial that could keep NCCL for it
+
+start agc-nccl 0 -- "${agc[@]}"
+start agc-shim 1 "$force" -- "${agc[@]}"
+start agc-shim-static 1 "$force" MAGI_STATIC_WEIGHTS=1 -- "${agc[@]}" --static
+start agc-skew-callsite 1 "$force" -- "${small[@]}" --skew callsite
+start agc-skew-grouping 1 "$force" -- "${small[@]}" --skew grouping
+start fsdp-nccl 0 -- "${infer[@]}" --out "$work/fsdp-nccl/out"
+start fsdp-shim 1 -- "${infer[@]}" --out "$work/fsdp-shim/out"
+start fsdp-shim-static 1 MAGI_STATIC_WEIGHTS=1 -- "${infer[@]}" --out "$work/fsdp-shim-static/out"
+start fsdp-manual-nccl 0 -- "${infer[@]}" --sharding manual --out "$work/fsdp-manual-nccl/out"
+start fsdp-manual-shim 1 -- "${infer[@]}" --sharding manual --out "$work/fsdp-manual-shim/out"
+start two-comms-nccl 0 -- two_comms.py --steps "$steps"
+start two-comms-shim 1 -- two_comms.py --steps "$steps"
+wait
+
+echo "== 1. all-gather, every datatype and size, in place and out of place"
+ran agc-nccl "NCCL alone: 0 wrong elements"
+ran agc-shim "under the shim: 0 wrong elements" && \
+  traced agc-shim "gathers agreed (identical) and served off NCCL" --moved --mode identical
+ran agc-shim-static "static weights under the shim: 0 wrong elements" && \
+  traced agc-shim-static "static weights: gathers served off NCCL" --moved
+ran agc-skew-callsite "odd ranks gather from another call site: 0 wrong elements" && \
+  traced agc-skew-callsite "call sites differ: agreement by $(skewed slot)" --mode "$(skewed slot)"
+ran agc-skew-grouping "even ranks group their gathers: 0 wrong elements" && \
+  traced agc-skew-grouping "grouping differs: agreement reaches $(skewed abort)" --mode "$(skewed abort)"
+
+echo "== 2. FSDP inference through unmodified PyTorch"
+for kind in fsdp fsdp-manual; do
+  ran "$kind-nccl" "inference without the shim"
+  if ran "$kind-shim" "inference under the shim"; then
+    traced "$kind-shim" "the trace shows gathers moved off NCCL" --moved
+    bitwise "$kind-nccl" "$kind-shim" "$kind: outputs bitwise equal with and without the shim"
+  fi
+done
+if ran fsdp-shim-static "inference under the shim, static weights"; then
+  traced fsdp-shim-static "static weights: gathers moved" --moved
+  bitwise fsdp-nccl fsdp-shim-static "fsdp static weights: outputs bitwise equal with and without the shim"
+fi
+traces=$(ls "$work"/fsdp-shim/trace/*.trace 2>/dev/null)
+if [ -n "$traces" ]; then
+  echo "  magice-trace decisions (fsdp-shim), first lines:"
+  # shellcheck disable=SC2086  # one trace per rank
+  "$tool" decisions $traces 2>&1 | head -n 12 | sed 's/^/    /'
+fi
+
+echo "== 3. a whole-node communicator and 2-GPU splits at once"
+ran two-comms-nccl "NCCL alone: 0 wrong"
+ran two-comms-shim "under the shim: 0 wrong" && \
+  traced two-comms-shim "both communicators agreed on their own, gathers moved" --comms 2 --moved
+
+echo "multi: $passed passed, $failed failed"
+[ "$failed" = 0 ]
