@@ -197,8 +197,14 @@ void CommAgreement::on_lost(uint64_t seq) {
 }
 
 void CommAgreement::at_anchor(const capture::StepView& view) {
-  for (auto it = retired_.begin(); it != retired_.end();)
-    it = (*it)->ready() ? retired_.erase(it) : it + 1;
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    if (!(*it)->ready()) {
+      ++it;
+      continue;
+    }
+    if (!spare_) spare_ = std::move(*it);
+    it = retired_.erase(it);
+  }
   collect_timings();
   if (pending_) {
     read_round(view);
@@ -258,7 +264,10 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
   round->voted_no = in_group;
   round->decision_hash = c.header.decision_hash;
   try {
-    round->exchange = ce::make_exchange(backend_, kContributionBytes, info_.nranks, info_.cuda_device);
+    // Round buffers are reused: making them (and freeing them, which waits for the whole
+    // device) at every round would stall the program's streams each time.
+    round->exchange = spare_ ? std::move(spare_)
+                             : ce::make_exchange(backend_, kContributionBytes, info_.nranks, info_.cuda_device);
     std::vector<uint8_t> bytes(kContributionBytes);
     c.serialize(bytes);
     round->exchange->stage(bytes);
@@ -316,6 +325,13 @@ void CommAgreement::read_round(const capture::StepView& view) {
   }
 
   const std::span<const uint8_t> all = round->exchange->result();
+  struct KeepSpare {  // once the result has been used, whatever path the round takes
+    std::unique_ptr<ce::Exchange>& spare;
+    std::unique_ptr<ce::Exchange>& used;
+    ~KeepSpare() {
+      if (!spare) spare = std::move(used);
+    }
+  } keep{spare_, round->exchange};
   switch (round->kind) {
     case RoundKind::Propose: {
       const Decision d = decide(all, n, info_.rank);

@@ -134,6 +134,7 @@ class CommAgreement {
   uint32_t rounds_ = 0;
   std::unique_ptr<Round> pending_;
   std::vector<std::unique_ptr<ce::Exchange>> retired_;  // rounds whose result nobody needs
+  std::unique_ptr<ce::Exchange> spare_;                 // a read round's buffers, for the next
 
   // The decision of the last propose, and what serving it needs.
   Decision decision_;

@@ -404,52 +404,57 @@ TEST(Agreement, TheCostTrialTimesBothRoutesAndEveryRankKeepsTheSameOnes) {
   EXPECT_NE(r.log.find("timed both ways"), std::string::npos) << r.log;
 }
 
-std::set<std::string> window_names() {
+// Window names left in /dev/shm by the ranks of `runs` (a name ends in ".<owner pid>"; other
+// processes on the machine may have windows of their own meanwhile).
+std::set<std::string> windows_left_by(const std::vector<support::LaunchResult>& runs) {
+  std::set<std::string> pids;
+  for (const auto& run : runs)
+    for (const auto& rank : run.ranks) pids.insert("." + std::to_string(rank.pid));
   std::set<std::string> names;
-  for (const auto& e : fs::directory_iterator("/dev/shm"))
-    if (e.path().filename().string().rfind("magice-ce-", 0) == 0) names.insert(e.path().filename());
+  for (const auto& e : fs::directory_iterator("/dev/shm")) {
+    const std::string name = e.path().filename();
+    if (name.rfind("magice-ce-", 0) != 0) continue;
+    const std::string suffix = name.substr(name.rfind('.'));
+    if (pids.count(suffix)) names.insert(name);
+  }
   return names;
 }
 
 TEST(Agreement, WindowsAreReleasedHoweverTheProgramEnds) {
   // Ending at each step around the rounds (propose, publish, confirm, moved steps), with and
   // without destroying the communicator: no window name outlives the ranks.
-  const std::set<std::string> before = window_names();
+  std::vector<support::LaunchResult> runs;
   for (int steps = 5; steps <= 11; ++steps) {
     for (const bool destroy : {true, false}) {
       std::vector<std::string> extra;
       if (!destroy) extra = {"--exit-without-destroy", "1"};
       const AgreedRun r = run_agreed(3, fsdp(extra, steps));
       ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+      runs.push_back(r.result);
     }
   }
-  std::set<std::string> left;
-  for (const std::string& name : window_names())
-    if (!before.count(name)) left.insert(name);
+  const std::set<std::string> left = windows_left_by(runs);
   EXPECT_TRUE(left.empty()) << left.size() << " window names left, e.g. " << *left.begin();
 }
 
 TEST(Agreement, AForkedChildLeavesTheParentsWindowsAlone) {
   // The child is forked after 16 steps, with gathers moving; it exits at once. The parent's
   // windows must survive it (the ranks go on to destroy normally) and nothing is left after.
-  const std::set<std::string> before = window_names();
   const AgreedRun r = run_agreed(3, fsdp({"--fork-child", "1"}, 16));
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   for (const auto& [rank, v] : r.comms.begin()->second) EXPECT_FALSE(v.moved.empty());
-  std::set<std::string> left;
-  for (const std::string& name : window_names())
-    if (!before.count(name)) left.insert(name);
-  EXPECT_TRUE(left.empty());
+  EXPECT_TRUE(windows_left_by({r.result}).empty());
 }
 
 // A rank killed before, during and after the agreement: the others must notice (through the
 // stand-in, as through NCCL, or through the transport's watch on its peers) and end, not hang.
 TEST(Agreement, APeerKilledBeforeDuringOrAfterAgreementHangsNoOne) {
-  const std::set<std::string> before = window_names();
+  std::vector<support::LaunchResult> runs;
   // Steps 2 (before any round), 5-8 (propose, publish, confirm: rounds in flight), 14 (moving).
   for (const int step : {2, 5, 6, 7, 8, 14}) {
     const AgreedRun r = run_agreed(4, fsdp({"--die-rank", "2", "--die-step", std::to_string(step)}, 20), {}, 30);
+    runs.push_back(r.result);
     ASSERT_FALSE(r.result.timed_out) << "killed at step " << step << ": " << transcript(r);
     EXPECT_EQ(r.result.ranks[2].signal, SIGKILL);
     for (int rank : {0, 1, 3}) {
@@ -460,9 +465,7 @@ TEST(Agreement, APeerKilledBeforeDuringOrAfterAgreementHangsNoOne) {
   }
   // Survivors release their windows at exit; a window the killed rank made before every peer
   // opened it keeps its name (only its owner could know nobody else would come).
-  std::set<std::string> left;
-  for (const std::string& name : window_names())
-    if (!before.count(name)) left.insert(name);
+  const std::set<std::string> left = windows_left_by(runs);
   for (const std::string& name : left) ::shm_unlink(("/" + name).c_str());
   EXPECT_LE(left.size(), 1u);
 }
@@ -478,16 +481,14 @@ TEST(Agreement, NonBlockingCommunicatorsStayOnNcclAndSaySo) {
 }
 
 TEST(Agreement, AbortingMidRunReleasesEverything) {
-  const std::set<std::string> before = window_names();
+  std::vector<support::LaunchResult> runs;
   for (const int step : {6, 7, 14}) {
     const AgreedRun r = run_agreed(3, fsdp({"--abort-step", std::to_string(step), "--comms", "2"}, 20));
     ASSERT_TRUE(r.result.all_ok()) << "abort at step " << step << ": " << transcript(r);
     expect_ranks_agree(r);
+    runs.push_back(r.result);
   }
-  std::set<std::string> left;
-  for (const std::string& name : window_names())
-    if (!before.count(name)) left.insert(name);
-  EXPECT_TRUE(left.empty());
+  EXPECT_TRUE(windows_left_by(runs).empty());
 }
 
 // Seeded random programs (tests/support/workload/agree.cc): random steps of gathers, groups,

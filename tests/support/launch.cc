@@ -173,6 +173,7 @@ LaunchResult launch(const LaunchSpec& spec) {
 
   LaunchResult result;
   result.ranks.resize(pids.size());
+  for (size_t rank = 0; rank < pids.size(); ++rank) result.ranks[rank].pid = pids[rank];
   if (own_tag) result.shm_tag = tag;
   std::vector<bool> finished(pids.size(), false);
   size_t remaining = pids.size();

@@ -22,6 +22,7 @@ struct LaunchSpec {
 };
 
 struct RankResult {
+  int pid = -1;
   int exit_code = -1;  // -1 when killed by a signal
   int signal = 0;
   std::string stdout_text, stderr_text;
