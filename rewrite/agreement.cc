@@ -334,7 +334,19 @@ void CommAgreement::read_round(const capture::StepView& view) {
   } keep{spare_, round->exchange};
   switch (round->kind) {
     case RoundKind::Propose: {
-      const Decision d = decide(all, n, info_.rank);
+      Decision d = decide(all, n, info_.rank);
+      if (d.moves_anything() && d.hash == nccl_faster_hash_) {
+        // This very plan was timed and NCCL won every bucket: trying it again would only
+        // disturb the program every MAGI_REAGREE_STEPS. Every rank read the same cost round,
+        // so every rank skips it alike; a plan that differs in any way is tried afresh.
+        for (GatherDecision& g : d.gathers) {
+          if (!g.moves) continue;
+          g.moves = false;
+          g.reason = Reason::NcclFaster;
+        }
+        d.moved = 0;
+        d.hash = 0;
+      }
       decision_ = d;
       decision_round_ = round->number;
       record_round(RoundKind::Propose, trace::RoundEvent::Read, seq, d.mode, d.reason, d.moved);
@@ -401,6 +413,7 @@ void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
     drop_transport();
     return;
   }
+
   if (active_ && d.hash == active_hash_ && d.dry_run == active_dry_) return;  // the plan stands
   if (active_) deactivate(seq, Reason::None);
   layout_ = lay_out_slots(seen_, d.gathers, d.bound);
@@ -521,6 +534,7 @@ void CommAgreement::after_cost(std::span<const uint8_t> all, uint64_t seq) {
   }
   record_decision(decision_);
   if (moved == 0) {
+    nccl_faster_hash_ = active_hash_;
     deactivate(seq, Reason::NcclFaster);
     drop_transport();
     return;

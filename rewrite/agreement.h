@@ -159,6 +159,7 @@ class CommAgreement {
   std::vector<Timing> timings_;                    // waiting to be read
   std::vector<std::vector<uint64_t>> moved_ns_;    // by bucket
   std::vector<std::vector<uint64_t>> nccl_ns_;
+  uint64_t nccl_faster_hash_ = 0;  // a plan whose cost round kept no bucket: not tried again
 
   // The active plan: routes follow it while the step digest is this one.
   bool active_ = false;

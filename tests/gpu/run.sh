@@ -86,5 +86,20 @@ else
   standin_profiled_run "fsdp-kernels" 2 -- fsdp --device 1 --layers 6 --steps 24 --rewrite 1
 fi
 
+# 3. Several GPUs (issue 5): real NCCL, one process per GPU, with and without the shim. Its own
+# checks count here one by one; a run that ends without its closing line counts as one failure.
+if [ "$gpus" -ge 2 ]; then
+  echo "== multi-GPU: $gpus GPUs (tests/gpu/multi/run.sh)"
+  "$here/multi/run.sh" "$build" 2>&1 | tee "$work/multi.log"
+  summary=$(sed -n 's/^multi: \([0-9]*\) passed, \([0-9]*\) failed$/\1 \2/p' "$work/multi.log")
+  if [ -n "$summary" ]; then
+    passed=$((passed + ${summary% *})); failed=$((failed + ${summary#* }))
+  else
+    fail "multi-GPU runs ended without their summary line"
+  fi
+else
+  echo "SKIP multi-GPU: only $gpus GPU(s)"
+fi
+
 echo "gpu-tests: $passed passed, $failed failed"
 [ "$failed" = 0 ]

@@ -60,8 +60,10 @@ def main() -> int:
     torch.save({"last_logits": last_logits, "final_hidden": [hidden.float().cpu()]},
                os.path.join(args.out, f"rank{env.rank}.pt"))
     later = sorted(times[len(times) // 2:])
-    env.log(f"fsdp_infer: step 0 {'DIFFERS FROM' if mismatch else 'matches'} the unsharded model; saved {len(last_logits)} steps to {args.out}; median step of the second "
-            f"half {later[len(later) // 2] * 1e3:.2f} ms (host clock)")
+    state = "DIFFERS FROM" if mismatch else "matches"
+    env.log(f"fsdp_infer: step 0 {state} the unsharded model; saved {len(last_logits)} steps to "
+            f"{args.out}; median step of the second half {later[len(later) // 2] * 1e3:.2f} ms "
+            f"(host clock)")
     dist_env.finish(env)
     return 1 if mismatch else 0
 

@@ -7,6 +7,7 @@ into equal shards (FSDP1's flat parameter); a forward pre-hook gathers the block
 all_gather_into_tensor and a forward hook frees it again. Both gather every block on every step,
 which is the traffic the shim is meant to move.
 """
+import contextlib
 import math
 
 import torch
@@ -63,9 +64,13 @@ class TinyTransformer(nn.Module):
 def build(args, env: dist_env.Env, dtype: torch.dtype) -> nn.Module:
     """The same full weights on every rank (one seed), then sharded."""
     torch.manual_seed(args.seed)
-    model = TinyTransformer(args.layers, args.hidden, args.heads, args.ffn, args.vocab)
-    for p in model.parameters():  # larger than the default init, so every layer moves the output
-        p.data.normal_(0.0, 0.05)
+    # Made on the GPU where PyTorch can (seeded alike, the same values on every rank): a
+    # benchmark-sized model takes seconds to initialise on the CPU.
+    on_device = not env.cpu and hasattr(torch.device, "__enter__")
+    with env.device if on_device else contextlib.nullcontext():
+        model = TinyTransformer(args.layers, args.hidden, args.heads, args.ffn, args.vocab)
+        for p in model.parameters():  # larger than the default init: every layer moves the output
+            p.data.normal_(0.0, 0.05)
     return model.to(device=env.device, dtype=dtype)
 
 
