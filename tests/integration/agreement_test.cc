@@ -480,6 +480,15 @@ TEST(Agreement, NonBlockingCommunicatorsStayOnNcclAndSaySo) {
   EXPECT_NE(r.log.find("non-blocking communicator"), std::string::npos) << r.log;
 }
 
+TEST(Agreement, SplitShrinkAndThreadedChildrenAgreeWithoutHanging) {
+  // tests/support/workload/split.cc: split children, a NOCOLOR rank, a shrink that leaves a rank
+  // out, and two threads each driving its own communicator at once, all under agreement.
+  const AgreedRun r = run_agreed(4, {"split"});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  EXPECT_GE(r.comms.size(), 4u);
+}
+
 TEST(Agreement, AbortingMidRunReleasesEverything) {
   std::vector<support::LaunchResult> runs;
   for (const int step : {6, 7, 14}) {
@@ -522,6 +531,7 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
     }
     const int before = ::testing::Test::HasFailure() ? 1 : 0;
     expect_ranks_agree(r);
+    EXPECT_TRUE(windows_left_by({r.result}).empty()) << "seed " << seed << " left a window behind";
     if (!before && ::testing::Test::HasFailure()) {
       ++failures;
       ADD_FAILURE() << "seed " << seed << " on " << n << " ranks: ranks disagree";
