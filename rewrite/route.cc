@@ -3,6 +3,7 @@
 // communicator, like NCCL launching a group's work at ncclGroupEnd).
 #include <pthread.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <new>
 #include <memory>
@@ -25,10 +26,23 @@ std::unordered_map<ncclComm_t, std::unique_ptr<CommAgreement>>& agreements() {
   return *map;  // never destroyed: exit hooks and late threads may still look things up
 }
 
+// Bumped whenever a communicator joins or leaves, so a thread's cached lookup can tell it is stale.
+std::atomic<uint64_t> g_generation{0};
+
+// Every intercepted collective looks its communicator up: a per-thread one-entry cache keeps the
+// lock and the hash off that path while the set of communicators stays the same.
 CommAgreement* find(ncclComm_t comm) {
+  thread_local ncclComm_t cached_comm = nullptr;
+  thread_local CommAgreement* cached = nullptr;
+  thread_local uint64_t cached_generation = ~uint64_t{0};
+  const uint64_t generation = g_generation.load(std::memory_order_acquire);
+  if (comm == cached_comm && generation == cached_generation) return cached;
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = agreements().find(comm);
-  return it == agreements().end() ? nullptr : it->second.get();
+  cached_comm = comm;
+  cached = it == agreements().end() ? nullptr : it->second.get();
+  cached_generation = g_generation.load(std::memory_order_relaxed);
+  return cached;
 }
 
 // Moved gathers issued inside the calling thread's open group, in call order.
@@ -51,6 +65,7 @@ void install(const RealNcclCalls& calls) { g_nccl = calls; }
 void release_at_exit() {
   std::lock_guard<std::mutex> lock(g_mutex);
   agreements().clear();
+  g_generation.fetch_add(1, std::memory_order_release);
 }
 
 // A child after fork() owns none of this: its parent's windows, mappings and CUDA memory are the
@@ -63,6 +78,7 @@ void forget_in_child() {
   static auto* parents = new std::vector<CommAgreement*>();
   for (auto& [comm, agreement] : agreements()) parents->push_back(agreement.release());
   agreements().clear();
+  g_generation.fetch_add(1, std::memory_order_release);
   t_queued.clear();
 }
 
@@ -75,6 +91,7 @@ void comm_joined(ncclComm_t comm, const capture::CommInfo& info) {
   auto agreement = std::make_unique<CommAgreement>(comm, info, g_nccl);
   std::lock_guard<std::mutex> lock(g_mutex);
   agreements()[comm] = std::move(agreement);
+  g_generation.fetch_add(1, std::memory_order_release);
 }
 
 void comm_left(ncclComm_t comm) {
@@ -85,6 +102,7 @@ void comm_left(ncclComm_t comm) {
     if (it == agreements().end()) return;
     gone = std::move(it->second);
     agreements().erase(it);
+    g_generation.fetch_add(1, std::memory_order_release);
   }
   std::erase_if(t_queued, [&](const Queued& q) { return q.agreement == gone.get(); });
 }
