@@ -114,8 +114,17 @@ class Transport {
   // this rank failed in a way its peers cannot learn of in the bucket.
   enum class Served : uint8_t { Moved, FallBack };
   virtual Served gather(std::span<const GatherOp> bucket, void* stream) = 0;
-  // Frees the window and unmaps the peers'. Safe to call more than once and after a failure.
+  // Frees the window and unmaps the peers', once every peer has finished reading it and this
+  // rank's own copies have run. If that cannot be known (a peer died, or did not finish in
+  // time, or abandon() came first), the rank stops waiting and leaves the window allocated, and
+  // says so: freeing device memory waits for the whole device, which a stuck peer would hang.
+  // Safe to call more than once and after a failure.
   virtual void release() = 0;
+  // The communicator is being aborted, possibly from another thread while a call is in flight:
+  // every wait of this rank on its peers gives up now (CUDA: work already queued on a stream runs
+  // on without its peers, reading whatever their windows hold, as NCCL's output after an abort
+  // is undefined). Only release() may follow.
+  virtual void abandon() = 0;
 
   // Bytes this rank's window holds (flags and slots, or the bound region); 0 before prepare.
   virtual size_t window_bytes() const = 0;

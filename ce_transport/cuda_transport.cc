@@ -15,15 +15,24 @@
 // Layout: the slots (or the bound region) start at offset 0 of the allocation, the flags follow
 // them, and the allocation is rounded up to 2 MiB. Measured on an H200: copies out of a region
 // that starts 512 bytes into its allocation ran at 78-80% of the same copies from offset 0 for
-// 256 MiB shards. Flags: two 64-bit words, ready and done, each on its own 256-byte line. A rank
-// writes only its own; peers wait on them through their IPC mappings.
+// 256 MiB shards.
+//
+// Flags: a window holds, for each peer, a ready and a done word (64-bit, each on its own 256-byte
+// line) that only that peer writes, through its mapping, and one word this rank writes
+// when its own part of a bucket has run. A rank waits only on words in its own window: polling
+// stays local, and an abort can release this rank's waits by writing them itself without
+// touching what its peers wait on. Measured on an H200 (2026-11): a peer's
+// mapping stays readable after the peer dies, and cudaFree, cudaIpcCloseMemHandle and even
+// cudaMalloc block while any stream of the device waits on a word that nobody will write.
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -39,11 +48,15 @@ namespace magi::ce {
 namespace {
 
 constexpr size_t kFlagLine = 256;
-constexpr size_t kReadyOffset = 0;  // from the flags' start
-constexpr size_t kDoneOffset = kFlagLine;
-constexpr size_t kFlagBytes = 2 * kFlagLine;
 constexpr size_t kSlotAlign = 256;
 constexpr size_t kAllocationGranule = size_t{2} << 20;
+// What an abandoned wait is released with. Stream waits compare cyclically ((int64_t)(word -
+// target) >= 0): the value must be far ahead of any sequence number, yet not wrap past them.
+constexpr uint64_t kReleased = uint64_t{1} << 62;
+// How long release() waits for peers to finish reading this window, and abandon() for a bucket
+// still in flight to end by itself, before giving up on them.
+constexpr auto kSettleLimit = std::chrono::seconds(10);
+constexpr auto kAbortGrace = std::chrono::seconds(1);
 
 void cuda_check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {
@@ -111,7 +124,8 @@ class CudaTransport final : public Transport {
   }
 
   void prepare(const WindowPlan& plan, HandleBlob& out) override {
-    release();
+    std::lock_guard<std::mutex> lock(lifetime_);
+    release_locked();
     inject_fault(Options::Fault::Where::Prepare, rank_, "preparing the window");
     use_device();
     slot_bytes_ = plan.slot_bytes;
@@ -120,10 +134,14 @@ class CudaTransport final : public Transport {
     verify_first_ = plan.verify_first;
     verify_every_ = plan.verify_every;
     flags_at_ = (bound_ ? 1 : 2) * stride_;
-    bytes_ = round_up(flags_at_ + kFlagBytes, kAllocationGranule);
+    flag_bytes_ = (2 * static_cast<size_t>(nranks_) + 1) * kFlagLine;
+    bytes_ = round_up(flags_at_ + flag_bytes_, kAllocationGranule);
+    abandoned_.store(false);
+    settled_at_ = kNotSettled;
     cuda_check(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    cuda_check(cudaMallocHost(&flags_host_, flag_bytes_), "cudaMallocHost (flags)");
     cuda_check(cudaMalloc(&base_, bytes_), "cudaMalloc (window)");
-    cuda_check(cudaMemsetAsync(base(0), 0, kFlagBytes, own_stream_), "cudaMemsetAsync (flags)");
+    cuda_check(cudaMemsetAsync(flag(0), 0, flag_bytes_, own_stream_), "cudaMemsetAsync (flags)");
     if (bound_) {
       // The shards must hold what the program last wrote: wait for all its work once, here,
       // at the plan's start, never on the call path.
@@ -156,6 +174,7 @@ class CudaTransport final : public Transport {
     if (base_ == nullptr) throw Error(ErrorKind::Usage, "attach before prepare");
     if (blobs.size() != static_cast<size_t>(nranks_)) throw Error(ErrorKind::Usage, "one handle blob per rank");
     inject_fault(Options::Fault::Where::Attach, rank_, "opening the peers' windows");
+    std::lock_guard<std::mutex> lock(lifetime_);
     use_device();
     if (nranks_ > 1) batch_mem_op();  // refuse now, not on the first gather
     peers_.assign(static_cast<size_t>(nranks_), nullptr);
@@ -179,71 +198,63 @@ class CudaTransport final : public Transport {
 
   Served gather(std::span<const GatherOp> bucket, void* stream_handle) override {
     if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
+    if (abandoned_.load()) throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
     use_device();
     const auto stream = static_cast<cudaStream_t>(stream_handle);
     for (const GatherOp& op : bucket)
       if (op.bytes > slot_bytes_ || op.slot_offset > slot_bytes_ - op.bytes)
         throw Error(ErrorKind::Usage, "a gather overflows its slot");
-    const uint64_t n = ++sequence_;
+    const uint64_t n = sequence_.load() + 1;
+    sequence_.store(n);
     copies_.clear();
     if (bound_) {
       verify(bucket, stream);
       add_reads(bucket, [&](int r) { return peers_[static_cast<size_t>(r)]; });
       issue_copies(stream);
-      mem_ops_.assign(1, write_op(base(kDoneOffset), n));  // release() waits for peers' reads
-      issue_mem_ops(stream);
+      finish_bucket(n, stream);
       return Served::Moved;
     }
     const size_t slot = (n % 2) * stride_;
     // 1. Slot n % 2 was last read in bucket n - 2: every peer must be done with it.
     mem_ops_.clear();
-    if (n > 2) for_each_peer([&](int r) { mem_ops_.push_back(wait_op(peer(r, kDoneOffset), n - 2)); });
+    if (n > 2) for_each_peer([&](int r) { mem_ops_.push_back(wait_op(flag(done_word(r)), n - 2)); });
     issue_mem_ops(stream);
     // 2. Stage this rank's shards.
     for (const GatherOp& op : bucket)
       if (op.bytes != 0) add_copy(static_cast<uint8_t*>(base_) + slot + op.slot_offset, op.sendbuf, op.bytes);
     issue_copies(stream);
-    // 3. Staged; wait until every peer has staged too.
-    mem_ops_.assign(1, write_op(base(kReadyOffset), n));
-    for_each_peer([&](int r) { mem_ops_.push_back(wait_op(peer(r, kReadyOffset), n)); });
+    // 3. Staged: say so in every peer's window, and wait until every peer has said so in ours.
+    mem_ops_.clear();
+    for_each_peer([&](int r) { mem_ops_.push_back(write_op(peer_flag(r, ready_word(rank_)), n)); });
+    for_each_peer([&](int r) { mem_ops_.push_back(wait_op(flag(ready_word(r)), n)); });
     issue_mem_ops(stream);
     // 4. Read every peer's slot, and this rank's shard from its send buffer.
     copies_.clear();
     add_reads(bucket, [&](int r) { return peers_[static_cast<size_t>(r)] + slot; });
     issue_copies(stream);
     // 5. Done reading: peers may reuse their slot n % 2 (in bucket n + 2).
-    mem_ops_.assign(1, write_op(base(kDoneOffset), n));
-    issue_mem_ops(stream);
+    finish_bucket(n, stream);
     return Served::Moved;
   }
 
-  void release() override {
-    if (base_ == nullptr) return;
+  void abandon() override {
+    std::lock_guard<std::mutex> lock(lifetime_);
+    abandoned_.store(true);
+    if (base_ == nullptr || !attached_) return;
     use_device();
-    // Peers may still be reading this window on their streams: free it only once each has said
-    // it is done with the last bucket, or has gone. A peer that says neither within the limit
-    // keeps the window alive (leaked, and said so) rather than read freed memory.
-    bool safe = true;
-    if (attached_ && sequence_ > 0) safe = wait_peers_done(sequence_);
-    cudaDeviceSynchronize();  // this process's copies from and into the window
-    for (uint8_t* p : peers_)
-      if (p != nullptr) cudaIpcCloseMemHandle(p);
-    peers_.clear();
-    if (safe) {
-      cudaFree(base_);
+    // A healthy abort (the program's shutdown) finds every bucket run or about to be; anything
+    // else is released at once (a dead peer) or after a short grace (a peer that stalls).
+    const uint64_t target = sequence_.load();
+    if (settle(target, kAbortGrace) == Settled::Finished) {
+      settled_at_ = target;
     } else {
-      MAGI_WARN(Transport, "a peer never finished reading this rank's window; %zu bytes left allocated", bytes_);
+      release_waits();
     }
-    if (own_stream_ != nullptr) cudaStreamDestroy(own_stream_);
-    if (host_check_ != nullptr) cudaFreeHost(host_check_);
-    cudaGetLastError();
-    base_ = nullptr;
-    own_stream_ = nullptr;
-    host_check_ = nullptr;
-    host_check_bytes_ = 0;
-    attached_ = false;
-    sequence_ = 0;
-    verified_calls_.clear();
+  }
+
+  void release() override {
+    std::lock_guard<std::mutex> lock(lifetime_);
+    release_locked();
   }
 
   size_t window_bytes() const override { return base_ != nullptr ? bytes_ : 0; }
@@ -251,6 +262,54 @@ class CudaTransport final : public Transport {
   std::vector<size_t> take_stale_bindings() override { return std::exchange(stale_, {}); }
 
  private:
+  void release_locked() {
+    if (base_ == nullptr) {  // never prepared, or prepare failed part way
+      if (own_stream_ != nullptr) cudaStreamDestroy(own_stream_);
+      if (flags_host_ != nullptr) cudaFreeHost(flags_host_);
+      own_stream_ = nullptr;
+      flags_host_ = nullptr;
+      cudaGetLastError();
+      return;
+    }
+    use_device();
+    const uint64_t target = sequence_.load();
+    Settled settled = Settled::Finished;
+    if (attached_ && target > 0) {
+      if (abandoned_.load()) {
+        settled = settled_at_ == target ? Settled::Finished : Settled::Abandoned;
+      } else {
+        settled = settle(target, kSettleLimit);
+      }
+    } else {
+      // Nothing was gathered: only this rank's own setup (flags, binding) may still be queued.
+      if (cudaStreamSynchronize(own_stream_) != cudaSuccess) settled = Settled::Unreadable;
+    }
+    if (settled == Settled::Finished) {
+      for (uint8_t* p : peers_)
+        if (p != nullptr) cudaIpcCloseMemHandle(p);
+      cudaFree(base_);
+      cudaFreeHost(flags_host_);
+      if (host_check_ != nullptr) cudaFreeHost(host_check_);
+    } else {
+      // This rank's stream must not wait for ever on peers that will never come; freeing would
+      // wait for the whole device (see the top of this file). The process's end returns it all.
+      release_waits();
+      MAGI_WARN(Transport, "window of %zu bytes left allocated, with its %d peer mappings: %s", bytes_,
+                nranks_ - 1, settled_name(settled));
+    }
+    cudaStreamDestroy(own_stream_);  // returns at once; the stream goes when its work has run
+    cudaGetLastError();
+    base_ = nullptr;
+    own_stream_ = nullptr;
+    flags_host_ = nullptr;
+    host_check_ = nullptr;
+    host_check_bytes_ = 0;
+    peers_.clear();
+    attached_ = false;
+    sequence_.store(0);
+    verified_calls_.clear();
+  }
+
   // Our CUDA runtime is not the program's: it follows the communicator's device explicitly.
   void use_device() {
     if (device_ < 0) return;
@@ -260,10 +319,20 @@ class CudaTransport final : public Transport {
   }
 
   uint8_t* region() const { return static_cast<uint8_t*>(base_); }
-  // Flag words, by their offset from the flags' start.
-  uint8_t* base(size_t offset) const { return static_cast<uint8_t*>(base_) + flags_at_ + offset; }
-  const uint8_t* peer(int r, size_t offset) const {
-    return peers_[static_cast<size_t>(r)] + flags_at_ + offset;
+  // Flag words, by their offset from the flags' start: in this rank's window, and in peer r's.
+  size_t ready_word(int from) const { return static_cast<size_t>(from) * kFlagLine; }
+  size_t done_word(int from) const { return (static_cast<size_t>(nranks_) + from) * kFlagLine; }
+  size_t own_word() const { return 2 * static_cast<size_t>(nranks_) * kFlagLine; }
+  uint8_t* flag(size_t offset) const { return static_cast<uint8_t*>(base_) + flags_at_ + offset; }
+  uint8_t* peer_flag(int r, size_t offset) const { return peers_[static_cast<size_t>(r)] + flags_at_ + offset; }
+
+  // Bucket n has run on this rank: its reads are done (peers may reuse what it read) and its
+  // own part is over (release() may free what it used).
+  void finish_bucket(uint64_t n, cudaStream_t stream) {
+    mem_ops_.clear();
+    for_each_peer([&](int r) { mem_ops_.push_back(write_op(peer_flag(r, done_word(rank_)), n)); });
+    mem_ops_.push_back(write_op(flag(own_word()), n));
+    issue_mem_ops(stream);
   }
 
   template <class Visit>
@@ -363,22 +432,68 @@ class CudaTransport final : public Transport {
     }
   }
 
-  bool wait_peers_done(uint64_t target) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    for (int r = 0; r < nranks_; ++r) {
-      if (r == rank_ || peers_[static_cast<size_t>(r)] == nullptr) continue;
-      for (;;) {
-        uint64_t done = 0;
-        if (cudaMemcpy(&done, peer(r, kDoneOffset), sizeof(done), cudaMemcpyDefault) != cudaSuccess) {
-          cudaGetLastError();
-          return false;
-        }
-        if (done >= target || !process_alive(peer_pids_[static_cast<size_t>(r)])) break;
-        if (std::chrono::steady_clock::now() > deadline) return false;
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
-      }
+  enum class Settled : uint8_t { Finished, PeerDied, TimedOut, Abandoned, Unreadable };
+  static const char* settled_name(Settled s) {
+    switch (s) {
+      case Settled::Finished: return "finished";
+      case Settled::PeerDied: return "a peer died without finishing";
+      case Settled::TimedOut: return "a peer did not finish reading it in time";
+      case Settled::Abandoned: return "the communicator was aborted with a bucket in flight";
+      case Settled::Unreadable: return "its flags could not be read";
+    }
+    return "?";
+  }
+
+  // This rank's flag words as they are now, read on its own stream (never the program's, which
+  // may be the one stuck).
+  bool read_flags() {
+    if (cudaMemcpyAsync(flags_host_, flag(0), flag_bytes_, cudaMemcpyDeviceToHost, own_stream_) != cudaSuccess ||
+        cudaStreamSynchronize(own_stream_) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
     }
     return true;
+  }
+  uint64_t read_word(size_t offset) const {
+    uint64_t v = 0;
+    std::memcpy(&v, static_cast<const uint8_t*>(flags_host_) + offset, sizeof(v));
+    return v;
+  }
+
+  // Waits up to `limit` until buckets 1..target have run here and every peer has finished
+  // reading this window. A peer whose process ended before finishing died mid-run: this rank
+  // gives up on it at once (NCCL's kernels may be stuck on it too, and freeing would then hang).
+  Settled settle(uint64_t target, std::chrono::steady_clock::duration limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    for (;;) {
+      if (!read_flags()) return Settled::Unreadable;
+      bool finished = read_word(own_word()) >= target;
+      for (int r = 0; r < nranks_; ++r) {
+        if (r == rank_ || read_word(done_word(r)) >= target) continue;
+        if (!process_alive(peer_pids_[static_cast<size_t>(r)])) return Settled::PeerDied;
+        finished = false;
+      }
+      if (finished) return Settled::Finished;
+      if (std::chrono::steady_clock::now() >= deadline) return Settled::TimedOut;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+
+  // Every wait of this rank, queued or to come, passes: its own window's ready and done words.
+  // Not mem_ops_: a call may be filling that on another thread.
+  void release_waits() {
+    std::vector<CUstreamBatchMemOpParams> ops;
+    for_each_peer([&](int r) {
+      ops.push_back(write_op(flag(ready_word(r)), kReleased));
+      ops.push_back(write_op(flag(done_word(r)), kReleased));
+    });
+    if (ops.empty()) return;
+    if (batch_mem_op()(reinterpret_cast<CUstream>(own_stream_), static_cast<unsigned>(ops.size()),
+                       ops.data(), 0) != CUDA_SUCCESS ||
+        cudaStreamSynchronize(own_stream_) != cudaSuccess) {
+      cudaGetLastError();
+      MAGI_WARN(Transport, "could not release this rank's waits on its peers; its stream may stay blocked");
+    }
   }
 
   struct Copy {
@@ -403,7 +518,13 @@ class CudaTransport final : public Transport {
   std::vector<uint8_t*> peers_;
   std::vector<pid_t> peer_pids_;
   bool attached_ = false;
-  uint64_t sequence_ = 0;
+  std::atomic<uint64_t> sequence_{0};  // the last bucket queued; read by abandon() from any thread
+  std::atomic<bool> abandoned_{false};
+  static constexpr uint64_t kNotSettled = ~uint64_t{0};
+  uint64_t settled_at_ = kNotSettled;  // abandon() found buckets 1..settled_at_ all finished
+  std::mutex lifetime_;                 // prepare, release and abandon, which may come from another thread
+  void* flags_host_ = nullptr;
+  size_t flag_bytes_ = 0;
   std::vector<Copy> copies_;
   std::vector<void*> dsts_;
   std::vector<const void*> srcs_;

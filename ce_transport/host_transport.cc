@@ -72,10 +72,10 @@ uint64_t now_ns() {
 }
 
 // Spins briefly (a peer on another core is usually a few hundred cycles away), then yields the
-// core (ranks may outnumber cores), then sleeps in short steps. Only a dead peer ends the wait:
-// a slow one is waited for, however long.
+// core (ranks may outnumber cores), then sleeps in short steps. Only a dead peer or an abort
+// (`abandoned`, set from any thread) ends the wait: a slow peer is waited for, however long.
 template <class Reached>
-void wait_for(int peer_rank, pid_t peer_pid, Reached reached) {
+void wait_for(int peer_rank, pid_t peer_pid, const std::atomic<bool>& abandoned, Reached reached) {
   constexpr int kSpins = 128;
   constexpr int kYields = 256;
   constexpr uint64_t kLivenessPeriodNs = 10'000'000;
@@ -93,6 +93,8 @@ void wait_for(int peer_rank, pid_t peer_pid, Reached reached) {
     } else {
       nanosleep(&kNap, nullptr);
     }
+    if (abandoned.load(std::memory_order_relaxed))
+      throw Error(ErrorKind::System, "the communicator was aborted while waiting for rank " + std::to_string(peer_rank));
     const uint64_t now = now_ns();
     if (next_check == 0) {
       next_check = now + kLivenessPeriodNs;
@@ -195,6 +197,7 @@ class HostTransport final : public Transport {
   Served gather(std::span<const GatherOp> bucket, void* /*stream*/) override {
     if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
     if (broken_) throw Error(ErrorKind::System, "an earlier bucket failed; this window is unusable");
+    if (abandoned_.load(std::memory_order_relaxed)) throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
     for (const GatherOp& op : bucket)
       if (op.bytes > slot_bytes_ || op.slot_offset > slot_bytes_ - op.bytes)
         throw Error(ErrorKind::Usage, "gather of " + std::to_string(op.bytes) + " bytes at slot offset " +
@@ -279,6 +282,9 @@ class HostTransport final : public Transport {
 
   std::vector<size_t> take_stale_bindings() override { return std::exchange(stale_, {}); }
 
+  // Only the flag: the mappings stay until release(), which comes after any call in flight.
+  void abandon() override { abandoned_.store(true, std::memory_order_relaxed); }
+
   void release() override {
     peers_.clear();  // unmaps; their names were removed when the last peer opened them
     peer_pids_.clear();
@@ -289,6 +295,7 @@ class HostTransport final : public Transport {
     verified_calls_.clear();
     stale_.clear();
     attached_ = broken_ = false;
+    abandoned_.store(false, std::memory_order_relaxed);
   }
 
   size_t window_bytes() const override { return own_.size(); }
@@ -316,7 +323,7 @@ class HostTransport final : public Transport {
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
       const std::atomic<uint64_t>& flag = (peers_[static_cast<size_t>(r)].flags().*word).value;
-      wait_for(r, peer_pids_[static_cast<size_t>(r)],
+      wait_for(r, peer_pids_[static_cast<size_t>(r)], abandoned_,
                [&] { return flag.load(std::memory_order_acquire) >= target; });
     }
   }
@@ -337,6 +344,7 @@ class HostTransport final : public Transport {
   std::vector<size_t> stale_;
   bool attached_ = false;
   bool broken_ = false;
+  std::atomic<bool> abandoned_{false};
 };
 
 }  // namespace

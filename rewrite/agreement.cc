@@ -445,7 +445,11 @@ void CommAgreement::publish(uint64_t seq) {
                              layout_.offset_by_position[g.position]});
       }
     }
-    transport_ = ce::make_transport(backend_, info_.rank, info_.nranks, info_.identity, info_.cuda_device);
+    {
+      std::lock_guard<std::mutex> lock(transport_mutex_);
+      if (aborted_) throw Error(ErrorKind::Usage, "the communicator is being aborted");
+      transport_ = ce::make_transport(backend_, info_.rank, info_.nranks, info_.identity, info_.cuda_device);
+    }
     transport_->prepare(plan, c.header.handle);
     c.header.flags |= kCanServe;
     if (plan.bound)
@@ -559,6 +563,7 @@ void CommAgreement::deactivate(uint64_t seq, Reason why) {
 }
 
 void CommAgreement::drop_transport() {
+  std::lock_guard<std::mutex> lock(transport_mutex_);
   if (!transport_) return;
   try {
     transport_->release();
@@ -566,6 +571,17 @@ void CommAgreement::drop_transport() {
     MAGI_WARN(Transport, "comm %012llx: releasing the window: %s", short_id(info_.identity), e.what());
   }
   transport_.reset();
+}
+
+void CommAgreement::abandon() {
+  std::lock_guard<std::mutex> lock(transport_mutex_);
+  aborted_ = true;
+  if (!transport_) return;
+  try {
+    transport_->abandon();
+  } catch (const Error& e) {
+    MAGI_WARN(Transport, "comm %012llx: abandoning the window: %s", short_id(info_.identity), e.what());
+  }
 }
 
 void CommAgreement::retire(std::unique_ptr<ce::Exchange> exchange) {

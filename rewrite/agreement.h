@@ -43,6 +43,7 @@
 #include <nccl.h>
 
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "capture/capture.h"
@@ -89,6 +90,10 @@ class CommAgreement {
                      cudaStream_t stream, uint16_t bucket_id, bool via_nccl);
 
   uint64_t identity() const { return info_.identity; }
+
+  // The communicator is being aborted, maybe from another thread while a call of this one is
+  // blocked: the transport stops waiting on peers now, and no window is made after this.
+  void abandon();
 
  private:
   struct Round {
@@ -141,6 +146,10 @@ class CommAgreement {
   uint32_t decision_round_ = 0;
   SlotLayout layout_;
   std::unique_ptr<ce::Transport> transport_;
+  // Held where transport_ is replaced or dropped, and by abandon(), which may come from another
+  // thread; the calling thread itself reads transport_ without it.
+  std::mutex transport_mutex_;
+  bool aborted_ = false;  // under transport_mutex_
   bool transport_failed_ = false;
   std::vector<uint32_t> stale_positions_;  // static bindings found changed, until the step changes
 

@@ -13,6 +13,8 @@
 
 #include <nccl.h>
 
+#include <memory>
+
 #include "capture/capture.h"
 
 namespace magi::rewrite {
@@ -27,9 +29,29 @@ struct RealNcclCalls {
 };
 void install(const RealNcclCalls& calls);
 
+class CommAgreement;
+
+// What comm_left() leaves to release: the communicator's windows and round buffers, freed when
+// this goes (or, if a call of that communicator is still in flight on another thread, when that
+// call ends).
+class Departure {
+ public:
+  Departure();
+  Departure(Departure&&) noexcept;
+  Departure& operator=(Departure&&) noexcept;
+  ~Departure();
+
+ private:
+  friend Departure comm_left(ncclComm_t, bool);
+  std::shared_ptr<CommAgreement> agreement_;
+};
+
 void comm_joined(ncclComm_t comm, const capture::CommInfo& info);
-// Before the real destroy/abort/finalize: releases windows and round buffers of `comm`.
-void comm_left(ncclComm_t comm);
+// Before the real destroy/abort: forgets `comm` (a handle NCCL hands out again never meets its
+// state). `aborting`: this rank's waits on its peers give up now, since another thread may be
+// blocked on one, as NCCL's abort stops its kernels. The shim keeps the Departure across the
+// real ncclCommAbort, so windows are released once NCCL's kernels on the communicator are gone.
+[[nodiscard]] Departure comm_left(ncclComm_t comm, bool aborting = false);
 
 struct Outcome {
   bool served = false;              // the call left NCCL: do not forward it

@@ -20,9 +20,13 @@ namespace {
 
 RealNcclCalls g_nccl{};
 
+// Shared: a call in flight holds its agreement, so an abort from another thread (a watchdog, as
+// NCCL allows) never frees it under that call; the last holder releases its windows.
+using AgreementRef = std::shared_ptr<CommAgreement>;
+
 std::mutex g_mutex;
-std::unordered_map<ncclComm_t, std::unique_ptr<CommAgreement>>& agreements() {
-  static auto* map = new std::unordered_map<ncclComm_t, std::unique_ptr<CommAgreement>>();
+std::unordered_map<ncclComm_t, AgreementRef>& agreements() {
+  static auto* map = new std::unordered_map<ncclComm_t, AgreementRef>();
   return *map;  // never destroyed: exit hooks and late threads may still look things up
 }
 
@@ -30,24 +34,26 @@ std::unordered_map<ncclComm_t, std::unique_ptr<CommAgreement>>& agreements() {
 std::atomic<uint64_t> g_generation{0};
 
 // Every intercepted collective looks its communicator up: a per-thread one-entry cache keeps the
-// lock and the hash off that path while the set of communicators stays the same.
-CommAgreement* find(ncclComm_t comm) {
+// lock and the hash off that path while the set of communicators stays the same. The cache holds
+// no reference (a thread that stops calling must not keep windows alive).
+AgreementRef find(ncclComm_t comm) {
   thread_local ncclComm_t cached_comm = nullptr;
-  thread_local CommAgreement* cached = nullptr;
+  thread_local std::weak_ptr<CommAgreement> cached;
   thread_local uint64_t cached_generation = ~uint64_t{0};
   const uint64_t generation = g_generation.load(std::memory_order_acquire);
-  if (comm == cached_comm && generation == cached_generation) return cached;
+  if (comm == cached_comm && generation == cached_generation) return cached.lock();
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = agreements().find(comm);
+  AgreementRef found = it == agreements().end() ? nullptr : it->second;
   cached_comm = comm;
-  cached = it == agreements().end() ? nullptr : it->second.get();
+  cached = found;
   cached_generation = g_generation.load(std::memory_order_relaxed);
-  return cached;
+  return found;
 }
 
 // Moved gathers issued inside the calling thread's open group, in call order.
 struct Queued {
-  CommAgreement* agreement;
+  AgreementRef agreement;
   uint16_t bucket;
   bool via_nccl;
   cudaStream_t stream;
@@ -75,8 +81,8 @@ void forget_in_child() {
   new (&g_mutex) std::mutex();  // another parent thread may have held it at the fork
   // Set aside, reachable, never freed: it is the parent's (a leak checker in the child sees a
   // live pointer, not a leak).
-  static auto* parents = new std::vector<CommAgreement*>();
-  for (auto& [comm, agreement] : agreements()) parents->push_back(agreement.release());
+  static auto* parents = new std::vector<AgreementRef>();
+  for (auto& [comm, agreement] : agreements()) parents->push_back(std::move(agreement));
   agreements().clear();
   g_generation.fetch_add(1, std::memory_order_release);
   t_queued.clear();
@@ -88,23 +94,34 @@ void comm_joined(ncclComm_t comm, const capture::CommInfo& info) {
     std::atexit(release_at_exit);
     pthread_atfork(nullptr, nullptr, forget_in_child);
   });
-  auto agreement = std::make_unique<CommAgreement>(comm, info, g_nccl);
+  auto agreement = std::make_shared<CommAgreement>(comm, info, g_nccl);
   std::lock_guard<std::mutex> lock(g_mutex);
   agreements()[comm] = std::move(agreement);
   g_generation.fetch_add(1, std::memory_order_release);
 }
 
-void comm_left(ncclComm_t comm) {
-  std::unique_ptr<CommAgreement> gone;
+Departure comm_left(ncclComm_t comm, bool aborting) {
+  AgreementRef gone;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = agreements().find(comm);
-    if (it == agreements().end()) return;
+    if (it == agreements().end()) return {};
     gone = std::move(it->second);
     agreements().erase(it);
     g_generation.fetch_add(1, std::memory_order_release);
   }
-  std::erase_if(t_queued, [&](const Queued& q) { return q.agreement == gone.get(); });
+  std::erase_if(t_queued, [&](const Queued& q) { return q.agreement == gone; });
+  if (aborting) gone->abandon();
+  Departure departure;
+  departure.agreement_ = std::move(gone);
+  return departure;
+}
+
+Departure::Departure() = default;
+Departure::Departure(Departure&&) noexcept = default;
+Departure& Departure::operator=(Departure&&) noexcept = default;
+Departure::~Departure() {
+  guarded("releasing a communicator's windows", [&] { agreement_.reset(); });
 }
 
 Outcome intercept(ncclComm_t comm, const capture::CallArgs& args, capture::CallRecord& record,
@@ -112,7 +129,7 @@ Outcome intercept(ncclComm_t comm, const capture::CallArgs& args, capture::CallR
   Outcome outcome;
   guarded("rewrite", [&] {
     if (!view.collective) return;
-    CommAgreement* agreement = find(comm);
+    const AgreementRef agreement = find(comm);
     if (agreement == nullptr) return;
     const Route route = agreement->on_collective(args, record, view);
     if (route.kind == Route::Kind::WouldMove) record.flags |= trace::kCallWouldMove;

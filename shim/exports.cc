@@ -201,18 +201,20 @@ MAGI_EXPORT ncclResult_t ncclCommFinalize(ncclComm_t comm) {
   const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommFinalize, comm);
   if (!nested) guarded("ncclCommFinalize", [&] {
-    magi::rewrite::comm_left(comm);
+    (void)magi::rewrite::comm_left(comm);
     magi::capture::comm_left(comm, CommEndKind::Finalize);
   });
   return r;
 }
 
 // Destroy and Abort: forget the communicator before NCCL frees it, so a handle NCCL hands out
-// again later can never meet this one's state.
+// again later can never meet this one's state. Destroy releases the windows first (NCCL's destroy
+// finishes the communicator's work, ours included); abort gives up this rank's waits first and
+// releases after NCCL's abort has stopped its kernels (another thread may be blocked on either).
 MAGI_EXPORT ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   const bool nested = inside_real_nccl();
   if (!nested) guarded("ncclCommDestroy", [&] {
-    magi::rewrite::comm_left(comm);
+    (void)magi::rewrite::comm_left(comm);
     magi::capture::comm_left(comm, CommEndKind::Destroy);
   });
   return MAGI_FORWARD(CommDestroy, comm);
@@ -220,8 +222,9 @@ MAGI_EXPORT ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 
 MAGI_EXPORT ncclResult_t ncclCommAbort(ncclComm_t comm) {
   const bool nested = inside_real_nccl();
+  magi::rewrite::Departure departure;
   if (!nested) guarded("ncclCommAbort", [&] {
-    magi::rewrite::comm_left(comm);
+    departure = magi::rewrite::comm_left(comm, /*aborting=*/true);
     magi::capture::comm_left(comm, CommEndKind::Abort);
   });
   return MAGI_FORWARD(CommAbort, comm);
@@ -231,7 +234,7 @@ MAGI_EXPORT ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
   const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommRevoke, comm, revokeFlags);
   if (!nested) guarded("ncclCommRevoke", [&] {
-    magi::rewrite::comm_left(comm);
+    (void)magi::rewrite::comm_left(comm, /*aborting=*/true);  // revoked work is cancelled, ours too
     magi::capture::comm_left(comm, CommEndKind::Revoke);
   });
   return r;

@@ -84,6 +84,8 @@ else
   standin_run "fsdp-static-weights" 4 MAGI_STATIC_WEIGHTS=1 -- fsdp --device 1 --layers 6 --steps 24
   standin_sanitized_run "fsdp-memcheck" 2 -- fsdp --device 1 --layers 6 --steps 8 --rewrite 1
   standin_profiled_run "fsdp-kernels" 2 -- fsdp --device 1 --layers 6 --steps 24 --rewrite 1
+  echo "== faults with the CUDA transport"
+  standin_fault_runs
 fi
 
 # 3. Several GPUs (issue 5): real NCCL, one process per GPU, with and without the shim. Its own

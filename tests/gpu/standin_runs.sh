@@ -110,3 +110,64 @@ standin_profiled_run() {
     tail -n 20 "$dir/log" | sed 's/^/  /'
   fi
 }
+
+# Faults with the CUDA transport (issue 6): the launcher's summary line says how each rank ended
+# ("rank 2 killed by signal 9 (Killed); rank 0 exited 3 ..."; ranks that exited 0 are not named).
+launch_summary() { grep "^magi-launch: " "$work/$1/log" | tail -n 1; }
+
+# standin_fault_run NAME N WANT FORBID LOG_FORBID [KEY=VALUE...] -- SCENARIO ARGS...: passes
+# when the summary matches the extended regex WANT and not FORBID, no line of the ranks' output
+# matches LOG_FORBID (grep -E; "" for none), and the launcher did not time out.
+standin_fault_run() {
+  local name=$1 n=$2 want=$3 forbid=$4 log_forbid=$5
+  shift 5
+  launch_ranks "$name" "$n" "" "$@"
+  local status=$? summary
+  summary=$(launch_summary "$name")
+  if [ "$status" != 124 ] && [[ $summary =~ $want ]] && ! [[ $summary =~ $forbid ]] &&
+    { [ -z "$log_forbid" ] || ! grep -qE "$log_forbid" "$work/$name/log"; }; then
+    pass "$name: ${summary#magi-launch: *: }"
+  else
+    fail "$name: launcher status $status, ${summary:-no summary}"
+    grep -v " MAGI INFO " "$work/$name/log" | tail -n 25 | sed 's/^/  /'
+  fi
+  grep -E "watchdog: the main|left allocated|refused" "$work/$name/log" | sed 's/^vm:[0-9:]* //' |
+    sort | uniq -c | head -n 8 | sed 's/^/  /'
+}
+
+# A run that must end with every rank 0 and no window left behind.
+standin_clean_end_run() {
+  local name=$1 n=$2
+  shift 2
+  if launch_ranks "$name" "$n" "" "$@" && ! grep -q "left allocated" "$work/$name/log"; then
+    pass "$name: every rank exit 0, every window freed"
+  else
+    fail "$name: every rank exit 0, every window freed ($(launch_summary "$name"))"
+    grep -v " MAGI INFO " "$work/$name/log" | tail -n 20 | sed 's/^/  /'
+  fi
+}
+
+standin_fault_runs() {
+  local fsdp=(fsdp --device 1 --layers 6 --steps 24)
+  # A rank hung (alive) with gathers moving: the others' streams wait on it, as they would in
+  # NCCL's kernels; their watchdog thread aborts the communicators, which must free the main
+  # thread blocked on the device (exit 3), not leave it blocked (exit 4 after the grace). No cost
+  # trial and a step with no agreement round, so nothing but the transport's waits can block
+  # (an abort that the stand-in's own collectives noticed would say "refused").
+  standin_fault_run "fault-hung-peer" 3 "^magi-launch: .*: rank 0 exited 3; rank 2 exited 3 " \
+    "exited 4|signal" "refused" MAGI_CE_FORCE=1 -- "${fsdp[@]}" --comms 2 --stall-rank 1 \
+    --stall-step 16 --stall-s 45 --watchdog-s 5 --watchdog-grace-s 30
+  # A rank killed with gathers moving, and while rounds are in flight: no survivor hangs (each
+  # ends through the stand-in's error or its watchdog's abort, exit 1 or 3), none crashes.
+  for step in 6 14; do
+    standin_fault_run "fault-killed-peer-$step" 4 "rank 2 killed by signal 9" \
+      "exited 4|rank [013] killed|timed out" "" -- "${fsdp[@]}" --die-rank 2 --die-step "$step" \
+      --watchdog-s 5 --watchdog-grace-s 30
+  done
+  # Abort on every rank mid-run (rounds in flight, gathers moving), two communicators; and a
+  # program that never destroys: windows freed, every rank exit 0.
+  for step in 6 14; do
+    standin_clean_end_run "fault-abort-step-$step" 3 -- "${fsdp[@]}" --comms 2 --abort-step "$step"
+  done
+  standin_clean_end_run "fault-exit-without-destroy" 3 -- "${fsdp[@]}" --comms 2 --exit-without-destroy 1
+}

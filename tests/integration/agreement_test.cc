@@ -470,6 +470,31 @@ TEST(Agreement, APeerKilledBeforeDuringOrAfterAgreementHangsNoOne) {
   EXPECT_LE(left.size(), 1u);
 }
 
+// A rank that hangs, alive, with gathers moving (step 14) or a round in flight (step 6): the
+// others block, in the transport or in NCCL, as they would on NCCL alone. The program's watchdog
+// thread (as PyTorch's) then aborts the communicators while the main thread is blocked; the abort
+// must free that thread (the transport gives up its waits), not hang it or crash it. The hung
+// rank outlives the watchdog's grace, so a main thread the abort did not free exits 4, not 3.
+TEST(Agreement, AnAbortFromAWatchdogThreadFreesCallsBlockedOnAHungPeer) {
+  std::vector<support::LaunchResult> runs;
+  for (const int step : {6, 14}) {
+    const AgreedRun r = run_agreed(3, fsdp({"--stall-rank", "1", "--stall-step", std::to_string(step),
+                                            "--stall-s", "14", "--watchdog-s", "3",
+                                            "--watchdog-grace-s", "8", "--comms", "2"}, 20),
+                                   {}, 90);
+    runs.push_back(r.result);
+    ASSERT_FALSE(r.result.timed_out) << "stalled at step " << step << ": " << transcript(r);
+    EXPECT_EQ(r.result.ranks[1].exit_code, 0) << transcript(r);
+    for (const int rank : {0, 2}) {
+      const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
+      EXPECT_EQ(rr.signal, 0) << "step " << step << " rank " << rank << " crashed:\n" << rr.stderr_text;
+      EXPECT_EQ(rr.exit_code, 3) << "step " << step << " rank " << rank << ":\n" << rr.stderr_text;
+      EXPECT_NE(rr.stderr_text.find("the main thread is free again"), std::string::npos) << rr.stderr_text;
+    }
+  }
+  EXPECT_TRUE(windows_left_by(runs).empty());
+}
+
 TEST(Agreement, NonBlockingCommunicatorsStayOnNcclAndSaySo) {
   const AgreedRun r = run_agreed(3, fsdp({"--nonblocking", "1"}));
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);

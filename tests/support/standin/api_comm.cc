@@ -2,6 +2,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <mutex>
 #include <vector>
 
 #include "tests/support/standin/comm.h"
@@ -164,9 +165,16 @@ STANDIN_API ncclResult_t pncclCommDestroy(ncclComm_t comm) {
 }
 STANDIN_ALIAS(ncclCommDestroy)
 
+// NCCL lets another thread abort a communicator while a call on it is blocked (a watchdog): the
+// call then returns an error. So the object is not freed: it stays, reachable, marked aborted.
 STANDIN_API ncclResult_t pncclCommAbort(ncclComm_t comm) {
   if (comm == nullptr) return ncclInvalidArgument;
-  delete comm;
+  static std::mutex aborted_mutex;
+  static auto* aborted = new std::vector<ncclComm_t>();
+  comm->aborted.store(true);
+  if (comm->segment) comm->segment->abort_here();
+  std::lock_guard<std::mutex> lock(aborted_mutex);
+  aborted->push_back(comm);
   return ncclSuccess;
 }
 STANDIN_ALIAS(ncclCommAbort)

@@ -93,6 +93,7 @@ std::string child_segment_name(const std::string& parent, const std::string& der
 
 void check_usable(const ncclComm* comm) {
   if (comm == nullptr) throw Failure(ncclInvalidArgument, "communicator is NULL");
+  if (comm->aborted.load()) throw Failure(ncclInvalidUsage, "communicator was aborted");
   if (!comm->broken.empty()) throw Failure(ncclSystemError, comm->broken);
   if (comm->revoked) throw Failure(ncclInvalidUsage, "communicator was revoked");
   if (comm->finalized) throw Failure(ncclInvalidUsage, "communicator was finalized");

@@ -5,6 +5,7 @@
 
 #include <nccl.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -32,6 +33,7 @@ struct ncclComm {
   uint64_t shrinks = 0;
   bool finalized = false;
   bool revoked = false;
+  std::atomic<bool> aborted{false};  // set by ncclCommAbort, from any thread
   std::string broken;  // why this communicator refuses work (a timeout); empty if healthy
 };
 

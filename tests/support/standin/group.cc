@@ -50,6 +50,12 @@ ncclResult_t run(std::vector<std::unique_ptr<Operation>>& ops) {
       continue;
     }
     const double waited_s = std::chrono::duration<double>(now - last_move).count();
+    for (auto& op : ops) {
+      if (op->done() || !op->awaited()->aborted_here()) continue;
+      const std::string message = format("rank %d: %s: the communicator was aborted", op->rank(),
+                                         op->describe().c_str());
+      op->give_up(ncclSystemError, message);
+    }
     if (now - last_liveness_check >= kLivenessInterval) {
       last_liveness_check = now;
       for (auto& op : ops) {

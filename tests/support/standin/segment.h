@@ -80,6 +80,11 @@ class Segment {
   std::byte* collective_slot(int rank);
   std::byte* pair_slot(int sender, int receiver);
 
+  // This process aborted the communicator on this segment (ncclCommAbort, maybe from another
+  // thread): what it still waits for there gives up. Process-local, like NCCL's abort flag.
+  void abort_here() { aborted_here_.store(true); }
+  bool aborted_here() const { return aborted_here_.load(); }
+
   uint32_t doorbell() const;
   void ring();
   // Sleeps until ring() moves the doorbell past `seen`, or `limit` passes.
@@ -97,6 +102,7 @@ class Segment {
   std::byte* base_ = nullptr;
   size_t mapped_bytes_ = 0;
   size_t controls_offset_ = 0, pairs_offset_ = 0, slots_offset_ = 0, pair_slots_offset_ = 0;
+  std::atomic<bool> aborted_here_{false};
 };
 
 }  // namespace standin

@@ -3,6 +3,7 @@
 //      [--rewrite 1] [--callsite-rank R] [--group-rank R] [--newbuf-rank R --newbuf-step K]
 //      [--count-step K] [--mixed-group 1] [--comms 2 [--perturb-comm 1|2]] [--device 1]
 //      [--static-change-rank R --static-change-step K] [--die-rank R --die-step K] [--abort-step K]
+//      [--stall-rank R --stall-step K --stall-s T] [--watchdog-s S [--watchdog-grace-s G]]
 //
 // An FSDP-style inference loop: one all-reduce at start-up, then per step every layer's weight
 // shard is all-gathered (pairs of layers in one ncclGroupStart/End, as FSDP buckets them), used
@@ -25,14 +26,24 @@
 //                      breaking MAGI_STATIC_WEIGHTS's promise (stale reads accepted until the end)
 //   --die-rank R --die-step K   rank R kills itself (SIGKILL) as step K begins
 //   --abort-step K     every rank calls ncclCommAbort as step K begins, then returns
+//   --stall-rank R --stall-step K --stall-s T   rank R stops as step K begins, alive, for T
+//                      seconds (a hung process), then exits 0 without another call
+//   --watchdog-s S     as PyTorch's NCCL watchdog: if no step ends for S seconds, another thread
+//                      aborts the communicators (ncclCommAbort) while the main thread may be
+//                      blocked in a call or on the device. Once the main thread is free again the
+//                      process exits 3; if it is still blocked G seconds (default 30) after the
+//                      abort, it exits 4.
 //   --nonblocking 1    the communicator is made with config.blocking = 0
 //   --comms 2          a second communicator (ncclCommSplit, color rank % 2) runs a model of its
 //                      own, step for step with the first; --perturb-comm picks which one the
 //                      changes above apply to (default 1)
 #include <signal.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <thread>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <cstdio>
@@ -298,6 +309,57 @@ class FsdpModel {
   std::vector<float> activation_ = std::vector<float>(kHidden, 0.5f);
 };
 
+// See --watchdog-s above. Its thread is detached: it only ever ends the process.
+class Watchdog {
+ public:
+  static constexpr int kAbortedExit = 3;
+  static constexpr int kStillBlockedExit = 4;
+
+  Watchdog(double seconds, double grace_s, int rank, std::vector<ncclComm_t> comms) {
+    if (seconds <= 0) return;
+    std::thread([seconds, grace_s, rank, comms = std::move(comms)] {
+      using Clock = std::chrono::steady_clock;
+      uint64_t seen = steps_.load();
+      auto since = Clock::now();
+      for (;;) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        if (steps_.load() != seen) {
+          seen = steps_.load();
+          since = Clock::now();
+        } else if (Clock::now() - since > std::chrono::duration<double>(seconds)) {
+          break;
+        }
+      }
+      std::fprintf(stderr, "rank %d: watchdog: no step ended for %g s; aborting the communicators\n", rank, seconds);
+      fired_.store(true);
+      for (ncclComm_t comm : comms) ncclCommAbort(comm);
+      aborted_.store(true);
+      std::fprintf(stderr, "rank %d: watchdog: communicators aborted\n", rank);
+      std::this_thread::sleep_for(std::chrono::duration<double>(grace_s));
+      std::fprintf(stderr, "rank %d: watchdog: the main thread is still blocked %g s after the abort\n", rank, grace_s);
+      std::fflush(nullptr);
+      _exit(kStillBlockedExit);
+    }).detach();
+  }
+
+  void step_ended() { steps_.fetch_add(1); }
+  // Called by the main thread whenever it is free: after each step and when a call failed (a
+  // call the abort itself ended fails while the aborts are still going on).
+  void exit_if_fired(int rank) {
+    if (!fired_.load()) return;
+    while (!aborted_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    std::fprintf(stderr, "rank %d: watchdog: the main thread is free again after the abort\n", rank);
+    std::fflush(nullptr);
+    std::exit(kAbortedExit);
+  }
+
+ private:
+  // Static storage: the detached thread may outlive the scenario's frame.
+  static inline std::atomic<uint64_t> steps_{0};
+  static inline std::atomic<bool> fired_{false};    // the watchdog began aborting
+  static inline std::atomic<bool> aborted_{false};  // every abort returned
+};
+
 }  // namespace
 
 int run_fsdp(const ScenarioOptions& options) {
@@ -361,8 +423,21 @@ int run_fsdp(const ScenarioOptions& options) {
   const int die_rank = static_cast<int>(options.number("die-rank", -1));
   const int die_step = static_cast<int>(options.number("die-step", -1));
   const int abort_step = static_cast<int>(options.number("abort-step", -1));
+  const int stall_rank = static_cast<int>(options.number("stall-rank", -1));
+  const int stall_step = static_cast<int>(options.number("stall-step", -1));
+  const double stall_s = options.number("stall-s", 30);
+  std::vector<ncclComm_t> watched = {comm.get()};
+  if (sub.get() != nullptr) watched.push_back(sub.get());
+  // The hung rank runs none: it stands for a process whose every thread is stuck.
+  Watchdog watchdog(boot.rank == stall_rank ? 0 : options.number("watchdog-s", 0),
+                    options.number("watchdog-grace-s", 30), boot.rank, watched);
   for (int s = 0; s < steps; ++s) {
     if (boot.rank == die_rank && s == die_step) raise(SIGKILL);  // a crashed rank: no goodbye
+    if (boot.rank == stall_rank && s == stall_step) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(stall_s));
+      std::fflush(nullptr);
+      _exit(0);  // a hung process someone finally killed, minus the signal
+    }
     if (s == abort_step) {
       // Every rank abandons its communicators mid-run, as a program that gives up on an error
       // does: no destroy afterwards, and the process ends normally.
@@ -372,8 +447,15 @@ int run_fsdp(const ScenarioOptions& options) {
       *comm.out() = nullptr;
       return 0;
     }
-    model.step(s);
-    if (sub_model) sub_model->step(s);
+    try {
+      model.step(s);
+      if (sub_model) sub_model->step(s);
+    } catch (...) {
+      watchdog.exit_if_fired(boot.rank);  // the abort made this call fail: expected
+      throw;
+    }
+    watchdog.step_ended();
+    watchdog.exit_if_fired(boot.rank);
   }
   if (sub.get() != nullptr) sub.destroy();
   if (options.has("fork-child")) {
