@@ -2,9 +2,11 @@
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
+#include <link.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -14,12 +16,37 @@
 
 namespace standin {
 
+namespace {
+
+// How many objects the loader has loaded so far (no system call; 0 if it does not say).
+uint64_t loader_adds() {
+  uint64_t adds = 0;
+  ::dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t size, void* out) {
+        if (size >= offsetof(dl_phdr_info, dlpi_adds) + sizeof(info->dlpi_adds))
+          *static_cast<uint64_t*>(out) = info->dlpi_adds;
+        return 1;
+      },
+      &adds);
+  return adds;
+}
+
+}  // namespace
+
 bool cuda_driver_loaded() {
-  // Once loaded, the driver stays for the life of the process: ask the loader until then only.
+  // Once loaded, the driver stays for the life of the process: ask the loader until then only,
+  // and only when it loaded something since the last answer (dlopen(RTLD_NOLOAD) of an absent
+  // library searches the library path: tens of µs per call).
   static std::atomic<bool> loaded{false};
+  static std::atomic<uint64_t> absent_at_adds{0};
   if (loaded.load(std::memory_order_relaxed)) return true;
+  const uint64_t adds = loader_adds();
+  if (adds != 0 && adds == absent_at_adds.load(std::memory_order_relaxed)) return false;
   void* driver = ::dlopen("libcuda.so.1", RTLD_NOLOAD | RTLD_LAZY);
-  if (driver == nullptr) return false;
+  if (driver == nullptr) {
+    absent_at_adds.store(adds, std::memory_order_relaxed);
+    return false;
+  }
   ::dlclose(driver);  // drops only the reference RTLD_NOLOAD just took
   loaded.store(true, std::memory_order_relaxed);
   return true;
