@@ -86,6 +86,8 @@ else
   standin_profiled_run "fsdp-kernels" 2 -- fsdp --device 1 --layers 6 --steps 24 --rewrite 1
   echo "== faults with the CUDA transport"
   standin_fault_runs
+  echo "== ranks as MPS clients"
+  standin_mps_runs
 fi
 
 # 3. Several GPUs (issue 5): real NCCL, one process per GPU, with and without the shim. Its own
