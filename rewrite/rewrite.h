@@ -47,8 +47,8 @@ class Departure {
 };
 
 void comm_joined(ncclComm_t comm, const capture::CommInfo& info);
-// Before the real destroy/abort: forgets `comm` (a handle NCCL hands out again never meets its
-// state). `aborting`: this rank's waits on its peers give up now, since another thread may be
+// At destroy, abort, finalize or revoke: forgets `comm` (called before the real destroy or abort,
+// so a handle NCCL hands out again never meets its state). `aborting`: this rank's waits on its peers give up now, since another thread may be
 // blocked on one, as NCCL's abort stops its kernels. The shim keeps the Departure across the
 // real ncclCommAbort, so windows are released once NCCL's kernels on the communicator are gone.
 [[nodiscard]] Departure comm_left(ncclComm_t comm, bool aborting = false);
