@@ -154,6 +154,13 @@ $(FULL_DISK): $(BUILD)/obj/tests/support/full_disk.o
 	$(CXX) -shared -o $@ $^ -ldl
 TEST_BINS := $(SUPPORT_BINS) $(PROBE) $(PARTIAL) $(CALLSITE_PROBE) $(FULL_DISK)
 
+# The CUDA transport under faults (tests/gpu/cuda_transport_faults.cc): run by make gpu-test on a
+# GPU machine; built by make test too, so a machine without a GPU keeps it compiling.
+GPU_FAULTS := $(BUILD)/tests/gpu/magi-transport-faults
+$(GPU_FAULTS): $(BUILD)/obj/tests/gpu/cuda_transport_faults.o $(filter-out $(BUILD)/obj/shim/exports.o,$(LIB_OBJS))
+	@mkdir -p $(dir $@)
+	$(CXX) -o $@ $(filter %.o,$^) $(LIB_LDLIBS) -Wl,-rpath,'$$ORIGIN/../..'
+
 # Unit tests link the library's objects directly (all but the exported entry points);
 # integration tests run real processes under LD_PRELOAD.
 $(TESTS): $(TEST_OBJS) $(filter-out $(BUILD)/obj/shim/exports.o,$(LIB_OBJS)) \
@@ -162,7 +169,7 @@ $(TESTS): $(TEST_OBJS) $(filter-out $(BUILD)/obj/shim/exports.o,$(LIB_OBJS)) \
 	$(CXX) -o $@ $(filter %.o,$^) -lgtest $(LIB_LDLIBS) -Wl,-rpath,'$$ORIGIN/..'
 
 # ---- user-facing targets ------------------------------------------------------------------
-test: all $(TEST_BINS) $(TESTS)
+test: all $(TEST_BINS) $(TESTS) $(GPU_FAULTS)
 	TEST_BUILD_DIR=$(abspath $(BUILD)) $(TESTS)
 	$(MAKE) --no-print-directory test-asan
 	$(MAKE) --no-print-directory test-tsan

@@ -93,6 +93,21 @@ BatchMemOp batch_mem_op() {
   return fn;
 }
 
+using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+// A shard about to be bound must still lie inside one live allocation: the program may have
+// freed it since the round that chose it, and a copy from unmapped memory would break the
+// context for good (an illegal address is sticky), where a refusal only keeps it on NCCL.
+void check_bindable(const BindOp& b) {
+  static const auto range = reinterpret_cast<GetAddressRange>(cuda_driver_function("cuMemGetAddressRange", 3020));
+  if (range == nullptr) throw Error(ErrorKind::Cuda, "the driver offers no cuMemGetAddressRange");
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  const auto at = reinterpret_cast<CUdeviceptr>(b.sendbuf);
+  if (range(&base, &size, at) != CUDA_SUCCESS || at + b.bytes > base + size)
+    throw Error(ErrorKind::System, "binding a shard: its send buffer is no longer allocated");
+}
+
 CUstreamBatchMemOpParams write_op(const uint8_t* address, uint64_t value) {
   CUstreamBatchMemOpParams op{};
   op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
@@ -150,6 +165,7 @@ class CudaTransport final : public Transport {
         if (b.bytes > slot_bytes_ || b.slot_offset > slot_bytes_ - b.bytes)
           throw Error(ErrorKind::Usage, "a binding overflows the bound region");
         if (b.bytes == 0) continue;
+        check_bindable(b);
         cuda_check(cudaMemcpyAsync(region() + b.slot_offset, b.sendbuf, b.bytes, cudaMemcpyDefault,
                                    own_stream_), "cudaMemcpyAsync (binding)");
       }

@@ -90,6 +90,23 @@ else
   standin_mps_runs
 fi
 
+# The CUDA transport alone under faults (tests/gpu/cuda_transport_faults.cc): its own PASS/FAIL
+# lines count here one by one.
+faults="$build/tests/gpu/magi-transport-faults"
+if [ "$gpus" -lt 1 ]; then
+  echo "SKIP the CUDA transport under faults: no GPU"
+elif [ ! -x "$faults" ]; then
+  fail "the CUDA transport under faults: $faults is missing (make BUILD=$build test builds it)"
+else
+  echo "== the CUDA transport under faults"
+  timeout 300 "$faults" >"$work/transport-faults.log" 2>&1
+  cat "$work/transport-faults.log"
+  passed=$((passed + $(grep -c "^PASS " "$work/transport-faults.log")))
+  failed=$((failed + $(grep -c "^FAIL " "$work/transport-faults.log")))
+  grep -q "^transport-faults: .* passed, .* failed$" "$work/transport-faults.log" ||
+    fail "the CUDA transport under faults: ended without its summary line"
+fi
+
 # 3. Several GPUs (issue 5): real NCCL, one process per GPU, with and without the shim. Its own
 # checks count here one by one; a run that ends without its closing line counts as one failure.
 if [ "$gpus" -ge 2 ]; then

@@ -1,0 +1,228 @@
+// magi-transport-faults: the CUDA transport (ce_transport/cuda_transport.cc) under faults, on one
+// GPU, each case in processes of its own forked before any CUDA call. Run by tests/gpu/run.sh;
+// prints PASS/FAIL lines and "transport-faults: N passed, M failed", exits 1 on any failure.
+//
+//  1. A static shard freed before binding: prepare refuses it, the context stays usable (a copy
+//     from unmapped memory would have broken it for good).
+//  2. A peer that hangs, alive: this rank's stream waits for it; abandon() from another thread
+//     (an abort) lets the stream drain, release() does not wait, the context stays usable.
+//  3. A peer that died without gathering: release() notices at once (no abort needed), the
+//     stream drains, the context stays usable.
+#include <cuda_runtime_api.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <new>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ce_transport/ce_transport.h"
+#include "shim/shim.h"
+
+namespace {
+
+using magi::ce::Backend;
+using magi::ce::GatherOp;
+using magi::ce::HandleBlob;
+using magi::ce::WindowPlan;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kMaxRanks = 2;
+constexpr size_t kShard = size_t{1} << 20;
+
+struct Shared {
+  std::atomic<int> attached{0};
+  HandleBlob blobs[kMaxRanks];
+};
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+// True once `done` holds, polled until `seconds` pass.
+bool within(double seconds, const std::function<bool()>& done) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
+  while (!done()) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+bool stream_idle(cudaStream_t stream) {
+  const cudaError_t e = cudaStreamQuery(stream);
+  if (e == cudaErrorNotReady) return false;
+  check(e, "cudaStreamQuery");
+  return true;
+}
+
+// The context still takes work and reports no error: nothing the transport did broke it.
+void expect_usable_context() {
+  void* p = nullptr;
+  check(cudaMalloc(&p, 4096), "cudaMalloc after the fault");
+  check(cudaMemset(p, 1, 4096), "cudaMemset after the fault");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize after the fault");
+  check(cudaFree(p), "cudaFree after the fault");
+  check(cudaGetLastError(), "the runtime's last error");
+}
+
+// Runs body(rank) in `nranks` forked processes; true if every one exits 0 within `seconds`.
+bool run_ranks(int nranks, double seconds, Shared& shared, const std::function<void(int, Shared&)>& body) {
+  std::vector<pid_t> pids;
+  std::fflush(nullptr);
+  for (int r = 0; r < nranks; ++r) {
+    const pid_t pid = fork();
+    if (pid < 0) throw std::runtime_error("fork failed");
+    if (pid == 0) {
+      int status = 0;
+      try {
+        body(r, shared);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "  rank %d: %s\n", r, e.what());
+        status = 1;
+      }
+      std::fflush(nullptr);
+      _exit(status);
+    }
+    pids.push_back(pid);
+  }
+  bool ok = true;
+  const auto deadline = Clock::now() + std::chrono::duration<double>(seconds);
+  for (size_t r = 0; r < pids.size(); ++r) {
+    int status = 0;
+    while (waitpid(pids[r], &status, WNOHANG) == 0) {
+      if (Clock::now() > deadline) {
+        std::fprintf(stderr, "  rank %zu: still running after %.0f s; killed\n", r, seconds);
+        kill(pids[r], SIGKILL);
+        waitpid(pids[r], &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ok = false;
+  }
+  return ok;
+}
+
+// Both ranks make and open default-mode windows; returns this rank's transport.
+std::unique_ptr<magi::ce::Transport> attached_pair(int rank, Shared& shared, uint64_t identity) {
+  check(cudaSetDevice(0), "cudaSetDevice");
+  auto transport = magi::ce::make_transport(Backend::Cuda, rank, kMaxRanks, identity, 0);
+  WindowPlan plan;
+  plan.slot_bytes = kShard;
+  transport->prepare(plan, shared.blobs[rank]);
+  shared.attached.fetch_add(1);
+  if (!within(30, [&] { return shared.attached.load() >= kMaxRanks; }))
+    throw std::runtime_error("the peer never published its window");
+  transport->attach(std::span<const HandleBlob>(shared.blobs, kMaxRanks));
+  return transport;
+}
+
+// Rank 0's side of cases 2 and 3: one gather its peer never joins; `end` must free the stream.
+void gather_alone(magi::ce::Transport& transport, const char* how,
+                  const std::function<void()>& end) {
+  cudaStream_t stream = nullptr;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  void *send = nullptr, *recv = nullptr;
+  check(cudaMalloc(&send, kShard), "cudaMalloc");
+  check(cudaMalloc(&recv, kMaxRanks * kShard), "cudaMalloc");
+  const GatherOp op{send, recv, kShard, 0};
+  transport.gather(std::span<const GatherOp>(&op, 1), stream);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  if (stream_idle(stream)) throw std::runtime_error("the gather finished without its peer");
+  const auto started = Clock::now();
+  end();
+  if (!within(5, [&] { return stream_idle(stream); }))
+    throw std::runtime_error(std::string("the stream still waits 5 s after ") + how);
+  const double took = std::chrono::duration<double>(Clock::now() - started).count();
+  if (took > 3) throw std::runtime_error(std::string(how) + " took " + std::to_string(took) + " s");
+  std::fprintf(stderr, "  rank 0: stream free %.0f ms after %s\n", took * 1e3, how);
+  check(cudaStreamDestroy(stream), "cudaStreamDestroy");
+  expect_usable_context();
+}
+
+void freed_shard_is_refused(int /*rank*/, Shared& /*shared*/) {
+  check(cudaSetDevice(0), "cudaSetDevice");
+  void* shard = nullptr;
+  check(cudaMalloc(&shard, 64 * kShard), "cudaMalloc");
+  check(cudaFree(shard), "cudaFree");  // the program frees it between the round and the binding
+  auto transport = magi::ce::make_transport(Backend::Cuda, 0, 1, 1, 0);
+  WindowPlan plan;
+  plan.slot_bytes = kShard;
+  plan.bound = true;
+  plan.bind = {{shard, kShard, 0}};
+  HandleBlob blob;
+  bool refused = false;
+  try {
+    transport->prepare(plan, blob);
+  } catch (const magi::Error& e) {
+    refused = true;
+    std::fprintf(stderr, "  refused: %s\n", e.what());
+  }
+  transport->release();
+  if (!refused) throw std::runtime_error("prepare bound a shard whose memory was freed");
+  expect_usable_context();
+}
+
+void hung_peer_then_abandon(int rank, Shared& shared) {
+  auto transport = attached_pair(rank, shared, 2);
+  if (rank == 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(12));  // hung, alive, never gathers
+    return;
+  }
+  gather_alone(*transport, "abandon() from another thread", [&] {
+    std::thread([&] { transport->abandon(); }).join();
+  });
+  const auto started = Clock::now();
+  transport->release();
+  const double took = std::chrono::duration<double>(Clock::now() - started).count();
+  if (took > 2) throw std::runtime_error("release() after abandon() waited " + std::to_string(took) + " s");
+}
+
+void dead_peer_then_release(int rank, Shared& shared) {
+  auto transport = attached_pair(rank, shared, 3);
+  if (rank == 1) {
+    std::fflush(nullptr);
+    _exit(0);  // gone without a gather or a release, as if killed
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  gather_alone(*transport, "release() with the peer dead", [&] { transport->release(); });
+}
+
+}  // namespace
+
+int main() {
+  struct Case {
+    const char* name;
+    int ranks;
+    void (*body)(int, Shared&);
+  };
+  const Case cases[] = {
+      {"a static shard freed before binding is refused; the context stays usable", 1, freed_shard_is_refused},
+      {"a hung peer: abandon() frees the waiting stream, release() does not wait", 2, hung_peer_then_abandon},
+      {"a dead peer: release() frees the waiting stream at once", 2, dead_peer_then_release},
+  };
+  int passed = 0, failed = 0;
+  for (const Case& c : cases) {
+    void* area = mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (area == MAP_FAILED) return 2;
+    Shared* shared = ::new (area) Shared{};
+    const bool ok = run_ranks(c.ranks, 60, *shared, c.body);
+    munmap(area, sizeof(Shared));
+    std::printf("%s transport-faults: %s\n", ok ? "PASS" : "FAIL", c.name);
+    std::fflush(stdout);
+    (ok ? passed : failed)++;
+  }
+  std::printf("transport-faults: %d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}
