@@ -215,6 +215,7 @@ class CudaTransport final : public Transport {
   Served gather(std::span<const GatherOp> bucket, void* stream_handle) override {
     if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
     if (abandoned_.load()) throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
+    inject_delay(rank_);
     use_device();
     const auto stream = static_cast<cudaStream_t>(stream_handle);
     for (const GatherOp& op : bucket)

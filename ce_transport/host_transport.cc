@@ -198,6 +198,7 @@ class HostTransport final : public Transport {
     if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
     if (broken_) throw Error(ErrorKind::System, "an earlier bucket failed; this window is unusable");
     if (abandoned_.load(std::memory_order_relaxed)) throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
+    inject_delay(rank_);
     for (const GatherOp& op : bucket)
       if (op.bytes > slot_bytes_ || op.slot_offset > slot_bytes_ - op.bytes)
         throw Error(ErrorKind::Usage, "gather of " + std::to_string(op.bytes) + " bytes at slot offset " +

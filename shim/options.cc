@@ -155,6 +155,7 @@ bool apply(Options& o, std::string_view name, std::string_view value) {
     if (where == "prepare") fault.where = Options::Fault::Where::Prepare;
     else if (where == "attach") fault.where = Options::Fault::Where::Attach;
     else if (where == "gather") fault.where = Options::Fault::Where::Gather;
+    else if (where == "slow") fault.where = Options::Fault::Where::Slow;
     else return false;
     auto rank = parse_int(v.substr(colon + 1), 0, 1 << 24);
     if (!rank) return false;
@@ -279,7 +280,7 @@ std::string Options::describe() const {
   out += " MAGI_VERIFY_EVERY=" + std::to_string(verify_every);
   out += " MAGI_BIND_MAX_MIB=" + std::to_string(bind_max_mib);
   out += " MAGI_CE_FORCE=" + std::string(ce_force ? "1" : "0");
-  static constexpr const char* kWhere[] = {"none", "prepare", "attach", "gather"};
+  static constexpr const char* kWhere[] = {"none", "prepare", "attach", "gather", "slow"};
   out += " MAGI_INJECT_FAULT=" + std::string(kWhere[static_cast<int>(inject_fault.where)]);
   if (inject_fault.where != Fault::Where::None) out += ":" + std::to_string(inject_fault.rank);
   return out;

@@ -66,8 +66,8 @@ struct OptionSpec {
     "Static weights: most device memory (MiB) a communicator's bindings may take; gathers beyond stay on NCCL.")  \
   X(MAGI_CE_FORCE, Bool, "0", "0 or 1", 0, 0,                                                     \
     "Skip the trial that times each moved bucket both ways: agreed gathers always move.")         \
-  X(MAGI_INJECT_FAULT, Enum, "none", "none, or prepare:RANK, attach:RANK or gather:RANK", 0, 0,    \
-    "For tests: the transport of that rank of every communicator fails there, as a CUDA error would.")
+  X(MAGI_INJECT_FAULT, Enum, "none", "none, or prepare:RANK, attach:RANK, gather:RANK or slow:RANK", 0, 0, \
+    "For tests: the transport of that rank of every communicator fails there, as a CUDA error would (slow: each bucket it serves takes 20 ms longer).")
 
 // The typed view, filled once from the environment (Options::get()).
 struct Options {
@@ -94,7 +94,7 @@ struct Options {
   bool static_weights{};
   bool ce_force{};
   struct Fault {
-    enum class Where : uint8_t { None, Prepare, Attach, Gather };
+    enum class Where : uint8_t { None, Prepare, Attach, Gather, Slow };
     Where where = Where::None;
     int rank = -1;
   };

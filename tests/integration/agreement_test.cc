@@ -404,6 +404,40 @@ TEST(Agreement, TheCostTrialTimesBothRoutesAndEveryRankKeepsTheSameOnes) {
   EXPECT_NE(r.log.find("timed both ways"), std::string::npos) << r.log;
 }
 
+// The cost trial decides by time, so both of its outcomes can be forced: a slow NCCL (the
+// stand-in takes 5 ms longer per call) keeps every gather moving; one rank whose transport is
+// slow (20 ms more per bucket) sends every gather back to NCCL on every rank, for good, since
+// the route kept is the one faster on the slowest rank.
+TEST(Agreement, TheCostTrialKeepsTheTransportWhereNcclIsSlower) {
+  const AgreedRun r = run_agreed(3, fsdp({}, 30), {{"MAGI_CE_FORCE", "0"}, {"STANDIN_DELAY_US", "5000"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    const auto cost = rounds_with(v, RoundKind::Cost, RoundEvent::Read);
+    ASSERT_EQ(cost.size(), 1u) << "rank " << rank << "\n" << transcript(r);
+    EXPECT_EQ(cost[0].reason, static_cast<uint8_t>(Reason::None)) << "rank " << rank;
+    EXPECT_EQ(cost[0].moved, 5u) << "rank " << rank;  // every layer's gather
+    EXPECT_GT(std::count_if(v.moved.begin(), v.moved.end(), [&](uint64_t seq) { return seq > cost[0].seq; }), 0)
+        << "rank " << rank << ": nothing moved after the cost round";
+  }
+  EXPECT_NE(r.log.find("every moved bucket was as fast or faster off NCCL"), std::string::npos) << r.log;
+}
+
+TEST(Agreement, TheCostTrialSendsEveryGatherBackToNcclWhenOneRanksTransportIsSlow) {
+  const AgreedRun r = run_agreed(3, fsdp({}, 30), {{"MAGI_CE_FORCE", "0"}, {"MAGI_INJECT_FAULT", "slow:1"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    const auto cost = rounds_with(v, RoundKind::Cost, RoundEvent::Read);
+    ASSERT_EQ(cost.size(), 1u) << "rank " << rank << "\n" << transcript(r);
+    EXPECT_EQ(cost[0].reason, static_cast<uint8_t>(Reason::NcclFaster)) << "rank " << rank;
+    EXPECT_EQ(cost[0].moved, 0u) << "rank " << rank;
+    EXPECT_EQ(std::count_if(v.moved.begin(), v.moved.end(), [&](uint64_t seq) { return seq > cost[0].seq; }), 0)
+        << "rank " << rank << ": gathers still moved after the cost round kept NCCL";
+  }
+  EXPECT_NE(r.log.find("NCCL was faster for its bucket"), std::string::npos) << r.log;
+}
+
 // Window names left in /dev/shm by the ranks of `runs` (a name ends in ".<owner pid>"; other
 // processes on the machine may have windows of their own meanwhile).
 std::set<std::string> windows_left_by(const std::vector<support::LaunchResult>& runs) {

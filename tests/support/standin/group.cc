@@ -1,6 +1,7 @@
 #include "tests/support/standin/group.h"
 
 #include <chrono>
+#include <thread>
 #include <vector>
 
 #include "tests/support/standin/report.h"
@@ -22,6 +23,7 @@ thread_local GroupState t_group;
 ncclResult_t run(std::vector<std::unique_ptr<Operation>>& ops) {
   using Clock = std::chrono::steady_clock;
   constexpr auto kLivenessInterval = std::chrono::seconds(1);
+  if (Settings::get().delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(Settings::get().delay_us));
   for (auto& op : ops) op->launch();
   const double timeout_s = Settings::get().timeout_s;
   auto last_move = Clock::now();

@@ -35,6 +35,15 @@ Settings read_settings() {
       report("STANDIN_SLOT_KIB=%s is not in 1..1048576; using %zu", v, s.slot_bytes / 1024);
     }
   }
+  if (const char* v = std::getenv("STANDIN_DELAY_US")) {
+    char* end = nullptr;
+    const long us = std::strtol(v, &end, 10);
+    if (end != v && *end == '\0' && us >= 0 && us <= 10'000'000) {
+      s.delay_us = us;
+    } else {
+      report("STANDIN_DELAY_US=%s is not in 0..10000000; no delay", v);
+    }
+  }
   if (const char* v = std::getenv("STANDIN_SHM_TAG")) {
     // Only characters that are safe in a file name and cannot end the tag early.
     for (const char* c = v; *c != '\0' && s.shm_tag.size() < 32; ++c) {

@@ -5,6 +5,8 @@
 //                      0 (default): wait forever
 //   STANDIN_SLOT_KIB   per-rank staging slot (default 4096); larger buffers move in chunks
 //   STANDIN_SHM_TAG    put this in segment names, so a launcher can find what a killed run left
+//   STANDIN_DELAY_US   every group of operations (a lone call is one) takes this much longer:
+//                      a slow NCCL, for the shim's cost trial (default 0)
 #pragma once
 
 #include <cstddef>
@@ -19,6 +21,7 @@ struct Settings {
   double timeout_s = 0;  // 0: wait forever
   size_t slot_bytes = size_t{4096} * 1024;
   std::string shm_tag;
+  long delay_us = 0;
 
   static const Settings& get();
 };
