@@ -147,6 +147,12 @@ standin_clean_end_run() {
   fi
 }
 
+# allgather_check.py's grouping skew (even ranks group each gather) on device memory: abort, and
+# every byte right.
+standin_groupskew_run() {
+  standin_run "groupskew-4" 4 -- groupskew --device 1 --configs 12 --steps 16
+}
+
 standin_fault_runs() {
   local fsdp=(fsdp --device 1 --layers 6 --steps 24)
   # A rank hung (alive) with gathers moving: the others' streams wait on it, as they would in

@@ -529,6 +529,20 @@ TEST(Agreement, AnAbortFromAWatchdogThreadFreesCallsBlockedOnAHungPeer) {
   EXPECT_TRUE(windows_left_by(runs).empty());
 }
 
+// tests/gpu/multi/allgather_check.py's grouping skew without PyTorch: even ranks issue each
+// gather inside a group of its own, odd ranks plainly, and every step also has an ungrouped
+// all-reduce; the shard changes every 16 steps. Every rank must find the skew (abort), move
+// nothing, and finish.
+TEST(Agreement, AGroupingSkewWithChangingShapesAbortsAndFinishes) {
+  const AgreedRun r = run_agreed(4, {"groupskew", "--configs", "12", "--steps", "16"});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    EXPECT_TRUE(v.moved.empty()) << "rank " << rank;
+    EXPECT_TRUE(has_abort(rounds_with(v, RoundKind::Propose, RoundEvent::Read))) << "rank " << rank << "\n" << transcript(r);
+  }
+}
+
 TEST(Agreement, NonBlockingCommunicatorsStayOnNcclAndSaySo) {
   const AgreedRun r = run_agreed(3, fsdp({"--nonblocking", "1"}));
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);

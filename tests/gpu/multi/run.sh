@@ -109,6 +109,9 @@ start agc-shim 1 "$force" -- "${agc[@]}"
 start agc-shim-static 1 "$force" MAGI_STATIC_WEIGHTS=1 -- "${agc[@]}" --static
 start agc-skew-callsite 1 "$force" -- "${small[@]}" --skew callsite
 start agc-skew-grouping 1 "$force" -- "${small[@]}" --skew grouping
+# The same skews without the shim: a program NCCL itself cannot run is not the shim's failure.
+start agc-skew-callsite-nccl 0 -- "${small[@]}" --skew callsite
+start agc-skew-grouping-nccl 0 -- "${small[@]}" --skew grouping
 start fsdp-nccl 0 -- "${infer[@]}" --out "$work/fsdp-nccl/out"
 start fsdp-shim 1 -- "${infer[@]}" --out "$work/fsdp-shim/out"
 start fsdp-shim-static 1 MAGI_STATIC_WEIGHTS=1 -- "${infer[@]}" --out "$work/fsdp-shim-static/out"
@@ -126,6 +129,8 @@ ran agc-shim "under the shim: 0 wrong elements" && \
   traced agc-shim "gathers agreed (identical) and served off NCCL" --moved --mode identical
 ran agc-shim-static "static weights under the shim: 0 wrong elements" && \
   traced agc-shim-static "static weights: gathers served off NCCL" --moved
+ran agc-skew-callsite-nccl "NCCL alone, odd ranks gather from another call site: 0 wrong elements"
+ran agc-skew-grouping-nccl "NCCL alone, even ranks group their gathers: 0 wrong elements"
 ran agc-skew-callsite "odd ranks gather from another call site: 0 wrong elements" && \
   traced agc-skew-callsite "call sites differ: agreement by $(skewed slot)" --mode "$(skewed slot)"
 ran agc-skew-grouping "even ranks group their gathers: 0 wrong elements" && \

@@ -167,5 +167,6 @@ int run_fsdp(const ScenarioOptions& options);
 int run_split(const ScenarioOptions& options);
 int run_initall(const ScenarioOptions& options);
 int run_agree(const ScenarioOptions& options);
+int run_groupskew(const ScenarioOptions& options);
 
 }  // namespace workload

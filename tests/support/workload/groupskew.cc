@@ -1,0 +1,68 @@
+// groupskew --configs C --steps S [--device 1]
+//
+// The grouping skew of tests/gpu/multi/allgather_check.py, without PyTorch: C configurations
+// one after the other (the shard's size and in-place or not change with each, so the step is
+// lost and found again), each S steps of one all-gather followed by a 1-float all-reduce. Even
+// ranks issue the all-gather inside a group of its own (PyTorch's coalescing manager does that);
+// odd ranks issue it plainly. Silent unless wrong: every gathered element is checked.
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "tests/support/bootstrap.h"
+#include "tests/support/workload/scenario.h"
+
+namespace workload {
+
+int run_groupskew(const ScenarioOptions& options) {
+  const int configs = static_cast<int>(options.number("configs", 6));
+  const int steps = static_cast<int>(options.number("steps", 16));
+  if (configs < 1 || steps < 1) throw ScenarioFailure("--configs and --steps must be positive");
+  const Placement placement(options);
+  const Bootstrap boot = bootstrap_from_env();
+  OwnedComm comm;
+  WORKLOAD_CHECK(ncclCommInitRank(comm.out(), boot.nranks, boot.id, boot.rank));
+  const bool grouped = boot.rank % 2 == 0;
+  Buffer tick(placement, sizeof(float));
+  for (int c = 0; c < configs; ++c) {
+    const size_t count = size_t{256} << (c % 5);
+    const bool in_place = c % 2 == 1;
+    const size_t shard = count * sizeof(uint32_t);
+    Buffer out(placement, shard * static_cast<size_t>(boot.nranks));
+    Buffer own(placement, shard);
+    for (int s = 0; s < steps; ++s) {
+      const uint32_t seed = static_cast<uint32_t>(c * 1000 + s);
+      auto value = [&](int rank, size_t i) { return seed * 2654435761u ^ static_cast<uint32_t>(rank * 40503 + i); };
+      unsigned char* into = in_place ? out.host() + shard * static_cast<size_t>(boot.rank) : own.host();
+      for (size_t i = 0; i < count; ++i) {
+        const uint32_t v = value(boot.rank, i);
+        std::memcpy(into + i * sizeof v, &v, sizeof v);
+      }
+      const Buffer& send_side = in_place ? out : own;
+      const size_t send_at = in_place ? shard * static_cast<size_t>(boot.rank) : 0;
+      send_side.upload(send_at, shard);
+      void* send = static_cast<unsigned char*>(send_side.nccl()) + send_at;
+      if (grouped) WORKLOAD_CHECK(ncclGroupStart());
+      WORKLOAD_CHECK(ncclAllGather(send, out.nccl(), count, ncclUint32, comm.get(), placement.stream()));
+      if (grouped) WORKLOAD_CHECK(ncclGroupEnd());
+      WORKLOAD_CHECK(ncclAllReduce(tick.nccl(), tick.nccl(), 1, ncclFloat32, ncclSum, comm.get(),
+                                   placement.stream()));
+      placement.synchronize();
+      out.download(0, out.bytes());
+      for (int r = 0; r < boot.nranks; ++r) {
+        for (size_t i = 0; i < count; ++i) {
+          uint32_t got = 0;
+          std::memcpy(&got, out.host() + shard * static_cast<size_t>(r) + i * sizeof got, sizeof got);
+          if (got != value(r, i)) {
+            throw ScenarioFailure(format("rank %d: config %d step %d: element %zu from rank %d is %u, "
+                                         "expected %u", boot.rank, c, s, i, r, got, value(r, i)));
+          }
+        }
+      }
+    }
+  }
+  comm.destroy();
+  return 0;
+}
+
+}  // namespace workload
