@@ -70,7 +70,9 @@ ran() {
   if [ "$rc" = 0 ]; then pass "$1: $2"; return 0; fi
   case $rc in 124|137) rc="$rc (timed out after $limit s)" ;; esac
   fail "$1: $2 (exit $rc)"
-  grep -v " MAGI INFO " "$work/$1/log" | tail -n 15 | sed 's/^/  /'
+  grep -v " MAGI INFO " "$work/$1/log" | grep -v "^  *File \|^  *\^" | tail -n 15 | sed 's/^/  /'
+  # What the shim did last, for a run that hung (its rounds and routes, rank by rank).
+  grep " MAGI " "$work/$1/log" | grep -v " CAPTURE " | tail -n 12 | sed 's/^/  last: /'
   return 1
 }
 
