@@ -3,8 +3,9 @@
 // The grouping skew of tests/gpu/multi/allgather_check.py, without PyTorch: C configurations
 // one after the other (the shard's size and in-place or not change with each, so the step is
 // lost and found again), each S steps of one all-gather followed by a 1-float all-reduce. Even
-// ranks issue the all-gather inside a group of its own (PyTorch's coalescing manager does that);
-// odd ranks issue it plainly. Silent unless wrong: every gathered element is checked.
+// ranks issue the all-gather inside two nested groups of its own, as PyTorch's coalescing
+// manager does (one group from starting the coalescing, one around the coalesced call); odd
+// ranks issue it plainly. Silent unless wrong: every gathered element is checked.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -42,9 +43,15 @@ int run_groupskew(const ScenarioOptions& options) {
       const size_t send_at = in_place ? shard * static_cast<size_t>(boot.rank) : 0;
       send_side.upload(send_at, shard);
       void* send = static_cast<unsigned char*>(send_side.nccl()) + send_at;
-      if (grouped) WORKLOAD_CHECK(ncclGroupStart());
+      if (grouped) {
+        WORKLOAD_CHECK(ncclGroupStart());
+        WORKLOAD_CHECK(ncclGroupStart());
+      }
       WORKLOAD_CHECK(ncclAllGather(send, out.nccl(), count, ncclUint32, comm.get(), placement.stream()));
-      if (grouped) WORKLOAD_CHECK(ncclGroupEnd());
+      if (grouped) {
+        WORKLOAD_CHECK(ncclGroupEnd());
+        WORKLOAD_CHECK(ncclGroupEnd());
+      }
       WORKLOAD_CHECK(ncclAllReduce(tick.nccl(), tick.nccl(), 1, ncclFloat32, ncclSum, comm.get(),
                                    placement.stream()));
       placement.synchronize();
