@@ -91,6 +91,8 @@ void end_call(CallRecord& record, ncclResult_t result);
 // The calling thread's ncclGroupStart nesting, and the ordinal of its outermost open group.
 int group_depth();
 uint32_t group_ordinal();
+// Whether the calling thread's open group holds a Send or Recv so far (on any communicator).
+bool group_holds_point_to_point();
 
 // Appends a record of a later stage (agreement, decisions) to this process's trace; nothing
 // without a trace.

@@ -279,9 +279,26 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
     agreeable_ = false;
     return;
   }
+  // NCCL runs the collectives of one group largest first. A round issued inside the program's
+  // open group would run after the group's larger collectives on this rank, and before them on
+  // a rank that issued the same collectives ungrouped: the ranks would meet different
+  // collectives and hang. So the group so far is launched first, the round goes alone, and the
+  // group is opened again to the same depth: on every rank the round then runs between the same
+  // collectives. Not with a Send or Recv in the group, whose halves must launch together.
+  const int depth = capture::group_depth();
+  const bool flush = depth > 0 && !capture::group_holds_point_to_point();
+  if (flush) {
+    for (int i = 0; i < depth; ++i) {
+      const ncclResult_t ended = nccl_.group_end();
+      if (ended != ncclSuccess && ended != ncclInProgress && group_flush_error() == ncclSuccess)
+        group_flush_error() = ended;  // the program's own calls failed: it hears it at its group's end
+    }
+  }
   const ncclResult_t result = nccl_.all_gather(
       round->exchange->send_buffer(), round->exchange->recv_buffer(), kContributionBytes,
       ncclUint8, comm_, static_cast<cudaStream_t>(round->exchange->stream()));
+  if (flush)
+    for (int i = 0; i < depth; ++i) nccl_.group_start();
   if (result != ncclSuccess && result != ncclInProgress) {
     MAGI_WARN(Rewrite, "comm %012llx: NCCL refused an agreement round (%d); no agreement on this "
               "communicator from now on", short_id(info_.identity), static_cast<int>(result));

@@ -72,6 +72,10 @@ struct Route {
   uint16_t bucket = 0;
 };
 
+// An error the early launch of the program's open group met (CommAgreement::issue): the program
+// gets it at that group's end, from rewrite::group_ended. Per thread, as NCCL's groups are.
+ncclResult_t& group_flush_error();
+
 class CommAgreement {
  public:
   CommAgreement(ncclComm_t comm, const capture::CommInfo& info, const RealNcclCalls& nccl);

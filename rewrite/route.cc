@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "rewrite/agreement.h"
@@ -150,7 +151,14 @@ Outcome intercept(ncclComm_t comm, const capture::CallArgs& args, capture::CallR
   return outcome;
 }
 
+ncclResult_t& group_flush_error() {
+  thread_local ncclResult_t error = ncclSuccess;
+  return error;
+}
+
 ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
+  const ncclResult_t flushed = std::exchange(group_flush_error(), ncclSuccess);
+  if (nccl_result == ncclSuccess && flushed != ncclSuccess) nccl_result = flushed;
   if (t_queued.empty()) return nccl_result;
   ncclResult_t result = nccl_result;
   guarded("ncclGroupEnd", [&] {
@@ -179,6 +187,9 @@ ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
   return result;
 }
 
-void group_discarded() noexcept { t_queued.clear(); }
+void group_discarded() noexcept {
+  t_queued.clear();
+  group_flush_error() = ncclSuccess;
+}
 
 }  // namespace magi::rewrite

@@ -543,6 +543,22 @@ TEST(Agreement, AGroupingSkewWithChangingShapesAbortsAndFinishes) {
   }
 }
 
+// The same with the stand-in running a group's collectives largest first, as NCCL's planner
+// does (STANDIN_GROUP_ORDER=size). An agreement round issued inside the even ranks' group would
+// run after their gather whenever the gather is the larger, while the odd ranks run it before:
+// the ranks would meet different collectives and hang (what two H200s showed, before rounds
+// stopped joining the program's groups: rewrite/agreement.cc, CommAgreement::issue).
+TEST(Agreement, AGroupingSkewSurvivesNcclsLargestFirstOrderWithinAGroup) {
+  const AgreedRun r = run_agreed(4, {"groupskew", "--configs", "12", "--steps", "16"},
+                                 {{"STANDIN_GROUP_ORDER", "size"}, {"STANDIN_TIMEOUT_S", "20"}}, 60);
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    EXPECT_TRUE(v.moved.empty()) << "rank " << rank;
+    EXPECT_TRUE(has_abort(rounds_with(v, RoundKind::Propose, RoundEvent::Read))) << "rank " << rank;
+  }
+}
+
 TEST(Agreement, NonBlockingCommunicatorsStayOnNcclAndSaySo) {
   const AgreedRun r = run_agreed(3, fsdp({"--nonblocking", "1"}));
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
@@ -596,6 +612,8 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
       static const char* kWhere[] = {"prepare", "attach", "gather"};
       env.emplace_back("MAGI_INJECT_FAULT", std::string(kWhere[(seed / 5) % 3]) + ":" + std::to_string(seed % n));
     }
+    // Every third seed has the stand-in run each group's collectives largest first, as NCCL does.
+    if (seed % 3 == 1) env.emplace_back("STANDIN_GROUP_ORDER", "size");
     const AgreedRun r = run_agreed(n, args, env, 60);
     if (!r.result.all_ok()) {
       ++failures;

@@ -22,11 +22,22 @@ bool per_block_layout(OpKind kind) {
 
 class Collective final : public RoundOperation {
  public:
+  uint64_t traffic_bytes() const override {
+    const uint64_t bytes = args_.count * element_;
+    switch (args_.kind) {
+      case OpKind::AllGather:
+      case OpKind::ReduceScatter: return bytes * static_cast<uint64_t>(nranks_of_comm_);
+      case OpKind::AllReduce: return 2 * bytes;
+      default: return bytes;
+    }
+  }
+
   Collective(ncclComm* comm, const CollectiveArgs& args)
       : RoundOperation(comm, shape_of(args)),
         args_(args),
         element_(datatype_bytes(args.dtype)),
-        inputs_(static_cast<size_t>(comm->nranks)) {
+        inputs_(static_cast<size_t>(comm->nranks)),
+        nranks_of_comm_(comm->nranks) {
     const size_t slot = comm->segment->slot_bytes();
     chunk_ = per_block_layout(args.kind) ? slot / (static_cast<size_t>(comm->nranks) * element_)
                                          : slot / element_;
@@ -145,6 +156,7 @@ class Collective final : public RoundOperation {
   size_t element_;
   size_t chunk_ = 1;  // elements per block per round
   std::vector<const void*> inputs_;
+  int nranks_of_comm_;
 };
 
 }  // namespace

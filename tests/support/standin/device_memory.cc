@@ -124,6 +124,7 @@ class Staged final : public Operation {
   }
 
   void run_on_staging(std::unique_ptr<Operation> inner) { inner_ = std::move(inner); }
+  uint64_t traffic_bytes() const override { return inner_ ? inner_->traffic_bytes() : 0; }
 
   // The send data is read when the group runs, as NCCL reads it when its kernel runs: after the
   // program's earlier work on the stream.

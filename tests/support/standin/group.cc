@@ -1,5 +1,6 @@
 #include "tests/support/standin/group.h"
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 #include <vector>
@@ -24,6 +25,20 @@ ncclResult_t run(std::vector<std::unique_ptr<Operation>>& ops) {
   using Clock = std::chrono::steady_clock;
   constexpr auto kLivenessInterval = std::chrono::seconds(1);
   if (Settings::get().delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(Settings::get().delay_us));
+  if (Settings::get().group_order_by_size && ops.size() > 1) {
+    // The collectives trade places among themselves, largest first (stable among equals);
+    // everything else keeps its place.
+    std::vector<size_t> slots;
+    std::vector<std::unique_ptr<Operation>> collectives;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (ops[i]->traffic_bytes() == 0) continue;
+      slots.push_back(i);
+      collectives.push_back(std::move(ops[i]));
+    }
+    std::stable_sort(collectives.begin(), collectives.end(),
+                     [](const auto& a, const auto& b) { return a->traffic_bytes() > b->traffic_bytes(); });
+    for (size_t k = 0; k < slots.size(); ++k) ops[slots[k]] = std::move(collectives[k]);
+  }
   for (auto& op : ops) op->launch();
   const double timeout_s = Settings::get().timeout_s;
   auto last_move = Clock::now();

@@ -48,6 +48,9 @@ class Operation {
   virtual std::string why_waiting() const = 0;  // "waiting for rank 2", "after a mismatch"
   // The rank it waits for right now, when that is one known rank; else -1.
   virtual int awaited_rank() const { return -1; }
+  // Bytes NCCL's planner weighs a collective by (elements x size x traffic per byte): it runs the
+  // collectives of one group largest first. 0 for what it does not sort (point-to-point, splits).
+  virtual uint64_t traffic_bytes() const { return 0; }
   // Ends the operation with `code` (a timeout, a peer that exited) and breaks its communicator:
   // its later operations fail at once instead of waiting again.
   virtual void give_up(ncclResult_t code, const std::string& message) = 0;

@@ -44,6 +44,13 @@ Settings read_settings() {
       report("STANDIN_DELAY_US=%s is not in 0..10000000; no delay", v);
     }
   }
+  if (const char* v = std::getenv("STANDIN_GROUP_ORDER")) {
+    if (std::strcmp(v, "size") == 0) {
+      s.group_order_by_size = true;
+    } else if (std::strcmp(v, "issue") != 0 && *v != '\0') {
+      report("STANDIN_GROUP_ORDER=%s not understood (issue|size); in call order", v);
+    }
+  }
   if (const char* v = std::getenv("STANDIN_SHM_TAG")) {
     // Only characters that are safe in a file name and cannot end the tag early.
     for (const char* c = v; *c != '\0' && s.shm_tag.size() < 32; ++c) {

@@ -7,6 +7,10 @@
 //   STANDIN_SHM_TAG    put this in segment names, so a launcher can find what a killed run left
 //   STANDIN_DELAY_US   every group of operations (a lone call is one) takes this much longer:
 //                      a slow NCCL, for the shim's cost trial (default 0)
+//   STANDIN_GROUP_ORDER issue (default): a group's operations take their places in call order;
+//                      size: its collectives largest first, as NCCL's planner runs them (ranks
+//                      that group the same collectives differently then meet them in another
+//                      order, and hang as they would on NCCL)
 #pragma once
 
 #include <cstddef>
@@ -22,6 +26,7 @@ struct Settings {
   size_t slot_bytes = size_t{4096} * 1024;
   std::string shm_tag;
   long delay_us = 0;
+  bool group_order_by_size = false;
 
   static const Settings& get();
 };

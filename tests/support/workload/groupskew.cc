@@ -2,7 +2,7 @@
 //
 // The grouping skew of tests/gpu/multi/allgather_check.py, without PyTorch: C configurations
 // one after the other (the shard's size and in-place or not change with each, so the step is
-// lost and found again), each S steps of one all-gather followed by a 1-float all-reduce. Even
+// lost and found again), each S steps of one all-gather followed by a small all-reduce. Even
 // ranks issue the all-gather inside two nested groups of its own, as PyTorch's coalescing
 // manager does (one group from starting the coalescing, one around the coalesced call); odd
 // ranks issue it plainly. Silent unless wrong: every gathered element is checked.
@@ -24,9 +24,9 @@ int run_groupskew(const ScenarioOptions& options) {
   OwnedComm comm;
   WORKLOAD_CHECK(ncclCommInitRank(comm.out(), boot.nranks, boot.id, boot.rank));
   const bool grouped = boot.rank % 2 == 0;
-  Buffer tick(placement, sizeof(float));
+  Buffer tick(placement, 64 * sizeof(float));
   for (int c = 0; c < configs; ++c) {
-    const size_t count = size_t{256} << (c % 5);
+    const size_t count = size_t{256} << (c % 8);  // 1 KiB to 128 KiB: below and above a round
     const bool in_place = c % 2 == 1;
     const size_t shard = count * sizeof(uint32_t);
     Buffer out(placement, shard * static_cast<size_t>(boot.nranks));
@@ -52,8 +52,9 @@ int run_groupskew(const ScenarioOptions& options) {
         WORKLOAD_CHECK(ncclGroupEnd());
         WORKLOAD_CHECK(ncclGroupEnd());
       }
-      WORKLOAD_CHECK(ncclAllReduce(tick.nccl(), tick.nccl(), 1, ncclFloat32, ncclSum, comm.get(),
-                                   placement.stream()));
+      // Its count changes with the configuration too, so each new step begins at the gather.
+      WORKLOAD_CHECK(ncclAllReduce(tick.nccl(), tick.nccl(), static_cast<size_t>(1 + c % 64), ncclFloat32,
+                                   ncclSum, comm.get(), placement.stream()));
       placement.synchronize();
       out.download(0, out.bytes());
       for (int r = 0; r < boot.nranks; ++r) {
