@@ -289,9 +289,10 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
   const bool flush = depth > 0 && !capture::group_holds_point_to_point();
   if (flush) {
     for (int i = 0; i < depth; ++i) {
+      // A failure, or ncclInProgress from a non-blocking communicator in the group, is the
+      // program's: it gets it from its own ncclGroupEnd.
       const ncclResult_t ended = nccl_.group_end();
-      if (ended != ncclSuccess && ended != ncclInProgress && group_flush_error() == ncclSuccess)
-        group_flush_error() = ended;  // the program's own calls failed: it hears it at its group's end
+      if (ended != ncclSuccess && group_flush_error() == ncclSuccess) group_flush_error() = ended;
     }
   }
   const ncclResult_t result = nccl_.all_gather(
