@@ -46,6 +46,14 @@ def ordered(configs):
     return sorted(configs, key=lambda c: (order.index(c) if c in order else len(order), c))
 
 
+def by_config(rows):
+    """The rows of each configuration, and the configurations in report order."""
+    by = defaultdict(list)
+    for r in rows:
+        by[r["config"]].append(r)
+    return by, ordered(by)
+
+
 def allgather_section(rows, lines, plots):
     ok = [r for r in rows if r["status"] == "ok"]
     skipped = sorted({(r["config"], r["status"]) for r in rows if r["status"] != "ok"})
@@ -121,10 +129,7 @@ def gemm_section(rows, lines, plots):
     if not rows:
         lines.append("No GEMM interference measurements.\n")
         return
-    by = defaultdict(list)
-    for r in rows:
-        by[r["config"]].append(r)
-    configs = ordered(by)
+    by, configs = by_config(rows)
     r0 = rows[0]
     lines.append(f"World size {r0['world']}; {r0['gemms']} GEMMs of {r0['dim']}³ bf16 per batch; "
                  f"gathers of {r0['gather_mib']} MiB per rank on another stream. Medians over "
@@ -159,10 +164,7 @@ def fsdp_section(rows, lines, plots):
     if not rows:
         lines.append("No FSDP step measurements.\n")
         return
-    by = defaultdict(list)
-    for r in rows:
-        by[r["config"]].append(r)
-    configs = ordered(by)
+    by, configs = by_config(rows)
     r0 = rows[0]
     lines.append(f"World size {r0['world']}; {r0['layers']} layers of hidden {r0['hidden']}, "
                  f"{r0['tokens']} tokens per rank, {r0['weights_MiB']} MiB of weights gathered per "
