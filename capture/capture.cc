@@ -37,6 +37,7 @@ uint32_t thread_id() {
 thread_local int t_group_depth = 0;
 thread_local uint32_t t_group_ordinal = 0;
 thread_local bool t_group_point_to_point = false;
+thread_local uint32_t t_group_calls = 0;
 
 // Only rank-independent facts go into a shape: the op, datatype and count every rank passes
 // alike, the root, and the reduction op. Pointers and peers (which differ by rank) stay out.
@@ -217,6 +218,7 @@ void group_start() {
   if (t_group_depth++ == 0) {
     ++t_group_ordinal;
     t_group_point_to_point = false;
+    t_group_calls = 0;
   }
 }
 
@@ -227,6 +229,7 @@ void group_end() {
 int group_depth() { return t_group_depth; }
 uint32_t group_ordinal() { return t_group_ordinal; }
 bool group_holds_point_to_point() { return t_group_depth > 0 && t_group_point_to_point; }
+uint32_t group_calls() { return t_group_depth > 0 ? t_group_calls : 0; }
 
 void trace_record(trace::RecordType type, const void* payload, uint32_t bytes) {
   if (TraceWriter* writer = trace_writer()) trace_append(writer, type, payload, bytes);
@@ -252,7 +255,10 @@ void begin_call(ncclComm_t comm, const CallArgs& args, CallRecord& record, StepV
   record.rank = state.info.rank;
   record.group = t_group_depth > 0 ? t_group_ordinal : 0;
   record.flags = t_group_depth > 0 ? trace::kCallInGroup : 0;
-  if (t_group_depth > 0 && (args.op == trace::Op::Send || args.op == trace::Op::Recv)) t_group_point_to_point = true;
+  if (t_group_depth > 0) {
+    ++t_group_calls;
+    if (args.op == trace::Op::Send || args.op == trace::Op::Recv) t_group_point_to_point = true;
+  }
   switch (stream_capture_status(args.stream)) {
     case StreamCapture::Capturing: record.flags |= trace::kCallCapturing; break;
     case StreamCapture::Unknown: record.flags |= trace::kCallCaptureUnknown; break;

@@ -93,6 +93,8 @@ int group_depth();
 uint32_t group_ordinal();
 // Whether the calling thread's open group holds a Send or Recv so far (on any communicator).
 bool group_holds_point_to_point();
+// The calls the calling thread's open group holds so far, the one being recorded included.
+uint32_t group_calls();
 
 // Appends a record of a later stage (agreement, decisions) to this process's trace; nothing
 // without a trace.

@@ -288,11 +288,13 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
   const int depth = capture::group_depth();
   const bool flush = depth > 0 && !capture::group_holds_point_to_point();
   if (flush) {
+    EarlyLaunches& early = early_launches();
+    early.calls = capture::group_calls() - 1;  // all but the anchor's call, which goes after the round
     for (int i = 0; i < depth; ++i) {
       // A failure, or ncclInProgress from a non-blocking communicator in the group, is the
       // program's: it gets it from its own ncclGroupEnd.
       const ncclResult_t ended = nccl_.group_end();
-      if (ended != ncclSuccess && group_flush_error() == ncclSuccess) group_flush_error() = ended;
+      if (ended != ncclSuccess && early.error == ncclSuccess) early.error = ended;
     }
   }
   const ncclResult_t result = nccl_.all_gather(

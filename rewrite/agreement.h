@@ -72,9 +72,15 @@ struct Route {
   uint16_t bucket = 0;
 };
 
-// An error the early launch of the program's open group met (CommAgreement::issue): the program
-// gets it at that group's end, from rewrite::group_ended. Per thread, as NCCL's groups are.
-ncclResult_t& group_flush_error();
+// What the early launches of the program's open group (CommAgreement::issue) left for that
+// group's end: the first error they met, which the program gets from rewrite::group_ended, and
+// how many of the group's calls they launched, which ncclGroupSimulateEnd reports. Per thread,
+// as NCCL's groups are.
+struct EarlyLaunches {
+  ncclResult_t error = ncclSuccess;
+  uint32_t calls = 0;
+};
+EarlyLaunches& early_launches();
 
 class CommAgreement {
  public:

@@ -151,13 +151,13 @@ Outcome intercept(ncclComm_t comm, const capture::CallArgs& args, capture::CallR
   return outcome;
 }
 
-ncclResult_t& group_flush_error() {
-  thread_local ncclResult_t error = ncclSuccess;
-  return error;
+EarlyLaunches& early_launches() {
+  thread_local EarlyLaunches early;
+  return early;
 }
 
 ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
-  const ncclResult_t flushed = std::exchange(group_flush_error(), ncclSuccess);
+  const ncclResult_t flushed = std::exchange(early_launches(), {}).error;
   if (nccl_result == ncclSuccess && flushed != ncclSuccess) nccl_result = flushed;
   if (t_queued.empty()) return nccl_result;
   ncclResult_t result = nccl_result;
@@ -189,7 +189,13 @@ ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
 
 void group_discarded() noexcept {
   t_queued.clear();
-  group_flush_error() = ncclSuccess;
+  // The part of the group launched before an agreement round really ran: a simulation cannot
+  // take it back. Rare (nothing in PyTorch simulates groups), and said rather than hidden.
+  const EarlyLaunches early = std::exchange(early_launches(), {});
+  if (early.calls > 0)
+    MAGI_WARN(Rewrite, "ncclGroupSimulateEnd: an agreement round launched the first %u call(s) of "
+              "this group for real; they ran, and the simulation covers only the calls after them",
+              early.calls);
 }
 
 }  // namespace magi::rewrite

@@ -150,7 +150,10 @@ standin_clean_end_run() {
 # allgather_check.py's grouping skew (even ranks group each gather) on device memory: abort, and
 # every byte right.
 standin_groupskew_run() {
-  standin_run "groupskew-4" 4 -- groupskew --device 1 --configs 12 --steps 16
+  # NCCL's order within a group (largest first), which the hang on two H200s needed.
+  standin_run "groupskew-4" 4 STANDIN_GROUP_ORDER=size -- groupskew --device 1 --configs 12 --steps 16
+  standin_run "groupskew-simulated-4" 4 STANDIN_GROUP_ORDER=size -- groupskew --device 1 --configs 4 \
+    --steps 16 --simulate 1
 }
 
 standin_fault_runs() {

@@ -559,6 +559,18 @@ TEST(Agreement, AGroupingSkewSurvivesNcclsLargestFirstOrderWithinAGroup) {
   }
 }
 
+// A round whose anchor falls in a group launches the group so far before it (above). A group the
+// program then ends with ncclGroupSimulateEnd had those calls run for real, which cannot be
+// taken back: every rank must still end right and agree, and the log must say it.
+TEST(Agreement, AGroupEndedBySimulationIsToldWhenARoundLaunchedPartOfIt) {
+  const AgreedRun r = run_agreed(4, {"groupskew", "--configs", "4", "--steps", "16", "--simulate", "1"},
+                                 {{"STANDIN_GROUP_ORDER", "size"}, {"STANDIN_TIMEOUT_S", "20"}}, 60);
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  EXPECT_NE(r.log.find("ncclGroupSimulateEnd: an agreement round launched the first 1 call(s) of "
+                       "this group for real"), std::string::npos) << r.log;
+}
+
 TEST(Agreement, NonBlockingCommunicatorsStayOnNcclAndSaySo) {
   const AgreedRun r = run_agreed(3, fsdp({"--nonblocking", "1"}));
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);

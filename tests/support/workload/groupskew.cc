@@ -1,4 +1,4 @@
-// groupskew --configs C --steps S [--device 1]
+// groupskew --configs C --steps S [--device 1] [--simulate 1]
 //
 // The grouping skew of tests/gpu/multi/allgather_check.py, without PyTorch: C configurations
 // one after the other (the shard's size and in-place or not change with each, so the step is
@@ -6,6 +6,8 @@
 // ranks issue the all-gather inside two nested groups of its own, as PyTorch's coalescing
 // manager does (one group from starting the coalescing, one around the coalesced call); odd
 // ranks issue it plainly. Silent unless wrong: every gathered element is checked.
+// --simulate 1: every rank begins each step with a group of two small all-gathers that it ends
+// with ncclGroupSimulateEnd, so that agreement rounds meet a group that must not run.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -24,7 +26,10 @@ int run_groupskew(const ScenarioOptions& options) {
   OwnedComm comm;
   WORKLOAD_CHECK(ncclCommInitRank(comm.out(), boot.nranks, boot.id, boot.rank));
   const bool grouped = boot.rank % 2 == 0;
+  const bool simulate = options.number("simulate", 0) != 0;
   Buffer tick(placement, 64 * sizeof(float));
+  constexpr size_t kSimulated = 128;
+  Buffer simulated(placement, kSimulated * sizeof(float) * static_cast<size_t>(boot.nranks));
   for (int c = 0; c < configs; ++c) {
     const size_t count = size_t{256} << (c % 8);  // 1 KiB to 128 KiB: below and above a round
     const bool in_place = c % 2 == 1;
@@ -43,6 +48,16 @@ int run_groupskew(const ScenarioOptions& options) {
       const size_t send_at = in_place ? shard * static_cast<size_t>(boot.rank) : 0;
       send_side.upload(send_at, shard);
       void* send = static_cast<unsigned char*>(send_side.nccl()) + send_at;
+      if (simulate) {
+        WORKLOAD_CHECK(ncclGroupStart());
+        void* mine = static_cast<unsigned char*>(simulated.nccl()) +
+                     kSimulated * sizeof(float) * static_cast<size_t>(boot.rank);  // in place
+        for (int k = 0; k < 2; ++k)
+          WORKLOAD_CHECK(ncclAllGather(mine, simulated.nccl(), kSimulated, ncclFloat32, comm.get(),
+                                       placement.stream()));
+        ncclSimInfo_t info = NCCL_SIM_INFO_INITIALIZER;
+        WORKLOAD_CHECK(ncclGroupSimulateEnd(&info));
+      }
       if (grouped) {
         WORKLOAD_CHECK(ncclGroupStart());
         WORKLOAD_CHECK(ncclGroupStart());
