@@ -262,7 +262,8 @@ class CudaTransport final : public Transport {
     // A healthy abort (the program's shutdown) finds every bucket run or about to be; anything
     // else is released at once (a dead peer) or after a short grace (a peer that stalls).
     const uint64_t target = sequence_.load();
-    if (settle(target, kAbortGrace) == Settled::Finished) {
+    std::string unfinished;
+    if (settle(target, kAbortGrace, unfinished) == Settled::Finished) {
       settled_at_ = target;
     } else {
       release_waits();
@@ -291,11 +292,12 @@ class CudaTransport final : public Transport {
     use_device();
     const uint64_t target = sequence_.load();
     Settled settled = Settled::Finished;
+    std::string unfinished;
     if (attached_ && target > 0) {
       if (abandoned_.load()) {
         settled = settled_at_ == target ? Settled::Finished : Settled::Abandoned;
       } else {
-        settled = settle(target, kSettleLimit);
+        settled = settle(target, kSettleLimit, unfinished);
       }
     } else {
       // Nothing was gathered: only this rank's own setup (flags, binding) may still be queued.
@@ -312,7 +314,7 @@ class CudaTransport final : public Transport {
       // wait for the whole device (see the top of this file). The process's end returns it all.
       release_waits();
       MAGI_WARN(Transport, "window of %zu bytes left allocated, with its %d peer mappings: %s", bytes_,
-                nranks_ - 1, settled_name(settled));
+                nranks_ - 1, settled_name(settled, unfinished).c_str());
     }
     cudaStreamDestroy(own_stream_);  // returns at once; the stream goes when its work has run
     cudaGetLastError();
@@ -449,12 +451,19 @@ class CudaTransport final : public Transport {
     }
   }
 
-  enum class Settled : uint8_t { Finished, PeerDied, TimedOut, Abandoned, Unreadable };
-  static const char* settled_name(Settled s) {
+  // Why a window could not be freed; `ranks` names the peers concerned, where there are any.
+  enum class Settled : uint8_t { Finished, PeerDied, OwnStreamBehind, PeersBehind, Abandoned, Unreadable };
+  static std::string settled_name(Settled s, const std::string& ranks) {
     switch (s) {
       case Settled::Finished: return "finished";
-      case Settled::PeerDied: return "a peer died without finishing";
-      case Settled::TimedOut: return "a peer did not finish reading it in time";
+      case Settled::PeerDied: return "rank " + ranks + " died before it finished reading it";
+      case Settled::OwnStreamBehind:
+        return "this rank's stream had not run its last moved gather within " +
+               std::to_string(kSettleLimit.count()) + " s (work queued before it, or a wait on rank(s) " +
+               ranks + ")";
+      case Settled::PeersBehind:
+        return "rank(s) " + ranks + " had not finished reading it within " +
+               std::to_string(kSettleLimit.count()) + " s";
       case Settled::Abandoned: return "the communicator was aborted with a bucket in flight";
       case Settled::Unreadable: return "its flags could not be read";
     }
@@ -480,18 +489,24 @@ class CudaTransport final : public Transport {
   // Waits up to `limit` until buckets 1..target have run here and every peer has finished
   // reading this window. A peer whose process ended before finishing died mid-run: this rank
   // gives up on it at once (NCCL's kernels may be stuck on it too, and freeing would then hang).
-  Settled settle(uint64_t target, std::chrono::steady_clock::duration limit) {
+  // `ranks` gets the peers that had not finished, for the warning.
+  Settled settle(uint64_t target, std::chrono::steady_clock::duration limit, std::string& ranks) {
     const auto deadline = std::chrono::steady_clock::now() + limit;
     for (;;) {
       if (!read_flags()) return Settled::Unreadable;
-      bool finished = read_word(own_word()) >= target;
+      const bool own_done = read_word(own_word()) >= target;
+      ranks.clear();
       for (int r = 0; r < nranks_; ++r) {
         if (r == rank_ || read_word(done_word(r)) >= target) continue;
-        if (!process_alive(peer_pids_[static_cast<size_t>(r)])) return Settled::PeerDied;
-        finished = false;
+        if (!process_alive(peer_pids_[static_cast<size_t>(r)])) {
+          ranks = std::to_string(r);
+          return Settled::PeerDied;
+        }
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
       }
-      if (finished) return Settled::Finished;
-      if (std::chrono::steady_clock::now() >= deadline) return Settled::TimedOut;
+      if (own_done && ranks.empty()) return Settled::Finished;
+      if (std::chrono::steady_clock::now() >= deadline)
+        return own_done ? Settled::PeersBehind : Settled::OwnStreamBehind;
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
   }
