@@ -287,6 +287,16 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
   // collectives. Not with a Send or Recv in the group, whose halves must launch together.
   const int depth = capture::group_depth();
   const bool flush = depth > 0 && !capture::group_holds_point_to_point();
+  if (depth > 0 && !flush && !told_point_to_point_group_) {
+    // The round then sits inside the program's group. Safe where every rank groups these calls
+    // alike (NCCL orders identical groups identically); a rank that does not could meet another
+    // collective there. Said once, so that such a hang can be traced to this.
+    told_point_to_point_group_ = true;
+    MAGI_WARN(Rewrite, "comm %012llx: an agreement round was issued inside a group holding Send/Recv, "
+              "which cannot be launched in two parts; if other ranks do not group these calls alike, "
+              "NCCL may order the round differently there (MAGI_TRANSPORT=nccl turns rounds off)",
+              short_id(info_.identity));
+  }
   if (flush) {
     EarlyLaunches& early = early_launches();
     early.calls = capture::group_calls() - 1;  // all but the anchor's call, which goes after the round

@@ -140,6 +140,7 @@ class CommAgreement {
   const Options& options_;
   const ce::Backend backend_;
   bool agreeable_ = true;
+  bool told_point_to_point_group_ = false;  // the warning of CommAgreement::issue, once
 
   StepObservation seen_;
   uint64_t step_digest_ = 0;     // of the step being observed

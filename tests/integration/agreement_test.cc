@@ -571,6 +571,17 @@ TEST(Agreement, AGroupEndedBySimulationIsToldWhenARoundLaunchedPartOfIt) {
                        "this group for real"), std::string::npos) << r.log;
 }
 
+// A group holding Send/Recv cannot be launched in two parts, so a round whose anchor falls in
+// one goes inside it: safe when every rank groups those calls alike, as here, and said once.
+TEST(Agreement, ARoundInsideAGroupHoldingSendRecvIsSafeWhenRanksGroupAlikeAndSaid) {
+  const AgreedRun r = run_agreed(4, {"groupskew", "--configs", "4", "--steps", "16", "--p2p", "1"},
+                                 {{"STANDIN_GROUP_ORDER", "size"}, {"STANDIN_TIMEOUT_S", "20"}}, 60);
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  EXPECT_NE(r.log.find("an agreement round was issued inside a group holding Send/Recv"),
+            std::string::npos) << r.log;
+}
+
 TEST(Agreement, NonBlockingCommunicatorsStayOnNcclAndSaySo) {
   const AgreedRun r = run_agreed(3, fsdp({"--nonblocking", "1"}));
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);

@@ -1,4 +1,4 @@
-// groupskew --configs C --steps S [--device 1] [--simulate 1]
+// groupskew --configs C --steps S [--device 1] [--simulate 1] [--p2p 1]
 //
 // The grouping skew of tests/gpu/multi/allgather_check.py, without PyTorch: C configurations
 // one after the other (the shard's size and in-place or not change with each, so the step is
@@ -8,6 +8,9 @@
 // ranks issue it plainly. Silent unless wrong: every gathered element is checked.
 // --simulate 1: every rank begins each step with a group of two small all-gathers that it ends
 // with ncclGroupSimulateEnd, so that agreement rounds meet a group that must not run.
+// --p2p 1: every rank begins each step with a group of a Send to the next rank, a Recv from the
+// previous one and a small all-gather, alike on every rank, so that rounds meet a group that
+// cannot be launched in two parts.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -27,6 +30,9 @@ int run_groupskew(const ScenarioOptions& options) {
   WORKLOAD_CHECK(ncclCommInitRank(comm.out(), boot.nranks, boot.id, boot.rank));
   const bool grouped = boot.rank % 2 == 0;
   const bool simulate = options.number("simulate", 0) != 0;
+  const bool p2p = options.number("p2p", 0) != 0;
+  const int next = (boot.rank + 1) % boot.nranks, prev = (boot.rank + boot.nranks - 1) % boot.nranks;
+  Buffer to_next(placement, sizeof(uint32_t)), from_prev(placement, sizeof(uint32_t));
   Buffer tick(placement, 64 * sizeof(float));
   constexpr size_t kSimulated = 128;
   Buffer simulated(placement, kSimulated * sizeof(float) * static_cast<size_t>(boot.nranks));
@@ -57,6 +63,26 @@ int run_groupskew(const ScenarioOptions& options) {
                                        placement.stream()));
         ncclSimInfo_t info = NCCL_SIM_INFO_INITIALIZER;
         WORKLOAD_CHECK(ncclGroupSimulateEnd(&info));
+      }
+      if (p2p) {
+        const uint32_t token = seed * 31u + static_cast<uint32_t>(boot.rank);
+        std::memcpy(to_next.host(), &token, sizeof token);
+        to_next.upload(0, sizeof token);
+        void* mine = static_cast<unsigned char*>(simulated.nccl()) +
+                     kSimulated * sizeof(float) * static_cast<size_t>(boot.rank);
+        WORKLOAD_CHECK(ncclGroupStart());
+        WORKLOAD_CHECK(ncclSend(to_next.nccl(), 1, ncclUint32, next, comm.get(), placement.stream()));
+        WORKLOAD_CHECK(ncclRecv(from_prev.nccl(), 1, ncclUint32, prev, comm.get(), placement.stream()));
+        WORKLOAD_CHECK(ncclAllGather(mine, simulated.nccl(), kSimulated, ncclFloat32, comm.get(),
+                                     placement.stream()));
+        WORKLOAD_CHECK(ncclGroupEnd());
+        placement.synchronize();
+        from_prev.download(0, sizeof token);
+        uint32_t got = 0;
+        std::memcpy(&got, from_prev.host(), sizeof got);
+        if (got != seed * 31u + static_cast<uint32_t>(prev))
+          throw ScenarioFailure(format("rank %d: config %d step %d: received %u from rank %d", boot.rank,
+                                       c, s, got, prev));
       }
       if (grouped) {
         WORKLOAD_CHECK(ncclGroupStart());
