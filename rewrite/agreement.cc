@@ -545,11 +545,29 @@ void CommAgreement::issue_cost(uint64_t seq) {
 }
 
 void CommAgreement::after_cost(std::span<const uint8_t> all, uint64_t seq) {
-  const std::vector<bool> keep = decide_cost(all, info_.nranks, moved_ns_.size());
+  const std::vector<CostVerdict> costs = decide_cost(all, info_.nranks, moved_ns_.size());
+  if (log_detail::enabled(1, Subsystem::Rewrite)) {
+    // What the choice rested on, bucket by bucket (the first few): why a gather stays or moves.
+    std::string text;
+    constexpr size_t kShown = 6;
+    for (size_t b = 0; b < costs.size() && b < kShown; ++b) {
+      const CostVerdict& k = costs[b];
+      char line[112];
+      if (k.measured)
+        std::snprintf(line, sizeof line, "%sbucket %zu: copy engine %.1f us, NCCL %.1f us -> %s",
+                      b ? "; " : "", b, k.moved_ns / 1e3, k.nccl_ns / 1e3, k.keep ? "copy engine" : "NCCL");
+      else
+        std::snprintf(line, sizeof line, "%sbucket %zu: not measured on every rank -> copy engine", b ? "; " : "", b);
+      text += line;
+    }
+    if (costs.size() > kShown) text += "; ...";
+    MAGI_INFO(Rewrite, "comm %012llx round %u: cost on the slowest rank (median per call): %s",
+              short_id(info_.identity), decision_round_, text.c_str());
+  }
   uint32_t moved = 0;
   for (GatherDecision& g : decision_.gathers) {
     if (!g.moves) continue;
-    if (g.bucket < keep.size() && !keep[g.bucket]) {
+    if (g.bucket < costs.size() && !costs[g.bucket].keep) {
       g.moves = false;
       g.reason = Reason::NcclFaster;
       layout_.offset_by_position[g.position] = SIZE_MAX;

@@ -189,25 +189,25 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
   return d;
 }
 
-std::vector<bool> decide_cost(std::span<const uint8_t> all, int nranks, size_t buckets) {
-  std::vector<bool> keep(buckets, true);
+std::vector<CostVerdict> decide_cost(std::span<const uint8_t> all, int nranks, size_t buckets) {
+  std::vector<CostVerdict> out(buckets);
   const std::vector<Contribution> c = parse_all(all, nranks);
-  if (c.empty()) return keep;  // cannot compare: the agreed plan stands
+  if (c.empty()) return out;  // cannot compare: the agreed plan stands
   for (size_t b = 0; b < buckets; ++b) {
-    uint64_t moved = 0, nccl = 0;
-    bool measured = true;
+    CostVerdict& cost = out[b];
+    cost.measured = true;
     for (const Contribution& x : c) {
       if (x.header.kind != static_cast<uint8_t>(RoundKind::Cost) || b >= x.costs.size() ||
           x.costs[b].moved_ns == 0 || x.costs[b].nccl_ns == 0) {
-        measured = false;
+        cost = CostVerdict{};
         break;
       }
-      moved = std::max(moved, x.costs[b].moved_ns);
-      nccl = std::max(nccl, x.costs[b].nccl_ns);
+      cost.moved_ns = std::max(cost.moved_ns, x.costs[b].moved_ns);
+      cost.nccl_ns = std::max(cost.nccl_ns, x.costs[b].nccl_ns);
     }
-    keep[b] = !measured || moved <= nccl;
+    cost.keep = !cost.measured || cost.moved_ns <= cost.nccl_ns;
   }
-  return keep;
+  return out;
 }
 
 CommitOutcome decide_commit(std::span<const uint8_t> all, int nranks, RoundKind kind,

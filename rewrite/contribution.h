@@ -120,8 +120,14 @@ struct CommitOutcome {
 };
 // Cost rounds: for each bucket, whether it keeps moving. A bucket moves on when the slowest rank's
 // moved time is no worse than the slowest rank's NCCL time (every rank waits for the slowest), or
-// when some rank could not measure it.
-std::vector<bool> decide_cost(std::span<const uint8_t> all, int nranks, size_t buckets);
+// when some rank could not measure it. The times compared come along, for the log.
+struct CostVerdict {
+  bool keep = true;
+  bool measured = false;
+  uint64_t moved_ns = 0;  // the slowest rank's median, both routes
+  uint64_t nccl_ns = 0;
+};
+std::vector<CostVerdict> decide_cost(std::span<const uint8_t> all, int nranks, size_t buckets);
 
 CommitOutcome decide_commit(std::span<const uint8_t> all, int nranks, RoundKind kind,
                             uint64_t decision_hash);

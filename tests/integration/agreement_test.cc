@@ -436,6 +436,11 @@ TEST(Agreement, TheCostTrialSendsEveryGatherBackToNcclWhenOneRanksTransportIsSlo
         << "rank " << rank << ": gathers still moved after the cost round kept NCCL";
   }
   EXPECT_NE(r.log.find("NCCL was faster for its bucket"), std::string::npos) << r.log;
+  // The log says what the choice rested on: the slowest rank's times, which rank 1's 20 ms
+  // delay puts far above NCCL's for bucket 0.
+  EXPECT_NE(r.log.find("cost on the slowest rank (median per call): bucket 0: copy engine 2"),
+            std::string::npos) << r.log;
+  EXPECT_NE(r.log.find(" -> NCCL"), std::string::npos) << r.log;
 }
 
 // Window names left in /dev/shm by the ranks of `runs` (a name ends in ".<owner pid>"; other

@@ -229,5 +229,39 @@ TEST(Commit, AgreedOnlyWhenEveryRankCanServeTheSamePlan) {
   EXPECT_FALSE(decide_commit(gather_all(all), 3, RoundKind::Publish, 77).agreed);
 }
 
+// A cost round: every rank's median per bucket, both routes (moved_ns, nccl_ns).
+Contribution cost(int rank, int nranks, std::vector<BucketCost> costs) {
+  Contribution c = commit(rank, nranks, RoundKind::Cost, 77, true);
+  c.costs = std::move(costs);
+  c.header.gathers = static_cast<uint32_t>(c.costs.size());
+  return c;
+}
+
+TEST(Cost, EachBucketTakesTheRouteFasterOnTheSlowestRank) {
+  // Bucket 0: the copy engine is faster on every rank. Bucket 1: faster on rank 0, but rank 1's
+  // copy-engine time is above every rank's NCCL time, and every rank waits for the slowest.
+  // Bucket 2: rank 2 could not time it, so the agreed plan stands.
+  std::vector<Contribution> all = {cost(0, 3, {{10, 20}, {5, 30}, {10, 20}}),
+                                   cost(1, 3, {{12, 25}, {40, 31}, {10, 20}}),
+                                   cost(2, 3, {{11, 22}, {6, 29}, {0, 20}})};
+  const std::vector<CostVerdict> v = decide_cost(gather_all(all), 3, 3);
+  ASSERT_EQ(v.size(), 3u);
+  EXPECT_TRUE(v[0].keep);
+  EXPECT_TRUE(v[0].measured);
+  EXPECT_EQ(v[0].moved_ns, 12u);  // the slowest rank's, both routes: what the log reports
+  EXPECT_EQ(v[0].nccl_ns, 25u);
+  EXPECT_FALSE(v[1].keep);
+  EXPECT_EQ(v[1].moved_ns, 40u);
+  EXPECT_EQ(v[1].nccl_ns, 31u);
+  EXPECT_TRUE(v[2].keep);
+  EXPECT_FALSE(v[2].measured);
+
+  all[1] = commit(1, 3, RoundKind::Confirm, 77, true);  // not a cost round: nothing is measured
+  for (const CostVerdict& k : decide_cost(gather_all(all), 3, 3)) {
+    EXPECT_TRUE(k.keep);
+    EXPECT_FALSE(k.measured);
+  }
+}
+
 }  // namespace
 }  // namespace magi::rewrite

@@ -66,10 +66,12 @@ bench() {
     echo "FAILED: $script $config rep $rep (exit $rc), see logs/$(basename "$log")" | tee -a "$notes"
     grep -v " MAGI INFO " "$log" | tail -n 8 | sed 's/^/  /'
   fi
-  # What the shim did: its agreement rounds, as its log states them.
+  # What the shim did: its agreement rounds, and what each cost round measured and chose (rank
+  # 0's log; every rank reads the same round), as its log states them.
   if [ -n "$envs" ]; then
     echo "$script $config rep $rep: $(grep -c 'REWRITE.*moving' "$log") round(s) moved gathers;" \
-      "$(grep -c 'NCCL was faster' "$log") line(s) keep a bucket on NCCL as faster" >>"$notes"
+      "$(grep -c ' -> NCCL' "$log") cost line(s) keep a bucket on NCCL" >>"$notes"
+    grep "\[0\] MAGI INFO REWRITE .*cost on the slowest rank" "$log" | sed 's/.*REWRITE /  /' >>"$notes"
   fi
 }
 
