@@ -75,8 +75,10 @@ struct BindOp {
 //    own offset, filled from `bind` during prepare (complete before prepare returns, so before
 //    any peer can read: peers attach only after every rank published). Each gather then reads
 //    peers' regions directly. The rank checks its shard against its region on each of its first
-//    `verify_first` calls and then every `verify_every` calls (0: never after the first); a
-//    mismatch is re-bound and reported by take_stale_bindings().
+//    `verify_first` calls and then every `verify_every` calls (0: never after the first), never
+//    on a timed call (verify_schedule.h); a mismatch is re-bound and reported by
+//    take_stale_bindings(). The CUDA backend's check does not wait for the stream: it compares
+//    once its copies have run, at a later call.
 struct WindowPlan {
   size_t slot_bytes = 0;
   bool bound = false;
@@ -112,8 +114,11 @@ class Transport {
   // FallBack: some rank failed before moving anything, and every rank learned it within this
   // same bucket and moved nothing: the caller serves the bucket another way (NCCL). Throws when
   // this rank failed in a way its peers cannot learn of in the bucket.
+  // Timed: the cost trial times this bucket, so nothing else (a static binding's check) may run
+  // in it.
   enum class Served : uint8_t { Moved, FallBack };
-  virtual Served gather(std::span<const GatherOp> bucket, void* stream) = 0;
+  enum class Timing : uint8_t { Untimed, Timed };
+  virtual Served gather(std::span<const GatherOp> bucket, void* stream, Timing timing = Timing::Untimed) = 0;
   // Frees the window and unmaps the peers', once every peer has finished reading it and this
   // rank's own copies have run. If that cannot be known (a peer died, or did not finish in
   // time, or abandon() came first), the rank stops waiting and leaves the window allocated, and

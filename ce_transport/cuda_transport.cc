@@ -42,6 +42,7 @@
 #include "ce_transport/faults.h"
 #include "ce_transport/cuda_driver.h"
 #include "ce_transport/process.h"
+#include "ce_transport/verify_schedule.h"
 #include "shim/shim.h"
 
 namespace magi::ce {
@@ -146,8 +147,7 @@ class CudaTransport final : public Transport {
     slot_bytes_ = plan.slot_bytes;
     stride_ = round_up(std::max<size_t>(plan.slot_bytes, 1), kSlotAlign);
     bound_ = plan.bound;
-    verify_first_ = plan.verify_first;
-    verify_every_ = plan.verify_every;
+    verify_.reset(plan.verify_first, plan.verify_every);
     flags_at_ = (bound_ ? 1 : 2) * stride_;
     flag_bytes_ = (2 * static_cast<size_t>(nranks_) + 1) * kFlagLine;
     bytes_ = round_up(flags_at_ + flag_bytes_, kAllocationGranule);
@@ -212,7 +212,7 @@ class CudaTransport final : public Transport {
     attached_ = true;
   }
 
-  Served gather(std::span<const GatherOp> bucket, void* stream_handle) override {
+  Served gather(std::span<const GatherOp> bucket, void* stream_handle, Timing timing = Timing::Untimed) override {
     if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
     if (abandoned_.load()) throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
     inject_delay(rank_);
@@ -225,9 +225,12 @@ class CudaTransport final : public Transport {
     sequence_.store(n);
     copies_.clear();
     if (bound_) {
-      verify(bucket, stream);
+      finish_check(stream);
       add_reads(bucket, [&](int r) { return peers_[static_cast<size_t>(r)]; });
       issue_copies(stream);
+      // After the reads, so the gather is not delayed by it; before the bucket's end marks, so a
+      // release that sees this bucket finished knows the check's copies have run too.
+      start_check(bucket, stream, timing);
       finish_bucket(n, stream);
       return Served::Moved;
     }
@@ -326,7 +329,9 @@ class CudaTransport final : public Transport {
     peers_.clear();
     attached_ = false;
     sequence_.store(0);
-    verified_calls_.clear();
+    verify_.reset(0, 0);
+    if (check_.copied != nullptr) cudaEventDestroy(check_.copied);  // freed once it has passed
+    check_ = {};
   }
 
   // Our CUDA runtime is not the program's: it follows the communicator's device explicitly.
@@ -424,30 +429,54 @@ class CudaTransport final : public Transport {
       throw Error(ErrorKind::Cuda, "cuStreamBatchMemOp failed (" + std::to_string(static_cast<int>(r)) + ")");
   }
 
-  // Static weights: the rank's shard against its binding, on the first calls and then now and
-  // then. Off the steady path: it waits for the stream once per check.
-  void verify(std::span<const GatherOp> bucket, cudaStream_t stream) {
+  // Static weights: the rank's shard against its binding, when verify_ says (never on a timed
+  // call). The program's stream is never waited for: the shard and the binding are copied to
+  // the host on it, stream-ordered (the shard as this call saw it, and never after the program
+  // freed it), and compared at a later call once those copies have run. One check at a time;
+  // another that falls due meanwhile is owed to a later call.
+  void start_check(std::span<const GatherOp> bucket, cudaStream_t stream, Timing timing) {
     for (const GatherOp& op : bucket) {
-      uint64_t& calls = verified_calls_[op.slot_offset];
-      ++calls;
-      const bool due = calls <= verify_first_ || (verify_every_ != 0 && calls % verify_every_ == 0);
-      if (!due || op.bytes == 0) continue;
+      if (!verify_.on_call(op.slot_offset, timing) || op.bytes == 0) continue;
+      if (check_.pending) {
+        verify_.owe(op.slot_offset);
+        continue;
+      }
       if (host_check_bytes_ < 2 * op.bytes) {
-        if (host_check_ != nullptr) cudaFreeHost(host_check_);
+        if (host_check_ != nullptr) cudaFreeHost(host_check_);  // no check in flight uses it
         host_check_ = nullptr;
+        host_check_bytes_ = 0;
         cuda_check(cudaMallocHost(&host_check_, 2 * op.bytes), "cudaMallocHost (verification)");
         host_check_bytes_ = 2 * op.bytes;
       }
-      auto* mine = static_cast<uint8_t*>(host_check_);
-      cuda_check(cudaMemcpyAsync(mine, op.sendbuf, op.bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync (verify)");
-      cuda_check(cudaMemcpyAsync(mine + op.bytes, region() + op.slot_offset, op.bytes, cudaMemcpyDefault, stream),
+      if (check_.copied == nullptr)
+        cuda_check(cudaEventCreateWithFlags(&check_.copied, cudaEventDisableTiming), "cudaEventCreate (verify)");
+      auto* host = static_cast<uint8_t*>(host_check_);
+      cuda_check(cudaMemcpyAsync(host, op.sendbuf, op.bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync (verify)");
+      cuda_check(cudaMemcpyAsync(host + op.bytes, region() + op.slot_offset, op.bytes, cudaMemcpyDefault, stream),
                  "cudaMemcpyAsync (verify)");
-      cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (verify)");
-      if (std::memcmp(mine, mine + op.bytes, op.bytes) != 0) {
-        cuda_check(cudaMemcpyAsync(region() + op.slot_offset, op.sendbuf, op.bytes, cudaMemcpyDefault, stream),
-                   "cudaMemcpyAsync (re-bind)");
-        stale_.push_back(op.slot_offset);
-      }
+      cuda_check(cudaEventRecord(check_.copied, stream), "cudaEventRecord (verify)");
+      check_.pending = true;
+      check_.op = op;
+    }
+  }
+
+  // The check in flight, if its copies have run: a shard that changed is re-bound on this
+  // call's stream (ahead of its reads) and reported by take_stale_bindings().
+  void finish_check(cudaStream_t stream) {
+    if (!check_.pending) return;
+    const cudaError_t state = cudaEventQuery(check_.copied);
+    if (state == cudaErrorNotReady) {
+      cudaGetLastError();
+      return;
+    }
+    check_.pending = false;
+    cuda_check(state, "cudaEventQuery (verify)");
+    const GatherOp& op = check_.op;
+    const auto* host = static_cast<const uint8_t*>(host_check_);
+    if (std::memcmp(host, host + op.bytes, op.bytes) != 0) {
+      cuda_check(cudaMemcpyAsync(region() + op.slot_offset, op.sendbuf, op.bytes, cudaMemcpyDefault, stream),
+                 "cudaMemcpyAsync (re-bind)");
+      stale_.push_back(op.slot_offset);
     }
   }
 
@@ -544,8 +573,12 @@ class CudaTransport final : public Transport {
   size_t slot_bytes_ = 0;
   size_t stride_ = 0;
   bool bound_ = false;
-  uint64_t verify_first_ = 0;
-  uint64_t verify_every_ = 0;
+  VerifySchedule verify_;  // bound: when each binding is checked
+  struct Check {
+    bool pending = false;  // its copies are queued; compared once `copied` has passed
+    GatherOp op{};
+    cudaEvent_t copied = nullptr;
+  } check_;
   cudaStream_t own_stream_ = nullptr;
   std::vector<uint8_t*> peers_;
   std::vector<pid_t> peer_pids_;
@@ -562,7 +595,6 @@ class CudaTransport final : public Transport {
   std::vector<const void*> srcs_;
   std::vector<size_t> sizes_;
   std::vector<CUstreamBatchMemOpParams> mem_ops_;
-  std::map<size_t, uint64_t> verified_calls_;
   std::vector<size_t> stale_;
   void* host_check_ = nullptr;
   size_t host_check_bytes_ = 0;

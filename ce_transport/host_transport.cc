@@ -26,6 +26,7 @@
 #include "ce_transport/faults.h"
 #include "ce_transport/host_window.h"
 #include "ce_transport/process.h"
+#include "ce_transport/verify_schedule.h"
 #include "shim/shim.h"
 
 namespace magi::ce {
@@ -140,8 +141,7 @@ class HostTransport final : public Transport {
     slot_bytes_ = slot_bytes;
     slot_stride_ = stride;
     bound_ = plan.bound;
-    verify_first_ = plan.verify_first;
-    verify_every_ = plan.verify_every;
+    verify_.reset(plan.verify_first, plan.verify_every);
     if (bound_) {
       for (const BindOp& b : plan.bind) {
         if (b.bytes > slot_bytes_ || b.slot_offset > slot_bytes_ - b.bytes)
@@ -194,7 +194,7 @@ class HostTransport final : public Transport {
     attached_ = true;
   }
 
-  Served gather(std::span<const GatherOp> bucket, void* /*stream*/) override {
+  Served gather(std::span<const GatherOp> bucket, void* /*stream*/, Timing timing = Timing::Untimed) override {
     if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
     if (broken_) throw Error(ErrorKind::System, "an earlier bucket failed; this window is unusable");
     if (abandoned_.load(std::memory_order_relaxed)) throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
@@ -205,7 +205,7 @@ class HostTransport final : public Transport {
                                           std::to_string(op.slot_offset) + " overflows a slot of " +
                                           std::to_string(slot_bytes_));
     if (bound_) {
-      gather_bound(bucket);
+      gather_bound(bucket, timing);
       return Served::Moved;
     }
     broken_ = true;  // until this bucket completes: a throw below leaves the ranks out of step
@@ -258,15 +258,12 @@ class HostTransport final : public Transport {
   // confirmed, so a call is only reads. The rank's own shard is checked against its region now
   // and then (the user asserted it does not change; if it did, peers read stale bytes until the
   // next agreement round takes the gather back to NCCL, and the region is re-bound meanwhile).
-  void gather_bound(std::span<const GatherOp> bucket) {
+  void gather_bound(std::span<const GatherOp> bucket, Timing timing) {
     ++sequence_;
     for (const GatherOp& op : bucket) {
       auto* recv = static_cast<uint8_t*>(op.recvbuf);
       uint8_t* region = own_.data() + kFlagBytes + op.slot_offset;
-      uint64_t& calls = verified_calls_[op.slot_offset];
-      ++calls;
-      const bool due = calls <= verify_first_ || (verify_every_ != 0 && calls % verify_every_ == 0);
-      if (due && std::memcmp(region, op.sendbuf, op.bytes) != 0) {
+      if (verify_.on_call(op.slot_offset, timing) && std::memcmp(region, op.sendbuf, op.bytes) != 0) {
         std::memcpy(region, op.sendbuf, op.bytes);
         stale_.push_back(op.slot_offset);
       }
@@ -293,7 +290,7 @@ class HostTransport final : public Transport {
     slot_bytes_ = slot_stride_ = 0;
     sequence_ = 0;
     bound_ = false;
-    verified_calls_.clear();
+    verify_.reset(0, 0);
     stale_.clear();
     attached_ = broken_ = false;
     abandoned_.store(false, std::memory_order_relaxed);
@@ -339,9 +336,7 @@ class HostTransport final : public Transport {
   size_t slot_stride_ = 0;
   uint64_t sequence_ = 0;  // the last bucket started
   bool bound_ = false;
-  uint64_t verify_first_ = 0;
-  uint64_t verify_every_ = 0;
-  std::map<size_t, uint64_t> verified_calls_;  // bound: calls served per binding (slot offset)
+  VerifySchedule verify_;  // bound: when each binding is checked
   std::vector<size_t> stale_;
   bool attached_ = false;
   bool broken_ = false;

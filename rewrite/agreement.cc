@@ -140,7 +140,8 @@ ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket,
   } stop{*this, timer, stream, bucket_id, via_nccl};
   if (via_nccl) return forward_to_nccl(calls, stream);
   try {
-    if (transport_->gather(bucket, stream) == ce::Transport::Served::FallBack) {
+    const auto timing = timer ? ce::Transport::Timing::Timed : ce::Transport::Timing::Untimed;
+    if (transport_->gather(bucket, stream, timing) == ce::Transport::Served::FallBack) {
       // Every rank learned of the failure in this bucket: all of them hand it to NCCL now, and
       // refuse its gathers at the next round.
       if (!transport_failed_)

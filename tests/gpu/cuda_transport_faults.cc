@@ -8,6 +8,9 @@
 //     (an abort) lets the stream drain, release() does not wait, the context stays usable.
 //  3. A peer that died without gathering: release() notices at once (no abort needed), the
 //     stream drains, the context stays usable.
+//  4. Static weights whose shard changes anyway: no check on calls the cost trial times; a
+//     check never waits for the program's stream (a gather returns while the stream is held);
+//     the change is found at a later call once the check's copies have run.
 #include <cuda_runtime_api.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -199,6 +202,63 @@ void dead_peer_then_release(int rank, Shared& shared) {
   gather_alone(*transport, "release() with the peer dead", [&] { transport->release(); });
 }
 
+// Holds a stream until *release becomes true (a host function: the stream waits for it).
+void CUDART_CB hold_stream(void* release) {
+  while (!static_cast<std::atomic<bool>*>(release)->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+void changed_static_shard_is_found_without_waiting(int /*rank*/, Shared& /*shared*/) {
+  using magi::ce::Transport;
+  check(cudaSetDevice(0), "cudaSetDevice");
+  cudaStream_t stream = nullptr;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  void *shard = nullptr, *recv = nullptr;
+  check(cudaMalloc(&shard, kShard), "cudaMalloc");
+  check(cudaMalloc(&recv, kShard), "cudaMalloc");
+  check(cudaMemset(shard, 7, kShard), "cudaMemset");
+  auto transport = magi::ce::make_transport(Backend::Cuda, 0, 1, 4, 0);
+  WindowPlan plan;
+  plan.slot_bytes = kShard;
+  plan.bound = true;
+  plan.bind = {{shard, kShard, 0}};
+  plan.verify_first = 1;
+  plan.verify_every = 0;
+  HandleBlob blob;
+  transport->prepare(plan, blob);
+  transport->attach(std::span<const HandleBlob>(&blob, 1));
+  const GatherOp op{shard, recv, kShard, 0};
+  const std::span<const GatherOp> bucket(&op, 1);
+  auto stale_after = [&](Transport::Timing timing) {
+    transport->gather(bucket, stream, timing);
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    return transport->take_stale_bindings().size();
+  };
+  check(cudaMemset(shard, 9, kShard), "cudaMemset");  // the promise broken before the first call
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // the legacy stream's memset, done
+  // Calls 1 and 2 are timed: the check due on call 1 must wait for an untimed call.
+  if (stale_after(Transport::Timing::Timed) != 0 || stale_after(Transport::Timing::Timed) != 0)
+    throw std::runtime_error("a timed call checked its binding");
+  // Call 3, untimed, starts the check while the program's stream is held: it must not wait.
+  std::atomic<bool> release{false};
+  check(cudaLaunchHostFunc(stream, hold_stream, &release), "cudaLaunchHostFunc");
+  const auto started = Clock::now();
+  transport->gather(bucket, stream);
+  const double took = std::chrono::duration<double>(Clock::now() - started).count();
+  const bool held = !stream_idle(stream);
+  release.store(true);
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  if (!held || took > 0.5)
+    throw std::runtime_error("a gather that checks its binding waited " + std::to_string(took) + " s for the stream");
+  if (!transport->take_stale_bindings().empty()) throw std::runtime_error("the check compared before its copies ran");
+  // Call 4 compares (the copies have run): the change is found, once, and re-bound.
+  if (stale_after(Transport::Timing::Untimed) != 1) throw std::runtime_error("the changed shard was not found");
+  if (stale_after(Transport::Timing::Untimed) != 0) throw std::runtime_error("the change was reported twice");
+  std::fprintf(stderr, "  a gather that started a check returned in %.2f ms with the stream held\n", took * 1e3);
+  transport->release();
+  check(cudaStreamDestroy(stream), "cudaStreamDestroy");
+  expect_usable_context();
+}
+
 }  // namespace
 
 int main() {
@@ -211,6 +271,8 @@ int main() {
       {"a static shard freed before binding is refused; the context stays usable", 1, freed_shard_is_refused},
       {"a hung peer: abandon() frees the waiting stream, release() does not wait", 2, hung_peer_then_abandon},
       {"a dead peer: release() frees the waiting stream at once", 2, dead_peer_then_release},
+      {"a changed static shard: not checked on timed calls, found later without waiting for the stream", 1,
+       changed_static_shard_is_found_without_waiting},
   };
   int passed = 0, failed = 0;
   for (const Case& c : cases) {

@@ -1,0 +1,61 @@
+// When a static binding is checked (ce_transport/verify_schedule.h): on the first calls and then
+// every so many, never on a call the cost trial times, and nothing due is lost.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "ce_transport/verify_schedule.h"
+
+namespace magi::ce {
+namespace {
+
+constexpr auto kTimed = Transport::Timing::Timed;
+constexpr auto kUntimed = Transport::Timing::Untimed;
+
+// The calls (1-based) of one binding on which a check runs, given each call's timing.
+std::vector<int> checked_calls(VerifySchedule& s, const std::vector<Transport::Timing>& calls) {
+  std::vector<int> checked;
+  for (size_t i = 0; i < calls.size(); ++i)
+    if (s.on_call(0, calls[i])) checked.push_back(static_cast<int>(i) + 1);
+  return checked;
+}
+
+TEST(VerifySchedule, FirstCallsThenEveryNth) {
+  VerifySchedule s;
+  s.reset(3, 4);
+  EXPECT_EQ(checked_calls(s, std::vector<Transport::Timing>(12, kUntimed)), (std::vector<int>{1, 2, 3, 4, 8, 12}));
+}
+
+TEST(VerifySchedule, TimedCallsAreNeverCheckedAndWhatWasDueRunsAfter) {
+  // The cost trial times calls 1-3 (as it does the first moved calls): the three checks due
+  // there run on calls 4, 5 and 6, one a call; the one due on call 8 runs on 9, after a timed 8.
+  VerifySchedule s;
+  s.reset(3, 8);
+  std::vector<Transport::Timing> calls(10, kUntimed);
+  calls[0] = calls[1] = calls[2] = calls[7] = kTimed;
+  EXPECT_EQ(checked_calls(s, calls), (std::vector<int>{4, 5, 6, 9}));
+}
+
+TEST(VerifySchedule, ACheckThatCouldNotStartIsOwedNotLost) {
+  VerifySchedule s;
+  s.reset(1, 0);
+  ASSERT_TRUE(s.on_call(0, kUntimed));
+  s.owe(0);  // the backend had another check in flight
+  EXPECT_FALSE(s.on_call(0, kTimed));
+  EXPECT_TRUE(s.on_call(0, kUntimed));
+  EXPECT_FALSE(s.on_call(0, kUntimed));  // every = 0: nothing more after the first
+}
+
+TEST(VerifySchedule, BindingsAreCountedApart) {
+  VerifySchedule s;
+  s.reset(1, 2);
+  EXPECT_TRUE(s.on_call(0, kUntimed));
+  EXPECT_TRUE(s.on_call(256, kUntimed));  // its own first call
+  EXPECT_TRUE(s.on_call(0, kUntimed));    // call 2 of binding 0
+  EXPECT_FALSE(s.on_call(0, kUntimed));
+  s.reset(1, 2);  // a new plan starts over
+  EXPECT_TRUE(s.on_call(0, kUntimed));
+}
+
+}  // namespace
+}  // namespace magi::ce
