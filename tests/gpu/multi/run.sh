@@ -56,8 +56,14 @@ start() {
   while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
   (
     cd "$here" || exit 2
-    timeout -k 30 "$limit" "$torchrun" --standalone --nproc_per_node "$n" --no_python \
-      env ${envs[@]+"${envs[@]}"} "$python" "$script" "$@" >"$dir/log" 2>&1
+    if [ "$(basename "$script")" = killed_rank.py ]; then
+      # Its own launcher: torchrun would tear the survivors down itself when the victim dies.
+      timeout -k 30 "$limit" env ${envs[@]+"${envs[@]}"} "$python" "$script" --nproc "$n" "$@" \
+        >"$dir/log" 2>&1
+    else
+      timeout -k 30 "$limit" "$torchrun" --standalone --nproc_per_node "$n" --no_python \
+        env ${envs[@]+"${envs[@]}"} "$python" "$script" "$@" >"$dir/log" 2>&1
+    fi
     echo $? >"$dir/rc"
   ) &
 }
@@ -66,7 +72,7 @@ start() {
 ran() {
   local rc
   rc=$(cat "$work/$1/rc" 2>/dev/null || echo "?")
-  grep -E "^(allgather_check|fsdp_infer|two_comms):|WRONG|SKIP|DIFFERS" "$work/$1/log" | sed 's/^/  /' | head -20
+  grep -E "^(allgather_check|fsdp_infer|two_comms|killed_rank):|WRONG|SKIP|DIFFERS" "$work/$1/log" | sed 's/^/  /' | head -20
   if [ "$rc" = 0 ]; then pass "$1: $2"; return 0; fi
   case $rc in 124|137) rc="$rc (timed out after $limit s)" ;; esac
   fail "$1: $2 (exit $rc)"
@@ -123,6 +129,22 @@ start fsdp-manual-shim-static 1 MAGI_STATIC_WEIGHTS=1 -- "${infer[@]}" --shardin
   --out "$work/fsdp-manual-shim-static/out"
 start two-comms-nccl 0 -- two_comms.py --steps "$steps"
 start two-comms-shim 1 -- two_comms.py --steps "$steps"
+# A rank SIGKILLed with gathers moving, under PyTorch's watchdog: 1 aborts the communicators and
+# ends the process, 2 only aborts them (the blocked main thread must come free). At one rank
+# there is no one to kill: the same program runs through once, as a check of the launcher.
+kill_args=(killed_rank.py --steps 24 --kill-step 16 --watchdog-s 20 --deadline-s 120)
+[ "$n" -ge 2 ] || kill_args+=(--no-kill)
+# The launcher checked on its own, two ranks over gloo on the CPU (no NCCL, no shim): survivors
+# that gloo frees must count as ended, and survivors that outlive the deadline as HUNG.
+start killed-rank-selfcheck-ends 0 -- killed_rank.py --cpu --nproc 2 --steps 24 --kill-step 16 \
+  --watchdog-s 10 --deadline-s 60
+start killed-rank-selfcheck-hang 0 -- killed_rank.py --cpu --nproc 2 --steps 24 --kill-step 16 \
+  --watchdog-s 10 --deadline-s 10 --linger-s 120
+for handling in 1 2; do
+  start "killed-rank-$handling-nccl" 0 TORCH_NCCL_ASYNC_ERROR_HANDLING=$handling -- "${kill_args[@]}"
+  start "killed-rank-$handling-shim" 1 "$force" TORCH_NCCL_ASYNC_ERROR_HANDLING=$handling -- \
+    "${kill_args[@]}"
+done
 wait
 
 echo "== 1. all-gather, every datatype and size, in place and out of place"
@@ -171,6 +193,29 @@ echo "== 3. a whole-node communicator and 2-GPU splits at once"
 ran two-comms-nccl "NCCL alone: 0 wrong"
 ran two-comms-shim "under the shim: 0 wrong" && \
   traced two-comms-shim "both communicators agreed on their own, gathers moved" --comms 2 --moved
+
+echo "== 4. a rank killed while gathers move (its own launcher, not torchrun)"
+ran killed-rank-selfcheck-ends "the launcher: survivors that end are seen to end (gloo, 2 ranks)"
+if [ "$(cat "$work/killed-rank-selfcheck-hang/rc" 2>/dev/null)" = 1 ] &&
+   grep -q "HUNG" "$work/killed-rank-selfcheck-hang/log"; then
+  pass "killed-rank-selfcheck-hang: the launcher: a survivor past the deadline is HUNG (gloo, 2 ranks)"
+else
+  fail "killed-rank-selfcheck-hang: the launcher: a survivor past the deadline is HUNG (gloo, 2 ranks)"
+  tail -n 8 "$work/killed-rank-selfcheck-hang/log" | sed 's/^/  /'
+fi
+victim=$([ "$n" -ge 2 ] && echo "rank $((n - 1)) SIGKILLed at step 16" || echo "no victim at one rank")
+for handling in 1 2; do
+  what="TORCH_NCCL_ASYNC_ERROR_HANDLING=$handling, $victim"
+  ran "killed-rank-$handling-nccl" "NCCL alone, $what: every survivor ends"
+  if ran "killed-rank-$handling-shim" "under the shim, $what: every survivor ends"; then
+    # The check means something only if the transport held the gathers when the peer died.
+    if grep -q " REWRITE .*moving [1-9]" "$work/killed-rank-$handling-shim/log"; then
+      pass "killed-rank-$handling-shim: gathers had moved off NCCL before the kill"
+    else
+      fail "killed-rank-$handling-shim: gathers had moved off NCCL before the kill"
+    fi
+  fi
+done
 
 echo "multi: $passed passed, $failed failed"
 [ "$failed" = 0 ]
