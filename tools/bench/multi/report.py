@@ -41,8 +41,8 @@ def size_text(nbytes):
 
 
 def ordered(configs):
-    order = ["nccl", "nccl_ring", "nccl_symm", "nccl_ce", "torch_lc", "shim", "shim_force",
-             "shim_static"]
+    order = ["nccl", "nccl_ring", "nccl_symm", "nccl_ce", "torch_lc", "shim", "shim_nocallsite",
+             "shim_force", "shim_static"]
     return sorted(configs, key=lambda c: (order.index(c) if c in order else len(order), c))
 
 

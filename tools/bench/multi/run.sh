@@ -10,7 +10,8 @@
 #   BENCH_REPS      repetitions (default 5)
 #   BENCH_MIN_KIB, BENCH_MAX_MIB   all-gather sizes per rank (default 8 KiB .. 1024 MiB)
 #   BENCH_CONFIGS   all-gather configurations (default "nccl shim shim_static torch_lc"; also
-#                   shim_force: the shim with MAGI_CE_FORCE=1, every agreed gather moved)
+#                   shim_force: the shim with MAGI_CE_FORCE=1, every agreed gather moved;
+#                   shim_nocallsite: the shim with MAGI_CALLSITES=0, what call sites cost)
 #   BENCH_PARTS     which parts (default "allgather ce gemm fsdp")
 #   BENCH_TIMEOUT_S each run's limit (default 900)
 #   BENCH_GEMM_ARGS, BENCH_FSDP_ARGS   extra arguments for gemm_interference.py / fsdp_step.py
@@ -44,6 +45,7 @@ config_env() {
     nccl | torch_lc) ;;
     shim) echo "LD_PRELOAD=$lib/libmagice.so MAGI_LOG=INFO" ;;
     shim_force) echo "LD_PRELOAD=$lib/libmagice.so MAGI_LOG=INFO MAGI_CE_FORCE=1" ;;
+    shim_nocallsite) echo "LD_PRELOAD=$lib/libmagice.so MAGI_LOG=INFO MAGI_CALLSITES=0" ;;
     shim_static) echo "LD_PRELOAD=$lib/libmagice.so MAGI_LOG=INFO MAGI_STATIC_WEIGHTS=1" ;;
     *) echo "unknown configuration $1" >&2; return 1 ;;
   esac
