@@ -42,7 +42,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(p)
     p.add_argument("--method", choices=("collective", "torch_lc"), default="collective")
-    p.add_argument("--min-kib", type=int, default=8)
+    p.add_argument("--min-kib", type=int, default=4)
     p.add_argument("--max-mib", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--samples", type=int, default=5)

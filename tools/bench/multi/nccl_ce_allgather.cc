@@ -1,6 +1,6 @@
 // NCCL's own copy-engine all-gather against its default path: real NCCL, one process per GPU.
 //
-//   nccl_ce_allgather -n RANKS --csv FILE [--min-kib 8] [--max-mib 1024] [--reps 5]
+//   nccl_ce_allgather -n RANKS --csv FILE [--min-kib 4] [--max-mib 1024] [--reps 5]
 //
 // The parent forks the ranks before anything touches CUDA; rank 0 publishes the communicators'
 // unique ids in a file (written whole, then renamed, as tests/support/bootstrap.cc does) and the
@@ -65,7 +65,7 @@ constexpr auto kRunLimit = std::chrono::seconds(900);
 
 struct Options {
   int ranks = 1;
-  size_t min_kib = 8;
+  size_t min_kib = 4;
   size_t max_mib = 1024;
   int reps = 5;
   std::string csv;

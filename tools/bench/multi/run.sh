@@ -8,7 +8,7 @@
 # Environment (all optional):
 #   BENCH_NPROC     ranks (default: the GPUs nvidia-smi lists)
 #   BENCH_REPS      repetitions (default 5)
-#   BENCH_MIN_KIB, BENCH_MAX_MIB   all-gather sizes per rank (default 8 KiB .. 1024 MiB)
+#   BENCH_MIN_KIB, BENCH_MAX_MIB   all-gather sizes per rank, by powers of 4 (default 4 KiB .. 1 GiB)
 #   BENCH_CONFIGS   all-gather configurations (default "nccl shim shim_static torch_lc"; also
 #                   shim_force: the shim with MAGI_CE_FORCE=1, every agreed gather moved;
 #                   shim_nocallsite: the shim with MAGI_CALLSITES=0, what call sites cost)
@@ -27,7 +27,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1
 n=${BENCH_NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 reps=${BENCH_REPS:-5}
-min_kib=${BENCH_MIN_KIB:-8}
+min_kib=${BENCH_MIN_KIB:-4}
 max_mib=${BENCH_MAX_MIB:-1024}
 read -r -a configs <<<"${BENCH_CONFIGS:-nccl shim shim_static torch_lc}"
 parts=" ${BENCH_PARTS:-allgather ce gemm fsdp} "
