@@ -22,6 +22,7 @@ import torch.distributed as dist
 from bench_common import add_common_args, append_rows, dist_env, median, sizes
 
 SAMPLE_BYTES = 512 << 20  # output bytes per timed sample: long enough for events, short overall
+SIZE_MARK = "allgather_bw: size"
 
 
 def lc_gather_factory(env, count):
@@ -56,6 +57,9 @@ def main() -> int:
     began = time.time()
     for i, nbytes in enumerate(all_sizes):
         count = nbytes // 2
+        # Where this size begins in the log: report.py files the shim's cost lines that follow
+        # (what its cost round measured and kept) under it.
+        env.log(f"{SIZE_MARK} {nbytes}")
         if args.method == "torch_lc":
             try:
                 gather = lc_gather_factory(env, count)

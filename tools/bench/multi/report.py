@@ -1,14 +1,17 @@
 """Turns the multi-GPU benchmark CSVs into markdown tables and PNG plots.
 
-    report.py DIR     (reads DIR/allgather_bw.csv, gemm_interference.csv, fsdp_step.csv;
-                       writes DIR/results.md and, where matplotlib imports, DIR/*.png)
+    report.py DIR     (reads DIR/allgather_bw.csv, gemm_interference.csv, fsdp_step.csv and
+                       the shim runs' logs in DIR/logs; writes DIR/results.md and, where
+                       matplotlib imports, DIR/*.png)
 
 Figures are medians over repetitions; a ratio between two configurations is the median of the
 per-repetition ratios (the runs of one repetition ran back to back, so they share the machine's
 state). The goals are issue 5's; at world size 1 nothing crosses NVLink and none applies.
 """
 import csv
+import glob
 import os
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -125,6 +128,54 @@ def plot_allgather(plt, t, bw, configs, size_list, world):
     fig.tight_layout()
 
 
+SIZE_MARK = re.compile(r"^allgather_bw: size (\d+)$")
+COST_LINE = re.compile(r"\[0\] MAGI INFO REWRITE comm \w+ round \d+: cost on the slowest rank "
+                       r"\(median per call\): bucket 0: copy engine ([\d.]+) us, NCCL ([\d.]+) us -> (.+?)(;|$)")
+
+
+def routes_kept(log_path):
+    """size -> (copy-engine us, NCCL us, route) of the last cost round rank 0 logged for it."""
+    kept, size = {}, None
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            m = SIZE_MARK.match(line.strip())
+            if m:
+                size = int(m.group(1))
+                continue
+            m = COST_LINE.search(line)
+            if m and size is not None:
+                kept[size] = (float(m.group(1)), float(m.group(2)), m.group(3))
+    return kept
+
+
+def routes_section(d, lines):
+    """What each shim run's cost rounds measured and kept, size by size (repetition 1)."""
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(d, "logs", "allgather_bw.shim*.1.log"))):
+        config = os.path.basename(path)[len("allgather_bw."):-len(".1.log")]
+        kept = routes_kept(path)
+        if kept:
+            runs[config] = kept
+    if not runs:
+        return
+    configs = ordered(runs)
+    size_list = sorted({s for kept in runs.values() for s in kept})
+    lines.append("Route each shim run's cost round kept, per size (repetition 1, rank 0's log: the "
+                 "slowest rank's median per call on the copy engine and on NCCL):\n")
+    lines.append("| per rank | " + " | ".join(f"`{c}`" for c in configs) + " |")
+    lines.append("| ---: |" + " --- |" * len(configs))
+    for s in size_list:
+        cells = []
+        for c in configs:
+            if s not in runs[c]:
+                cells.append("—")
+                continue
+            ce, nccl, route = runs[c][s]
+            cells.append(f"{route} ({fmt(ce)} / {fmt(nccl)} µs)")
+        lines.append(f"| {size_text(s)} | " + " | ".join(cells) + " |")
+    lines.append("")
+
+
 def gemm_section(rows, lines, plots):
     if not rows:
         lines.append("No GEMM interference measurements.\n")
@@ -211,6 +262,7 @@ def main() -> int:
     lines, plots = ["# Multi-GPU benchmarks (tools/bench/multi)\n"], []
     lines.append("## All-gather bandwidth against message size\n")
     allgather_section(read(os.path.join(d, "allgather_bw.csv")), lines, plots)
+    routes_section(d, lines)
     lines.append("## GEMM interference\n")
     gemm_section(read(os.path.join(d, "gemm_interference.csv")), lines, plots)
     lines.append("## FSDP inference step\n")
