@@ -56,6 +56,7 @@ start() {
   while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
   (
     cd "$here" || exit 2
+    local began=$SECONDS
     if [ "$(basename "$script")" = killed_rank.py ]; then
       # Its own launcher: torchrun would tear the survivors down itself when the victim dies.
       timeout -k 30 "$limit" env ${envs[@]+"${envs[@]}"} "$python" "$script" --nproc "$n" "$@" \
@@ -65,17 +66,20 @@ start() {
         env ${envs[@]+"${envs[@]}"} "$python" "$script" "$@" >"$dir/log" 2>&1
     fi
     echo $? >"$dir/rc"
+    echo $((SECONDS - began)) >"$dir/seconds"
   ) &
 }
 
-# ran NAME WHAT: PASS when the job exited 0; else FAIL with the end of its log.
+# ran NAME WHAT: PASS when the job exited 0 (with how long it ran); else FAIL with the end of
+# its log.
 ran() {
-  local rc
+  local rc took
   rc=$(cat "$work/$1/rc" 2>/dev/null || echo "?")
+  took=$(cat "$work/$1/seconds" 2>/dev/null || echo "?")
   grep -E "^(allgather_check|fsdp_infer|two_comms|killed_rank):|WRONG|SKIP|DIFFERS" "$work/$1/log" | sed 's/^/  /' | head -20
-  if [ "$rc" = 0 ]; then pass "$1: $2"; return 0; fi
+  if [ "$rc" = 0 ]; then pass "$1: $2 ($took s)"; return 0; fi
   case $rc in 124|137) rc="$rc (timed out after $limit s)" ;; esac
-  fail "$1: $2 (exit $rc)"
+  fail "$1: $2 (exit $rc, $took s)"
   grep -v " MAGI INFO " "$work/$1/log" | grep -v "^  *File \|^  *\^" | tail -n 15 | sed 's/^/  /'
   # What the shim did last, for a run that hung (its rounds and routes, rank by rank).
   grep " MAGI " "$work/$1/log" | grep -v " CAPTURE " | tail -n 12 | sed 's/^/  last: /'
@@ -217,5 +221,6 @@ for handling in 1 2; do
   fi
 done
 
+echo "multi: $SECONDS s in all, with up to $jobs run(s) at once"
 echo "multi: $passed passed, $failed failed"
 [ "$failed" = 0 ]
