@@ -15,6 +15,8 @@ namespace magi::ce {
 // comparison would count as the transport's cost, and the trial would send a static gather back
 // to NCCL for the checking, not the gathering. A check due then is owed to the binding's next
 // untimed call (each one owed runs, one a call), as is one the backend cannot start yet (owe()).
+// At most max(first, 1) are owed at once: a check looks at the shard as it is now, so a backlog
+// of them would only repeat the same look.
 class VerifySchedule {
  public:
   void reset(uint64_t first, uint64_t every) {
@@ -27,19 +29,22 @@ class VerifySchedule {
   bool on_call(size_t slot_offset, Transport::Timing timing) {
     Binding& b = bindings_[slot_offset];
     ++b.calls;
-    if (b.calls <= first_ || (every_ != 0 && b.calls % every_ == 0)) ++b.owed;
+    if (b.calls <= first_ || (every_ != 0 && b.calls % every_ == 0)) owe(b);
     if (b.owed == 0 || timing == Transport::Timing::Timed) return false;
     --b.owed;
     return true;
   }
   // The check on_call asked for could not start now: it runs at the binding's next untimed call.
-  void owe(size_t slot_offset) { ++bindings_[slot_offset].owed; }
+  void owe(size_t slot_offset) { owe(bindings_[slot_offset]); }
 
  private:
   struct Binding {
     uint64_t calls = 0;
     uint64_t owed = 0;
   };
+  void owe(Binding& b) const {
+    if (b.owed < (first_ > 1 ? first_ : 1)) ++b.owed;
+  }
   uint64_t first_ = 0;
   uint64_t every_ = 0;
   std::map<size_t, Binding> bindings_;

@@ -46,6 +46,29 @@ TEST(VerifySchedule, ACheckThatCouldNotStartIsOwedNotLost) {
   EXPECT_FALSE(s.on_call(0, kUntimed));  // every = 0: nothing more after the first
 }
 
+TEST(VerifySchedule, OwedChecksDoNotPileUp) {
+  // The backend's check is still in flight on a stream that lags far behind, call after call,
+  // so every check that falls due is owed back: what is owed stays bounded (first = 2 here).
+  VerifySchedule s;
+  s.reset(2, 1);
+  for (int call = 0; call < 1000; ++call)
+    if (s.on_call(0, kTimed) || s.on_call(0, kUntimed)) s.owe(0);
+  for (int call = 0; call < 1000; ++call) s.owe(0);
+  // The stream caught up: one check a call runs from here, and the calls now owe nothing more
+  // than their own due check.
+  int run = 0;
+  for (int call = 0; call < 10; ++call) run += s.on_call(0, kUntimed) ? 1 : 0;
+  EXPECT_EQ(run, 10);
+  EXPECT_FALSE(s.on_call(0, kTimed));
+  // Capped: a hundred owed back count as two. Calls 1 and 2 are due too but find the cap
+  // reached, and each runs one: three checks in all, where without the cap all ten calls would.
+  int capped = 0;
+  s.reset(2, 1000000);
+  for (int call = 0; call < 100; ++call) s.owe(0);
+  for (int call = 0; call < 10; ++call) capped += s.on_call(0, kUntimed) ? 1 : 0;
+  EXPECT_EQ(capped, 3);
+}
+
 TEST(VerifySchedule, BindingsAreCountedApart) {
   VerifySchedule s;
   s.reset(1, 2);
