@@ -265,7 +265,7 @@ class CudaTransport final : public Transport {
     // A healthy abort (the program's shutdown) finds every bucket run or about to be; anything
     // else is released at once (a dead peer) or after a short grace (a peer that stalls).
     const uint64_t target = sequence_.load();
-    std::string unfinished;
+    std::string unfinished;  // not said: an abort that finds a bucket in flight says so at release
     if (settle(target, kAbortGrace, unfinished) == Settled::Finished) {
       settled_at_ = target;
     } else {
@@ -488,8 +488,8 @@ class CudaTransport final : public Transport {
       case Settled::PeerDied: return "rank " + ranks + " died before it finished reading it";
       case Settled::OwnStreamBehind:
         return "this rank's stream had not run its last moved gather within " +
-               std::to_string(kSettleLimit.count()) + " s (work queued before it, or a wait on rank(s) " +
-               ranks + ")";
+               std::to_string(kSettleLimit.count()) + " s (work queued before it" +
+               (ranks.empty() ? std::string(")") : ", or a wait on rank(s) " + ranks + ")");
       case Settled::PeersBehind:
         return "rank(s) " + ranks + " had not finished reading it within " +
                std::to_string(kSettleLimit.count()) + " s";
