@@ -34,8 +34,11 @@ int run_groupskew(const ScenarioOptions& options) {
   const int next = (boot.rank + 1) % boot.nranks, prev = (boot.rank + boot.nranks - 1) % boot.nranks;
   Buffer to_next(placement, sizeof(uint32_t)), from_prev(placement, sizeof(uint32_t));
   Buffer tick(placement, 64 * sizeof(float));
-  constexpr size_t kSimulated = 128;
-  Buffer simulated(placement, kSimulated * sizeof(float) * static_cast<size_t>(boot.nranks));
+  // The small all-gather of --simulate and --p2p, in place.
+  constexpr size_t kSide = 128;
+  Buffer side(placement, kSide * sizeof(float) * static_cast<size_t>(boot.nranks));
+  void* side_mine =
+      static_cast<unsigned char*>(side.nccl()) + kSide * sizeof(float) * static_cast<size_t>(boot.rank);
   for (int c = 0; c < configs; ++c) {
     const size_t count = size_t{256} << (c % 8);  // 1 KiB to 128 KiB: below and above a round
     const bool in_place = c % 2 == 1;
@@ -56,11 +59,9 @@ int run_groupskew(const ScenarioOptions& options) {
       void* send = static_cast<unsigned char*>(send_side.nccl()) + send_at;
       if (simulate) {
         WORKLOAD_CHECK(ncclGroupStart());
-        void* mine = static_cast<unsigned char*>(simulated.nccl()) +
-                     kSimulated * sizeof(float) * static_cast<size_t>(boot.rank);  // in place
         for (int k = 0; k < 2; ++k)
-          WORKLOAD_CHECK(ncclAllGather(mine, simulated.nccl(), kSimulated, ncclFloat32, comm.get(),
-                                       placement.stream()));
+          WORKLOAD_CHECK(
+              ncclAllGather(side_mine, side.nccl(), kSide, ncclFloat32, comm.get(), placement.stream()));
         ncclSimInfo_t info = NCCL_SIM_INFO_INITIALIZER;
         WORKLOAD_CHECK(ncclGroupSimulateEnd(&info));
       }
@@ -68,13 +69,10 @@ int run_groupskew(const ScenarioOptions& options) {
         const uint32_t token = seed * 31u + static_cast<uint32_t>(boot.rank);
         std::memcpy(to_next.host(), &token, sizeof token);
         to_next.upload(0, sizeof token);
-        void* mine = static_cast<unsigned char*>(simulated.nccl()) +
-                     kSimulated * sizeof(float) * static_cast<size_t>(boot.rank);
         WORKLOAD_CHECK(ncclGroupStart());
         WORKLOAD_CHECK(ncclSend(to_next.nccl(), 1, ncclUint32, next, comm.get(), placement.stream()));
         WORKLOAD_CHECK(ncclRecv(from_prev.nccl(), 1, ncclUint32, prev, comm.get(), placement.stream()));
-        WORKLOAD_CHECK(ncclAllGather(mine, simulated.nccl(), kSimulated, ncclFloat32, comm.get(),
-                                     placement.stream()));
+        WORKLOAD_CHECK(ncclAllGather(side_mine, side.nccl(), kSide, ncclFloat32, comm.get(), placement.stream()));
         WORKLOAD_CHECK(ncclGroupEnd());
         placement.synchronize();
         from_prev.download(0, sizeof token);
