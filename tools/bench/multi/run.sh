@@ -72,7 +72,7 @@ bench() {
   # 0's log; every rank reads the same round), as its log states them.
   if [ -n "$envs" ]; then
     echo "$script $config rep $rep: $(grep -c 'REWRITE.*moving' "$log") round(s) moved gathers;" \
-      "$(grep -c ' -> NCCL' "$log") cost line(s) keep a bucket on NCCL" >>"$notes"
+      "$(grep -c '\[0\] MAGI INFO REWRITE .* -> NCCL' "$log") of rank 0's cost rounds keep a bucket on NCCL" >>"$notes"
     grep "\[0\] MAGI INFO REWRITE .*cost on the slowest rank" "$log" | sed 's/.*REWRITE /  /' >>"$notes"
   fi
 }
