@@ -28,14 +28,14 @@ CXXFLAGS  += $(CXXSTD) $(OPT) $(WARNINGS) $(INCLUDES) -fPIC -pthread -MMD -MP
 # cudart is linked statically and the driver is reached at run time, so a machine without a
 # driver still loads the shim; libunwind is linked dynamically (Debian's .a is not PIC) and
 # looked for next to the library first ($ORIGIN), so build/ can travel with it.
-LIB_SRCS  := $(filter-out capture/trace_reader.cc,$(wildcard shim/*.cc capture/*.cc rewrite/*.cc ce_transport/*.cc))
+LIB_SRCS  := $(filter-out capture/trace_reader.cc,$(wildcard base/*.cc shim/*.cc capture/*.cc rewrite/*.cc ce_transport/*.cc))
 LIB_OBJS  := $(LIB_SRCS:%.cc=$(BUILD)/obj/%.o)
 LIB_LDLIBS:= -L$(CUDA_HOME)/lib64 -lcudart_static -lunwind -ldl -lrt -pthread
 LIB       := $(BUILD)/libmagice.so
 
 # What the trace tool shares with the library: the trace format and the step detector.
 CORE_OBJS := $(BUILD)/obj/capture/trace_reader.o $(BUILD)/obj/capture/skeleton.o \
-             $(BUILD)/obj/capture/trace_format.o $(BUILD)/obj/shim/options.o $(BUILD)/obj/shim/log.o
+             $(BUILD)/obj/capture/trace_format.o $(BUILD)/obj/base/options.o $(BUILD)/obj/base/log.o
 TOOL_SRCS := $(wildcard tools/magice-trace/*.cc)
 TOOL_OBJS := $(TOOL_SRCS:%.cc=$(BUILD)/obj/%.o)
 TOOL      := $(BUILD)/magice-trace
@@ -51,7 +51,7 @@ EXTLIB    := $(SUPPORT)/libworkload_ext.so
 DEMO      := $(BUILD)/magice-demo
 
 TEST_SRCS := $(filter-out tests/capture/callsite_probe_lib.cc,\
-               $(wildcard tests/shim/*.cc tests/capture/*.cc tests/tools/*.cc tests/integration/*.cc tests/ce_transport/*.cc tests/rewrite/*.cc tests/*.cc))
+               $(wildcard tests/base/*.cc tests/shim/*.cc tests/capture/*.cc tests/tools/*.cc tests/integration/*.cc tests/ce_transport/*.cc tests/rewrite/*.cc tests/*.cc))
 TEST_OBJS := $(TEST_SRCS:%.cc=$(BUILD)/obj/%.o)
 TESTS     := $(BUILD)/tests/magice-tests
 BENCH     := $(BUILD)/magice-bench
@@ -271,7 +271,7 @@ $(FUZZ_BUILD)/obj/%.o: %.cc | $(DEPS_STAMP) $(FUZZ_BUILD)/.deps-ok
 $(FUZZ_BUILD)/fuzz_trace_reader: $(addprefix $(FUZZ_BUILD)/obj/,tests/fuzz/trace_reader_fuzz.o \
                                    capture/trace_reader.o)
 $(FUZZ_BUILD)/fuzz_options: $(addprefix $(FUZZ_BUILD)/obj/,tests/fuzz/options_fuzz.o \
-                              shim/options.o shim/log.o)
+                              base/options.o base/log.o)
 $(FUZZERS):
 	$(FUZZ_CXX) -fsanitize=fuzzer,$(FUZZ_SANITIZERS) -o $@ $^ -pthread
 

@@ -18,16 +18,10 @@
 #include "capture/communicator.h"
 #include "capture/stream_capture.h"
 #include "capture/trace_writer.h"
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace magi::capture {
 namespace {
-
-uint64_t now_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
 
 uint32_t thread_id() {
   thread_local const uint32_t tid = static_cast<uint32_t>(syscall(SYS_gettid));
@@ -101,11 +95,11 @@ void record_step_event(TraceWriter* writer, const Communicator& comm, StepDetect
   trace_append(writer, trace::RecordType::Step, &record, sizeof(record));
   if (event == StepDetector::Event::Found)
     MAGI_INFO(Capture, "comm %012llx: step of %u collectives found at collective #%llu",
-              static_cast<unsigned long long>(comm.info.identity & 0xffffffffffffull), s.period(),
+              short_id(comm.info.identity), s.period(),
               static_cast<unsigned long long>(record.seq));
   else
     MAGI_INFO(Capture, "comm %012llx: step lost at collective #%llu after %llu repeats",
-              static_cast<unsigned long long>(comm.info.identity & 0xffffffffffffull),
+              short_id(comm.info.identity),
               static_cast<unsigned long long>(record.seq),
               static_cast<unsigned long long>(s.repeats()));
 }
@@ -117,7 +111,7 @@ void end_live_communicators() {
   for_each_communicator([&](const Communicator& state) {
     trace::CommEndRecord record{};
     record.comm_id = state.info.identity;
-    record.time_ns = now_ns();
+    record.time_ns = clock_ns();
     record.calls = state.calls.load(std::memory_order_relaxed);
     record.how = static_cast<uint8_t>(CommEndKind::ProcessExit);
     ends.push_back(record);
@@ -183,7 +177,7 @@ void comm_joined(ncclComm_t comm, const CommInfo& info) {
   record.comm_id = info.identity;
   record.parent_id = info.parent_identity;
   record.handle = reinterpret_cast<uintptr_t>(comm);
-  record.time_ns = now_ns();
+  record.time_ns = clock_ns();
   record.rank = info.rank;
   record.nranks = info.nranks;
   record.cuda_device = info.cuda_device;
@@ -195,7 +189,7 @@ void comm_joined(ncclComm_t comm, const CommInfo& info) {
     pthread_atfork(nullptr, nullptr, forget_communicators_in_child);
   });
   MAGI_INFO(Capture, "comm %012llx joined: rank %d of %d (%s)",
-            static_cast<unsigned long long>(state.info.identity & 0xffffffffffffull), info.rank,
+            short_id(state.info.identity), info.rank,
             info.nranks, std::string(trace::origin_name(info.origin)).c_str());
 }
 
@@ -204,7 +198,7 @@ void comm_left(ncclComm_t comm, CommEndKind how) {
   if (state == nullptr) return;
   trace::CommEndRecord record{};
   record.comm_id = state->info.identity;
-  record.time_ns = now_ns();
+  record.time_ns = clock_ns();
   record.calls = state->calls.load(std::memory_order_relaxed);
   record.how = static_cast<uint8_t>(how);
   TraceWriter* writer = trace_writer();
@@ -297,19 +291,19 @@ void begin_call(ncclComm_t comm, const CallArgs& args, CallRecord& record, StepV
   }
   // The clock is read only when a trace will keep the time: two reads are a third of the
   // pass-through cost.
-  record.time_ns = writer != nullptr ? now_ns() : 0;
+  record.time_ns = writer != nullptr ? clock_ns() : 0;
   record.duration_ns = 0;
 }
 
 void end_call(CallRecord& record, ncclResult_t result) {
   record.result = static_cast<int32_t>(result);
   if (TraceWriter* writer = trace_writer()) {
-    const uint64_t elapsed = now_ns() - record.time_ns;
+    const uint64_t elapsed = clock_ns() - record.time_ns;
     record.duration_ns = elapsed > UINT32_MAX ? UINT32_MAX : static_cast<uint32_t>(elapsed);
     trace_append(writer, trace::RecordType::Call, &record, sizeof(record));
   }
   MAGI_TRACE(Capture, "comm %012llx #%llu %s count %llu -> %d",
-             static_cast<unsigned long long>(record.comm_id & 0xffffffffffffull),
+             short_id(record.comm_id),
              static_cast<unsigned long long>(record.seq),
              std::string(trace::op_name(static_cast<trace::Op>(record.op))).c_str(),
              static_cast<unsigned long long>(record.count), record.result);

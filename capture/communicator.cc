@@ -5,7 +5,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace magi::capture {
 namespace {

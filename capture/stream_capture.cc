@@ -6,7 +6,7 @@
 #include <atomic>
 #include <mutex>
 
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace magi::capture {
 namespace {

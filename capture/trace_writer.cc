@@ -18,16 +18,10 @@
 #include <thread>
 #include <vector>
 
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace magi::capture {
 namespace {
-
-uint64_t clock_ns(clockid_t clock) {
-  timespec ts{};
-  clock_gettime(clock, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
 
 // A spinlock: held only for one memcpy of a record, so spinning beats a futex round trip.
 class SpinLock {

@@ -8,7 +8,7 @@
 
 #include "ce_transport/backends.h"
 #include "ce_transport/cuda_driver.h"
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace magi::ce {
 namespace {

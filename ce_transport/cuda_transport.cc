@@ -43,7 +43,7 @@
 #include "ce_transport/cuda_driver.h"
 #include "ce_transport/process.h"
 #include "ce_transport/verify_schedule.h"
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace magi::ce {
 namespace {
@@ -67,7 +67,6 @@ void cuda_check(cudaError_t err, const char* what) {
   }
 }
 
-size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 struct CudaBlob {
   static constexpr uint64_t kMagic = 0x314443454947414d;  // "MAGIECD1" in memory order

@@ -6,7 +6,7 @@
 #include <chrono>
 #include <thread>
 
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace magi::ce {
 

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "ce_transport/backends.h"
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace magi::ce {
 namespace {

@@ -27,7 +27,7 @@
 #include "ce_transport/host_window.h"
 #include "ce_transport/process.h"
 #include "ce_transport/verify_schedule.h"
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace magi::ce {
 namespace {
@@ -49,7 +49,6 @@ static_assert(sizeof(HostBlob) <= HandleBlob::kBytes);
 
 // Slots start on cache lines, so packed 64-byte-aligned slot offsets stay aligned in memory.
 constexpr size_t kFlagBytes = sizeof(WindowFlags);
-size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 // ---- waiting ----------------------------------------------------------------------------------
 
@@ -59,12 +58,6 @@ inline void cpu_relax() {
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
-}
-
-uint64_t now_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
 
 [[noreturn]] void peer_gone(int rank, pid_t pid) {
@@ -96,7 +89,7 @@ void wait_for(int peer_rank, pid_t peer_pid, const std::atomic<bool>& abandoned,
     }
     if (abandoned.load(std::memory_order_relaxed))
       throw Error(ErrorKind::System, "the communicator was aborted while waiting for rank " + std::to_string(peer_rank));
-    const uint64_t now = now_ns();
+    const uint64_t now = clock_ns();
     if (next_check == 0) {
       next_check = now + kLivenessPeriodNs;
     } else if (now >= next_check) {

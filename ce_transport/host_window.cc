@@ -11,7 +11,7 @@
 #include <random>
 #include <utility>
 
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace magi::ce {
 namespace {

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "ce_transport/ce_transport.h"
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace magi::ce {
 namespace {

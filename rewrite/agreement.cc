@@ -15,7 +15,6 @@ ce::Backend backend_of(const Options& options) {
   return options.backend == Options::Backend::Host ? ce::Backend::Host : ce::Backend::Cuda;
 }
 
-unsigned long long short_id(uint64_t identity) { return identity & 0xffffffffffffull; }
 
 // Why a communicator can never take part in agreement; Reason::None if it can.
 Reason unagreeable(const capture::CommInfo& info, const Options& options) {

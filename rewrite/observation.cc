@@ -9,18 +9,8 @@
 
 namespace magi::rewrite {
 
-size_t datatype_bytes(uint8_t dtype) {
-  switch (static_cast<ncclDataType_t>(dtype)) {
-    case ncclInt8: case ncclUint8: case ncclFloat8e4m3: case ncclFloat8e5m2: return 1;
-    case ncclFloat16: case ncclBfloat16: return 2;
-    case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
-    case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
-    default: return 0;
-  }
-}
-
 namespace {
-size_t aligned(size_t bytes) { return (bytes + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment; }
+size_t aligned(size_t bytes) { return round_up(bytes, kSlotAlignment); }
 }  // namespace
 
 void StepObservation::reset(uint32_t period) {

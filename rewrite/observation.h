@@ -9,11 +9,9 @@
 #include "capture/capture.h"
 #include "ce_transport/ce_transport.h"
 #include "rewrite/contribution.h"
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace magi::rewrite {
-
-size_t datatype_bytes(uint8_t dtype);
 
 inline constexpr uint16_t kNoGroup = 0xffff;
 inline constexpr size_t kSlotAlignment = 256;

@@ -13,7 +13,7 @@
 #include "capture/capture.h"
 #include "rewrite/rewrite.h"
 #include "shim/real_nccl.h"
-#include "shim/shim.h"
+#include "base/base.h"
 
 #define MAGI_EXPORT extern "C" __attribute__((visibility("default")))
 

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "shim/options.h"
-#include "shim/log.h"
+#include "base/options.h"
+#include "base/log.h"
 
 namespace magi::shim {
 namespace {

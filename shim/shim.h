@@ -1,11 +1,10 @@
-// The library's base vocabulary, and the face of shim/: options (shim/options.h), logging
-// (shim/log.h) and the error family (shim/check.h). Every folder may include this header.
+// shim/: the NCCL face of the library. The face of the folder.
 //
-// shim/ itself is where the host program enters: the exported NCCL entry points
-// (shim/exports.cc) find the real NCCL (shim/real_nccl.h), hand each call to capture/, and
-// forward it. Nothing in shim/ beyond this header is meant for other folders.
+// The exported NCCL entry points (shim/exports.cc) are where the host program enters. They find
+// the real NCCL (shim/real_nccl.h), keep one record per communicator (shim/communicators.h),
+// hand each call to capture/ and rewrite/, and forward what stays on NCCL. Nothing in shim/ is
+// meant for other folders: data flows shim -> capture -> rewrite -> ce_transport, with base/
+// below them all.
 #pragma once
 
-#include "shim/check.h"
-#include "shim/log.h"
-#include "shim/options.h"
+#include "shim/real_nccl.h"

@@ -27,7 +27,7 @@
 
 #include "ce_transport/ce_transport.h"
 #include "ce_transport/host_window.h"
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace magi::ce {
 namespace {

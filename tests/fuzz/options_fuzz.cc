@@ -19,7 +19,7 @@
 #include <string_view>
 #include <vector>
 
-#include "shim/options.h"
+#include "base/options.h"
 
 namespace {
 

@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "ce_transport/ce_transport.h"
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace {
 

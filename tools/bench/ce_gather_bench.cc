@@ -55,7 +55,7 @@
 #include <vector>
 
 #include "ce_transport/ce_transport.h"
-#include "shim/shim.h"
+#include "base/base.h"
 
 namespace {
 

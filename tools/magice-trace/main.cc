@@ -5,7 +5,7 @@
 #include <string_view>
 #include <vector>
 
-#include "shim/options.h"
+#include "base/options.h"
 #include "tools/magice-trace/cli.h"
 #include "tools/magice-trace/verbs.h"
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "shim/options.h"
+#include "base/options.h"
 #include "tools/magice-trace/cli.h"
 #include "tools/magice-trace/describe.h"
 #include "tools/magice-trace/members.h"

@@ -10,7 +10,7 @@
 #include <exception>
 #include <string>
 
-#include "shim/log.h"
+#include "base/log.h"
 
 namespace magi {
 

@@ -1,4 +1,4 @@
-#include "shim/options.h"
+#include "base/options.h"
 
 #include <unistd.h>
 
@@ -9,7 +9,7 @@
 #include <cstring>
 #include <mutex>
 
-#include "shim/log.h"
+#include "base/log.h"
 
 extern char** environ;
 

@@ -1,4 +1,4 @@
-#include "shim/log.h"
+#include "base/log.h"
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "shim/options.h"
+#include "base/options.h"
 
 namespace magi {
 namespace {

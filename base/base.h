@@ -1,0 +1,14 @@
+// base/: the library's ground. The face of the folder.
+//
+// Errors (base/check.h), logging (base/log.h), options (base/options.h), and the few helpers
+// every folder needs (clocks, byte sizes, how identities are shown). Every folder may include
+// this header; base/ includes nothing of the project's above it, so no folder cycle can pass
+// through it.
+#pragma once
+
+#include "base/check.h"
+#include "base/clock.h"
+#include "base/ids.h"
+#include "base/log.h"
+#include "base/options.h"
+#include "base/sizes.h"
