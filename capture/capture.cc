@@ -15,7 +15,6 @@
 #include <xxhash.h>
 
 #include "capture/callsite.h"
-#include "capture/communicator.h"
 #include "capture/stream_capture.h"
 #include "capture/trace_writer.h"
 #include "base/base.h"
@@ -104,24 +103,6 @@ void record_step_event(TraceWriter* writer, const Communicator& comm, StepDetect
               static_cast<unsigned long long>(s.repeats()));
 }
 
-// A program may exit without destroying its communicators: say so in the trace, then the
-// writer (whose own exit hook was registered earlier, so runs later) writes everything out.
-void end_live_communicators() {
-  std::vector<trace::CommEndRecord> ends;
-  for_each_communicator([&](const Communicator& state) {
-    trace::CommEndRecord record{};
-    record.comm_id = state.info.identity;
-    record.time_ns = clock_ns();
-    record.calls = state.calls.load(std::memory_order_relaxed);
-    record.how = static_cast<uint8_t>(CommEndKind::ProcessExit);
-    ends.push_back(record);
-  });
-  if (ends.empty()) return;  // and open no trace file for nothing (a forked child, say)
-  TraceWriter* writer = trace_writer();
-  for (const auto& record : ends)
-    trace_append(writer, trace::RecordType::CommEnd, &record, sizeof(record));
-}
-
 }  // namespace
 
 uint64_t identity_from_unique_ids(std::span<const ncclUniqueId> ids) {
@@ -138,9 +119,8 @@ uint64_t identity_for_init_all(int ndev) {
   return XXH3_64bits(&key, sizeof(key));
 }
 
-uint64_t derive_identity(ncclComm_t parent, CommOrigin origin, int color,
+uint64_t derive_identity(Communicator& p, CommOrigin origin, int color,
                          std::span<const int> excluded_ranks) {
-  Communicator& p = communicator_of(parent);
   struct {
     uint64_t parent;
     uint32_t derivation;
@@ -159,19 +139,21 @@ uint64_t derive_identity(ncclComm_t parent, CommOrigin origin, int color,
   return XXH3_64bits_digest(&state);
 }
 
-const CommInfo* info_of(ncclComm_t comm) {
-  const Communicator* state = find_communicator(comm);
-  return state ? &state->info : nullptr;
+CommInfo unseen_comm_info(ncclComm_t comm) {
+  CommInfo info{};
+  info.identity = reinterpret_cast<uintptr_t>(comm) ^ 0x9e3779b97f4a7c15ull;  // rank-local
+  info.rank = -1;
+  info.nranks = -1;
+  info.cuda_device = -1;
+  info.origin = CommOrigin::Unknown;
+  MAGI_INFO(Capture, "communicator %p was created out of sight; it is recorded, never agreed on",
+            static_cast<void*>(comm));
+  return info;
 }
 
-uint64_t identity_of(ncclComm_t comm) {
-  const Communicator* state = find_communicator(comm);
-  return state ? state->info.identity : 0;
-}
-
-void comm_joined(ncclComm_t comm, const CommInfo& info) {
+void comm_joined(ncclComm_t comm, const Communicator& state) {
   probe_cuda_driver();
-  Communicator& state = register_communicator(comm, info);
+  const CommInfo& info = state.info;
   if (info.rank >= 0) set_log_rank(info.rank);
   trace::CommRecord record{};
   record.comm_id = info.identity;
@@ -183,30 +165,24 @@ void comm_joined(ncclComm_t comm, const CommInfo& info) {
   record.cuda_device = info.cuda_device;
   record.origin = static_cast<uint8_t>(info.origin);
   trace_append(trace_writer(), trace::RecordType::Comm, &record, sizeof(record));
-  static std::once_flag hooks;
-  std::call_once(hooks, [] {
-    std::atexit(end_live_communicators);
-    pthread_atfork(nullptr, nullptr, forget_communicators_in_child);
-  });
-  MAGI_INFO(Capture, "comm %012llx joined: rank %d of %d (%s)",
-            short_id(state.info.identity), info.rank,
-            info.nranks, std::string(trace::origin_name(info.origin)).c_str());
+  MAGI_INFO(Capture, "comm %012llx joined: rank %d of %d (%s)", short_id(info.identity),
+            info.rank, info.nranks, std::string(trace::origin_name(info.origin)).c_str());
 }
 
-void comm_left(ncclComm_t comm, CommEndKind how) {
-  Communicator* state = find_communicator(comm);
-  if (state == nullptr) return;
+void comm_ended(const Communicator& state, CommEndKind how) {
   trace::CommEndRecord record{};
-  record.comm_id = state->info.identity;
+  record.comm_id = state.info.identity;
   record.time_ns = clock_ns();
-  record.calls = state->calls.load(std::memory_order_relaxed);
+  record.calls = state.calls.load(std::memory_order_relaxed);
   record.how = static_cast<uint8_t>(how);
   TraceWriter* writer = trace_writer();
   trace_append(writer, trace::RecordType::CommEnd, &record, sizeof(record));
-  trace_flush(writer);
-  // Finalize leaves the communicator usable for destroy; the others end it.
-  if (how != CommEndKind::Finalize) unregister_communicator(comm);
+  if (how != CommEndKind::ProcessExit) trace_flush(writer);
 }
+
+void flush_trace() { trace_flush_if_open(); }
+void close_trace() { trace_close(); }
+void forget_trace_in_child() { trace_forget_in_child(); }
 
 void group_start() {
   if (t_group_depth++ == 0) {
@@ -229,8 +205,7 @@ void trace_record(trace::RecordType type, const void* payload, uint32_t bytes) {
   if (TraceWriter* writer = trace_writer()) trace_append(writer, type, payload, bytes);
 }
 
-void begin_call(ncclComm_t comm, const CallArgs& args, CallRecord& record, StepView* view) {
-  Communicator& state = communicator_of(comm);
+void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, StepView* view) {
   const Options& options = Options::get();
   record.comm_id = state.info.identity;
   record.seq = state.calls.fetch_add(1, std::memory_order_relaxed);

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <span>
 
+#include "capture/communicator.h"
 #include "capture/skeleton.h"
 #include "capture/trace_format.h"
 
@@ -36,18 +37,9 @@ struct CallArgs {
   cudaStream_t stream;
 };
 
-struct CommInfo {
-  uint64_t identity;         // equal on every rank of the communicator
-  uint64_t parent_identity;  // Split/Shrink; else 0
-  int rank;
-  int nranks;
-  int cuda_device;           // -1 when unknown
-  CommOrigin origin;
-  bool nonblocking = false;  // made with config.blocking = 0 (its calls may return ncclInProgress)
-};
-
-// What was recorded for `comm` when it joined; nullptr if it was never seen.
-const CommInfo* info_of(ncclComm_t comm);
+// What a communicator created out of the shim's sight is recorded as: a rank-local identity,
+// unknown rank and size. It is recorded, never agreed on.
+CommInfo unseen_comm_info(ncclComm_t comm);
 
 // ---- identities: equal on every rank, computed only from what every rank passes alike ----
 uint64_t identity_from_unique_ids(std::span<const ncclUniqueId> ids);
@@ -56,17 +48,24 @@ uint64_t identity_for_init_all(int ndev);
 // For a child of `parent` (Split: color; Shrink: the excluded ranks). Every rank of the parent
 // takes part in each split or shrink, in the same order, so the parent's derivation count is
 // equal on all of them and tells apart two children made with the same color.
-uint64_t derive_identity(ncclComm_t parent, CommOrigin origin, int color,
+uint64_t derive_identity(Communicator& parent, CommOrigin origin, int color,
                          std::span<const int> excluded_ranks);
 
-// The identity recorded for `comm` (0 if it was never seen).
-uint64_t identity_of(ncclComm_t comm);
-
-// ---- lifecycle ----
-void comm_joined(ncclComm_t comm, const CommInfo& info);
-void comm_left(ncclComm_t comm, CommEndKind how);  // flushes the trace
+// ---- lifecycle (the order is the shim's: shim/lifecycle.cc) ----
+// A communicator joined: its Comm record goes to the trace.
+void comm_joined(ncclComm_t comm, const Communicator& state);
+// It ended (destroy, abort, finalize, revoke, or the process exits with it alive): its CommEnd
+// record goes to the trace. Flushes the trace unless `how` is ProcessExit (the lifecycle flushes
+// once after every communicator ended).
+void comm_ended(const Communicator& state, CommEndKind how);
 void group_start();
 void group_end();
+// Hands every buffered record to the disk and waits until it is there (never opens a trace
+// file); close_trace also closes it, at exit. After fork(), the child's trace is a file of its
+// own, opened at its first record.
+void flush_trace();
+void close_trace();
+void forget_trace_in_child();
 
 // ---- the call path ----
 
@@ -84,7 +83,7 @@ struct StepView {
 };
 
 // `view`, when given, receives the call's place in the step.
-void begin_call(ncclComm_t comm, const CallArgs& args, CallRecord& record,
+void begin_call(Communicator& comm, const CallArgs& args, CallRecord& record,
                 StepView* view = nullptr);
 void end_call(CallRecord& record, ncclResult_t result);
 

@@ -20,17 +20,9 @@
 // of the period breaks at such a context (else the context would repeat at a shorter distance),
 // and that context then proposes the period. So a step is found, and then kept while the keys
 // repeat, exactly when one of its cyclic kContextKeys-grams occurs once per step; from a clean
-// start, by the end of its third repetition. One key rarely occurs once: FSDP's all-gathers then
-// reduce-scatters of one shape each (`aaaarrrr`, `abba`, `aabb`) were found as a step of one key
-// and lost at every change of shape, never as the step. A longer context finds every step a
-// shorter one finds, and more, with fewer short-period finds before the step is established.
-// Measured: 2 keys never find `a^L (ar)^L` (FSDP training: forward gathers, then a gather and a
-// reduce-scatter per layer backward) and find 6% of random steps of 3 shapes and 64 calls; 3 keys
-// none of 2 shapes and 64 calls, 4 keys none of 2 shapes and 256 calls; 8 keys found every random
-// step tried, of 2 to 8 shapes and up to 1024 calls. Trying a context first and falling back to
-// shorter ones when it is new (2 then 1, 3 then 2 then 1) found no more steps than the longest
-// alone, and added finds of short periods inside each step's first repetition. 8 keys are one
-// cache line to hash.
+// start, by the end of its third repetition.
+// Why kContextKeys is 8, and what shorter contexts missed (measured): ARCHITECTURE.md, "Design
+// notes: step detection".
 //
 // Limits, all rank-independent and so the same on every rank:
 //  - A step whose every cyclic kContextKeys-gram occurs at least twice per step is never found

@@ -260,24 +260,11 @@ trace::FileHeader make_header() {
   return h;
 }
 
-void close_at_exit() {
-  if (TraceWriter* w = g_writer.load(std::memory_order_acquire)) w->close();
-}
-
 // The child starts a trace file of its own on its first record. The parent's writer object is
 // leaked on purpose: its thread and locks belong to the parent.
 // In a forked child: the parent's writer, kept reachable (so leak checkers see it is held on
 // purpose) and never used. Atomic, so the store is not optimised away as never read.
 std::atomic<TraceWriter*> g_parents_writer{nullptr};
-
-void forget_in_child() {
-  if (TraceWriter* w = g_writer.exchange(nullptr)) {
-    w->abandon();
-    g_parents_writer.store(w, std::memory_order_relaxed);
-  }
-  new (&g_open_mutex) std::mutex();  // a parent thread may have held it at fork
-  g_tried.store(false);
-}
 
 TraceWriter* create_writer() {
   const Options& options = Options::get();
@@ -291,11 +278,6 @@ TraceWriter* create_writer() {
   }
   auto* writer = new TraceWriter(fd, static_cast<size_t>(options.trace_buffer_kib) * 1024);
   writer->write_header(make_header());
-  static std::once_flag hooks;
-  std::call_once(hooks, [] {
-    std::atexit(close_at_exit);
-    pthread_atfork(nullptr, nullptr, forget_in_child);
-  });
   MAGI_INFO(Trace, "tracing to %s", path.c_str());
   return writer;
 }
@@ -326,6 +308,23 @@ void trace_append(TraceWriter* writer, trace::RecordType type, const void* paylo
 
 void trace_flush(TraceWriter* writer) {
   if (writer != nullptr) writer->flush();
+}
+
+void trace_flush_if_open() {
+  if (TraceWriter* w = g_writer.load(std::memory_order_acquire)) w->flush();
+}
+
+void trace_close() {
+  if (TraceWriter* w = g_writer.load(std::memory_order_acquire)) w->close();
+}
+
+void trace_forget_in_child() {
+  if (TraceWriter* w = g_writer.exchange(nullptr)) {
+    w->abandon();
+    g_parents_writer.store(w, std::memory_order_relaxed);
+  }
+  new (&g_open_mutex) std::mutex();  // a parent thread may have held it at fork
+  g_tried.store(false);
 }
 
 }  // namespace magi::capture

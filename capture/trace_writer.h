@@ -25,4 +25,12 @@ void trace_append(TraceWriter* writer, trace::RecordType type, const void* paylo
 // Hands the active buffer to the writer thread and waits until it is on disk.
 void trace_flush(TraceWriter* writer);
 
+// Flushes the process's writer if one is open; never opens one.
+void trace_flush_if_open();
+// At exit: writes out what is buffered and closes the file; later records are dropped.
+void trace_close();
+// In a child after fork(): the parent's writer (its thread, its file) is set aside, never used;
+// the child opens a file of its own at its first record.
+void trace_forget_in_child();
+
 }  // namespace magi::capture

@@ -31,38 +31,29 @@ void install(const RealNcclCalls& calls);
 
 class CommAgreement;
 
-// What comm_left() leaves to release: the communicator's windows and round buffers, freed when
-// this goes (or, if a call of that communicator is still in flight on another thread, when that
-// call ends).
-class Departure {
- public:
-  Departure();
-  Departure(Departure&&) noexcept;
-  Departure& operator=(Departure&&) noexcept;
-  ~Departure();
+// The agreement of a communicator that just joined, held in the shim's record of it. A call in
+// flight holds it too, so an abort from another thread (a watchdog, as NCCL allows) never frees
+// it under that call; the last holder releases its windows (its destructor never throws).
+std::shared_ptr<CommAgreement> join(ncclComm_t comm, const capture::CommInfo& info);
 
- private:
-  friend Departure comm_left(ncclComm_t, bool);
-  std::shared_ptr<CommAgreement> agreement_;
-};
-
-void comm_joined(ncclComm_t comm, const capture::CommInfo& info);
-// At destroy, abort, finalize or revoke: forgets `comm` (called before the real destroy or abort,
-// so a handle NCCL hands out again never meets its state). `aborting`: this rank's waits on its peers give up now, since another thread may be
-// blocked on one, as NCCL's abort stops its kernels. The shim keeps the Departure across the
-// real ncclCommAbort, so windows are released once NCCL's kernels on the communicator are gone.
-[[nodiscard]] Departure comm_left(ncclComm_t comm, bool aborting = false);
+// At ncclCommAbort or ncclCommRevoke, before the real one: this rank's waits on its peers give
+// up now, since another thread may be blocked on one, as NCCL's abort stops its kernels.
+void abandon(CommAgreement& agreement) noexcept;
+// The communicator ends: the calling thread's open group forgets the gathers it queued for it.
+void forget_queued(const CommAgreement& agreement) noexcept;
+// In a child after fork(): the calling thread's queued gathers are the parent's; dropped.
+void forget_in_child() noexcept;
 
 struct Outcome {
   bool served = false;              // the call left NCCL: do not forward it
   ncclResult_t result = ncclSuccess;  // what the program gets when served
 };
 
-// For every recorded call. May first issue or read an agreement round on the communicator (one
+// For every recorded call of a communicator that has an agreement. May first issue or read an agreement round on the communicator (one
 // all-gather of its own through the real NCCL). Marks `record.flags` with kCallMoved or
 // kCallWouldMove. Never throws.
-Outcome intercept(ncclComm_t comm, const capture::CallArgs& args, capture::CallRecord& record,
-                  const capture::StepView& view) noexcept;
+Outcome intercept(const std::shared_ptr<CommAgreement>& agreement, const capture::CallArgs& args,
+                  capture::CallRecord& record, const capture::StepView& view) noexcept;
 
 // After the program's outermost ncclGroupEnd returned `nccl_result`: serves the moved gathers the
 // group queued, as one bucket per communicator. Returns what the program gets.

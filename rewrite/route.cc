@@ -1,14 +1,7 @@
-// The call path of rewrite/: finds the communicator's agreement, asks it for the call's route,
+// The call path of rewrite/: asks the communicator's agreement for the call's route,
 // and serves moved gathers now or, inside a group, when the group ends (one bucket per
 // communicator, like NCCL launching a group's work at ncclGroupEnd).
-#include <pthread.h>
-
-#include <atomic>
-#include <cstdlib>
-#include <new>
 #include <memory>
-#include <mutex>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -21,36 +14,7 @@ namespace {
 
 RealNcclCalls g_nccl{};
 
-// Shared: a call in flight holds its agreement, so an abort from another thread (a watchdog, as
-// NCCL allows) never frees it under that call; the last holder releases its windows.
 using AgreementRef = std::shared_ptr<CommAgreement>;
-
-std::mutex g_mutex;
-std::unordered_map<ncclComm_t, AgreementRef>& agreements() {
-  static auto* map = new std::unordered_map<ncclComm_t, AgreementRef>();
-  return *map;  // never destroyed: exit hooks and late threads may still look things up
-}
-
-// Bumped whenever a communicator joins or leaves, so a thread's cached lookup can tell it is stale.
-std::atomic<uint64_t> g_generation{0};
-
-// Every intercepted collective looks its communicator up: a per-thread one-entry cache keeps the
-// lock and the hash off that path while the set of communicators stays the same. The cache holds
-// no reference (a thread that stops calling must not keep windows alive).
-AgreementRef find(ncclComm_t comm) {
-  thread_local ncclComm_t cached_comm = nullptr;
-  thread_local std::weak_ptr<CommAgreement> cached;
-  thread_local uint64_t cached_generation = ~uint64_t{0};
-  const uint64_t generation = g_generation.load(std::memory_order_acquire);
-  if (comm == cached_comm && generation == cached_generation) return cached.lock();
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = agreements().find(comm);
-  AgreementRef found = it == agreements().end() ? nullptr : it->second;
-  cached_comm = comm;
-  cached = found;
-  cached_generation = g_generation.load(std::memory_order_relaxed);
-  return found;
-}
 
 // Moved gathers issued inside the calling thread's open group, in call order.
 struct Queued {
@@ -67,71 +31,31 @@ thread_local std::vector<Queued> t_queued;
 
 void install(const RealNcclCalls& calls) { g_nccl = calls; }
 
-// A program may exit without destroying its communicators: their windows are released then
-// (shared-memory names unlinked, device memory freed), so nothing outlives the process.
-void release_at_exit() {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  agreements().clear();
-  g_generation.fetch_add(1, std::memory_order_release);
+std::shared_ptr<CommAgreement> join(ncclComm_t comm, const capture::CommInfo& info) {
+  return std::make_shared<CommAgreement>(comm, info, g_nccl);
 }
 
-// A child after fork() owns none of this: its parent's windows, mappings and CUDA memory are the
-// parent's (and CUDA does not survive fork). The child forgets them without releasing anything;
-// the leak is of the parent's state and only in the child.
-void forget_in_child() {
-  new (&g_mutex) std::mutex();  // another parent thread may have held it at the fork
-  // Set aside, reachable, never freed: it is the parent's (a leak checker in the child sees a
-  // live pointer, not a leak).
-  static auto* parents = new std::vector<AgreementRef>();
-  for (auto& [comm, agreement] : agreements()) parents->push_back(std::move(agreement));
-  agreements().clear();
-  g_generation.fetch_add(1, std::memory_order_release);
+void abandon(CommAgreement& agreement) noexcept {
+  guarded("abandoning a communicator's windows", [&] { agreement.abandon(); });
+}
+
+void forget_queued(const CommAgreement& agreement) noexcept {
+  std::erase_if(t_queued, [&](const Queued& q) { return q.agreement.get() == &agreement; });
+}
+
+void forget_in_child() noexcept {
+  // The vector's buffer is the parent's thread's; dropping the references would release the
+  // parent's windows from the child. Set aside, reachable, never freed.
+  static auto* parents = new std::vector<Queued>();
+  for (Queued& q : t_queued) parents->push_back(std::move(q));
   t_queued.clear();
 }
 
-void comm_joined(ncclComm_t comm, const capture::CommInfo& info) {
-  static std::once_flag hook;
-  std::call_once(hook, [] {
-    std::atexit(release_at_exit);
-    pthread_atfork(nullptr, nullptr, forget_in_child);
-  });
-  auto agreement = std::make_shared<CommAgreement>(comm, info, g_nccl);
-  std::lock_guard<std::mutex> lock(g_mutex);
-  agreements()[comm] = std::move(agreement);
-  g_generation.fetch_add(1, std::memory_order_release);
-}
-
-Departure comm_left(ncclComm_t comm, bool aborting) {
-  AgreementRef gone;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = agreements().find(comm);
-    if (it == agreements().end()) return {};
-    gone = std::move(it->second);
-    agreements().erase(it);
-    g_generation.fetch_add(1, std::memory_order_release);
-  }
-  std::erase_if(t_queued, [&](const Queued& q) { return q.agreement == gone; });
-  if (aborting) gone->abandon();
-  Departure departure;
-  departure.agreement_ = std::move(gone);
-  return departure;
-}
-
-Departure::Departure() = default;
-Departure::Departure(Departure&&) noexcept = default;
-Departure& Departure::operator=(Departure&&) noexcept = default;
-Departure::~Departure() {
-  guarded("releasing a communicator's windows", [&] { agreement_.reset(); });
-}
-
-Outcome intercept(ncclComm_t comm, const capture::CallArgs& args, capture::CallRecord& record,
-                  const capture::StepView& view) noexcept {
+Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
+                  capture::CallRecord& record, const capture::StepView& view) noexcept {
   Outcome outcome;
   guarded("rewrite", [&] {
-    if (!view.collective) return;
-    const AgreementRef agreement = find(comm);
-    if (agreement == nullptr) return;
+    if (!view.collective || agreement == nullptr) return;
     const Route route = agreement->on_collective(args, record, view);
     if (route.kind == Route::Kind::WouldMove) record.flags |= trace::kCallWouldMove;
     if (route.kind != Route::Kind::Move && route.kind != Route::Kind::TrialNccl) return;

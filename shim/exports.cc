@@ -7,13 +7,15 @@
 
 #include <algorithm>
 #include <mutex>
+#include <span>
 #include <utility>
 #include <vector>
 
+#include "base/base.h"
 #include "capture/capture.h"
 #include "rewrite/rewrite.h"
+#include "shim/communicators.h"
 #include "shim/real_nccl.h"
-#include "base/base.h"
 
 #define MAGI_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -53,9 +55,13 @@ ncclResult_t recorded(const char* entry_point, ncclComm_t comm, const CallArgs& 
   if (inside_real_nccl()) return forward();
   capture::CallRecord record;
   capture::StepView view;
-  const bool seen = guarded(entry_point, [&] { capture::begin_call(comm, args, record, &view); });
+  CommRef state;  // held for the whole call: an abort from another thread cannot free it
+  const bool seen = guarded(entry_point, [&] {
+    state = comm_of(comm);
+    capture::begin_call(state->capture, args, record, &view);
+  });
   const rewrite::Outcome outcome =
-      seen ? rewrite::intercept(comm, args, record, view) : rewrite::Outcome{};
+      seen ? rewrite::intercept(state->agreement, args, record, view) : rewrite::Outcome{};
   const ncclResult_t result = outcome.served ? outcome.result : forward();
   if (seen) guarded(entry_point, [&] { capture::end_call(record, result); });
   return result;
@@ -82,8 +88,8 @@ int query(ncclResult_t (*const fn)(const ncclComm_t, int*), ncclComm_t comm) {
 // which NCCL then hands down.
 bool nonblocking(const ncclConfig_t* config, ncclComm_t parent = nullptr) {
   if (config != nullptr) return config->blocking == 0;
-  const capture::CommInfo* info = parent != nullptr ? capture::info_of(parent) : nullptr;
-  return info != nullptr && info->nonblocking;
+  const CommRef record = parent != nullptr ? find_comm(parent) : nullptr;
+  return record != nullptr && record->capture.info.nonblocking;
 }
 
 void joined(ncclResult_t result, ncclComm_t comm, uint64_t identity, uint64_t parent, CommOrigin origin,
@@ -98,10 +104,36 @@ void joined(ncclResult_t result, ncclComm_t comm, uint64_t identity, uint64_t pa
   info.cuda_device = query(real.CommCuDevice, comm);
   info.origin = origin;
   info.nonblocking = is_nonblocking;
-  capture::comm_joined(comm, info);
   static std::once_flag installed;
-  std::call_once(installed, [] { rewrite::install({&agreement_all_gather, &agreement_group_start, &agreement_group_end}); });
-  rewrite::comm_joined(comm, info);
+  std::call_once(installed, [] {
+    rewrite::install({&agreement_all_gather, &agreement_group_start, &agreement_group_end});
+  });
+  add_comm(comm, info, rewrite::join(comm, info));
+}
+
+// Derived on every rank, NOCOLOR ones too, so the parent's derivation count stays equal.
+uint64_t child_identity(ncclComm_t parent, CommOrigin origin, int color,
+                        std::span<const int> excluded) {
+  return capture::derive_identity(comm_of(parent)->capture, origin, color, excluded);
+}
+
+uint64_t identity_of(ncclComm_t comm) {
+  const CommRef record = find_comm(comm);
+  return record ? record->capture.info.identity : 0;
+}
+
+// The communicator ends for the library: no lookup finds it after this, its CommEnd record is
+// flushed to the trace. Returns its record, whose last holder releases its windows (see
+// shim/lifecycle.cc for the order). Abort and revoke first make the agreement's waits on peers
+// give up: another thread may be blocked on one.
+CommRef end_comm(ncclComm_t comm, capture::CommEndKind how) {
+  CommRef record = remove_comm(comm);
+  if (record == nullptr) return nullptr;
+  if (record->agreement) rewrite::forget_queued(*record->agreement);
+  const bool aborting = how == capture::CommEndKind::Abort || how == capture::CommEndKind::Revoke;
+  if (aborting && record->agreement) rewrite::abandon(*record->agreement);
+  capture::comm_ended(record->capture, how);
+  return record;
 }
 
 }  // namespace
@@ -164,14 +196,13 @@ MAGI_EXPORT ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int*
 MAGI_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm,
                                        ncclConfig_t* config) {
   const bool nested = inside_real_nccl();
-  // Derived on every rank, NOCOLOR ones too, so the parent's derivation count stays equal.
   uint64_t identity = 0;
   if (!nested) guarded("ncclCommSplit", [&] {
-    identity = magi::capture::derive_identity(comm, CommOrigin::Split, color, {});
+    identity = child_identity(comm, CommOrigin::Split, color, {});
   });
   const ncclResult_t r = MAGI_FORWARD(CommSplit, comm, color, key, newcomm, config);
   if (!nested) guarded("ncclCommSplit", [&] {
-    joined(r, newcomm ? *newcomm : nullptr, identity, magi::capture::identity_of(comm),
+    joined(r, newcomm ? *newcomm : nullptr, identity, identity_of(comm),
            CommOrigin::Split, -1, -1, nonblocking(config, comm));
   });
   return r;
@@ -186,23 +217,25 @@ MAGI_EXPORT ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, 
     if (excludeRanksList != nullptr && excludeRanksCount > 0)
       excluded.assign(excludeRanksList, excludeRanksList + excludeRanksCount);
     std::sort(excluded.begin(), excluded.end());  // the same set, however each rank listed it
-    identity = magi::capture::derive_identity(comm, CommOrigin::Shrink, 0, excluded);
+    identity = child_identity(comm, CommOrigin::Shrink, 0, excluded);
   });
   const ncclResult_t r = MAGI_FORWARD(CommShrink, comm, excludeRanksList, excludeRanksCount,
                                       newcomm, config, shrinkFlags);
   if (!nested) guarded("ncclCommShrink", [&] {
-    joined(r, newcomm ? *newcomm : nullptr, identity, magi::capture::identity_of(comm),
+    joined(r, newcomm ? *newcomm : nullptr, identity, identity_of(comm),
            CommOrigin::Shrink, -1, -1, nonblocking(config, comm));
   });
   return r;
 }
 
+// Finalize ends the communicator's collectives but leaves it for destroy: it is recorded as
+// ended, and its record (and windows) go at destroy.
 MAGI_EXPORT ncclResult_t ncclCommFinalize(ncclComm_t comm) {
   const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommFinalize, comm);
   if (!nested) guarded("ncclCommFinalize", [&] {
-    (void)magi::rewrite::comm_left(comm);
-    magi::capture::comm_left(comm, CommEndKind::Finalize);
+    if (const CommRef record = find_comm(comm))
+      magi::capture::comm_ended(record->capture, CommEndKind::Finalize);
   });
   return r;
 }
@@ -213,30 +246,22 @@ MAGI_EXPORT ncclResult_t ncclCommFinalize(ncclComm_t comm) {
 // releases after NCCL's abort has stopped its kernels (another thread may be blocked on either).
 MAGI_EXPORT ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   const bool nested = inside_real_nccl();
-  if (!nested) guarded("ncclCommDestroy", [&] {
-    (void)magi::rewrite::comm_left(comm);
-    magi::capture::comm_left(comm, CommEndKind::Destroy);
-  });
+  if (!nested) guarded("ncclCommDestroy", [&] { (void)end_comm(comm, CommEndKind::Destroy); });
   return MAGI_FORWARD(CommDestroy, comm);
 }
 
 MAGI_EXPORT ncclResult_t ncclCommAbort(ncclComm_t comm) {
   const bool nested = inside_real_nccl();
-  magi::rewrite::Departure departure;
-  if (!nested) guarded("ncclCommAbort", [&] {
-    departure = magi::rewrite::comm_left(comm, /*aborting=*/true);
-    magi::capture::comm_left(comm, CommEndKind::Abort);
-  });
+  CommRef ended;  // released after NCCL's abort
+  if (!nested) guarded("ncclCommAbort", [&] { ended = end_comm(comm, CommEndKind::Abort); });
   return MAGI_FORWARD(CommAbort, comm);
 }
 
 MAGI_EXPORT ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
   const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommRevoke, comm, revokeFlags);
-  if (!nested) guarded("ncclCommRevoke", [&] {
-    (void)magi::rewrite::comm_left(comm, /*aborting=*/true);  // revoked work is cancelled, ours too
-    magi::capture::comm_left(comm, CommEndKind::Revoke);
-  });
+  // Revoked work is cancelled, ours too.
+  if (!nested) guarded("ncclCommRevoke", [&] { (void)end_comm(comm, CommEndKind::Revoke); });
   return r;
 }
 
