@@ -3,11 +3,14 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
+#include <cctype>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
+#include <limits>
+#include <type_traits>
+#include <utility>
 
 #include "base/log.h"
 
@@ -15,13 +18,6 @@ extern char** environ;
 
 namespace magi {
 namespace {
-
-constexpr OptionSpec kTable[] = {
-#define MAGI_OPTION_SPEC(name, kind, def, accepted, min, max, doc) \
-  {#name, OptionKind::kind, def, accepted, min, max, doc},
-    MAGI_OPTION_TABLE(MAGI_OPTION_SPEC)
-#undef MAGI_OPTION_SPEC
-};
 
 std::string lower(std::string_view s) {
   std::string out(s);
@@ -90,6 +86,298 @@ std::optional<uint32_t> parse_subsystems(std::string_view text) {
   return negate ? ~mask : mask;
 }
 
+// --- One generic parser (assign) and printer (show) per kind, instantiated for each row's field.
+
+template <auto Field>
+using FieldOf = std::remove_cvref_t<decltype(std::declval<Options&>().*Field)>;
+
+template <auto Field>
+bool assign_bool(const OptionSpec&, Options& o, std::string_view text) {
+  const std::optional<bool> value = parse_bool(text);
+  if (!value) return false;
+  o.*Field = *value;
+  return true;
+}
+
+template <auto Field>
+std::string show_bool(const OptionSpec&, const Options& o) {
+  return o.*Field ? "1" : "0";
+}
+
+template <auto Field>
+bool assign_int(const OptionSpec& spec, Options& o, std::string_view text) {
+  const std::optional<int64_t> value = parse_int(text, spec.min, spec.max);
+  if (!value) return false;
+  o.*Field = static_cast<FieldOf<Field>>(*value * unit_bytes(spec.unit));
+  return true;
+}
+
+template <auto Field>
+std::string show_int(const OptionSpec& spec, const Options& o) {
+  return std::to_string(static_cast<int64_t>(o.*Field / unit_bytes(spec.unit)));
+}
+
+// An Enum row's value names, each mapped to the enum value it selects; matched ignoring case.
+template <class E>
+struct ValueName {
+  const char* text;
+  E value;
+};
+
+template <auto Field, const auto& Names>
+bool assign_enum(const OptionSpec&, Options& o, std::string_view text) {
+  const std::string value = lower(trim(text));
+  for (const auto& name : Names) {
+    if (value == lower(name.text)) {
+      o.*Field = name.value;
+      return true;
+    }
+  }
+  return false;
+}
+
+template <auto Field, const auto& Names>
+std::string show_enum(const OptionSpec&, const Options& o) {
+  for (const auto& name : Names)
+    if (o.*Field == name.value) return name.text;
+  return "?";
+}
+
+template <auto Field>
+bool assign_subsystems(const OptionSpec&, Options& o, std::string_view text) {
+  const std::optional<uint32_t> mask = parse_subsystems(text);
+  if (!mask) return false;
+  o.*Field = *mask;
+  return true;
+}
+
+template <auto Field>
+std::string show_subsystems(const OptionSpec&, const Options& o) {
+  char text[16];
+  std::snprintf(text, sizeof(text), "%#x", static_cast<unsigned>(o.*Field));
+  return text;
+}
+
+template <auto Field>
+bool assign_path(const OptionSpec&, Options& o, std::string_view text) {
+  o.*Field = trim(text);
+  return true;
+}
+
+template <auto Field>
+std::string show_path(const OptionSpec& spec, const Options& o) {
+  return (o.*Field).empty() ? std::string(spec.empty_shows) : o.*Field;
+}
+
+// PLACE:RANK, or the name of Where::None alone.
+template <auto Field, const auto& Places>
+bool assign_fault(const OptionSpec&, Options& o, std::string_view text) {
+  const std::string value = lower(trim(text));
+  const size_t colon = value.find(':');
+  Options::Fault fault;
+  for (const auto& place : Places) {
+    if (place.value == Options::Fault::Where::None) {
+      if (value != place.text) continue;
+      o.*Field = fault;
+      return true;
+    }
+    if (colon == std::string::npos || value.compare(0, colon, place.text) != 0) continue;
+    const std::optional<int64_t> rank = parse_int(value.substr(colon + 1), 0, 1 << 24);
+    if (!rank) return false;
+    fault.where = place.value;
+    fault.rank = static_cast<int>(*rank);
+    o.*Field = fault;
+    return true;
+  }
+  return false;
+}
+
+template <auto Field, const auto& Places>
+std::string show_fault(const OptionSpec&, const Options& o) {
+  const Options::Fault& fault = o.*Field;
+  for (const auto& place : Places) {
+    if (place.value != fault.where) continue;
+    if (fault.where == Options::Fault::Where::None) return place.text;
+    return std::string(place.text) + ":" + std::to_string(fault.rank);
+  }
+  return "?";
+}
+
+// --- Row builders. Each checks, while the table compiles, that its field has the kind's type.
+
+// Whether `text` reads "an integer from MIN to MAX", so an Int row's range is stated once.
+constexpr bool states_range(std::string_view text, int64_t min, int64_t max) {
+  auto consume = [&text](std::string_view word) {
+    if (text.substr(0, word.size()) != word) return false;
+    text.remove_prefix(word.size());
+    return true;
+  };
+  auto consume_decimal = [&consume](int64_t value) {
+    if (value < 0 && !consume("-")) return false;
+    uint64_t magnitude = static_cast<uint64_t>(value);
+    if (value < 0) magnitude = 0 - magnitude;
+    char digits[20] = {};
+    int n = 0;
+    do digits[n++] = static_cast<char>('0' + magnitude % 10);
+    while ((magnitude /= 10) != 0);
+    while (n > 0)
+      if (!consume(std::string_view(&digits[--n], 1))) return false;
+    return true;
+  };
+  return consume("an integer from ") && consume_decimal(min) && consume(" to ") &&
+         consume_decimal(max) && text.empty();
+}
+
+template <auto Field>
+constexpr OptionSpec bool_option(const char* name, const char* default_text, const char* doc) {
+  static_assert(std::is_same_v<FieldOf<Field>, bool>);
+  return {name, OptionKind::Bool, default_text, "0 or 1", 0, 0, OptionUnit::Count, nullptr, doc,
+          assign_bool<Field>, show_bool<Field>};
+}
+
+template <auto Field>
+constexpr OptionSpec int_option(const char* name, const char* default_text, const char* accepted,
+                                int64_t min, int64_t max, OptionUnit unit, const char* doc) {
+  using T = FieldOf<Field>;
+  static_assert(std::is_integral_v<T> && !std::is_same_v<T, bool>);
+  // A throw here stops the table from compiling.
+  bool fits = min <= max;
+  if constexpr (std::is_unsigned_v<T>) {
+    fits = fits && min >= 0 &&
+           static_cast<uint64_t>(max) <= std::numeric_limits<T>::max() / unit_bytes(unit);
+  } else {
+    fits = fits && max <= std::numeric_limits<T>::max() / unit_bytes(unit) &&
+           min >= std::numeric_limits<T>::min() / unit_bytes(unit);
+  }
+  if (!fits) throw "the range, in bytes, does not fit the field";
+  if (!states_range(accepted, min, max)) throw "the accepted text does not state the range";
+  return {name, OptionKind::Int, default_text, accepted, min, max, unit, nullptr, doc,
+          assign_int<Field>, show_int<Field>};
+}
+
+template <auto Field, const auto& Names>
+constexpr OptionSpec enum_option(const char* name, const char* default_text,
+                                 const char* accepted, const char* doc) {
+  static_assert(std::is_same_v<FieldOf<Field>, decltype(Names[0].value)>);
+  return {name, OptionKind::Enum, default_text, accepted, 0, 0, OptionUnit::Count, nullptr, doc,
+          assign_enum<Field, Names>, show_enum<Field, Names>};
+}
+
+template <auto Field>
+constexpr OptionSpec subsystem_option(const char* name, const char* default_text,
+                                      const char* accepted, const char* doc) {
+  static_assert(std::is_same_v<FieldOf<Field>, uint32_t>);
+  return {name, OptionKind::SubsystemList, default_text, accepted, 0, 0, OptionUnit::Count,
+          nullptr, doc, assign_subsystems<Field>, show_subsystems<Field>};
+}
+
+// A path's default is empty: describe() shows `empty_shows` for it.
+template <auto Field>
+constexpr OptionSpec path_option(const char* name, const char* accepted, const char* empty_shows,
+                                 const char* doc) {
+  static_assert(std::is_same_v<FieldOf<Field>, std::string>);
+  return {name, OptionKind::Path, "", accepted, 0, 0, OptionUnit::Count, empty_shows, doc,
+          assign_path<Field>, show_path<Field>};
+}
+
+template <auto Field, const auto& Places>
+constexpr OptionSpec fault_option(const char* name, const char* default_text,
+                                  const char* accepted, const char* doc) {
+  static_assert(std::is_same_v<FieldOf<Field>, Options::Fault>);
+  return {name, OptionKind::FaultSpec, default_text, accepted, 0, 0, OptionUnit::Count, nullptr,
+          doc, assign_fault<Field, Places>, show_fault<Field, Places>};
+}
+
+// --- The table: one row per MAGI_* variable, in the order describe(), --help and README list them.
+
+constexpr ValueName<Options::LogLevel> kLogLevels[] = {{"WARN", Options::LogLevel::Warn},
+                                                       {"INFO", Options::LogLevel::Info},
+                                                       {"TRACE", Options::LogLevel::Trace}};
+constexpr ValueName<Options::Transport> kTransports[] = {
+    {"copy_engine", Options::Transport::CopyEngine}, {"nccl", Options::Transport::Nccl}};
+constexpr ValueName<Options::Backend> kBackends[] = {{"cuda", Options::Backend::Cuda},
+                                                     {"host", Options::Backend::Host}};
+constexpr ValueName<Options::Fault::Where> kFaultPlaces[] = {
+    {"none", Options::Fault::Where::None},       {"prepare", Options::Fault::Where::Prepare},
+    {"attach", Options::Fault::Where::Attach},   {"gather", Options::Fault::Where::Gather},
+    {"slow", Options::Fault::Where::Slow}};
+
+using O = Options;
+constexpr OptionSpec kTable[] = {
+    enum_option<&O::log_level, kLogLevels>(
+        "MAGI_LOG", "WARN", "WARN|INFO|TRACE",
+        "How much the library says on stderr: warnings only, decisions, or every call."),
+    subsystem_option<&O::log_subsystems>(
+        "MAGI_LOG_SUBSYS", "ALL",
+        "comma list of INIT,SHIM,CAPTURE,TRACE,REWRITE,TRANSPORT,ALL; ^ negates",
+        "Which subsystems may log (like NCCL_DEBUG_SUBSYS)."),
+    path_option<&O::trace_dir>("MAGI_TRACE_DIR", "a directory path", "(off)",
+                               "Write each process's call records to a file in this directory "
+                               "(mode 0600). Empty: no trace."),
+    int_option<&O::trace_buffer_bytes>(
+        "MAGI_TRACE_BUFFER_KIB", "1024", "an integer from 16 to 1048576", 16, 1048576,
+        OptionUnit::KiB,
+        "Size of each of the two trace buffers; a full buffer is handed to the writer thread."),
+    bool_option<&O::callsites>("MAGI_CALLSITES", "1",
+                               "Fingerprint each call's call site from its native stack (costs "
+                               "about half a microsecond)."),
+    int_option<&O::callsite_depth>(
+        "MAGI_CALLSITE_DEPTH", "16", "an integer from 1 to 64", 1, 64, OptionUnit::Count,
+        "Native frames, above the library's own, hashed into a call-site fingerprint."),
+    int_option<&O::max_step_calls>("MAGI_MAX_STEP_CALLS", "4096", "an integer from 2 to 1048576",
+                                   2, 1048576, OptionUnit::Count,
+                                   "Longest repeating step (in collective calls) the step "
+                                   "detector looks for, per communicator."),
+    path_option<&O::nccl_library>("MAGI_NCCL_LIBRARY", "a path to libnccl.so.2", "(search)",
+                                  "Where the real NCCL is, when it cannot be found among the "
+                                  "libraries already loaded."),
+    enum_option<&O::transport, kTransports>("MAGI_TRANSPORT", "copy_engine", "copy_engine|nccl",
+                                            "Where agreed gathers go: the copy-engine transport, "
+                                            "or nccl (only capture and trace)."),
+    enum_option<&O::backend, kBackends>("MAGI_BACKEND", "cuda", "cuda|host",
+                                        "Memory the transport serves: CUDA device memory, or "
+                                        "host memory (CPU-only runs, the stand-in)."),
+    int_option<&O::warmup_steps>("MAGI_WARMUP_STEPS", "3", "an integer from 1 to 1000000", 1,
+                                 1000000, OptionUnit::Count,
+                                 "Steps a gather must recur unchanged (position, count, type, "
+                                 "call site, send buffer) to be a candidate."),
+    int_option<&O::reagree_steps>("MAGI_REAGREE_STEPS", "256",
+                                  "an integer from 0 to 1000000000", 0, 1000000000,
+                                  OptionUnit::Count,
+                                  "Steps between agreement rounds while routes are agreed (0: "
+                                  "only after the step changes)."),
+    int_option<&O::symm_min_shard_bytes>(
+        "MAGI_SYMM_MIN_SHARD_MIB", "0", "an integer from 0 to 1048576", 0, 1048576,
+        OptionUnit::MiB,
+        "Smallest per-rank shard (MiB) a gather needs to leave NCCL; 0: any size."),
+    int_option<&O::window_max_bytes>("MAGI_WINDOW_MAX_MIB", "4096", "an integer from 1 to 1048576",
+                                     1, 1048576, OptionUnit::MiB,
+                                     "Largest staging slot (MiB) of a communicator's window; a "
+                                     "bigger bucket stays on NCCL."),
+    bool_option<&O::dry_run>("MAGI_DRY_RUN", "0",
+                             "Agree and decide as usual, move nothing: decisions show as 'would "
+                             "move' in log and trace."),
+    bool_option<&O::static_weights>("MAGI_STATIC_WEIGHTS", "0",
+                                    "You assert weights do not change after warmup: shards are "
+                                    "bound once, calls are pure peer reads."),
+    int_option<&O::verify_every>("MAGI_VERIFY_EVERY", "64", "an integer from 0 to 1000000000", 0,
+                                 1000000000, OptionUnit::Count,
+                                 "Static weights: check a shard against its binding every this "
+                                 "many calls (0: only the first 3)."),
+    int_option<&O::bind_max_bytes>("MAGI_BIND_MAX_MIB", "16384", "an integer from 0 to 1048576",
+                                   0, 1048576, OptionUnit::MiB,
+                                   "Static weights: most device memory (MiB) a communicator's "
+                                   "bindings may take; gathers beyond stay on NCCL."),
+    bool_option<&O::ce_force>("MAGI_CE_FORCE", "0",
+                              "Skip the trial that times each moved bucket both ways: agreed "
+                              "gathers always move."),
+    fault_option<&O::inject_fault, kFaultPlaces>(
+        "MAGI_INJECT_FAULT", "none",
+        "none, or prepare:RANK, attach:RANK, gather:RANK or slow:RANK",
+        "For tests: the transport of that rank of every communicator fails there, as a CUDA "
+        "error would (slow: each bucket it serves takes 20 ms longer)."),
+};
+
 // Edit distance, to suggest the option a misspelt MAGI_ name probably meant.
 size_t distance(std::string_view a, std::string_view b) {
   std::vector<size_t> row(b.size() + 1);
@@ -111,89 +399,6 @@ std::string refusal(const OptionSpec& spec, std::string_view value) {
          spec.accepted + "); using the default '" + spec.default_text + "'";
 }
 
-// Applies one textual value to the typed field; false when refused.
-bool apply(Options& o, std::string_view name, std::string_view value) {
-  if (name == "MAGI_LOG") {
-    const std::string v = upper(trim(value));
-    if (v == "WARN") o.log_level = Options::LogLevel::Warn;
-    else if (v == "INFO") o.log_level = Options::LogLevel::Info;
-    else if (v == "TRACE") o.log_level = Options::LogLevel::Trace;
-    else return false;
-    return true;
-  }
-  if (name == "MAGI_LOG_SUBSYS") {
-    auto mask = parse_subsystems(value);
-    if (!mask) return false;
-    o.log_subsystems = *mask;
-    return true;
-  }
-  if (name == "MAGI_TRACE_DIR" || name == "MAGI_NCCL_LIBRARY") {
-    (name == "MAGI_TRACE_DIR" ? o.trace_dir : o.nccl_library) = trim(value);
-    return true;
-  }
-  if (name == "MAGI_CALLSITES" || name == "MAGI_DRY_RUN" || name == "MAGI_STATIC_WEIGHTS" ||
-      name == "MAGI_CE_FORCE") {
-    auto b = parse_bool(value);
-    if (!b) return false;
-    bool& field = name == "MAGI_CALLSITES"        ? o.callsites
-                  : name == "MAGI_DRY_RUN"        ? o.dry_run
-                  : name == "MAGI_STATIC_WEIGHTS" ? o.static_weights
-                                                  : o.ce_force;
-    field = *b;
-    return true;
-  }
-  if (name == "MAGI_INJECT_FAULT") {
-    const std::string v = lower(trim(value));
-    if (v == "none") {
-      o.inject_fault = {};
-      return true;
-    }
-    const size_t colon = v.find(':');
-    if (colon == std::string::npos) return false;
-    const std::string where = v.substr(0, colon);
-    Options::Fault fault;
-    if (where == "prepare") fault.where = Options::Fault::Where::Prepare;
-    else if (where == "attach") fault.where = Options::Fault::Where::Attach;
-    else if (where == "gather") fault.where = Options::Fault::Where::Gather;
-    else if (where == "slow") fault.where = Options::Fault::Where::Slow;
-    else return false;
-    auto rank = parse_int(v.substr(colon + 1), 0, 1 << 24);
-    if (!rank) return false;
-    fault.rank = static_cast<int>(*rank);
-    o.inject_fault = fault;
-    return true;
-  }
-  if (name == "MAGI_TRANSPORT") {
-    const std::string v = lower(trim(value));
-    if (v == "copy_engine") o.transport = Options::Transport::CopyEngine;
-    else if (v == "nccl") o.transport = Options::Transport::Nccl;
-    else return false;
-    return true;
-  }
-  if (name == "MAGI_BACKEND") {
-    const std::string v = lower(trim(value));
-    if (v == "cuda") o.backend = Options::Backend::Cuda;
-    else if (v == "host") o.backend = Options::Backend::Host;
-    else return false;
-    return true;
-  }
-  const OptionSpec* spec = find_option(name);
-  if (spec == nullptr || spec->kind != OptionKind::Int) return false;
-  auto v = parse_int(value, spec->min, spec->max);
-  if (!v) return false;
-  if (name == "MAGI_TRACE_BUFFER_KIB") o.trace_buffer_kib = *v;
-  else if (name == "MAGI_CALLSITE_DEPTH") o.callsite_depth = *v;
-  else if (name == "MAGI_MAX_STEP_CALLS") o.max_step_calls = *v;
-  else if (name == "MAGI_WARMUP_STEPS") o.warmup_steps = *v;
-  else if (name == "MAGI_REAGREE_STEPS") o.reagree_steps = *v;
-  else if (name == "MAGI_SYMM_MIN_SHARD_MIB") o.symm_min_shard_mib = *v;
-  else if (name == "MAGI_WINDOW_MAX_MIB") o.window_max_mib = *v;
-  else if (name == "MAGI_VERIFY_EVERY") o.verify_every = *v;
-  else if (name == "MAGI_BIND_MAX_MIB") o.bind_max_mib = *v;
-  else return false;
-  return true;
-}
-
 }  // namespace
 
 std::span<const OptionSpec> option_table() { return kTable; }
@@ -209,13 +414,13 @@ Options Options::parse(const Lookup& lookup, std::span<const std::string> magi_n
   Options o;
   for (const OptionSpec& spec : kTable) {
     // Defaults go through the same parser, so the table's text is the single source.
-    if (!apply(o, spec.name, spec.default_text))
+    if (!spec.assign(spec, o, spec.default_text))
       complaints.push_back(std::string("internal: default of ") + spec.name + " does not parse");
     std::optional<std::string> value = lookup(spec.name);
     if (!value) continue;
-    if (!apply(o, spec.name, *value)) {
+    if (!spec.assign(spec, o, *value)) {
       complaints.push_back(refusal(spec, *value));
-      apply(o, spec.name, spec.default_text);
+      spec.assign(spec, o, spec.default_text);
     }
   }
   for (const std::string& name : magi_names_in_env) {
@@ -257,33 +462,19 @@ const Options& Options::get() {
 }
 
 std::string Options::describe() const {
-  static constexpr const char* kLevels[] = {"WARN", "INFO", "TRACE"};
   std::string out;
-  out += "MAGI_LOG=" + std::string(kLevels[static_cast<int>(log_level)]);
-  char subsystems[16];
-  snprintf(subsystems, sizeof(subsystems), "%#x", log_subsystems);
-  out += " MAGI_LOG_SUBSYS=" + std::string(subsystems);
-  out += " MAGI_TRACE_DIR=" + (trace_dir.empty() ? std::string("(off)") : trace_dir);
-  out += " MAGI_TRACE_BUFFER_KIB=" + std::to_string(trace_buffer_kib);
-  out += " MAGI_CALLSITES=" + std::string(callsites ? "1" : "0");
-  out += " MAGI_CALLSITE_DEPTH=" + std::to_string(callsite_depth);
-  out += " MAGI_MAX_STEP_CALLS=" + std::to_string(max_step_calls);
-  out += " MAGI_NCCL_LIBRARY=" + (nccl_library.empty() ? std::string("(search)") : nccl_library);
-  out += " MAGI_TRANSPORT=" + std::string(transport == Transport::Nccl ? "nccl" : "copy_engine");
-  out += " MAGI_BACKEND=" + std::string(backend == Backend::Host ? "host" : "cuda");
-  out += " MAGI_WARMUP_STEPS=" + std::to_string(warmup_steps);
-  out += " MAGI_REAGREE_STEPS=" + std::to_string(reagree_steps);
-  out += " MAGI_SYMM_MIN_SHARD_MIB=" + std::to_string(symm_min_shard_mib);
-  out += " MAGI_WINDOW_MAX_MIB=" + std::to_string(window_max_mib);
-  out += " MAGI_DRY_RUN=" + std::string(dry_run ? "1" : "0");
-  out += " MAGI_STATIC_WEIGHTS=" + std::string(static_weights ? "1" : "0");
-  out += " MAGI_VERIFY_EVERY=" + std::to_string(verify_every);
-  out += " MAGI_BIND_MAX_MIB=" + std::to_string(bind_max_mib);
-  out += " MAGI_CE_FORCE=" + std::string(ce_force ? "1" : "0");
-  static constexpr const char* kWhere[] = {"none", "prepare", "attach", "gather", "slow"};
-  out += " MAGI_INJECT_FAULT=" + std::string(kWhere[static_cast<int>(inject_fault.where)]);
-  if (inject_fault.where != Fault::Where::None) out += ":" + std::to_string(inject_fault.rank);
+  for (const OptionSpec& spec : kTable) {
+    if (!out.empty()) out += ' ';
+    out += spec.name;
+    out += '=';
+    out += spec.show(spec, *this);
+  }
   return out;
+}
+
+std::string Options::value_text(std::string_view name) const {
+  const OptionSpec* spec = find_option(name);
+  return spec ? spec->show(*spec, *this) : std::string();
 }
 
 }  // namespace magi

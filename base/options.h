@@ -1,6 +1,8 @@
-// Every MAGI_* variable, declared once: name, kind, default, accepted values, one-line doc.
-// Parsing, validation, the README table, `magice-trace --help` and the "unknown MAGI_ variable"
-// warning all read this table, so they cannot drift apart.
+// Every MAGI_* variable is one row of the option table (kTable in base/options.cc): its name, the
+// field of Options it fills, its kind, default, range or value names, unit and one-line doc.
+// Parsing, validation, describe(), `magice-trace --help`, the README table (checked by a test)
+// and the "unknown MAGI_ variable" warning all read that table, so they cannot drift apart.
+// Adding an option is one row there and its field in Options below.
 #pragma once
 
 #include <cstdint>
@@ -13,61 +15,40 @@
 
 namespace magi {
 
-enum class OptionKind : uint8_t { Bool, Int, Enum, SubsystemList, Path };
+// FaultSpec is MAGI_INJECT_FAULT's PLACE:RANK.
+enum class OptionKind : uint8_t { Bool, Int, Enum, SubsystemList, Path, FaultSpec };
+
+// What the user writes an Int option in. Its field holds bytes for a size: the one conversion is
+// in the table's Int parser, so no reader of Options multiplies by 1024 again.
+enum class OptionUnit : uint8_t { Count, KiB, MiB };
+
+constexpr int64_t unit_bytes(OptionUnit unit) {
+  return unit == OptionUnit::MiB   ? int64_t{1} << 20
+         : unit == OptionUnit::KiB ? int64_t{1} << 10
+                                   : 1;
+}
+constexpr const char* unit_name(OptionUnit unit) {
+  return unit == OptionUnit::MiB ? "MiB" : unit == OptionUnit::KiB ? "KiB" : "";
+}
+
+struct Options;
 
 struct OptionSpec {
   const char* name;
   OptionKind kind;
   const char* default_text;
-  const char* accepted;  // shown to the user when a value is refused
-  int64_t min;           // Int only
-  int64_t max;           // Int only
+  const char* accepted;    // shown to the user when a value is refused
+  int64_t min;             // Int only, in `unit`
+  int64_t max;             // Int only, in `unit`
+  OptionUnit unit;         // Int only
+  const char* empty_shows; // Path only: what describe() shows for an empty path
   const char* doc;
+  // Made from the row's field by the generic parser of its kind: `assign` fills the field from
+  // the user's text (false: refused, the field unchanged); `show` gives the field back as the
+  // user would write it (a size in its unit).
+  bool (*assign)(const OptionSpec& spec, Options& options, std::string_view text);
+  std::string (*show)(const OptionSpec& spec, const Options& options);
 };
-
-//  name                 kind            default   accepted                         min  max      doc
-#define MAGI_OPTION_TABLE(X)                                                                       \
-  X(MAGI_LOG, Enum, "WARN", "WARN|INFO|TRACE", 0, 0,                                              \
-    "How much the library says on stderr: warnings only, decisions, or every call.")             \
-  X(MAGI_LOG_SUBSYS, SubsystemList, "ALL",                                                         \
-    "comma list of INIT,SHIM,CAPTURE,TRACE,REWRITE,TRANSPORT,ALL; ^ negates", 0, 0,               \
-    "Which subsystems may log (like NCCL_DEBUG_SUBSYS).")                                         \
-  X(MAGI_TRACE_DIR, Path, "", "a directory path", 0, 0,                                           \
-    "Write each process's call records to a file in this directory (mode 0600). Empty: no trace.") \
-  X(MAGI_TRACE_BUFFER_KIB, Int, "1024", "an integer from 16 to 1048576", 16, 1048576,             \
-    "Size of each of the two trace buffers; a full buffer is handed to the writer thread.")      \
-  X(MAGI_CALLSITES, Bool, "1", "0 or 1", 0, 0,                                                    \
-    "Fingerprint each call's call site from its native stack (costs about half a microsecond).")  \
-  X(MAGI_CALLSITE_DEPTH, Int, "16", "an integer from 1 to 64", 1, 64,                              \
-    "Native frames, above the library's own, hashed into a call-site fingerprint.")              \
-  X(MAGI_MAX_STEP_CALLS, Int, "4096", "an integer from 2 to 1048576", 2, 1048576,                 \
-    "Longest repeating step (in collective calls) the step detector looks for, per communicator.") \
-  X(MAGI_NCCL_LIBRARY, Path, "", "a path to libnccl.so.2", 0, 0,                                  \
-    "Where the real NCCL is, when it cannot be found among the libraries already loaded.")        \
-  X(MAGI_TRANSPORT, Enum, "copy_engine", "copy_engine|nccl", 0, 0,                                \
-    "Where agreed gathers go: the copy-engine transport, or nccl (only capture and trace).")      \
-  X(MAGI_BACKEND, Enum, "cuda", "cuda|host", 0, 0,                                                \
-    "Memory the transport serves: CUDA device memory, or host memory (CPU-only runs, the stand-in).") \
-  X(MAGI_WARMUP_STEPS, Int, "3", "an integer from 1 to 1000000", 1, 1000000,                       \
-    "Steps a gather must recur unchanged (position, count, type, call site, send buffer) to be a candidate.") \
-  X(MAGI_REAGREE_STEPS, Int, "256", "an integer from 0 to 1000000000", 0, 1000000000,              \
-    "Steps between agreement rounds while routes are agreed (0: only after the step changes).")   \
-  X(MAGI_SYMM_MIN_SHARD_MIB, Int, "0", "an integer from 0 to 1048576", 0, 1048576,                 \
-    "Smallest per-rank shard (MiB) a gather needs to leave NCCL; 0: any size.")                   \
-  X(MAGI_WINDOW_MAX_MIB, Int, "4096", "an integer from 1 to 1048576", 1, 1048576,                  \
-    "Largest staging slot (MiB) of a communicator's window; a bigger bucket stays on NCCL.")      \
-  X(MAGI_DRY_RUN, Bool, "0", "0 or 1", 0, 0,                                                      \
-    "Agree and decide as usual, move nothing: decisions show as 'would move' in log and trace.")     \
-  X(MAGI_STATIC_WEIGHTS, Bool, "0", "0 or 1", 0, 0,                                               \
-    "You assert weights do not change after warmup: shards are bound once, calls are pure peer reads.") \
-  X(MAGI_VERIFY_EVERY, Int, "64", "an integer from 0 to 1000000000", 0, 1000000000,               \
-    "Static weights: check a shard against its binding every this many calls (0: only the first 3).") \
-  X(MAGI_BIND_MAX_MIB, Int, "16384", "an integer from 0 to 1048576", 0, 1048576,                  \
-    "Static weights: most device memory (MiB) a communicator's bindings may take; gathers beyond stay on NCCL.")  \
-  X(MAGI_CE_FORCE, Bool, "0", "0 or 1", 0, 0,                                                     \
-    "Skip the trial that times each moved bucket both ways: agreed gathers always move.")         \
-  X(MAGI_INJECT_FAULT, Enum, "none", "none, or prepare:RANK, attach:RANK, gather:RANK or slow:RANK", 0, 0, \
-    "For tests: the transport of that rank of every communicator fails there, as a CUDA error would (slow: each bucket it serves takes 20 ms longer).")
 
 // The typed view, filled once from the environment (Options::get()).
 struct Options {
@@ -77,7 +58,7 @@ struct Options {
   LogLevel log_level{};
   uint32_t log_subsystems{};  // bit per magi::Subsystem
   std::string trace_dir;
-  int64_t trace_buffer_kib{};
+  uint64_t trace_buffer_bytes{};  // MAGI_TRACE_BUFFER_KIB
   bool callsites{};
   int64_t callsite_depth{};
   int64_t max_step_calls{};
@@ -88,8 +69,8 @@ struct Options {
   Backend backend{};
   int64_t warmup_steps{};
   int64_t reagree_steps{};
-  int64_t symm_min_shard_mib{};
-  int64_t window_max_mib{};
+  uint64_t symm_min_shard_bytes{};  // MAGI_SYMM_MIN_SHARD_MIB
+  uint64_t window_max_bytes{};      // MAGI_WINDOW_MAX_MIB
   bool dry_run{};
   bool static_weights{};
   bool ce_force{};
@@ -100,7 +81,7 @@ struct Options {
   };
   Fault inject_fault{};
   int64_t verify_every{};
-  int64_t bind_max_mib{};
+  uint64_t bind_max_bytes{};  // MAGI_BIND_MAX_MIB
 
   // The process-wide options: parsed from environ on first use, then immutable.
   static const Options& get();
@@ -111,8 +92,11 @@ struct Options {
   static Options parse(const Lookup& lookup, std::span<const std::string> magi_names_in_env,
                        std::vector<std::string>& complaints);
 
-  // One line per option for the log at INFO, so a bug report shows the configuration.
+  // One NAME=VALUE per option for the log at INFO, so a bug report shows the configuration.
   std::string describe() const;
+  // One option's value as describe() shows it (a size in the unit of its name); empty for a
+  // name the table lacks.
+  std::string value_text(std::string_view name) const;
 };
 
 std::span<const OptionSpec> option_table();

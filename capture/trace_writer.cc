@@ -276,7 +276,7 @@ TraceWriter* create_writer() {
               options.trace_dir.c_str(), std::strerror(errno));
     return nullptr;
   }
-  auto* writer = new TraceWriter(fd, static_cast<size_t>(options.trace_buffer_kib) * 1024);
+  auto* writer = new TraceWriter(fd, static_cast<size_t>(options.trace_buffer_bytes));
   writer->write_header(make_header());
   MAGI_INFO(Trace, "tracing to %s", path.c_str());
   return writer;

@@ -484,9 +484,9 @@ void CommAgreement::publish(uint64_t seq) {
     c.header.flags |= kCanServe;
     if (plan.bound)
       MAGI_INFO(Transport, "comm %012llx: static weights: %u gathers bound in a window of %zu bytes "
-                "(%.1f MiB; MAGI_BIND_MAX_MIB=%lld)", short_id(info_.identity), decision_.moved,
+                "(%.1f MiB; MAGI_BIND_MAX_MIB=%s)", short_id(info_.identity), decision_.moved,
                 transport_->window_bytes(), static_cast<double>(transport_->window_bytes()) / (1 << 20),
-                static_cast<long long>(options_.bind_max_mib));
+                options_.value_text("MAGI_BIND_MAX_MIB").c_str());
     else
       MAGI_INFO(Transport, "comm %012llx: window of %zu bytes (two staging slots of %zu) for %u gathers",
                 short_id(info_.identity), transport_->window_bytes(), layout_.slot_bytes, decision_.moved);

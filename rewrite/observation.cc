@@ -108,7 +108,7 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
     e.bucket = it->second;
     e.dtype = p.dtype;
     Reason why = Reason::None;
-    const uint64_t min_bytes = static_cast<uint64_t>(options.symm_min_shard_mib) << 20;
+    const uint64_t min_bytes = options.symm_min_shard_bytes;
     if (p.stable_steps < static_cast<uint64_t>(options.warmup_steps)) why = Reason::NotStable;
     else if (Reason m = memory_refusal(p.send, backend); m != Reason::None) why = m;
     else if (Reason m2 = memory_refusal(p.recv, backend); m2 != Reason::None) why = m2;
@@ -118,7 +118,7 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
     out.push_back(e);
   }
   // A bucket larger than a window's slot may hold stays, all of it.
-  const uint64_t max_slot = static_cast<uint64_t>(options.window_max_mib) << 20;
+  const uint64_t max_slot = options.window_max_bytes;
   for (GatherEntry& e : out) {
     if (e.reason == static_cast<uint8_t>(Reason::None) && bucket_bytes(*this, e.bucket, out) > max_slot)
       e.reason = static_cast<uint8_t>(Reason::WindowTooLarge);
@@ -129,7 +129,7 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
   }
   // Static weights: bindings take memory for good; past the cap (in step order) gathers stay.
   if (options.static_weights) {
-    const uint64_t cap = static_cast<uint64_t>(std::min(options.bind_max_mib, options.window_max_mib)) << 20;
+    const uint64_t cap = std::min(options.bind_max_bytes, options.window_max_bytes);
     uint64_t bound = 0;
     for (GatherEntry& e : out) {
       if (e.reason != static_cast<uint8_t>(Reason::None)) continue;

@@ -6,7 +6,7 @@
 //    and each of those has exactly one complaint;
 //  - a refused value and an unknown name change nothing: the environment without them parses to
 //    the same options, with no complaint at all;
-//  - every integer option holds a value inside its table range.
+//  - every integer option holds a value inside its table range, a size in whole units.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -63,10 +63,12 @@ Parsed parse(const Environment& env) {
   return out;
 }
 
+// `value` is the field: bytes for an option written in KiB or MiB.
 void check_in_range(const char* name, int64_t value) {
   const magi::OptionSpec* spec = magi::find_option(name);
   if (spec == nullptr || spec->kind != magi::OptionKind::Int) broken(std::string("no Int option ") + name);
-  if (value < spec->min || value > spec->max)
+  const int64_t unit = magi::unit_bytes(spec->unit);
+  if (value % unit != 0 || value / unit < spec->min || value / unit > spec->max)
     broken(std::string(name) + " holds " + std::to_string(value) + ", outside its range");
 }
 
@@ -105,9 +107,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (starts_with(name, "MAGI_") && magi::find_option(name) == nullptr && !unknown.count(name))
       broken("unknown variable without a complaint: " + name);
 
-  check_in_range("MAGI_TRACE_BUFFER_KIB", parsed.options.trace_buffer_kib);
-  check_in_range("MAGI_CALLSITE_DEPTH", parsed.options.callsite_depth);
-  check_in_range("MAGI_MAX_STEP_CALLS", parsed.options.max_step_calls);
+  const magi::Options& o = parsed.options;
+  check_in_range("MAGI_TRACE_BUFFER_KIB", static_cast<int64_t>(o.trace_buffer_bytes));
+  check_in_range("MAGI_CALLSITE_DEPTH", o.callsite_depth);
+  check_in_range("MAGI_MAX_STEP_CALLS", o.max_step_calls);
+  check_in_range("MAGI_WARMUP_STEPS", o.warmup_steps);
+  check_in_range("MAGI_REAGREE_STEPS", o.reagree_steps);
+  check_in_range("MAGI_SYMM_MIN_SHARD_MIB", static_cast<int64_t>(o.symm_min_shard_bytes));
+  check_in_range("MAGI_WINDOW_MAX_MIB", static_cast<int64_t>(o.window_max_bytes));
+  check_in_range("MAGI_VERIFY_EVERY", o.verify_every);
+  check_in_range("MAGI_BIND_MAX_MIB", static_cast<int64_t>(o.bind_max_bytes));
 
   Environment accepted = env;
   for (const std::string& name : refused) accepted.erase(name);

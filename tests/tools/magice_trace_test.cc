@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/options.h"
 #include "tests/support/trace_builder.h"
 
 namespace magi::trace {
@@ -163,6 +164,25 @@ TEST_F(MagiceTrace, HelpListsEveryVerb) {
     EXPECT_EQ(help.status, 0) << verb;
     EXPECT_TRUE(contains(help.out, std::string("magice-trace ") + verb)) << help.out;
   }
+}
+
+// The library's settings come from its option table: each once, its default in its unit.
+TEST_F(MagiceTrace, HelpListsEverySettingOnceWithItsDefault) {
+  const ToolRun run = tool({"--help"});
+  EXPECT_EQ(run.status, 0);
+  auto line_of = [&](const std::string& name) {
+    const size_t at = run.out.find("  " + name + " ");
+    if (at == std::string::npos || run.out.find("  " + name + " ", at + 1) != std::string::npos)
+      return std::string();
+    return run.out.substr(at, run.out.find('\n', at) - at);
+  };
+  for (const OptionSpec& option : option_table())
+    EXPECT_TRUE(contains(line_of(option.name), option.doc)) << option.name << " in:\n" << run.out;
+  EXPECT_TRUE(contains(line_of("MAGI_LOG"), " default WARN ")) << run.out;
+  EXPECT_TRUE(contains(line_of("MAGI_TRACE_DIR"), " default \"\" ")) << run.out;
+  EXPECT_TRUE(contains(line_of("MAGI_TRACE_BUFFER_KIB"), " default 1024 KiB ")) << run.out;
+  EXPECT_TRUE(contains(line_of("MAGI_BIND_MAX_MIB"), " default 16384 MiB ")) << run.out;
+  EXPECT_TRUE(contains(line_of("MAGI_VERIFY_EVERY"), " default 64 ")) << run.out;
 }
 
 TEST_F(MagiceTrace, UnknownVerbOrOptionPrintsUsageAndExitsTwo) {

@@ -1,8 +1,10 @@
 // magice-trace: reads the trace files libmagice writes (MAGI_TRACE_DIR).
+#include <algorithm>
 #include <cstdio>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "base/options.h"
@@ -37,9 +39,20 @@ void print_usage(std::FILE* to, bool with_settings) {
   if (!with_settings) return;
   std::fprintf(to,
                "Traces are written by libmagice.so when MAGI_TRACE_DIR is set. Its settings:\n");
+  std::vector<std::string> defaults;  // as the user writes them: a size with its unit
+  int name_width = 0, default_width = 0;
   for (const magi::OptionSpec& option : magi::option_table()) {
-    std::fprintf(to, "  %-22s default %-6s %s\n", option.name,
-                 *option.default_text ? option.default_text : "\"\"", option.doc);
+    std::string shown = *option.default_text ? option.default_text : "\"\"";
+    if (option.unit != magi::OptionUnit::Count)
+      shown += std::string(" ") + magi::unit_name(option.unit);
+    name_width = std::max(name_width, static_cast<int>(std::string_view(option.name).size()));
+    default_width = std::max(default_width, static_cast<int>(shown.size()));
+    defaults.push_back(std::move(shown));
+  }
+  for (size_t i = 0; i < defaults.size(); ++i) {
+    const magi::OptionSpec& option = magi::option_table()[i];
+    std::fprintf(to, "  %-*s default %-*s %s\n", name_width, option.name, default_width,
+                 defaults[i].c_str(), option.doc);
   }
 }
 
