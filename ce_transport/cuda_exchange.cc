@@ -7,17 +7,11 @@
 #include <string>
 
 #include "ce_transport/backends.h"
-#include "ce_transport/cuda_driver.h"
 #include "base/base.h"
+#include "base/cuda_driver.h"
 
 namespace magi::ce {
 namespace {
-
-void cuda_check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw Error(ErrorKind::Cuda, std::string(what) + ": " + cudaGetErrorName(err) + " (" +
-                                     cudaGetErrorString(err) + ")");
-}
 
 class CudaExchange final : public Exchange {
  public:

@@ -40,10 +40,10 @@
 
 #include "ce_transport/backends.h"
 #include "ce_transport/faults.h"
-#include "ce_transport/cuda_driver.h"
 #include "ce_transport/process.h"
 #include "ce_transport/verify_schedule.h"
 #include "base/base.h"
+#include "base/cuda_driver.h"
 
 namespace magi::ce {
 namespace {
@@ -58,15 +58,6 @@ constexpr uint64_t kReleased = uint64_t{1} << 62;
 // still in flight to end by itself, before giving up on them.
 constexpr auto kSettleLimit = std::chrono::seconds(10);
 constexpr auto kAbortGrace = std::chrono::seconds(1);
-
-void cuda_check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // the runtime keeps the last error; do not leave ours to the program
-    throw Error(ErrorKind::Cuda, std::string(what) + ": " + cudaGetErrorName(err) + " (" +
-                                     cudaGetErrorString(err) + ")");
-  }
-}
-
 
 struct CudaBlob {
   static constexpr uint64_t kMagic = 0x314443454947414d;  // "MAGIECD1" in memory order
@@ -84,23 +75,11 @@ struct CudaBlob {
 };
 static_assert(sizeof(CudaBlob) <= HandleBlob::kBytes);
 
-using BatchMemOp = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
-
-// The driver's stream memory operations, found once the program has loaded the driver.
-BatchMemOp batch_mem_op() {
-  static BatchMemOp fn = reinterpret_cast<BatchMemOp>(cuda_driver_function("cuStreamBatchMemOp", 12000));
-  if (fn == nullptr) throw Error(ErrorKind::Cuda, "the driver offers no cuStreamBatchMemOp");
-  return fn;
-}
-
-using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-
 // A shard about to be bound must still lie inside one live allocation: the program may have
 // freed it since the round that chose it, and a copy from unmapped memory would break the
 // context for good (an illegal address is sticky), where a refusal only keeps it on NCCL.
 void check_bindable(const BindOp& b) {
-  static const auto range = reinterpret_cast<GetAddressRange>(cuda_driver_function("cuMemGetAddressRange", 3020));
-  if (range == nullptr) throw Error(ErrorKind::Cuda, "the driver offers no cuMemGetAddressRange");
+  const auto range = MAGI_CUDA_DRIVER_FN(cuMemGetAddressRange);
   CUdeviceptr base = 0;
   size_t size = 0;
   const auto at = reinterpret_cast<CUdeviceptr>(b.sendbuf);
@@ -191,7 +170,7 @@ class CudaTransport final : public Transport {
     inject_fault(Options::Fault::Where::Attach, rank_, "opening the peers' windows");
     std::lock_guard<std::mutex> lock(lifetime_);
     use_device();
-    if (nranks_ > 1) batch_mem_op();  // refuse now, not on the first gather
+    if (nranks_ > 1) MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp);  // refuse now, not on the first gather
     peers_.assign(static_cast<size_t>(nranks_), nullptr);
     peer_pids_.assign(static_cast<size_t>(nranks_), 0);
     for (int r = 0; r < nranks_; ++r) {
@@ -422,10 +401,10 @@ class CudaTransport final : public Transport {
 
   void issue_mem_ops(cudaStream_t stream) {
     if (mem_ops_.empty()) return;
-    const CUresult r = batch_mem_op()(reinterpret_cast<CUstream>(stream),
-                                      static_cast<unsigned>(mem_ops_.size()), mem_ops_.data(), 0);
-    if (r != CUDA_SUCCESS)
-      throw Error(ErrorKind::Cuda, "cuStreamBatchMemOp failed (" + std::to_string(static_cast<int>(r)) + ")");
+    cuda_check(MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp)(reinterpret_cast<CUstream>(stream),
+                                                       static_cast<unsigned>(mem_ops_.size()),
+                                                       mem_ops_.data(), 0),
+               "cuStreamBatchMemOp");
   }
 
   // Static weights: the rank's shard against its binding, when verify_ says (never on a timed
@@ -548,8 +527,10 @@ class CudaTransport final : public Transport {
       ops.push_back(write_op(flag(done_word(r)), kReleased));
     });
     if (ops.empty()) return;
-    if (batch_mem_op()(reinterpret_cast<CUstream>(own_stream_), static_cast<unsigned>(ops.size()),
-                       ops.data(), 0) != CUDA_SUCCESS ||
+    const CudaDriver* driver = cuda_driver();
+    if (driver == nullptr || driver->cuStreamBatchMemOp_fn == nullptr ||
+        driver->cuStreamBatchMemOp_fn(reinterpret_cast<CUstream>(own_stream_),
+                                      static_cast<unsigned>(ops.size()), ops.data(), 0) != CUDA_SUCCESS ||
         cudaStreamSynchronize(own_stream_) != cudaSuccess) {
       cudaGetLastError();
       MAGI_WARN(Transport, "could not release this rank's waits on its peers; its stream may stay blocked");
