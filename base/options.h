@@ -67,7 +67,10 @@ struct OptionSpec {
   X(MAGI_CE_FORCE, Bool, "0", "0 or 1", 0, 0,                                                     \
     "Skip the trial that times each moved bucket both ways: agreed gathers always move.")         \
   X(MAGI_INJECT_FAULT, Enum, "none", "none, or prepare:RANK, attach:RANK, gather:RANK or slow:RANK", 0, 0, \
-    "For tests: the transport of that rank of every communicator fails there, as a CUDA error would (slow: each bucket it serves takes 20 ms longer).")
+    "For tests: the transport of that rank of every communicator fails there, as a CUDA error "   \
+    "would (slow: each bucket it serves takes 20 ms longer; gather: on the host backend every "   \
+    "rank falls back to NCCL in that bucket, on the CUDA backend that rank's call fails and its " \
+    "peers wait for it until the communicator is aborted).")
 
 // The typed view, filled once from the environment (Options::get()).
 struct Options {

@@ -114,6 +114,12 @@ class Transport {
   // FallBack: some rank failed before moving anything, and every rank learned it within this
   // same bucket and moved nothing: the caller serves the bucket another way (NCCL). Throws when
   // this rank failed in a way its peers cannot learn of in the bucket.
+  // Only the host backend can fall back: its handshake runs on the host, so a failing rank
+  // publishes "failed" with its ready and every peer reads it before moving. The CUDA backend's
+  // handshake runs on the stream after gather() has returned, so no peer's host can learn of a
+  // failure within the bucket without waiting for the stream; a failing CUDA rank throws, and
+  // its peers' streams wait for it (as they would in NCCL's kernels) until the communicator is
+  // aborted. MAGI_INJECT_FAULT=gather:RANK follows the same rule (ce_transport/protocol.h).
   // Timed: the cost trial times this bucket, so nothing else (a static binding's check) may run
   // in it.
   enum class Served : uint8_t { Moved, FallBack };

@@ -39,8 +39,8 @@
 #include <vector>
 
 #include "ce_transport/backends.h"
-#include "ce_transport/faults.h"
 #include "ce_transport/process.h"
+#include "ce_transport/protocol.h"
 #include "ce_transport/verify_schedule.h"
 #include "base/base.h"
 #include "base/cuda_driver.h"
@@ -59,21 +59,12 @@ constexpr uint64_t kReleased = uint64_t{1} << 62;
 constexpr auto kSettleLimit = std::chrono::seconds(10);
 constexpr auto kAbortGrace = std::chrono::seconds(1);
 
-struct CudaBlob {
-  static constexpr uint64_t kMagic = 0x314443454947414d;  // "MAGIECD1" in memory order
-  uint64_t magic;
-  uint64_t comm_identity;
-  uint64_t window_bytes;
-  uint64_t slot_bytes;
-  uint64_t bound;
-  int32_t rank;
-  int32_t nranks;
+// What the CUDA backend adds to the protocol's blob header: the window's IPC handle.
+struct CudaMedium {
   int32_t device;
   int32_t reserved;
-  int64_t pid;
   cudaIpcMemHandle_t handle;
 };
-static_assert(sizeof(CudaBlob) <= HandleBlob::kBytes);
 
 // A shard about to be bound must still lie inside one live allocation: the program may have
 // freed it since the round that chose it, and a copy from unmapped memory would break the
@@ -108,8 +99,8 @@ CUstreamBatchMemOpParams wait_op(const uint8_t* address, uint64_t at_least) {
 
 class CudaTransport final : public Transport {
  public:
-  CudaTransport(int rank, int nranks, uint64_t identity, int device)
-      : rank_(rank), nranks_(nranks), identity_(identity), device_(device) {}
+  CudaTransport(int rank, int nranks, uint64_t identity, int device, const Options::Fault& fault)
+      : rank_(rank), nranks_(nranks), identity_(identity), device_(device), faults_(fault, rank) {}
   ~CudaTransport() override {
     try {
       release();
@@ -120,7 +111,7 @@ class CudaTransport final : public Transport {
   void prepare(const WindowPlan& plan, HandleBlob& out) override {
     std::lock_guard<std::mutex> lock(lifetime_);
     release_locked();
-    inject_fault(Options::Fault::Where::Prepare, rank_, "preparing the window");
+    faults_.at_prepare();
     use_device();
     slot_bytes_ = plan.slot_bytes;
     stride_ = round_up(std::max<size_t>(plan.slot_bytes, 1), kSlotAlign);
@@ -149,25 +140,17 @@ class CudaTransport final : public Transport {
       }
     }
     cuda_check(cudaStreamSynchronize(own_stream_), "cudaStreamSynchronize (window)");
-    CudaBlob blob{};
-    blob.magic = CudaBlob::kMagic;
-    blob.comm_identity = identity_;
-    blob.window_bytes = bytes_;
-    blob.slot_bytes = slot_bytes_;
-    blob.bound = bound_ ? 1 : 0;
-    blob.rank = rank_;
-    blob.nranks = nranks_;
-    blob.device = device_;
-    blob.pid = getpid();
-    cuda_check(cudaIpcGetMemHandle(&blob.handle, base_), "cudaIpcGetMemHandle");
-    out = HandleBlob{};
-    std::memcpy(out.bytes, &blob, sizeof(blob));
+    shape_ = {Backend::Cuda, identity_, nranks_, bytes_, slot_bytes_, bound_};
+    CudaMedium medium{};
+    medium.device = device_;
+    cuda_check(cudaIpcGetMemHandle(&medium.handle, base_), "cudaIpcGetMemHandle");
+    protocol::write_blob(shape_, rank_, medium, out);
   }
 
   void attach(std::span<const HandleBlob> blobs) override {
     if (base_ == nullptr) throw Error(ErrorKind::Usage, "attach before prepare");
     if (blobs.size() != static_cast<size_t>(nranks_)) throw Error(ErrorKind::Usage, "one handle blob per rank");
-    inject_fault(Options::Fault::Where::Attach, rank_, "opening the peers' windows");
+    faults_.at_attach();
     std::lock_guard<std::mutex> lock(lifetime_);
     use_device();
     if (nranks_ > 1) MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp);  // refuse now, not on the first gather
@@ -175,17 +158,13 @@ class CudaTransport final : public Transport {
     peer_pids_.assign(static_cast<size_t>(nranks_), 0);
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
-      CudaBlob blob{};
-      std::memcpy(&blob, blobs[static_cast<size_t>(r)].bytes, sizeof(blob));
-      if (blob.magic != CudaBlob::kMagic || blob.rank != r || blob.nranks != nranks_ ||
-          blob.comm_identity != identity_ || blob.window_bytes != bytes_ ||
-          blob.slot_bytes != slot_bytes_ || (blob.bound != 0) != bound_)
-        throw Error(ErrorKind::Usage, "rank " + std::to_string(r) + "'s window does not match this plan");
+      protocol::BlobHeader header{};
+      const auto medium = protocol::read_blob<CudaMedium>(blobs[static_cast<size_t>(r)], r, shape_, header);
       void* mapped = nullptr;
-      cuda_check(cudaIpcOpenMemHandle(&mapped, blob.handle, cudaIpcMemLazyEnablePeerAccess),
+      cuda_check(cudaIpcOpenMemHandle(&mapped, medium.handle, cudaIpcMemLazyEnablePeerAccess),
                  "cudaIpcOpenMemHandle");
       peers_[static_cast<size_t>(r)] = static_cast<uint8_t*>(mapped);
-      peer_pids_[static_cast<size_t>(r)] = static_cast<pid_t>(blob.pid);
+      peer_pids_[static_cast<size_t>(r)] = static_cast<pid_t>(header.pid);
     }
     attached_ = true;
   }
@@ -193,7 +172,7 @@ class CudaTransport final : public Transport {
   Served gather(std::span<const GatherOp> bucket, void* stream_handle, Timing timing = Timing::Untimed) override {
     if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
     if (abandoned_.load()) throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
-    inject_delay(rank_);
+    faults_.at_bucket_start();
     use_device();
     const auto stream = static_cast<cudaStream_t>(stream_handle);
     for (const GatherOp& op : bucket)
@@ -212,6 +191,11 @@ class CudaTransport final : public Transport {
       finish_bucket(n, stream);
       return Served::Moved;
     }
+    // MAGI_INJECT_FAULT=gather:RANK fails here, before anything of the bucket is queued: its
+    // peers cannot learn of it within the bucket (ce_transport.h), so it throws, as a CUDA error
+    // at step 1 would.
+    if (faults_.fails_bucket())
+      throw Error(ErrorKind::Cuda, "bucket " + std::to_string(n) + ": injected by MAGI_INJECT_FAULT");
     const size_t slot = (n % 2) * stride_;
     // 1. Slot n % 2 was last read in bucket n - 2: every peer must be done with it.
     mem_ops_.clear();
@@ -553,6 +537,8 @@ class CudaTransport final : public Transport {
   size_t slot_bytes_ = 0;
   size_t stride_ = 0;
   bool bound_ = false;
+  protocol::WindowShape shape_;  // what every peer's blob must match
+  const protocol::FaultPoints faults_;
   VerifySchedule verify_;  // bound: when each binding is checked
   struct Check {
     bool pending = false;  // its copies are queued; compared once `copied` has passed
@@ -582,11 +568,12 @@ class CudaTransport final : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_cuda_transport(int rank, int nranks, uint64_t comm_identity, int device) {
+std::unique_ptr<Transport> make_cuda_transport(int rank, int nranks, uint64_t comm_identity, int device,
+                                               const Options::Fault& fault) {
   if (nranks < 1 || rank < 0 || rank >= nranks)
     throw Error(ErrorKind::Usage, "rank " + std::to_string(rank) + " of " + std::to_string(nranks));
   if (!cuda_driver_loaded()) throw Error(ErrorKind::System, "the CUDA driver is not loaded in this process");
-  return std::make_unique<CudaTransport>(rank, nranks, comm_identity, device);
+  return std::make_unique<CudaTransport>(rank, nranks, comm_identity, device, fault);
 }
 
 std::unique_ptr<Transport> make_transport(Backend backend, int rank, int nranks, uint64_t comm_identity,

@@ -29,10 +29,12 @@ struct WindowFlags {
   FlagWord done;      // the last bucket the owner has finished reading from its peers
   FlagWord pid;       // the owner's pid, so a waiting peer can tell whether it is alive
   FlagWord attached;  // peers that have opened the window
-  FlagWord failed;    // the last bucket the owner could not serve (set before its ready)
+  // Bucket n's failure, in failed[n % 2] (set before its ready): a peer still checking bucket n
+  // may already see the owner's ready of n + 1, never of n + 2 (that waits for the peer's done).
+  FlagWord failed[2];
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "flags are shared between processes");
-static_assert(sizeof(WindowFlags) == 5 * kCacheLine);
+static_assert(sizeof(WindowFlags) == 6 * kCacheLine);
 
 class HostWindow {
  public:
