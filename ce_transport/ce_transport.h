@@ -14,12 +14,14 @@
 //    stand-in, machines without GPUs). The CPU tests run every transport path through it.
 //
 // Window layout, the same on every rank (so a peer's slot for gather g of a bucket is at the same
-// offset in its window as ours):
-//   [ Flags (one cache line per word) | staging slot 0 | staging slot 1 ]
-// A moved bucket with sequence number n (counted per transport from 1, equal on every rank because
-// routes are) stages this rank's shards into slot n % 2, publishes ready = n, waits until every
-// peer's ready >= n, reads every peer's slot into the receive buffers (its own shard straight from
-// its send buffer), then publishes done = n. Before staging into slot n % 2 it waits until every
+// offset in its window as ours): two staging slots and the flag words of the handshake, one line
+// per word (host: [ head | flags | slot 0 | slot 1 ]; CUDA: [ slot 0 | slot 1 | flags ]). Which
+// word is whose, the handle blob's header and the fault points are the protocol both backends
+// share (protocol.h). A moved bucket with sequence number n (counted per transport from 1, equal
+// on every rank because routes are) stages this rank's shards into slot n % 2, publishes ready =
+// n in every peer's window, waits until every peer's ready >= n in its own, reads every peer's
+// slot into the receive buffers (its own shard straight from its send buffer), then publishes
+// done = n. Before staging into slot n % 2 it waits until every
 // peer's done >= n - 2: that slot was last read in bucket n - 2. A steady run finds that wait
 // already met, so it is off the critical path; the one wait that matters is "every peer staged".
 #pragma once

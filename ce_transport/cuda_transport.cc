@@ -17,9 +17,10 @@
 // that starts 512 bytes into its allocation ran at 78-80% of the same copies from offset 0 for
 // 256 MiB shards.
 //
-// Flags: a window holds, for each peer, a ready and a done word (64-bit, each on its own 256-byte
-// line) that only that peer writes, through its mapping, and one word this rank writes
-// when its own part of a bucket has run. A rank waits only on words in its own window: polling
+// Flags (laid out by protocol.h's FlagLayout, shared with the host backend; this one uses the
+// words through own(), never the failed ones): a window holds, for each peer, a ready and a done
+// word (64-bit, each on its own 256-byte line) that only that peer writes, through its mapping,
+// and one word this rank writes when its own part of a bucket has run. A rank waits only on words in its own window: polling
 // stays local, and an abort can release this rank's waits by writing them itself without
 // touching what its peers wait on. Measured on an H200 (2026-11): a peer's
 // mapping stays readable after the peer dies, and cudaFree, cudaIpcCloseMemHandle and even
@@ -100,7 +101,8 @@ CUstreamBatchMemOpParams wait_op(const uint8_t* address, uint64_t at_least) {
 class CudaTransport final : public Transport {
  public:
   CudaTransport(int rank, int nranks, uint64_t identity, int device, const Options::Fault& fault)
-      : rank_(rank), nranks_(nranks), identity_(identity), device_(device), faults_(fault, rank) {}
+      : rank_(rank), nranks_(nranks), identity_(identity), device_(device), flags_{kFlagLine, nranks},
+        faults_(fault, rank) {}
   ~CudaTransport() override {
     try {
       release();
@@ -118,7 +120,7 @@ class CudaTransport final : public Transport {
     bound_ = plan.bound;
     verify_.reset(plan.verify_first, plan.verify_every);
     flags_at_ = (bound_ ? 1 : 2) * stride_;
-    flag_bytes_ = (2 * static_cast<size_t>(nranks_) + 1) * kFlagLine;
+    flag_bytes_ = flags_.bytes_through_own();
     bytes_ = round_up(flags_at_ + flag_bytes_, kAllocationGranule);
     abandoned_.store(false);
     settled_at_ = kNotSettled;
@@ -199,7 +201,7 @@ class CudaTransport final : public Transport {
     const size_t slot = (n % 2) * stride_;
     // 1. Slot n % 2 was last read in bucket n - 2: every peer must be done with it.
     mem_ops_.clear();
-    if (n > 2) for_each_peer([&](int r) { mem_ops_.push_back(wait_op(flag(done_word(r)), n - 2)); });
+    if (n > 2) for_each_peer([&](int r) { mem_ops_.push_back(wait_op(flag(flags_.done(r)), n - 2)); });
     issue_mem_ops(stream);
     // 2. Stage this rank's shards.
     for (const GatherOp& op : bucket)
@@ -207,8 +209,8 @@ class CudaTransport final : public Transport {
     issue_copies(stream);
     // 3. Staged: say so in every peer's window, and wait until every peer has said so in ours.
     mem_ops_.clear();
-    for_each_peer([&](int r) { mem_ops_.push_back(write_op(peer_flag(r, ready_word(rank_)), n)); });
-    for_each_peer([&](int r) { mem_ops_.push_back(wait_op(flag(ready_word(r)), n)); });
+    for_each_peer([&](int r) { mem_ops_.push_back(write_op(peer_flag(r, flags_.ready(rank_)), n)); });
+    for_each_peer([&](int r) { mem_ops_.push_back(wait_op(flag(flags_.ready(r)), n)); });
     issue_mem_ops(stream);
     // 4. Read every peer's slot, and this rank's shard from its send buffer.
     copies_.clear();
@@ -305,10 +307,8 @@ class CudaTransport final : public Transport {
   }
 
   uint8_t* region() const { return static_cast<uint8_t*>(base_); }
-  // Flag words, by their offset from the flags' start: in this rank's window, and in peer r's.
-  size_t ready_word(int from) const { return static_cast<size_t>(from) * kFlagLine; }
-  size_t done_word(int from) const { return (static_cast<size_t>(nranks_) + from) * kFlagLine; }
-  size_t own_word() const { return 2 * static_cast<size_t>(nranks_) * kFlagLine; }
+  // Flag words, by their offset from the flags' start (flags_): in this rank's window, and in
+  // peer r's.
   uint8_t* flag(size_t offset) const { return static_cast<uint8_t*>(base_) + flags_at_ + offset; }
   uint8_t* peer_flag(int r, size_t offset) const { return peers_[static_cast<size_t>(r)] + flags_at_ + offset; }
 
@@ -316,8 +316,8 @@ class CudaTransport final : public Transport {
   // own part is over (release() may free what it used).
   void finish_bucket(uint64_t n, cudaStream_t stream) {
     mem_ops_.clear();
-    for_each_peer([&](int r) { mem_ops_.push_back(write_op(peer_flag(r, done_word(rank_)), n)); });
-    mem_ops_.push_back(write_op(flag(own_word()), n));
+    for_each_peer([&](int r) { mem_ops_.push_back(write_op(peer_flag(r, flags_.done(rank_)), n)); });
+    mem_ops_.push_back(write_op(flag(flags_.own()), n));
     issue_mem_ops(stream);
   }
 
@@ -485,10 +485,10 @@ class CudaTransport final : public Transport {
     const auto deadline = std::chrono::steady_clock::now() + limit;
     for (;;) {
       if (!read_flags()) return Settled::Unreadable;
-      const bool own_done = read_word(own_word()) >= target;
+      const bool own_done = read_word(flags_.own()) >= target;
       ranks.clear();
       for (int r = 0; r < nranks_; ++r) {
-        if (r == rank_ || read_word(done_word(r)) >= target) continue;
+        if (r == rank_ || read_word(flags_.done(r)) >= target) continue;
         if (!process_alive(peer_pids_[static_cast<size_t>(r)])) {
           ranks = std::to_string(r);
           return Settled::PeerDied;
@@ -507,8 +507,8 @@ class CudaTransport final : public Transport {
   void release_waits() {
     std::vector<CUstreamBatchMemOpParams> ops;
     for_each_peer([&](int r) {
-      ops.push_back(write_op(flag(ready_word(r)), kReleased));
-      ops.push_back(write_op(flag(done_word(r)), kReleased));
+      ops.push_back(write_op(flag(flags_.ready(r)), kReleased));
+      ops.push_back(write_op(flag(flags_.done(r)), kReleased));
     });
     if (ops.empty()) return;
     const CudaDriver* driver = cuda_driver();
@@ -531,6 +531,7 @@ class CudaTransport final : public Transport {
   const int nranks_;
   const uint64_t identity_;
   const int device_;
+  const protocol::FlagLayout flags_;  // where the flag words lie (after the slots)
   void* base_ = nullptr;
   size_t bytes_ = 0;
   size_t flags_at_ = 0;  // offset of the flag words in the allocation

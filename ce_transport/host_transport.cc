@@ -1,10 +1,12 @@
 // The host backend of the transport: windows in POSIX shared memory, memcpy, and the bucket
 // handshake of ce_transport.h on host atomics in each window's flags.
 //
-// Why a bucket cannot read a stale byte: a peer's ready >= n is stored (release) after its shards
-// of bucket n are in its slot n % 2, and read here (acquire) before those bytes are. Why it cannot
-// overwrite a byte still being read: slot n % 2 is written only after every peer's done >= n - 2,
-// and a peer stores done (release) only after its reads of that bucket. Why it cannot hang: every
+// The flag words lie where the protocol puts them (protocol.h's FlagLayout, one cache line each):
+// a peer writes its ready, done and failed words into this rank's window, which this rank polls.
+// Why a bucket cannot read a stale byte: a peer stores its ready >= n here (release) after its
+// shards of bucket n are in its slot n % 2, and this rank loads it (acquire) before reading those
+// bytes. Why it cannot overwrite a byte still being read: slot n % 2 is written only after every
+// peer's done >= n - 2, and a peer stores done (release) only after its reads of that bucket. Why it cannot hang: every
 // wait is on a peer that is either alive (and then gets there, as every rank runs the same
 // buckets) or dead, which the wait notices through the peer's pid and reports.
 #include <sched.h>
@@ -37,8 +39,6 @@ struct HostMedium {
   char name[64];
 };
 
-// Slots start on cache lines, so packed 64-byte-aligned slot offsets stay aligned in memory.
-constexpr size_t kFlagBytes = sizeof(WindowFlags);
 
 // ---- waiting ----------------------------------------------------------------------------------
 
@@ -109,7 +109,8 @@ void copy_checked(void* into, const void* from, size_t bytes) {
 class HostTransport final : public Transport {
  public:
   HostTransport(int rank, int nranks, uint64_t comm_identity, const Options::Fault& fault)
-      : rank_(rank), nranks_(nranks), identity_(comm_identity), faults_(fault, rank) {
+      : rank_(rank), nranks_(nranks), identity_(comm_identity), flags_{kCacheLine, nranks},
+        faults_(fault, rank) {
     if (nranks < 1 || rank < 0 || rank >= nranks)
       throw Error(ErrorKind::Usage, "rank " + std::to_string(rank) + " of " + std::to_string(nranks));
   }
@@ -120,7 +121,9 @@ class HostTransport final : public Transport {
     faults_.at_prepare();
     const size_t slot_bytes = plan.slot_bytes;
     const size_t stride = round_up(slot_bytes, kCacheLine);
-    own_ = HostWindow::create(kFlagBytes + (plan.bound ? 1 : 2) * stride, nranks_ - 1);
+    // Slots start on cache lines, so packed 64-byte-aligned slot offsets stay aligned in memory.
+    slots_at_ = sizeof(WindowHead) + flags_.bytes();
+    own_ = HostWindow::create(slots_at_ + (plan.bound ? 1 : 2) * stride, flags_.bytes(), nranks_ - 1);
     slot_bytes_ = slot_bytes;
     slot_stride_ = stride;
     bound_ = plan.bound;
@@ -129,7 +132,7 @@ class HostTransport final : public Transport {
       for (const BindOp& b : plan.bind) {
         if (b.bytes > slot_bytes_ || b.slot_offset > slot_bytes_ - b.bytes)
           throw Error(ErrorKind::Usage, "a binding overflows the bound region");
-        copy_checked(own_.data() + kFlagBytes + b.slot_offset, b.sendbuf, b.bytes);
+        copy_checked(own_.data() + slots_at_ + b.slot_offset, b.sendbuf, b.bytes);
       }
     }
 
@@ -157,7 +160,7 @@ class HostTransport final : public Transport {
       HostWindow& peer = peers_[static_cast<size_t>(r)];
       peer = HostWindow::open(std::string(medium.name, strnlen(medium.name, sizeof(medium.name))),
                               header.window_bytes, nranks_ - 1);
-      const auto pid = static_cast<pid_t>(peer.flags().pid.value.load(std::memory_order_acquire));
+      const auto pid = static_cast<pid_t>(peer.head().pid.value.load(std::memory_order_acquire));
       if (pid != header.pid)
         throw Error(ErrorKind::Usage, "rank " + std::to_string(r) + "'s window belongs to pid " +
                                           std::to_string(pid) + ", its blob says " +
@@ -186,29 +189,28 @@ class HostTransport final : public Transport {
     }
     broken_ = true;  // until this bucket completes: a throw below leaves the ranks out of step
     const uint64_t n = ++sequence_;
-    const size_t slot_offset = kFlagBytes + (n % 2) * slot_stride_;
-    WindowFlags& mine = own_.flags();
+    const size_t slot_offset = slots_at_ + (n % 2) * slot_stride_;
 
-    wait_for_every_peer(&WindowFlags::done, n > 2 ? n - 2 : 0);  // 0: nothing to wait for
+    wait_for_every_peer(flags_.done(0), n > 2 ? n - 2 : 0);  // 0: nothing to wait for
     // A rank that cannot serve says so before its ready: every peer, once its wait for ready is
     // over, sees it, and the whole bucket falls back together (done is still published, so the
     // slots stay in step for the buckets after). It waited above like a serving rank: running
     // ahead, its next failure could overwrite this one before a peer read it.
     if (faults_.fails_bucket()) {
-      mine.failed[n % 2].value.store(n, std::memory_order_relaxed);
-      mine.ready.value.store(n, std::memory_order_release);
-      mine.done.value.store(n, std::memory_order_release);
+      publish(flags_.failed(rank_, n), n, std::memory_order_relaxed);
+      publish(flags_.ready(rank_), n, std::memory_order_release);
+      publish(flags_.done(rank_), n, std::memory_order_release);
       broken_ = false;
       return Served::FallBack;
     }
     uint8_t* staging = own_.data() + slot_offset;
     for (const GatherOp& op : bucket) std::memcpy(staging + op.slot_offset, op.sendbuf, op.bytes);
-    mine.ready.value.store(n, std::memory_order_release);
+    publish(flags_.ready(rank_), n, std::memory_order_release);
 
-    wait_for_every_peer(&WindowFlags::ready, n);
+    wait_for_every_peer(flags_.ready(0), n);
     for (int r = 0; r < nranks_; ++r) {
-      if (r != rank_ && peers_[static_cast<size_t>(r)].flags().failed[n % 2].value.load(std::memory_order_relaxed) == n) {
-        mine.done.value.store(n, std::memory_order_release);
+      if (r != rank_ && own_.flag(flags_.failed(r, n)).load(std::memory_order_relaxed) == n) {
+        publish(flags_.done(rank_), n, std::memory_order_release);
         broken_ = false;
         return Served::FallBack;
       }
@@ -225,7 +227,7 @@ class HostTransport final : public Transport {
         std::memcpy(into, from, op.bytes);
       }
     }
-    mine.done.value.store(n, std::memory_order_release);
+    publish(flags_.done(rank_), n, std::memory_order_release);
     broken_ = false;
     return Served::Moved;
   }
@@ -238,7 +240,7 @@ class HostTransport final : public Transport {
     ++sequence_;
     for (const GatherOp& op : bucket) {
       auto* recv = static_cast<uint8_t*>(op.recvbuf);
-      uint8_t* region = own_.data() + kFlagBytes + op.slot_offset;
+      uint8_t* region = own_.data() + slots_at_ + op.slot_offset;
       if (verify_.on_call(op.slot_offset, timing) && std::memcmp(region, op.sendbuf, op.bytes) != 0) {
         std::memcpy(region, op.sendbuf, op.bytes);
         stale_.push_back(op.slot_offset);
@@ -249,7 +251,7 @@ class HostTransport final : public Transport {
           if (into != op.sendbuf) std::memcpy(into, op.sendbuf, op.bytes);
           continue;
         }
-        std::memcpy(into, peers_[static_cast<size_t>(r)].data() + kFlagBytes + op.slot_offset, op.bytes);
+        std::memcpy(into, peers_[static_cast<size_t>(r)].data() + slots_at_ + op.slot_offset, op.bytes);
       }
     }
   }
@@ -276,20 +278,30 @@ class HostTransport final : public Transport {
   size_t window_bytes() const override { return own_.size(); }
 
  private:
-  void wait_for_every_peer(FlagWord WindowFlags::*word, uint64_t target) const {
+  // Until every peer's word of a kind (`rank0_word`: rank 0's, e.g. flags_.done(0)) in this
+  // rank's own window reaches `target`. The words of one kind lie one line apart, by rank.
+  void wait_for_every_peer(size_t rank0_word, uint64_t target) const {
     if (target == 0) return;
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
-      const std::atomic<uint64_t>& flag = (peers_[static_cast<size_t>(r)].flags().*word).value;
+      const std::atomic<uint64_t>& flag = own_.flag(rank0_word + static_cast<size_t>(r) * flags_.line_bytes);
       wait_for(r, peer_pids_[static_cast<size_t>(r)], abandoned_,
                [&] { return flag.load(std::memory_order_acquire) >= target; });
     }
+  }
+
+  // This rank's word at `word` in every peer's window.
+  void publish(size_t word, uint64_t value, std::memory_order order) const {
+    for (int r = 0; r < nranks_; ++r)
+      if (r != rank_) peers_[static_cast<size_t>(r)].flag(word).store(value, order);
   }
 
   const int rank_;
   const int nranks_;
   const uint64_t identity_;
   HostWindow own_;
+  const protocol::FlagLayout flags_;
+  size_t slots_at_ = 0;  // where the slots (or the bound region) start in a window
   protocol::WindowShape shape_;  // what every peer's blob must match
   const protocol::FaultPoints faults_;
   std::vector<HostWindow> peers_;  // by rank; this rank's entry stays closed

@@ -77,6 +77,39 @@ Medium read_blob(const HandleBlob& blob, int rank, const WindowShape& shape, Blo
   return medium;
 }
 
+// ---- the handshake's flag words -----------------------------------------------------------------
+// Where the words of the bucket handshake (ce_transport.h) lie in a window, as offsets from the
+// start of its flags, the same in both backends. A rank waits only on words in its own window:
+// polling stays local, and an abort can release this rank's waits by writing them itself without
+// touching what its peers wait on. So a window holds, for each rank r, words that only r writes
+// (through its mapping of the window):
+//   ready(r): the last bucket r has staged;
+//   done(r): the last bucket r has finished reading (this window's slot among others);
+//   failed(r, n): n when r could not serve bucket n, written before its ready (host backend).
+//     By bucket parity: a peer still checking bucket n may already see r's ready of n + 1,
+//     never of n + 2 (r waits for that peer's done of n first);
+// and own(): the last bucket whose part has run on the owner (CUDA backend: what release waits
+// for). Each word is on a line of its own (a cache line on the host, 256 bytes on a device), so
+// no two writers share a line.
+struct FlagLayout {
+  size_t line_bytes = 0;
+  int nranks = 0;
+
+  size_t ready(int from) const { return line(static_cast<size_t>(from)); }
+  size_t done(int from) const { return line(ranks() + static_cast<size_t>(from)); }
+  size_t own() const { return line(2 * ranks()); }
+  size_t failed(int from, uint64_t bucket) const {
+    return line(2 * ranks() + 1 + 2 * static_cast<size_t>(from) + bucket % 2);
+  }
+  // Bytes through own(): all the CUDA backend uses (it cannot act on failed words in a bucket).
+  size_t bytes_through_own() const { return line(2 * ranks() + 1); }
+  size_t bytes() const { return line(4 * ranks() + 1); }
+
+ private:
+  size_t ranks() const { return static_cast<size_t>(nranks); }
+  size_t line(size_t index) const { return index * line_bytes; }
+};
+
 // ---- MAGI_INJECT_FAULT ------------------------------------------------------------------------
 // Lets tests make one rank's transport fail where a CUDA error could, to show that every rank
 // then goes back to NCCL together; or make it slow, to show that the cost trial then keeps NCCL
