@@ -99,8 +99,8 @@ void cuda_check(CUresult result, const char* what) {
   if (driver == nullptr || driver->cuGetErrorName_fn == nullptr ||
       driver->cuGetErrorName_fn(result, &name) != CUDA_SUCCESS || name == nullptr)
     name = "CUresult";
-  throw Error(ErrorKind::Cuda,
-              std::string(what) + ": " + name + " (" + std::to_string(static_cast<int>(result)) + ")");
+  throw Error(ErrorKind::Cuda, std::string(what) + ": " + name + " (" +
+                                   std::to_string(static_cast<int>(result)) + ")");
 }
 
 }  // namespace magi

@@ -14,11 +14,11 @@ namespace magi {
 
 // Every driver entry point the library calls: name, its function type, the CUDA version asked.
 // cuStreamBatchMemOp is asked at 12.0, where 64-bit waits and writes need no opt-in.
-#define MAGI_CUDA_DRIVER_ENTRY_POINTS(X)                                 \
-  X(cuGetErrorName, PFN_cuGetErrorName_v6000, 6000)                      \
-  X(cuStreamIsCapturing, PFN_cuStreamIsCapturing_v10000, 10000)          \
-  X(cuPointerGetAttributes, PFN_cuPointerGetAttributes_v7000, 7000)      \
-  X(cuMemGetAddressRange, PFN_cuMemGetAddressRange_v3020, 3020)          \
+#define MAGI_CUDA_DRIVER_ENTRY_POINTS(X)                            \
+  X(cuGetErrorName, PFN_cuGetErrorName_v6000, 6000)                 \
+  X(cuStreamIsCapturing, PFN_cuStreamIsCapturing_v10000, 10000)     \
+  X(cuPointerGetAttributes, PFN_cuPointerGetAttributes_v7000, 7000) \
+  X(cuMemGetAddressRange, PFN_cuMemGetAddressRange_v3020, 3020)     \
   X(cuStreamBatchMemOp, PFN_cuStreamBatchMemOp_v11070, 12000)
 
 // One pointer per entry point, named after it (`cuStreamBatchMemOp_fn`); nullptr where the

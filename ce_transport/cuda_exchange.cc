@@ -6,9 +6,9 @@
 #include <cstring>
 #include <string>
 
-#include "ce_transport/backends.h"
 #include "base/base.h"
 #include "base/cuda_driver.h"
+#include "ce_transport/backends.h"
 
 namespace magi::ce {
 namespace {

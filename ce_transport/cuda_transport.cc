@@ -20,9 +20,9 @@
 // Flags (laid out by protocol.h's FlagLayout, shared with the host backend; this one uses the
 // words through own(), never the failed ones): a window holds, for each peer, a ready and a done
 // word (64-bit, each on its own 256-byte line) that only that peer writes, through its mapping,
-// and one word this rank writes when its own part of a bucket has run. A rank waits only on words in its own window: polling
-// stays local, and an abort can release this rank's waits by writing them itself without
-// touching what its peers wait on. Measured on an H200 (2026-11): a peer's
+// and one word this rank writes when its own part of a bucket has run. A rank waits only on words
+// in its own window: polling stays local, and an abort can release this rank's waits by writing
+// them itself without touching what its peers wait on. Measured on an H200 (2026-11): a peer's
 // mapping stays readable after the peer dies, and cudaFree, cudaIpcCloseMemHandle and even
 // cudaMalloc block while any stream of the device waits on a word that nobody will write.
 #include <cuda.h>
@@ -39,12 +39,12 @@
 #include <utility>
 #include <vector>
 
+#include "base/base.h"
+#include "base/cuda_driver.h"
 #include "ce_transport/backends.h"
 #include "ce_transport/process.h"
 #include "ce_transport/protocol.h"
 #include "ce_transport/verify_schedule.h"
-#include "base/base.h"
-#include "base/cuda_driver.h"
 
 namespace magi::ce {
 namespace {
@@ -101,7 +101,11 @@ CUstreamBatchMemOpParams wait_op(const uint8_t* address, uint64_t at_least) {
 class CudaTransport final : public Transport {
  public:
   CudaTransport(int rank, int nranks, uint64_t identity, int device, const Options::Fault& fault)
-      : rank_(rank), nranks_(nranks), identity_(identity), device_(device), flags_{kFlagLine, nranks},
+      : rank_(rank),
+        nranks_(nranks),
+        identity_(identity),
+        device_(device),
+        flags_{kFlagLine, nranks},
         faults_(fault, rank) {}
   ~CudaTransport() override {
     try {
@@ -155,13 +159,15 @@ class CudaTransport final : public Transport {
     faults_.at_attach();
     std::lock_guard<std::mutex> lock(lifetime_);
     use_device();
-    if (nranks_ > 1) MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp);  // refuse now, not on the first gather
+    if (nranks_ > 1)
+      MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp);  // refuse now, not on the first gather
     peers_.assign(static_cast<size_t>(nranks_), nullptr);
     peer_pids_.assign(static_cast<size_t>(nranks_), 0);
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
       protocol::BlobHeader header{};
-      const auto medium = protocol::read_blob<CudaMedium>(blobs[static_cast<size_t>(r)], r, shape_, header);
+      const auto medium =
+          protocol::read_blob<CudaMedium>(blobs[static_cast<size_t>(r)], r, shape_, header);
       void* mapped = nullptr;
       cuda_check(cudaIpcOpenMemHandle(&mapped, medium.handle, cudaIpcMemLazyEnablePeerAccess),
                  "cudaIpcOpenMemHandle");
@@ -197,11 +203,13 @@ class CudaTransport final : public Transport {
     // peers cannot learn of it within the bucket (ce_transport.h), so it throws, as a CUDA error
     // at step 1 would.
     if (faults_.fails_bucket())
-      throw Error(ErrorKind::Cuda, "bucket " + std::to_string(n) + ": injected by MAGI_INJECT_FAULT");
+      throw Error(ErrorKind::Cuda,
+                  "bucket " + std::to_string(n) + ": injected by MAGI_INJECT_FAULT");
     const size_t slot = (n % 2) * stride_;
     // 1. Slot n % 2 was last read in bucket n - 2: every peer must be done with it.
     mem_ops_.clear();
-    if (n > 2) for_each_peer([&](int r) { mem_ops_.push_back(wait_op(flag(flags_.done(r)), n - 2)); });
+    if (n > 2)
+      for_each_peer([&](int r) { mem_ops_.push_back(wait_op(flag(flags_.done(r)), n - 2)); });
     issue_mem_ops(stream);
     // 2. Stage this rank's shards.
     for (const GatherOp& op : bucket)
@@ -209,7 +217,8 @@ class CudaTransport final : public Transport {
     issue_copies(stream);
     // 3. Staged: say so in every peer's window, and wait until every peer has said so in ours.
     mem_ops_.clear();
-    for_each_peer([&](int r) { mem_ops_.push_back(write_op(peer_flag(r, flags_.ready(rank_)), n)); });
+    for_each_peer(
+        [&](int r) { mem_ops_.push_back(write_op(peer_flag(r, flags_.ready(rank_)), n)); });
     for_each_peer([&](int r) { mem_ops_.push_back(wait_op(flag(flags_.ready(r)), n)); });
     issue_mem_ops(stream);
     // 4. Read every peer's slot, and this rank's shard from its send buffer.
@@ -316,7 +325,8 @@ class CudaTransport final : public Transport {
   // own part is over (release() may free what it used).
   void finish_bucket(uint64_t n, cudaStream_t stream) {
     mem_ops_.clear();
-    for_each_peer([&](int r) { mem_ops_.push_back(write_op(peer_flag(r, flags_.done(rank_)), n)); });
+    for_each_peer(
+        [&](int r) { mem_ops_.push_back(write_op(peer_flag(r, flags_.done(rank_)), n)); });
     mem_ops_.push_back(write_op(flag(flags_.own()), n));
     issue_mem_ops(stream);
   }
@@ -514,7 +524,8 @@ class CudaTransport final : public Transport {
     const CudaDriver* driver = cuda_driver();
     if (driver == nullptr || driver->cuStreamBatchMemOp_fn == nullptr ||
         driver->cuStreamBatchMemOp_fn(reinterpret_cast<CUstream>(own_stream_),
-                                      static_cast<unsigned>(ops.size()), ops.data(), 0) != CUDA_SUCCESS ||
+                                      static_cast<unsigned>(ops.size()), ops.data(),
+                                      0) != CUDA_SUCCESS ||
         cudaStreamSynchronize(own_stream_) != cudaSuccess) {
       cudaGetLastError();
       MAGI_WARN(Transport, "could not release this rank's waits on its peers; its stream may stay blocked");
@@ -569,8 +580,8 @@ class CudaTransport final : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_cuda_transport(int rank, int nranks, uint64_t comm_identity, int device,
-                                               const Options::Fault& fault) {
+std::unique_ptr<Transport> make_cuda_transport(int rank, int nranks, uint64_t comm_identity,
+                                               int device, const Options::Fault& fault) {
   if (nranks < 1 || rank < 0 || rank >= nranks)
     throw Error(ErrorKind::Usage, "rank " + std::to_string(rank) + " of " + std::to_string(nranks));
   if (!cuda_driver_loaded()) throw Error(ErrorKind::System, "the CUDA driver is not loaded in this process");

@@ -6,13 +6,13 @@
 // Why a bucket cannot read a stale byte: a peer stores its ready >= n here (release) after its
 // shards of bucket n are in its slot n % 2, and this rank loads it (acquire) before reading those
 // bytes. Why it cannot overwrite a byte still being read: slot n % 2 is written only after every
-// peer's done >= n - 2, and a peer stores done (release) only after its reads of that bucket. Why it cannot hang: every
-// wait is on a peer that is either alive (and then gets there, as every rank runs the same
-// buckets) or dead, which the wait notices through the peer's pid and reports.
+// peer's done >= n - 2, and a peer stores done (release) only after its reads of that bucket.
+// Why it cannot hang: every wait is on a peer that is either alive (and then gets there, as every
+// rank runs the same buckets) or dead, which the wait notices through the peer's pid and reports.
 #include <sched.h>
-#include <sys/uio.h>
 #include <signal.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -24,12 +24,12 @@
 #include <utility>
 #include <vector>
 
+#include "base/base.h"
 #include "ce_transport/backends.h"
 #include "ce_transport/host_window.h"
 #include "ce_transport/process.h"
 #include "ce_transport/protocol.h"
 #include "ce_transport/verify_schedule.h"
-#include "base/base.h"
 
 namespace magi::ce {
 namespace {
@@ -38,7 +38,6 @@ namespace {
 struct HostMedium {
   char name[64];
 };
-
 
 // ---- waiting ----------------------------------------------------------------------------------
 
@@ -109,7 +108,10 @@ void copy_checked(void* into, const void* from, size_t bytes) {
 class HostTransport final : public Transport {
  public:
   HostTransport(int rank, int nranks, uint64_t comm_identity, const Options::Fault& fault)
-      : rank_(rank), nranks_(nranks), identity_(comm_identity), flags_{kCacheLine, nranks},
+      : rank_(rank),
+        nranks_(nranks),
+        identity_(comm_identity),
+        flags_{kCacheLine, nranks},
         faults_(fault, rank) {
     if (nranks < 1 || rank < 0 || rank >= nranks)
       throw Error(ErrorKind::Usage, "rank " + std::to_string(rank) + " of " + std::to_string(nranks));
@@ -123,7 +125,8 @@ class HostTransport final : public Transport {
     const size_t stride = round_up(slot_bytes, kCacheLine);
     // Slots start on cache lines, so packed 64-byte-aligned slot offsets stay aligned in memory.
     slots_at_ = sizeof(WindowHead) + flags_.bytes();
-    own_ = HostWindow::create(slots_at_ + (plan.bound ? 1 : 2) * stride, flags_.bytes(), nranks_ - 1);
+    own_ =
+        HostWindow::create(slots_at_ + (plan.bound ? 1 : 2) * stride, flags_.bytes(), nranks_ - 1);
     slot_bytes_ = slot_bytes;
     slot_stride_ = stride;
     bound_ = plan.bound;
@@ -154,9 +157,11 @@ class HostTransport final : public Transport {
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
       protocol::BlobHeader header{};
-      const auto medium = protocol::read_blob<HostMedium>(blobs[static_cast<size_t>(r)], r, shape_, header);
+      const auto medium =
+          protocol::read_blob<HostMedium>(blobs[static_cast<size_t>(r)], r, shape_, header);
       if (strnlen(medium.name, sizeof(medium.name)) == sizeof(medium.name))
-        throw Error(ErrorKind::Usage, "rank " + std::to_string(r) + "'s handle blob has no window name");
+        throw Error(ErrorKind::Usage,
+                    "rank " + std::to_string(r) + "'s handle blob has no window name");
       HostWindow& peer = peers_[static_cast<size_t>(r)];
       peer = HostWindow::open(std::string(medium.name, strnlen(medium.name, sizeof(medium.name))),
                               header.window_bytes, nranks_ - 1);
@@ -251,7 +256,8 @@ class HostTransport final : public Transport {
           if (into != op.sendbuf) std::memcpy(into, op.sendbuf, op.bytes);
           continue;
         }
-        std::memcpy(into, peers_[static_cast<size_t>(r)].data() + slots_at_ + op.slot_offset, op.bytes);
+        std::memcpy(into, peers_[static_cast<size_t>(r)].data() + slots_at_ + op.slot_offset,
+                    op.bytes);
       }
     }
   }
@@ -284,7 +290,8 @@ class HostTransport final : public Transport {
     if (target == 0) return;
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
-      const std::atomic<uint64_t>& flag = own_.flag(rank0_word + static_cast<size_t>(r) * flags_.line_bytes);
+      const std::atomic<uint64_t>& flag =
+          own_.flag(rank0_word + static_cast<size_t>(r) * flags_.line_bytes);
       wait_for(r, peer_pids_[static_cast<size_t>(r)], abandoned_,
                [&] { return flag.load(std::memory_order_acquire) >= target; });
     }
@@ -301,7 +308,7 @@ class HostTransport final : public Transport {
   const uint64_t identity_;
   HostWindow own_;
   const protocol::FlagLayout flags_;
-  size_t slots_at_ = 0;  // where the slots (or the bound region) start in a window
+  size_t slots_at_ = 0;          // where the slots (or the bound region) start in a window
   protocol::WindowShape shape_;  // what every peer's blob must match
   const protocol::FaultPoints faults_;
   std::vector<HostWindow> peers_;  // by rank; this rank's entry stays closed

@@ -95,7 +95,8 @@ HostWindow HostWindow::open(const std::string& name, size_t bytes, int peers) {
   window.bytes_ = bytes;
   window.name_ = name;
   window.peers_ = peers;
-  const uint64_t attached = window.head().attached.value.fetch_add(1, std::memory_order_acq_rel) + 1;
+  const uint64_t attached =
+      window.head().attached.value.fetch_add(1, std::memory_order_acq_rel) + 1;
   if (attached == static_cast<uint64_t>(peers)) shm_unlink(name.c_str());
   return window;
 }
@@ -123,7 +124,8 @@ void HostWindow::close() noexcept {
   if (base_ == nullptr) return;
   // A peer that never came leaves the name behind: remove it. A late peer then fails to open it,
   // which it reports; one counting itself at this moment may remove it too (ENOENT, harmless).
-  if (owner_ && head().attached.value.load(std::memory_order_acquire) < static_cast<uint64_t>(peers_))
+  if (owner_ &&
+      head().attached.value.load(std::memory_order_acquire) < static_cast<uint64_t>(peers_))
     shm_unlink(name_.c_str());
   munmap(base_, bytes_);
   base_ = nullptr;

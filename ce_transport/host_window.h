@@ -59,7 +59,8 @@ class HostWindow {
   WindowHead& head() const { return *std::launder(static_cast<WindowHead*>(base_)); }
   // The flag word `offset` bytes into the flags (a multiple of 8).
   std::atomic<uint64_t>& flag(size_t offset) const {
-    return *std::launder(reinterpret_cast<std::atomic<uint64_t>*>(data() + sizeof(WindowHead) + offset));
+    return *std::launder(
+        reinterpret_cast<std::atomic<uint64_t>*>(data() + sizeof(WindowHead) + offset));
   }
 
  private:

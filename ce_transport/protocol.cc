@@ -11,8 +11,10 @@ namespace {
 
 const char* backend_name(uint8_t backend) {
   switch (static_cast<Backend>(backend)) {
-    case Backend::Cuda: return "CUDA";
-    case Backend::Host: return "host";
+    case Backend::Cuda:
+      return "CUDA";
+    case Backend::Host:
+      return "host";
   }
   return "unknown";
 }
@@ -75,7 +77,8 @@ void FaultPoints::at_attach() const {
 }
 
 void FaultPoints::at_bucket_start() const {
-  if (where_ == Options::Fault::Where::Slow) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  if (where_ == Options::Fault::Where::Slow)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
 }
 
 }  // namespace magi::ce::protocol

@@ -3,9 +3,9 @@
 #include <chrono>
 #include <string>
 
-#include "ce_transport/ce_transport.h"
 #include "base/base.h"
 #include "base/cuda_driver.h"
+#include "ce_transport/ce_transport.h"
 
 namespace magi::ce {
 namespace {

@@ -26,10 +26,10 @@
 #include <thread>
 #include <vector>
 
+#include "base/base.h"
 #include "ce_transport/backends.h"
 #include "ce_transport/ce_transport.h"
 #include "ce_transport/host_window.h"
-#include "base/base.h"
 
 namespace magi::ce {
 namespace {
@@ -604,7 +604,9 @@ TEST(HostTransportFaults, PrepareFaultFailsOnlyThatRanksPrepare) {
   auto b = make_host_transport(1, 2, kCommIdentity, fault);
   HandleBlob blob_a, blob_b;
   EXPECT_NO_THROW(a->prepare(staging_plan(256), blob_a));
-  EXPECT_NE(injected_error([&] { b->prepare(staging_plan(256), blob_b); }).find("injected by MAGI_INJECT_FAULT"),
+  EXPECT_NE(injected_error([&] {
+              b->prepare(staging_plan(256), blob_b);
+            }).find("injected by MAGI_INJECT_FAULT"),
             std::string::npos);
   EXPECT_EQ(b->window_bytes(), 0u);  // failed before anything was made
   a->release();
@@ -619,7 +621,8 @@ TEST(HostTransportFaults, AttachFaultFailsThatRanksAttachBeforeItOpensAnyPeer) {
   HandleBlob blobs[2];
   a->prepare(staging_plan(256), blobs[0]);
   b->prepare(staging_plan(256), blobs[1]);
-  EXPECT_NE(injected_error([&] { b->attach(blobs); }).find("injected by MAGI_INJECT_FAULT"), std::string::npos);
+  EXPECT_NE(injected_error([&] { b->attach(blobs); }).find("injected by MAGI_INJECT_FAULT"),
+            std::string::npos);
   // Rank 1 opened no window: both names wait for their peer, until rank 0 opens rank 1's.
   EXPECT_EQ(window_names_of({getpid()}).size(), 2u);
   EXPECT_NO_THROW(a->attach(blobs));
@@ -653,7 +656,8 @@ TEST(HostTransportFaults, GatherFaultMakesEveryRankFallBackInTheSameBucketAndMov
       std::vector<uint8_t> recv(kRanks * kShard, 0xee);
       const GatherOp op{send.data(), recv.data(), kShard, 0};
       for (int b = 0; b < kBuckets; ++b)
-        if (transports[r]->gather(std::span<const GatherOp>(&op, 1), nullptr) == Transport::Served::FallBack)
+        if (transports[r]->gather(std::span<const GatherOp>(&op, 1), nullptr) ==
+            Transport::Served::FallBack)
           ++fell_back[r];
       untouched[r] = std::all_of(recv.begin(), recv.end(), [](uint8_t v) { return v == 0xee; });
     });
@@ -676,7 +680,8 @@ TEST(HostTransportFaults, GatherFaultLeavesABoundWindowsReadsAlone) {
   transport->prepare(plan, blob);
   transport->attach(std::span<const HandleBlob>(&blob, 1));
   const GatherOp op{send.data(), recv.data(), send.size(), 0};
-  EXPECT_EQ(transport->gather(std::span<const GatherOp>(&op, 1), nullptr), Transport::Served::Moved);
+  EXPECT_EQ(transport->gather(std::span<const GatherOp>(&op, 1), nullptr),
+            Transport::Served::Moved);
   EXPECT_EQ(recv, send);
   transport->release();
 }
@@ -690,8 +695,10 @@ TEST(HostTransportFaults, SlowFaultDelaysEveryBucketOfThatRankAndStillMovesIt) {
   const GatherOp op{send.data(), recv.data(), send.size(), 0};
   for (int b = 0; b < 2; ++b) {
     const auto started = std::chrono::steady_clock::now();
-    EXPECT_EQ(transport->gather(std::span<const GatherOp>(&op, 1), nullptr), Transport::Served::Moved);
-    EXPECT_GE(std::chrono::steady_clock::now() - started, std::chrono::milliseconds(20)) << "bucket " << b;
+    EXPECT_EQ(transport->gather(std::span<const GatherOp>(&op, 1), nullptr),
+              Transport::Served::Moved);
+    EXPECT_GE(std::chrono::steady_clock::now() - started, std::chrono::milliseconds(20))
+        << "bucket " << b;
     EXPECT_EQ(recv, send);
   }
   transport->release();

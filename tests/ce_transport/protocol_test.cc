@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <set>
 #include <string>
 
 namespace magi::ce::protocol {
@@ -113,7 +114,8 @@ TEST(Protocol, ABlobOfAnotherRankOrRankCountIsRefused) {
 TEST(Protocol, ABlobOfAnotherCommunicatorIsRefused) {
   WindowShape other = shape();
   other.comm_identity += 1;
-  EXPECT_NE(refusal_of(blob_of(other, 1), 1, shape()).find("another communicator"), std::string::npos);
+  EXPECT_NE(refusal_of(blob_of(other, 1), 1, shape()).find("another communicator"),
+            std::string::npos);
 }
 
 TEST(Protocol, ABlobWithOtherSlotOrWindowBytesIsRefused) {
@@ -123,8 +125,9 @@ TEST(Protocol, ABlobWithOtherSlotOrWindowBytesIsRefused) {
             std::string::npos);
   WindowShape window = shape();
   window.window_bytes = 16384;
-  EXPECT_NE(refusal_of(blob_of(window, 1), 1, shape()).find("window of 16384 bytes, this rank 8192"),
-            std::string::npos);
+  EXPECT_NE(
+      refusal_of(blob_of(window, 1), 1, shape()).find("window of 16384 bytes, this rank 8192"),
+      std::string::npos);
 }
 
 TEST(Protocol, ABlobWithAMalformedBoundFlagOrNoPidIsRefused) {
@@ -139,9 +142,35 @@ TEST(Protocol, ABlobWithAMalformedBoundFlagOrNoPidIsRefused) {
 
 TEST(Protocol, ReadingABlobChecksItFirst) {
   BlobHeader header{};
-  EXPECT_NE(refusal([&] { read_blob<TestMedium>(blob_of(shape(), 1), 3, shape(), header); })
-                .find("rank 3's handle blob"),
+  EXPECT_NE(refusal([&] {
+              read_blob<TestMedium>(blob_of(shape(), 1), 3, shape(), header);
+            }).find("rank 3's handle blob"),
             std::string::npos);
+}
+
+// Every word of the handshake on a line of its own, inside the flags, none shared; the CUDA
+// backend's prefix (through own()) holds every ready and done word and the own word.
+TEST(Protocol, EveryFlagWordHasALineOfItsOwn) {
+  for (const size_t line : {size_t{64}, size_t{256}}) {
+    for (const int nranks : {1, 2, 3, 8}) {
+      const FlagLayout layout{line, nranks};
+      std::set<size_t> offsets;
+      auto add = [&](size_t offset, size_t within) {
+        EXPECT_EQ(offset % line, 0u);
+        EXPECT_LT(offset, within);
+        EXPECT_TRUE(offsets.insert(offset).second) << "offset " << offset << " used twice";
+      };
+      for (int r = 0; r < nranks; ++r) {
+        add(layout.ready(r), layout.bytes_through_own());
+        add(layout.done(r), layout.bytes_through_own());
+        add(layout.failed(r, 6), layout.bytes());
+        add(layout.failed(r, 7), layout.bytes());
+        EXPECT_EQ(layout.failed(r, 5), layout.failed(r, 7));  // by parity
+      }
+      add(layout.own(), layout.bytes_through_own());
+      EXPECT_EQ(offsets.size() * line, layout.bytes());  // nothing else in the flags
+    }
+  }
 }
 
 TEST(Protocol, FaultPointsStrikeOnlyTheirRankAndTheirPoint) {

@@ -32,9 +32,9 @@
 #include <thread>
 #include <vector>
 
+#include "base/base.h"
 #include "ce_transport/backends.h"
 #include "ce_transport/ce_transport.h"
-#include "base/base.h"
 
 namespace {
 
@@ -268,7 +268,8 @@ void changed_static_shard_is_found_without_waiting(int /*rank*/, Shared& /*share
 void gather_fault_throws_before_queuing(int rank, Shared& shared) {
   auto transport = attached_pair(rank, shared, 5, {magi::Options::Fault::Where::Gather, 1});
   if (rank == 0) {
-    gather_alone(*transport, "abandon() with rank 1's gather failed", [&] { transport->abandon(); });
+    gather_alone(*transport, "abandon() with rank 1's gather failed",
+                 [&] { transport->abandon(); });
     transport->release();
     shared.finished.fetch_add(1);
     return;
@@ -309,11 +310,14 @@ int main() {
     void (*body)(int, Shared&);
   };
   const Case cases[] = {
-      {"a static shard freed before binding is refused; the context stays usable", 1, freed_shard_is_refused},
-      {"a hung peer: abandon() frees the waiting stream, release() does not wait", 2, hung_peer_then_abandon},
+      {"a static shard freed before binding is refused; the context stays usable", 1,
+       freed_shard_is_refused},
+      {"a hung peer: abandon() frees the waiting stream, release() does not wait", 2,
+       hung_peer_then_abandon},
       {"a dead peer: release() frees the waiting stream at once", 2, dead_peer_then_release},
-      {"a changed static shard: not checked on timed calls, found later without waiting for the stream", 1,
-       changed_static_shard_is_found_without_waiting},
+      {"a changed static shard: not checked on timed calls, found later without waiting for the "
+       "stream",
+       1, changed_static_shard_is_found_without_waiting},
       {"gather:1: rank 1 throws before queuing anything; rank 0's stream waits until abandon()", 2,
        gather_fault_throws_before_queuing},
   };
