@@ -1,9 +1,10 @@
 // base/: the library's ground. The face of the folder.
 //
 // Errors (base/check.h), logging (base/log.h), options (base/options.h), and the few helpers
-// every folder needs (clocks, byte sizes, how identities are shown). Every folder may include
-// this header; base/ includes nothing of the project's above it, so no folder cycle can pass
-// through it.
+// every folder needs (clocks, byte sizes, how identities are shown). The CUDA driver layer
+// (base/cuda_driver.h) is included only where CUDA is used, to keep its headers out of the rest.
+// Every folder may include this header; base/ includes nothing of the project's above it, so no
+// folder cycle can pass through it.
 #pragma once
 
 #include "base/check.h"

@@ -375,7 +375,9 @@ constexpr OptionSpec kTable[] = {
         "MAGI_INJECT_FAULT", "none",
         "none, or prepare:RANK, attach:RANK, gather:RANK or slow:RANK",
         "For tests: the transport of that rank of every communicator fails there, as a CUDA "
-        "error would (slow: each bucket it serves takes 20 ms longer)."),
+        "error would (slow: each bucket it serves takes 20 ms longer; gather: on the host "
+        "backend every rank falls back to NCCL in that bucket, on the CUDA backend that rank's "
+        "call fails and its peers wait for it until the communicator is aborted)."),
 };
 
 // Edit distance, to suggest the option a misspelt MAGI_ name probably meant.

@@ -14,12 +14,14 @@
 //    stand-in, machines without GPUs). The CPU tests run every transport path through it.
 //
 // Window layout, the same on every rank (so a peer's slot for gather g of a bucket is at the same
-// offset in its window as ours):
-//   [ Flags (one cache line per word) | staging slot 0 | staging slot 1 ]
-// A moved bucket with sequence number n (counted per transport from 1, equal on every rank because
-// routes are) stages this rank's shards into slot n % 2, publishes ready = n, waits until every
-// peer's ready >= n, reads every peer's slot into the receive buffers (its own shard straight from
-// its send buffer), then publishes done = n. Before staging into slot n % 2 it waits until every
+// offset in its window as ours): two staging slots and the flag words of the handshake, one line
+// per word (host: [ head | flags | slot 0 | slot 1 ]; CUDA: [ slot 0 | slot 1 | flags ]). Which
+// word is whose, the handle blob's header and the fault points are the protocol both backends
+// share (protocol.h). A moved bucket with sequence number n (counted per transport from 1, equal
+// on every rank because routes are) stages this rank's shards into slot n % 2, publishes ready =
+// n in every peer's window, waits until every peer's ready >= n in its own, reads every peer's
+// slot into the receive buffers (its own shard straight from its send buffer), then publishes
+// done = n. Before staging into slot n % 2 it waits until every
 // peer's done >= n - 2: that slot was last read in bucket n - 2. A steady run finds that wait
 // already met, so it is off the critical path; the one wait that matters is "every peer staged".
 #pragma once
@@ -114,6 +116,12 @@ class Transport {
   // FallBack: some rank failed before moving anything, and every rank learned it within this
   // same bucket and moved nothing: the caller serves the bucket another way (NCCL). Throws when
   // this rank failed in a way its peers cannot learn of in the bucket.
+  // Only the host backend can fall back: its handshake runs on the host, so a failing rank
+  // publishes "failed" with its ready and every peer reads it before moving. The CUDA backend's
+  // handshake runs on the stream after gather() has returned, so no peer's host can learn of a
+  // failure within the bucket without waiting for the stream; a failing CUDA rank throws, and
+  // its peers' streams wait for it (as they would in NCCL's kernels) until the communicator is
+  // aborted. MAGI_INJECT_FAULT=gather:RANK follows the same rule (ce_transport/protocol.h).
   // Timed: the cost trial times this bucket, so nothing else (a static binding's check) may run
   // in it.
   enum class Served : uint8_t { Moved, FallBack };

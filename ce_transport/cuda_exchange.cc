@@ -6,18 +6,12 @@
 #include <cstring>
 #include <string>
 
-#include "ce_transport/backends.h"
-#include "ce_transport/cuda_driver.h"
 #include "base/base.h"
+#include "base/cuda_driver.h"
+#include "ce_transport/backends.h"
 
 namespace magi::ce {
 namespace {
-
-void cuda_check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw Error(ErrorKind::Cuda, std::string(what) + ": " + cudaGetErrorName(err) + " (" +
-                                     cudaGetErrorString(err) + ")");
-}
 
 class CudaExchange final : public Exchange {
  public:

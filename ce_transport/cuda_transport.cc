@@ -17,11 +17,12 @@
 // that starts 512 bytes into its allocation ran at 78-80% of the same copies from offset 0 for
 // 256 MiB shards.
 //
-// Flags: a window holds, for each peer, a ready and a done word (64-bit, each on its own 256-byte
-// line) that only that peer writes, through its mapping, and one word this rank writes
-// when its own part of a bucket has run. A rank waits only on words in its own window: polling
-// stays local, and an abort can release this rank's waits by writing them itself without
-// touching what its peers wait on. Measured on an H200 (2026-11): a peer's
+// Flags (laid out by protocol.h's FlagLayout, shared with the host backend; this one uses the
+// words through own(), never the failed ones): a window holds, for each peer, a ready and a done
+// word (64-bit, each on its own 256-byte line) that only that peer writes, through its mapping,
+// and one word this rank writes when its own part of a bucket has run. A rank waits only on words
+// in its own window: polling stays local, and an abort can release this rank's waits by writing
+// them itself without touching what its peers wait on. Measured on an H200 (2026-11): a peer's
 // mapping stays readable after the peer dies, and cudaFree, cudaIpcCloseMemHandle and even
 // cudaMalloc block while any stream of the device waits on a word that nobody will write.
 #include <cuda.h>
@@ -38,12 +39,12 @@
 #include <utility>
 #include <vector>
 
-#include "ce_transport/backends.h"
-#include "ce_transport/faults.h"
-#include "ce_transport/cuda_driver.h"
-#include "ce_transport/process.h"
-#include "ce_transport/verify_schedule.h"
 #include "base/base.h"
+#include "base/cuda_driver.h"
+#include "ce_transport/backends.h"
+#include "ce_transport/process.h"
+#include "ce_transport/protocol.h"
+#include "ce_transport/verify_schedule.h"
 
 namespace magi::ce {
 namespace {
@@ -59,48 +60,18 @@ constexpr uint64_t kReleased = uint64_t{1} << 62;
 constexpr auto kSettleLimit = std::chrono::seconds(10);
 constexpr auto kAbortGrace = std::chrono::seconds(1);
 
-void cuda_check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // the runtime keeps the last error; do not leave ours to the program
-    throw Error(ErrorKind::Cuda, std::string(what) + ": " + cudaGetErrorName(err) + " (" +
-                                     cudaGetErrorString(err) + ")");
-  }
-}
-
-
-struct CudaBlob {
-  static constexpr uint64_t kMagic = 0x314443454947414d;  // "MAGIECD1" in memory order
-  uint64_t magic;
-  uint64_t comm_identity;
-  uint64_t window_bytes;
-  uint64_t slot_bytes;
-  uint64_t bound;
-  int32_t rank;
-  int32_t nranks;
+// What the CUDA backend adds to the protocol's blob header: the window's IPC handle.
+struct CudaMedium {
   int32_t device;
   int32_t reserved;
-  int64_t pid;
   cudaIpcMemHandle_t handle;
 };
-static_assert(sizeof(CudaBlob) <= HandleBlob::kBytes);
-
-using BatchMemOp = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
-
-// The driver's stream memory operations, found once the program has loaded the driver.
-BatchMemOp batch_mem_op() {
-  static BatchMemOp fn = reinterpret_cast<BatchMemOp>(cuda_driver_function("cuStreamBatchMemOp", 12000));
-  if (fn == nullptr) throw Error(ErrorKind::Cuda, "the driver offers no cuStreamBatchMemOp");
-  return fn;
-}
-
-using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
 // A shard about to be bound must still lie inside one live allocation: the program may have
 // freed it since the round that chose it, and a copy from unmapped memory would break the
 // context for good (an illegal address is sticky), where a refusal only keeps it on NCCL.
 void check_bindable(const BindOp& b) {
-  static const auto range = reinterpret_cast<GetAddressRange>(cuda_driver_function("cuMemGetAddressRange", 3020));
-  if (range == nullptr) throw Error(ErrorKind::Cuda, "the driver offers no cuMemGetAddressRange");
+  const auto range = MAGI_CUDA_DRIVER_FN(cuMemGetAddressRange);
   CUdeviceptr base = 0;
   size_t size = 0;
   const auto at = reinterpret_cast<CUdeviceptr>(b.sendbuf);
@@ -129,8 +100,13 @@ CUstreamBatchMemOpParams wait_op(const uint8_t* address, uint64_t at_least) {
 
 class CudaTransport final : public Transport {
  public:
-  CudaTransport(int rank, int nranks, uint64_t identity, int device)
-      : rank_(rank), nranks_(nranks), identity_(identity), device_(device) {}
+  CudaTransport(int rank, int nranks, uint64_t identity, int device, const Options::Fault& fault)
+      : rank_(rank),
+        nranks_(nranks),
+        identity_(identity),
+        device_(device),
+        flags_{kFlagLine, nranks},
+        faults_(fault, rank) {}
   ~CudaTransport() override {
     try {
       release();
@@ -141,14 +117,14 @@ class CudaTransport final : public Transport {
   void prepare(const WindowPlan& plan, HandleBlob& out) override {
     std::lock_guard<std::mutex> lock(lifetime_);
     release_locked();
-    inject_fault(Options::Fault::Where::Prepare, rank_, "preparing the window");
+    faults_.at_prepare();
     use_device();
     slot_bytes_ = plan.slot_bytes;
     stride_ = round_up(std::max<size_t>(plan.slot_bytes, 1), kSlotAlign);
     bound_ = plan.bound;
     verify_.reset(plan.verify_first, plan.verify_every);
     flags_at_ = (bound_ ? 1 : 2) * stride_;
-    flag_bytes_ = (2 * static_cast<size_t>(nranks_) + 1) * kFlagLine;
+    flag_bytes_ = flags_.bytes_through_own();
     bytes_ = round_up(flags_at_ + flag_bytes_, kAllocationGranule);
     abandoned_.store(false);
     settled_at_ = kNotSettled;
@@ -170,43 +146,33 @@ class CudaTransport final : public Transport {
       }
     }
     cuda_check(cudaStreamSynchronize(own_stream_), "cudaStreamSynchronize (window)");
-    CudaBlob blob{};
-    blob.magic = CudaBlob::kMagic;
-    blob.comm_identity = identity_;
-    blob.window_bytes = bytes_;
-    blob.slot_bytes = slot_bytes_;
-    blob.bound = bound_ ? 1 : 0;
-    blob.rank = rank_;
-    blob.nranks = nranks_;
-    blob.device = device_;
-    blob.pid = getpid();
-    cuda_check(cudaIpcGetMemHandle(&blob.handle, base_), "cudaIpcGetMemHandle");
-    out = HandleBlob{};
-    std::memcpy(out.bytes, &blob, sizeof(blob));
+    shape_ = {Backend::Cuda, identity_, nranks_, bytes_, slot_bytes_, bound_};
+    CudaMedium medium{};
+    medium.device = device_;
+    cuda_check(cudaIpcGetMemHandle(&medium.handle, base_), "cudaIpcGetMemHandle");
+    protocol::write_blob(shape_, rank_, medium, out);
   }
 
   void attach(std::span<const HandleBlob> blobs) override {
     if (base_ == nullptr) throw Error(ErrorKind::Usage, "attach before prepare");
     if (blobs.size() != static_cast<size_t>(nranks_)) throw Error(ErrorKind::Usage, "one handle blob per rank");
-    inject_fault(Options::Fault::Where::Attach, rank_, "opening the peers' windows");
+    faults_.at_attach();
     std::lock_guard<std::mutex> lock(lifetime_);
     use_device();
-    if (nranks_ > 1) batch_mem_op();  // refuse now, not on the first gather
+    if (nranks_ > 1)
+      MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp);  // refuse now, not on the first gather
     peers_.assign(static_cast<size_t>(nranks_), nullptr);
     peer_pids_.assign(static_cast<size_t>(nranks_), 0);
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
-      CudaBlob blob{};
-      std::memcpy(&blob, blobs[static_cast<size_t>(r)].bytes, sizeof(blob));
-      if (blob.magic != CudaBlob::kMagic || blob.rank != r || blob.nranks != nranks_ ||
-          blob.comm_identity != identity_ || blob.window_bytes != bytes_ ||
-          blob.slot_bytes != slot_bytes_ || (blob.bound != 0) != bound_)
-        throw Error(ErrorKind::Usage, "rank " + std::to_string(r) + "'s window does not match this plan");
+      protocol::BlobHeader header{};
+      const auto medium =
+          protocol::read_blob<CudaMedium>(blobs[static_cast<size_t>(r)], r, shape_, header);
       void* mapped = nullptr;
-      cuda_check(cudaIpcOpenMemHandle(&mapped, blob.handle, cudaIpcMemLazyEnablePeerAccess),
+      cuda_check(cudaIpcOpenMemHandle(&mapped, medium.handle, cudaIpcMemLazyEnablePeerAccess),
                  "cudaIpcOpenMemHandle");
       peers_[static_cast<size_t>(r)] = static_cast<uint8_t*>(mapped);
-      peer_pids_[static_cast<size_t>(r)] = static_cast<pid_t>(blob.pid);
+      peer_pids_[static_cast<size_t>(r)] = static_cast<pid_t>(header.pid);
     }
     attached_ = true;
   }
@@ -214,7 +180,7 @@ class CudaTransport final : public Transport {
   Served gather(std::span<const GatherOp> bucket, void* stream_handle, Timing timing = Timing::Untimed) override {
     if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
     if (abandoned_.load()) throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
-    inject_delay(rank_);
+    faults_.at_bucket_start();
     use_device();
     const auto stream = static_cast<cudaStream_t>(stream_handle);
     for (const GatherOp& op : bucket)
@@ -233,10 +199,17 @@ class CudaTransport final : public Transport {
       finish_bucket(n, stream);
       return Served::Moved;
     }
+    // MAGI_INJECT_FAULT=gather:RANK fails here, before anything of the bucket is queued: its
+    // peers cannot learn of it within the bucket (ce_transport.h), so it throws, as a CUDA error
+    // at step 1 would.
+    if (faults_.fails_bucket())
+      throw Error(ErrorKind::Cuda,
+                  "bucket " + std::to_string(n) + ": injected by MAGI_INJECT_FAULT");
     const size_t slot = (n % 2) * stride_;
     // 1. Slot n % 2 was last read in bucket n - 2: every peer must be done with it.
     mem_ops_.clear();
-    if (n > 2) for_each_peer([&](int r) { mem_ops_.push_back(wait_op(flag(done_word(r)), n - 2)); });
+    if (n > 2)
+      for_each_peer([&](int r) { mem_ops_.push_back(wait_op(flag(flags_.done(r)), n - 2)); });
     issue_mem_ops(stream);
     // 2. Stage this rank's shards.
     for (const GatherOp& op : bucket)
@@ -244,8 +217,9 @@ class CudaTransport final : public Transport {
     issue_copies(stream);
     // 3. Staged: say so in every peer's window, and wait until every peer has said so in ours.
     mem_ops_.clear();
-    for_each_peer([&](int r) { mem_ops_.push_back(write_op(peer_flag(r, ready_word(rank_)), n)); });
-    for_each_peer([&](int r) { mem_ops_.push_back(wait_op(flag(ready_word(r)), n)); });
+    for_each_peer(
+        [&](int r) { mem_ops_.push_back(write_op(peer_flag(r, flags_.ready(rank_)), n)); });
+    for_each_peer([&](int r) { mem_ops_.push_back(wait_op(flag(flags_.ready(r)), n)); });
     issue_mem_ops(stream);
     // 4. Read every peer's slot, and this rank's shard from its send buffer.
     copies_.clear();
@@ -342,10 +316,8 @@ class CudaTransport final : public Transport {
   }
 
   uint8_t* region() const { return static_cast<uint8_t*>(base_); }
-  // Flag words, by their offset from the flags' start: in this rank's window, and in peer r's.
-  size_t ready_word(int from) const { return static_cast<size_t>(from) * kFlagLine; }
-  size_t done_word(int from) const { return (static_cast<size_t>(nranks_) + from) * kFlagLine; }
-  size_t own_word() const { return 2 * static_cast<size_t>(nranks_) * kFlagLine; }
+  // Flag words, by their offset from the flags' start (flags_): in this rank's window, and in
+  // peer r's.
   uint8_t* flag(size_t offset) const { return static_cast<uint8_t*>(base_) + flags_at_ + offset; }
   uint8_t* peer_flag(int r, size_t offset) const { return peers_[static_cast<size_t>(r)] + flags_at_ + offset; }
 
@@ -353,8 +325,9 @@ class CudaTransport final : public Transport {
   // own part is over (release() may free what it used).
   void finish_bucket(uint64_t n, cudaStream_t stream) {
     mem_ops_.clear();
-    for_each_peer([&](int r) { mem_ops_.push_back(write_op(peer_flag(r, done_word(rank_)), n)); });
-    mem_ops_.push_back(write_op(flag(own_word()), n));
+    for_each_peer(
+        [&](int r) { mem_ops_.push_back(write_op(peer_flag(r, flags_.done(rank_)), n)); });
+    mem_ops_.push_back(write_op(flag(flags_.own()), n));
     issue_mem_ops(stream);
   }
 
@@ -422,10 +395,10 @@ class CudaTransport final : public Transport {
 
   void issue_mem_ops(cudaStream_t stream) {
     if (mem_ops_.empty()) return;
-    const CUresult r = batch_mem_op()(reinterpret_cast<CUstream>(stream),
-                                      static_cast<unsigned>(mem_ops_.size()), mem_ops_.data(), 0);
-    if (r != CUDA_SUCCESS)
-      throw Error(ErrorKind::Cuda, "cuStreamBatchMemOp failed (" + std::to_string(static_cast<int>(r)) + ")");
+    cuda_check(MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp)(reinterpret_cast<CUstream>(stream),
+                                                       static_cast<unsigned>(mem_ops_.size()),
+                                                       mem_ops_.data(), 0),
+               "cuStreamBatchMemOp");
   }
 
   // Static weights: the rank's shard against its binding, when verify_ says (never on a timed
@@ -522,10 +495,10 @@ class CudaTransport final : public Transport {
     const auto deadline = std::chrono::steady_clock::now() + limit;
     for (;;) {
       if (!read_flags()) return Settled::Unreadable;
-      const bool own_done = read_word(own_word()) >= target;
+      const bool own_done = read_word(flags_.own()) >= target;
       ranks.clear();
       for (int r = 0; r < nranks_; ++r) {
-        if (r == rank_ || read_word(done_word(r)) >= target) continue;
+        if (r == rank_ || read_word(flags_.done(r)) >= target) continue;
         if (!process_alive(peer_pids_[static_cast<size_t>(r)])) {
           ranks = std::to_string(r);
           return Settled::PeerDied;
@@ -544,12 +517,15 @@ class CudaTransport final : public Transport {
   void release_waits() {
     std::vector<CUstreamBatchMemOpParams> ops;
     for_each_peer([&](int r) {
-      ops.push_back(write_op(flag(ready_word(r)), kReleased));
-      ops.push_back(write_op(flag(done_word(r)), kReleased));
+      ops.push_back(write_op(flag(flags_.ready(r)), kReleased));
+      ops.push_back(write_op(flag(flags_.done(r)), kReleased));
     });
     if (ops.empty()) return;
-    if (batch_mem_op()(reinterpret_cast<CUstream>(own_stream_), static_cast<unsigned>(ops.size()),
-                       ops.data(), 0) != CUDA_SUCCESS ||
+    const CudaDriver* driver = cuda_driver();
+    if (driver == nullptr || driver->cuStreamBatchMemOp_fn == nullptr ||
+        driver->cuStreamBatchMemOp_fn(reinterpret_cast<CUstream>(own_stream_),
+                                      static_cast<unsigned>(ops.size()), ops.data(),
+                                      0) != CUDA_SUCCESS ||
         cudaStreamSynchronize(own_stream_) != cudaSuccess) {
       cudaGetLastError();
       MAGI_WARN(Transport, "could not release this rank's waits on its peers; its stream may stay blocked");
@@ -566,12 +542,15 @@ class CudaTransport final : public Transport {
   const int nranks_;
   const uint64_t identity_;
   const int device_;
+  const protocol::FlagLayout flags_;  // where the flag words lie (after the slots)
   void* base_ = nullptr;
   size_t bytes_ = 0;
   size_t flags_at_ = 0;  // offset of the flag words in the allocation
   size_t slot_bytes_ = 0;
   size_t stride_ = 0;
   bool bound_ = false;
+  protocol::WindowShape shape_;  // what every peer's blob must match
+  const protocol::FaultPoints faults_;
   VerifySchedule verify_;  // bound: when each binding is checked
   struct Check {
     bool pending = false;  // its copies are queued; compared once `copied` has passed
@@ -601,11 +580,12 @@ class CudaTransport final : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_cuda_transport(int rank, int nranks, uint64_t comm_identity, int device) {
+std::unique_ptr<Transport> make_cuda_transport(int rank, int nranks, uint64_t comm_identity,
+                                               int device, const Options::Fault& fault) {
   if (nranks < 1 || rank < 0 || rank >= nranks)
     throw Error(ErrorKind::Usage, "rank " + std::to_string(rank) + " of " + std::to_string(nranks));
   if (!cuda_driver_loaded()) throw Error(ErrorKind::System, "the CUDA driver is not loaded in this process");
-  return std::make_unique<CudaTransport>(rank, nranks, comm_identity, device);
+  return std::make_unique<CudaTransport>(rank, nranks, comm_identity, device, fault);
 }
 
 std::unique_ptr<Transport> make_transport(Backend backend, int rank, int nranks, uint64_t comm_identity,

@@ -1,16 +1,18 @@
 // The host backend of the transport: windows in POSIX shared memory, memcpy, and the bucket
 // handshake of ce_transport.h on host atomics in each window's flags.
 //
-// Why a bucket cannot read a stale byte: a peer's ready >= n is stored (release) after its shards
-// of bucket n are in its slot n % 2, and read here (acquire) before those bytes are. Why it cannot
-// overwrite a byte still being read: slot n % 2 is written only after every peer's done >= n - 2,
-// and a peer stores done (release) only after its reads of that bucket. Why it cannot hang: every
-// wait is on a peer that is either alive (and then gets there, as every rank runs the same
-// buckets) or dead, which the wait notices through the peer's pid and reports.
+// The flag words lie where the protocol puts them (protocol.h's FlagLayout, one cache line each):
+// a peer writes its ready, done and failed words into this rank's window, which this rank polls.
+// Why a bucket cannot read a stale byte: a peer stores its ready >= n here (release) after its
+// shards of bucket n are in its slot n % 2, and this rank loads it (acquire) before reading those
+// bytes. Why it cannot overwrite a byte still being read: slot n % 2 is written only after every
+// peer's done >= n - 2, and a peer stores done (release) only after its reads of that bucket.
+// Why it cannot hang: every wait is on a peer that is either alive (and then gets there, as every
+// rank runs the same buckets) or dead, which the wait notices through the peer's pid and reports.
 #include <sched.h>
-#include <sys/uio.h>
 #include <signal.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -22,33 +24,20 @@
 #include <utility>
 #include <vector>
 
+#include "base/base.h"
 #include "ce_transport/backends.h"
-#include "ce_transport/faults.h"
 #include "ce_transport/host_window.h"
 #include "ce_transport/process.h"
+#include "ce_transport/protocol.h"
 #include "ce_transport/verify_schedule.h"
-#include "base/base.h"
 
 namespace magi::ce {
 namespace {
 
-// What a rank publishes: enough to open its window and to check that both ranks run one plan.
-struct HostBlob {
-  static constexpr uint64_t kMagic = 0x314845434947414d;  // "MAGICEH1" in memory order
-  uint64_t magic;
-  uint64_t comm_identity;
-  uint64_t window_bytes;
-  uint64_t slot_bytes;
-  uint64_t bound;
-  int32_t rank;
-  int32_t nranks;
-  int64_t pid;
+// What the host backend adds to the protocol's blob header: the name of the window to open.
+struct HostMedium {
   char name[64];
 };
-static_assert(sizeof(HostBlob) <= HandleBlob::kBytes);
-
-// Slots start on cache lines, so packed 64-byte-aligned slot offsets stay aligned in memory.
-constexpr size_t kFlagBytes = sizeof(WindowFlags);
 
 // ---- waiting ----------------------------------------------------------------------------------
 
@@ -118,8 +107,12 @@ void copy_checked(void* into, const void* from, size_t bytes) {
 
 class HostTransport final : public Transport {
  public:
-  HostTransport(int rank, int nranks, uint64_t comm_identity)
-      : rank_(rank), nranks_(nranks), identity_(comm_identity) {
+  HostTransport(int rank, int nranks, uint64_t comm_identity, const Options::Fault& fault)
+      : rank_(rank),
+        nranks_(nranks),
+        identity_(comm_identity),
+        flags_{kCacheLine, nranks},
+        faults_(fault, rank) {
     if (nranks < 1 || rank < 0 || rank >= nranks)
       throw Error(ErrorKind::Usage, "rank " + std::to_string(rank) + " of " + std::to_string(nranks));
   }
@@ -127,10 +120,13 @@ class HostTransport final : public Transport {
 
   void prepare(const WindowPlan& plan, HandleBlob& out) override {
     release();  // a new plan starts from a new window and bucket 1
-    inject_fault(Options::Fault::Where::Prepare, rank_, "preparing the window");
+    faults_.at_prepare();
     const size_t slot_bytes = plan.slot_bytes;
     const size_t stride = round_up(slot_bytes, kCacheLine);
-    own_ = HostWindow::create(kFlagBytes + (plan.bound ? 1 : 2) * stride, nranks_ - 1);
+    // Slots start on cache lines, so packed 64-byte-aligned slot offsets stay aligned in memory.
+    slots_at_ = sizeof(WindowHead) + flags_.bytes();
+    own_ =
+        HostWindow::create(slots_at_ + (plan.bound ? 1 : 2) * stride, flags_.bytes(), nranks_ - 1);
     slot_bytes_ = slot_bytes;
     slot_stride_ = stride;
     bound_ = plan.bound;
@@ -139,46 +135,41 @@ class HostTransport final : public Transport {
       for (const BindOp& b : plan.bind) {
         if (b.bytes > slot_bytes_ || b.slot_offset > slot_bytes_ - b.bytes)
           throw Error(ErrorKind::Usage, "a binding overflows the bound region");
-        copy_checked(own_.data() + kFlagBytes + b.slot_offset, b.sendbuf, b.bytes);
+        copy_checked(own_.data() + slots_at_ + b.slot_offset, b.sendbuf, b.bytes);
       }
     }
 
-    HostBlob blob{};
-    blob.magic = HostBlob::kMagic;
-    blob.comm_identity = identity_;
-    blob.window_bytes = own_.size();
-    blob.slot_bytes = slot_bytes;
-    blob.bound = bound_ ? 1 : 0;
-    blob.rank = rank_;
-    blob.nranks = nranks_;
-    blob.pid = getpid();
-    std::snprintf(blob.name, sizeof(blob.name), "%s", own_.name().c_str());
-    out = HandleBlob{};
-    std::memcpy(out.bytes, &blob, sizeof(blob));
+    shape_ = {Backend::Host, identity_, nranks_, own_.size(), slot_bytes, bound_};
+    HostMedium medium{};
+    std::snprintf(medium.name, sizeof(medium.name), "%s", own_.name().c_str());
+    protocol::write_blob(shape_, rank_, medium, out);
   }
 
   void attach(std::span<const HandleBlob> blobs) override {
     if (!own_.is_open()) throw Error(ErrorKind::Usage, "attach before prepare");
     if (attached_) throw Error(ErrorKind::Usage, "attach called twice for one window");
-    inject_fault(Options::Fault::Where::Attach, rank_, "opening the peers' windows");
     if (blobs.size() != static_cast<size_t>(nranks_))
       throw Error(ErrorKind::Usage, std::to_string(blobs.size()) + " handle blobs for " +
                                         std::to_string(nranks_) + " ranks");
+    faults_.at_attach();
     peers_.resize(static_cast<size_t>(nranks_));
     peer_pids_.assign(static_cast<size_t>(nranks_), 0);
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
-      HostBlob blob{};
-      std::memcpy(&blob, blobs[static_cast<size_t>(r)].bytes, sizeof(blob));
-      check_blob(r, blob);
+      protocol::BlobHeader header{};
+      const auto medium =
+          protocol::read_blob<HostMedium>(blobs[static_cast<size_t>(r)], r, shape_, header);
+      if (strnlen(medium.name, sizeof(medium.name)) == sizeof(medium.name))
+        throw Error(ErrorKind::Usage,
+                    "rank " + std::to_string(r) + "'s handle blob has no window name");
       HostWindow& peer = peers_[static_cast<size_t>(r)];
-      peer = HostWindow::open(std::string(blob.name, strnlen(blob.name, sizeof(blob.name))),
-                              blob.window_bytes, nranks_ - 1);
-      const auto pid = static_cast<pid_t>(peer.flags().pid.value.load(std::memory_order_acquire));
-      if (pid != blob.pid)
+      peer = HostWindow::open(std::string(medium.name, strnlen(medium.name, sizeof(medium.name))),
+                              header.window_bytes, nranks_ - 1);
+      const auto pid = static_cast<pid_t>(peer.head().pid.value.load(std::memory_order_acquire));
+      if (pid != header.pid)
         throw Error(ErrorKind::Usage, "rank " + std::to_string(r) + "'s window belongs to pid " +
                                           std::to_string(pid) + ", its blob says " +
-                                          std::to_string(blob.pid));
+                                          std::to_string(header.pid));
       // A peer whose pid this process cannot see (another pid namespace) could never be told
       // apart from a dead one while waiting: refuse it now.
       if (!process_alive(pid)) peer_gone(r, pid);
@@ -191,7 +182,7 @@ class HostTransport final : public Transport {
     if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
     if (broken_) throw Error(ErrorKind::System, "an earlier bucket failed; this window is unusable");
     if (abandoned_.load(std::memory_order_relaxed)) throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
-    inject_delay(rank_);
+    faults_.at_bucket_start();
     for (const GatherOp& op : bucket)
       if (op.bytes > slot_bytes_ || op.slot_offset > slot_bytes_ - op.bytes)
         throw Error(ErrorKind::Usage, "gather of " + std::to_string(op.bytes) + " bytes at slot offset " +
@@ -203,29 +194,28 @@ class HostTransport final : public Transport {
     }
     broken_ = true;  // until this bucket completes: a throw below leaves the ranks out of step
     const uint64_t n = ++sequence_;
-    const size_t slot_offset = kFlagBytes + (n % 2) * slot_stride_;
-    WindowFlags& mine = own_.flags();
+    const size_t slot_offset = slots_at_ + (n % 2) * slot_stride_;
 
+    wait_for_every_peer(flags_.done(0), n > 2 ? n - 2 : 0);  // 0: nothing to wait for
     // A rank that cannot serve says so before its ready: every peer, once its wait for ready is
     // over, sees it, and the whole bucket falls back together (done is still published, so the
-    // slots stay in step for the buckets after).
-    if (fault_injected(Options::Fault::Where::Gather, rank_)) {
-      mine.failed.value.store(n, std::memory_order_relaxed);
-      mine.ready.value.store(n, std::memory_order_release);
-      mine.done.value.store(n, std::memory_order_release);
+    // slots stay in step for the buckets after). It waited above like a serving rank: running
+    // ahead, its next failure could overwrite this one before a peer read it.
+    if (faults_.fails_bucket()) {
+      publish(flags_.failed(rank_, n), n, std::memory_order_relaxed);
+      publish(flags_.ready(rank_), n, std::memory_order_release);
+      publish(flags_.done(rank_), n, std::memory_order_release);
       broken_ = false;
       return Served::FallBack;
     }
-
-    wait_for_every_peer(&WindowFlags::done, n > 2 ? n - 2 : 0);  // 0: nothing to wait for
     uint8_t* staging = own_.data() + slot_offset;
     for (const GatherOp& op : bucket) std::memcpy(staging + op.slot_offset, op.sendbuf, op.bytes);
-    mine.ready.value.store(n, std::memory_order_release);
+    publish(flags_.ready(rank_), n, std::memory_order_release);
 
-    wait_for_every_peer(&WindowFlags::ready, n);
+    wait_for_every_peer(flags_.ready(0), n);
     for (int r = 0; r < nranks_; ++r) {
-      if (r != rank_ && peers_[static_cast<size_t>(r)].flags().failed.value.load(std::memory_order_relaxed) == n) {
-        mine.done.value.store(n, std::memory_order_release);
+      if (r != rank_ && own_.flag(flags_.failed(r, n)).load(std::memory_order_relaxed) == n) {
+        publish(flags_.done(rank_), n, std::memory_order_release);
         broken_ = false;
         return Served::FallBack;
       }
@@ -242,7 +232,7 @@ class HostTransport final : public Transport {
         std::memcpy(into, from, op.bytes);
       }
     }
-    mine.done.value.store(n, std::memory_order_release);
+    publish(flags_.done(rank_), n, std::memory_order_release);
     broken_ = false;
     return Served::Moved;
   }
@@ -255,7 +245,7 @@ class HostTransport final : public Transport {
     ++sequence_;
     for (const GatherOp& op : bucket) {
       auto* recv = static_cast<uint8_t*>(op.recvbuf);
-      uint8_t* region = own_.data() + kFlagBytes + op.slot_offset;
+      uint8_t* region = own_.data() + slots_at_ + op.slot_offset;
       if (verify_.on_call(op.slot_offset, timing) && std::memcmp(region, op.sendbuf, op.bytes) != 0) {
         std::memcpy(region, op.sendbuf, op.bytes);
         stale_.push_back(op.slot_offset);
@@ -266,7 +256,8 @@ class HostTransport final : public Transport {
           if (into != op.sendbuf) std::memcpy(into, op.sendbuf, op.bytes);
           continue;
         }
-        std::memcpy(into, peers_[static_cast<size_t>(r)].data() + kFlagBytes + op.slot_offset, op.bytes);
+        std::memcpy(into, peers_[static_cast<size_t>(r)].data() + slots_at_ + op.slot_offset,
+                    op.bytes);
       }
     }
   }
@@ -281,6 +272,7 @@ class HostTransport final : public Transport {
     peer_pids_.clear();
     own_.close();
     slot_bytes_ = slot_stride_ = 0;
+    shape_ = {};
     sequence_ = 0;
     bound_ = false;
     verify_.reset(0, 0);
@@ -292,37 +284,33 @@ class HostTransport final : public Transport {
   size_t window_bytes() const override { return own_.size(); }
 
  private:
-  void check_blob(int r, const HostBlob& blob) const {
-    const std::string who = "rank " + std::to_string(r) + "'s handle blob";
-    if (blob.magic != HostBlob::kMagic) throw Error(ErrorKind::Usage, who + " is not a host window");
-    if (blob.rank != r || blob.nranks != nranks_)
-      throw Error(ErrorKind::Usage, who + " is rank " + std::to_string(blob.rank) + " of " +
-                                        std::to_string(blob.nranks));
-    if (blob.comm_identity != identity_)
-      throw Error(ErrorKind::Usage, who + " belongs to another communicator");
-    // Slot offsets are symmetric only if every rank sized its slots from the same plan.
-    if (blob.slot_bytes != slot_bytes_ || blob.window_bytes != own_.size() ||
-        (blob.bound != 0) != bound_)
-      throw Error(ErrorKind::Usage, who + " has slots of " + std::to_string(blob.slot_bytes) +
-                                        " bytes, this rank " + std::to_string(slot_bytes_));
-    if (strnlen(blob.name, sizeof(blob.name)) == sizeof(blob.name))
-      throw Error(ErrorKind::Usage, who + " has no window name");
-  }
-
-  void wait_for_every_peer(FlagWord WindowFlags::*word, uint64_t target) const {
+  // Until every peer's word of a kind (`rank0_word`: rank 0's, e.g. flags_.done(0)) in this
+  // rank's own window reaches `target`. The words of one kind lie one line apart, by rank.
+  void wait_for_every_peer(size_t rank0_word, uint64_t target) const {
     if (target == 0) return;
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
-      const std::atomic<uint64_t>& flag = (peers_[static_cast<size_t>(r)].flags().*word).value;
+      const std::atomic<uint64_t>& flag =
+          own_.flag(rank0_word + static_cast<size_t>(r) * flags_.line_bytes);
       wait_for(r, peer_pids_[static_cast<size_t>(r)], abandoned_,
                [&] { return flag.load(std::memory_order_acquire) >= target; });
     }
+  }
+
+  // This rank's word at `word` in every peer's window.
+  void publish(size_t word, uint64_t value, std::memory_order order) const {
+    for (int r = 0; r < nranks_; ++r)
+      if (r != rank_) peers_[static_cast<size_t>(r)].flag(word).store(value, order);
   }
 
   const int rank_;
   const int nranks_;
   const uint64_t identity_;
   HostWindow own_;
+  const protocol::FlagLayout flags_;
+  size_t slots_at_ = 0;          // where the slots (or the bound region) start in a window
+  protocol::WindowShape shape_;  // what every peer's blob must match
+  const protocol::FaultPoints faults_;
   std::vector<HostWindow> peers_;  // by rank; this rank's entry stays closed
   std::vector<pid_t> peer_pids_;
   size_t slot_bytes_ = 0;
@@ -338,8 +326,9 @@ class HostTransport final : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_host_transport(int rank, int nranks, uint64_t comm_identity) {
-  return std::make_unique<HostTransport>(rank, nranks, comm_identity);
+std::unique_ptr<Transport> make_host_transport(int rank, int nranks, uint64_t comm_identity,
+                                               const Options::Fault& fault) {
+  return std::make_unique<HostTransport>(rank, nranks, comm_identity, fault);
 }
 
 }  // namespace magi::ce

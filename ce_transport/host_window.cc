@@ -42,8 +42,9 @@ void* map_shared(int fd, size_t bytes, const std::string& name) {
 
 }  // namespace
 
-HostWindow HostWindow::create(size_t bytes, int peers) {
-  if (bytes < sizeof(WindowFlags)) throw Error(ErrorKind::Internal, "window smaller than its flags");
+HostWindow HostWindow::create(size_t bytes, size_t flag_bytes, int peers) {
+  if (bytes < sizeof(WindowHead) + flag_bytes || flag_bytes % sizeof(uint64_t) != 0)
+    throw Error(ErrorKind::Internal, "window smaller than its flags");
   const std::string name = fresh_name();
   const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
   if (fd < 0) fail("creating window " + name, errno);
@@ -67,8 +68,10 @@ HostWindow HostWindow::create(size_t bytes, int peers) {
   window.name_ = name;
   window.peers_ = peers;
   window.owner_ = true;
-  ::new (base) WindowFlags{};
-  window.flags().pid.value.store(static_cast<uint64_t>(getpid()), std::memory_order_release);
+  ::new (base) WindowHead{};
+  for (size_t at = 0; at < flag_bytes; at += sizeof(uint64_t))
+    ::new (window.data() + sizeof(WindowHead) + at) std::atomic<uint64_t>{0};
+  window.head().pid.value.store(static_cast<uint64_t>(getpid()), std::memory_order_release);
   if (peers == 0) shm_unlink(name.c_str());  // nobody will ever open it
   return window;
 }
@@ -92,7 +95,8 @@ HostWindow HostWindow::open(const std::string& name, size_t bytes, int peers) {
   window.bytes_ = bytes;
   window.name_ = name;
   window.peers_ = peers;
-  const uint64_t attached = window.flags().attached.value.fetch_add(1, std::memory_order_acq_rel) + 1;
+  const uint64_t attached =
+      window.head().attached.value.fetch_add(1, std::memory_order_acq_rel) + 1;
   if (attached == static_cast<uint64_t>(peers)) shm_unlink(name.c_str());
   return window;
 }
@@ -120,7 +124,8 @@ void HostWindow::close() noexcept {
   if (base_ == nullptr) return;
   // A peer that never came leaves the name behind: remove it. A late peer then fails to open it,
   // which it reports; one counting itself at this moment may remove it too (ENOENT, harmless).
-  if (owner_ && flags().attached.value.load(std::memory_order_acquire) < static_cast<uint64_t>(peers_))
+  if (owner_ &&
+      head().attached.value.load(std::memory_order_acquire) < static_cast<uint64_t>(peers_))
     shm_unlink(name_.c_str());
   munmap(base_, bytes_);
   base_ = nullptr;

@@ -19,26 +19,23 @@ namespace magi::ce {
 inline constexpr char kWindowNamePrefix[] = "magice-ce-";
 inline constexpr size_t kCacheLine = 64;
 
-// The head of every window. Each word on its own cache line: the owner writes ready and done on
-// every bucket while peers poll them, and nothing else should share those lines.
+// The head of every window, each word on its own cache line. The handshake's flag words follow
+// it (where each lies is the protocol's: ce_transport/protocol.h), then the slots.
 struct alignas(kCacheLine) FlagWord {
   std::atomic<uint64_t> value{0};
 };
-struct WindowFlags {
-  FlagWord ready;     // the last bucket whose shards the owner has staged
-  FlagWord done;      // the last bucket the owner has finished reading from its peers
+struct WindowHead {
   FlagWord pid;       // the owner's pid, so a waiting peer can tell whether it is alive
   FlagWord attached;  // peers that have opened the window
-  FlagWord failed;    // the last bucket the owner could not serve (set before its ready)
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "flags are shared between processes");
-static_assert(sizeof(WindowFlags) == 5 * kCacheLine);
+static_assert(sizeof(WindowHead) == 2 * kCacheLine);
 
 class HostWindow {
  public:
-  // Makes this process's window of `bytes` (at least sizeof(WindowFlags)), zeroed, with its pid
-  // in the flags. `peers` is how many processes will open it.
-  static HostWindow create(size_t bytes, int peers);
+  // Makes this process's window of `bytes` (at least its head and `flag_bytes` of flag words),
+  // zeroed, with its pid in the head. `peers` is how many processes will open it.
+  static HostWindow create(size_t bytes, size_t flag_bytes, int peers);
   // Opens a peer's window by name and counts this process as attached; the peer that completes
   // the count removes the name. Throws if the object is smaller than `bytes`.
   static HostWindow open(const std::string& name, size_t bytes, int peers);
@@ -57,8 +54,14 @@ class HostWindow {
   uint8_t* data() const { return static_cast<uint8_t*>(base_); }
   size_t size() const { return bytes_; }
   const std::string& name() const { return name_; }
-  // The bytes began life as the owner's WindowFlags (create); peers reach them through launder.
-  WindowFlags& flags() const { return *std::launder(static_cast<WindowFlags*>(base_)); }
+  // The bytes began life as the owner's WindowHead and flag words (create); peers reach them
+  // through launder.
+  WindowHead& head() const { return *std::launder(static_cast<WindowHead*>(base_)); }
+  // The flag word `offset` bytes into the flags (a multiple of 8).
+  std::atomic<uint64_t>& flag(size_t offset) const {
+    return *std::launder(
+        reinterpret_cast<std::atomic<uint64_t>*>(data() + sizeof(WindowHead) + offset));
+  }
 
  private:
   void* base_ = nullptr;

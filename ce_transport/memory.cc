@@ -4,15 +4,14 @@
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <climits>
 #include <cstring>
 #include <fstream>
 #include <iterator>
 #include <string>
 
+#include "base/cuda_driver.h"
 #include "ce_transport/ce_transport.h"
-#include "ce_transport/cuda_driver.h"
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -20,21 +19,10 @@
 namespace magi::ce {
 namespace {
 
-using PointerGetAttributesFn = CUresult (*)(unsigned, CUpointer_attribute*, void**, CUdeviceptr);
-
-// Kept once found; a miss is asked again later, as the program may load the driver after us.
-std::atomic<PointerGetAttributesFn> g_pointer_get_attributes{nullptr};
-
-PointerGetAttributesFn pointer_get_attributes() {
-  PointerGetAttributesFn fn = g_pointer_get_attributes.load(std::memory_order_acquire);
-  if (fn != nullptr) return fn;
-  fn = reinterpret_cast<PointerGetAttributesFn>(cuda_driver_function("cuPointerGetAttributes", 7000));
-  if (fn != nullptr) g_pointer_get_attributes.store(fn, std::memory_order_release);
-  return fn;
-}
-
 BufferIdentity identify_cuda_buffer(const void* ptr) {
-  const PointerGetAttributesFn get = pointer_get_attributes();
+  // Asked at each call: the program may load the driver after us.
+  const CudaDriver* driver = cuda_driver();
+  const auto get = driver != nullptr ? driver->cuPointerGetAttributes_fn : nullptr;
   if (get == nullptr) return {};
   CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_IS_MANAGED,
                                       CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};

@@ -3,8 +3,9 @@
 #include <chrono>
 #include <string>
 
-#include "ce_transport/ce_transport.h"
 #include "base/base.h"
+#include "base/cuda_driver.h"
+#include "ce_transport/ce_transport.h"
 
 namespace magi::ce {
 namespace {
@@ -24,10 +25,10 @@ class WallTimer final : public CompletionTimer {
 class EventTimer final : public CompletionTimer {
  public:
   EventTimer() {
-    if (cudaEventCreate(&begin_) != cudaSuccess || cudaEventCreate(&end_) != cudaSuccess) {
-      cudaGetLastError();
-      throw Error(ErrorKind::Cuda, "cudaEventCreate (bucket timer)");
-    }
+    cuda_check(cudaEventCreate(&begin_), "cudaEventCreate (bucket timer)");
+    const cudaError_t err = cudaEventCreate(&end_);
+    if (err != cudaSuccess) cudaEventDestroy(begin_);  // no destructor runs for a throwing one
+    cuda_check(err, "cudaEventCreate (bucket timer)");
   }
   ~EventTimer() override {
     cudaEventDestroy(begin_);

@@ -14,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -25,9 +26,10 @@
 #include <thread>
 #include <vector>
 
+#include "base/base.h"
+#include "ce_transport/backends.h"
 #include "ce_transport/ce_transport.h"
 #include "ce_transport/host_window.h"
-#include "base/base.h"
 
 namespace magi::ce {
 namespace {
@@ -580,6 +582,126 @@ TEST(HostTransport, RefusesBlobsOfAnotherPlanAndGathersThatOverflowASlot) {
 
   for (auto* t : {&a, &other_comm, &other_slots, &b}) (*t)->release();
   EXPECT_EQ(window_names_of({getpid()}), std::vector<std::string>{});
+}
+
+// ---- MAGI_INJECT_FAULT on the host backend (ce_transport/protocol.h's fault points) -------------
+
+using Where = Options::Fault::Where;
+
+std::string injected_error(const std::function<void()>& work) {
+  try {
+    work();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::Cuda) << e.what();
+    return e.what();
+  }
+  return "";
+}
+
+TEST(HostTransportFaults, PrepareFaultFailsOnlyThatRanksPrepare) {
+  const Options::Fault fault{Where::Prepare, 1};
+  auto a = make_host_transport(0, 2, kCommIdentity, fault);
+  auto b = make_host_transport(1, 2, kCommIdentity, fault);
+  HandleBlob blob_a, blob_b;
+  EXPECT_NO_THROW(a->prepare(staging_plan(256), blob_a));
+  EXPECT_NE(injected_error([&] {
+              b->prepare(staging_plan(256), blob_b);
+            }).find("injected by MAGI_INJECT_FAULT"),
+            std::string::npos);
+  EXPECT_EQ(b->window_bytes(), 0u);  // failed before anything was made
+  a->release();
+  b->release();
+  EXPECT_EQ(window_names_of({getpid()}), std::vector<std::string>{});
+}
+
+TEST(HostTransportFaults, AttachFaultFailsThatRanksAttachBeforeItOpensAnyPeer) {
+  const Options::Fault fault{Where::Attach, 1};
+  auto a = make_host_transport(0, 2, kCommIdentity, fault);
+  auto b = make_host_transport(1, 2, kCommIdentity, fault);
+  HandleBlob blobs[2];
+  a->prepare(staging_plan(256), blobs[0]);
+  b->prepare(staging_plan(256), blobs[1]);
+  EXPECT_NE(injected_error([&] { b->attach(blobs); }).find("injected by MAGI_INJECT_FAULT"),
+            std::string::npos);
+  // Rank 1 opened no window: both names wait for their peer, until rank 0 opens rank 1's.
+  EXPECT_EQ(window_names_of({getpid()}).size(), 2u);
+  EXPECT_NO_THROW(a->attach(blobs));
+  EXPECT_EQ(window_names_of({getpid()}).size(), 1u);
+  a->release();
+  b->release();
+  EXPECT_EQ(window_names_of({getpid()}), std::vector<std::string>{});
+}
+
+// gather:RANK: that rank publishes "failed" with its ready, so every rank learns of it within the
+// same bucket, returns FallBack and moves nothing; the buckets after stay in step (bucket n waits
+// for done >= n - 2, which the failed buckets still publish), so none hangs.
+TEST(HostTransportFaults, GatherFaultMakesEveryRankFallBackInTheSameBucketAndMoveNothing) {
+  constexpr int kRanks = 3;
+  constexpr int kBuckets = 5;
+  constexpr size_t kShard = 100;
+  const Options::Fault fault{Where::Gather, 1};
+  std::unique_ptr<Transport> transports[kRanks];
+  HandleBlob blobs[kRanks];
+  for (int r = 0; r < kRanks; ++r) {
+    transports[r] = make_host_transport(r, kRanks, kCommIdentity, fault);
+    transports[r]->prepare(staging_plan(kShard), blobs[r]);
+  }
+  for (int r = 0; r < kRanks; ++r) transports[r]->attach(blobs);
+  int fell_back[kRanks] = {};
+  bool untouched[kRanks] = {};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r)
+    threads.emplace_back([&, r] {
+      std::vector<uint8_t> send(kShard, static_cast<uint8_t>(r + 1));
+      std::vector<uint8_t> recv(kRanks * kShard, 0xee);
+      const GatherOp op{send.data(), recv.data(), kShard, 0};
+      for (int b = 0; b < kBuckets; ++b)
+        if (transports[r]->gather(std::span<const GatherOp>(&op, 1), nullptr) ==
+            Transport::Served::FallBack)
+          ++fell_back[r];
+      untouched[r] = std::all_of(recv.begin(), recv.end(), [](uint8_t v) { return v == 0xee; });
+    });
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(fell_back[r], kBuckets) << "rank " << r;
+    EXPECT_TRUE(untouched[r]) << "rank " << r << " moved bytes of a bucket that fell back";
+    transports[r]->release();
+  }
+}
+
+// A bound window's call has no handshake to fail (protocol.h): gather:RANK leaves it moving.
+TEST(HostTransportFaults, GatherFaultLeavesABoundWindowsReadsAlone) {
+  auto transport = make_host_transport(0, 1, kCommIdentity, {Where::Gather, 0});
+  std::vector<uint8_t> send(64, 5), recv(64, 0);
+  WindowPlan plan = staging_plan(64);
+  plan.bound = true;
+  plan.bind = {{send.data(), send.size(), 0}};
+  HandleBlob blob;
+  transport->prepare(plan, blob);
+  transport->attach(std::span<const HandleBlob>(&blob, 1));
+  const GatherOp op{send.data(), recv.data(), send.size(), 0};
+  EXPECT_EQ(transport->gather(std::span<const GatherOp>(&op, 1), nullptr),
+            Transport::Served::Moved);
+  EXPECT_EQ(recv, send);
+  transport->release();
+}
+
+TEST(HostTransportFaults, SlowFaultDelaysEveryBucketOfThatRankAndStillMovesIt) {
+  auto transport = make_host_transport(0, 1, kCommIdentity, {Where::Slow, 0});
+  HandleBlob blob;
+  transport->prepare(staging_plan(64), blob);
+  transport->attach(std::span<const HandleBlob>(&blob, 1));
+  std::vector<uint8_t> send(64, 9), recv(64, 0);
+  const GatherOp op{send.data(), recv.data(), send.size(), 0};
+  for (int b = 0; b < 2; ++b) {
+    const auto started = std::chrono::steady_clock::now();
+    EXPECT_EQ(transport->gather(std::span<const GatherOp>(&op, 1), nullptr),
+              Transport::Served::Moved);
+    EXPECT_GE(std::chrono::steady_clock::now() - started, std::chrono::milliseconds(20))
+        << "bucket " << b;
+    EXPECT_EQ(recv, send);
+  }
+  transport->release();
 }
 
 // Without a driver in the process the CUDA backend refuses at once, and never loads CUDA itself.

@@ -11,6 +11,9 @@
 //  4. Static weights whose shard changes anyway: no check on calls the cost trial times; a
 //     check never waits for the program's stream (a gather returns while the stream is held);
 //     the change is found at a later call once the check's copies have run.
+//  5. MAGI_INJECT_FAULT=gather:1: rank 1's gather throws before it queues anything, as a real
+//     CUDA error at the bucket's first step would; rank 0's stream waits for it (its peers cannot
+//     learn of it within the bucket: ce_transport.h) until abandon() frees it.
 #include <cuda_runtime_api.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -29,8 +32,9 @@
 #include <thread>
 #include <vector>
 
-#include "ce_transport/ce_transport.h"
 #include "base/base.h"
+#include "ce_transport/backends.h"
+#include "ce_transport/ce_transport.h"
 
 namespace {
 
@@ -45,6 +49,7 @@ constexpr size_t kShard = size_t{1} << 20;
 
 struct Shared {
   std::atomic<int> attached{0};
+  std::atomic<int> finished{0};  // ranks done with the case's checks
   HandleBlob blobs[kMaxRanks];
 };
 
@@ -118,9 +123,10 @@ bool run_ranks(int nranks, double seconds, Shared& shared, const std::function<v
 }
 
 // Both ranks make and open default-mode windows; returns this rank's transport.
-std::unique_ptr<magi::ce::Transport> attached_pair(int rank, Shared& shared, uint64_t identity) {
+std::unique_ptr<magi::ce::Transport> attached_pair(int rank, Shared& shared, uint64_t identity,
+                                                   const magi::Options::Fault& fault = {}) {
   check(cudaSetDevice(0), "cudaSetDevice");
-  auto transport = magi::ce::make_transport(Backend::Cuda, rank, kMaxRanks, identity, 0);
+  auto transport = magi::ce::make_cuda_transport(rank, kMaxRanks, identity, 0, fault);
   WindowPlan plan;
   plan.slot_bytes = kShard;
   transport->prepare(plan, shared.blobs[rank]);
@@ -259,6 +265,42 @@ void changed_static_shard_is_found_without_waiting(int /*rank*/, Shared& /*share
   expect_usable_context();
 }
 
+void gather_fault_throws_before_queuing(int rank, Shared& shared) {
+  auto transport = attached_pair(rank, shared, 5, {magi::Options::Fault::Where::Gather, 1});
+  if (rank == 0) {
+    gather_alone(*transport, "abandon() with rank 1's gather failed",
+                 [&] { transport->abandon(); });
+    transport->release();
+    shared.finished.fetch_add(1);
+    return;
+  }
+  cudaStream_t stream = nullptr;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  void *send = nullptr, *recv = nullptr;
+  check(cudaMalloc(&send, kShard), "cudaMalloc");
+  check(cudaMalloc(&recv, kMaxRanks * kShard), "cudaMalloc");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  const GatherOp op{send, recv, kShard, 0};
+  std::string error;
+  try {
+    transport->gather(std::span<const GatherOp>(&op, 1), stream);
+  } catch (const magi::Error& e) {
+    if (e.kind() == magi::ErrorKind::Cuda) error = e.what();
+  }
+  if (error.find("injected by MAGI_INJECT_FAULT") == std::string::npos)
+    throw std::runtime_error("gather:1 did not make rank 1's gather throw a CUDA error");
+  if (!stream_idle(stream)) throw std::runtime_error("rank 1 queued work for the bucket it failed");
+  std::fprintf(stderr, "  rank 1: %s\n", error.c_str());
+  expect_usable_context();
+  // Alive until rank 0 is done: a dead peer would free its stream for another reason.
+  if (!within(30, [&] { return shared.finished.load() >= 1; }))
+    throw std::runtime_error("rank 0 never finished");
+  transport->abandon();  // the program's answer to a failed call: abort the communicator
+  transport->release();
+  check(cudaStreamDestroy(stream), "cudaStreamDestroy");
+  expect_usable_context();
+}
+
 }  // namespace
 
 int main() {
@@ -268,11 +310,16 @@ int main() {
     void (*body)(int, Shared&);
   };
   const Case cases[] = {
-      {"a static shard freed before binding is refused; the context stays usable", 1, freed_shard_is_refused},
-      {"a hung peer: abandon() frees the waiting stream, release() does not wait", 2, hung_peer_then_abandon},
+      {"a static shard freed before binding is refused; the context stays usable", 1,
+       freed_shard_is_refused},
+      {"a hung peer: abandon() frees the waiting stream, release() does not wait", 2,
+       hung_peer_then_abandon},
       {"a dead peer: release() frees the waiting stream at once", 2, dead_peer_then_release},
-      {"a changed static shard: not checked on timed calls, found later without waiting for the stream", 1,
-       changed_static_shard_is_found_without_waiting},
+      {"a changed static shard: not checked on timed calls, found later without waiting for the "
+       "stream",
+       1, changed_static_shard_is_found_without_waiting},
+      {"gather:1: rank 1 throws before queuing anything; rank 0's stream waits until abandon()", 2,
+       gather_fault_throws_before_queuing},
   };
   int passed = 0, failed = 0;
   for (const Case& c : cases) {

@@ -1,0 +1,62 @@
+// The CUDA driver, reached only once the program has loaded it, and CUDA's one error check.
+//
+// The library must never start CUDA on its own: a process without a GPU, or one that has not
+// touched CUDA yet, must stay that way. So every driver entry point is looked up through the
+// runtime (cudaGetDriverEntryPointByVersion) only after libcuda.so.1 is in the process already,
+// and each is declared once below, with the ABI version it is asked for (NCCL's cudawrap.h).
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime_api.h>
+
+namespace magi {
+
+// Every driver entry point the library calls: name, its function type, the CUDA version asked.
+// cuStreamBatchMemOp is asked at 12.0, where 64-bit waits and writes need no opt-in.
+#define MAGI_CUDA_DRIVER_ENTRY_POINTS(X)                            \
+  X(cuGetErrorName, PFN_cuGetErrorName_v6000, 6000)                 \
+  X(cuStreamIsCapturing, PFN_cuStreamIsCapturing_v10000, 10000)     \
+  X(cuPointerGetAttributes, PFN_cuPointerGetAttributes_v7000, 7000) \
+  X(cuMemGetAddressRange, PFN_cuMemGetAddressRange_v3020, 3020)     \
+  X(cuStreamBatchMemOp, PFN_cuStreamBatchMemOp_v11070, 12000)
+
+// One pointer per entry point, named after it (`cuStreamBatchMemOp_fn`); nullptr where the
+// driver lacks it. The `##` keeps cuda.h's renaming macros (cuMemGetAddressRange ->
+// cuMemGetAddressRange_v2) out of the member names.
+struct CudaDriver {
+#define MAGI_CUDA_DRIVER_MEMBER(name, type, version) type name##_fn = nullptr;
+  MAGI_CUDA_DRIVER_ENTRY_POINTS(MAGI_CUDA_DRIVER_MEMBER)
+#undef MAGI_CUDA_DRIVER_MEMBER
+};
+
+// True when libcuda.so.1 is already loaded (dlopen RTLD_NOLOAD); never loads it. Cheap while it
+// is absent: asked again only once the loader has loaded something new.
+bool cuda_driver_loaded();
+
+// The driver's entry points, looked up once (thread-safe) the first time this is asked with the
+// driver loaded; nullptr while it is not (a later call looks again: the program may load it
+// after us). Off the call path for the first call; an atomic load after.
+const CudaDriver* cuda_driver();
+
+// The entry point `name` of the driver, or an Error(Cuda) naming it when the driver is not
+// loaded or lacks it: MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp)(stream, ...).
+[[noreturn]] void cuda_driver_missing(const char* name);
+#define MAGI_CUDA_DRIVER_FN(name) \
+  (::magi::cuda_driver_fn([](const ::magi::CudaDriver& d) { return d.name##_fn; }, #name))
+template <class Pick>
+auto cuda_driver_fn(Pick pick, const char* name) {
+  const CudaDriver* driver = cuda_driver();
+  const auto fn = driver != nullptr ? pick(*driver) : nullptr;
+  if (fn == nullptr) cuda_driver_missing(name);
+  return fn;
+}
+
+// The one check of a CUDA call. A failure clears the runtime's last error (it would otherwise
+// be reported to the program's next cudaGetLastError as if it were the program's own), then
+// throws Error(ErrorKind::Cuda) naming `what` (the call, and what it was for) and the error.
+void cuda_check(cudaError_t err, const char* what);
+// The same for a driver call's result (the driver keeps no last error).
+void cuda_check(CUresult result, const char* what);
+
+}  // namespace magi

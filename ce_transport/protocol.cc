@@ -1,0 +1,84 @@
+#include "ce_transport/protocol.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+namespace magi::ce::protocol {
+namespace {
+
+const char* backend_name(uint8_t backend) {
+  switch (static_cast<Backend>(backend)) {
+    case Backend::Cuda:
+      return "CUDA";
+    case Backend::Host:
+      return "host";
+  }
+  return "unknown";
+}
+
+}  // namespace
+
+void write_header(const WindowShape& shape, int rank, HandleBlob& out) {
+  BlobHeader header{};
+  header.magic = kBlobMagic;
+  header.version = kBlobVersion;
+  header.backend = static_cast<uint8_t>(shape.backend);
+  header.bound = shape.bound ? 1 : 0;
+  header.comm_identity = shape.comm_identity;
+  header.window_bytes = shape.window_bytes;
+  header.slot_bytes = shape.slot_bytes;
+  header.rank = rank;
+  header.nranks = shape.nranks;
+  header.pid = getpid();
+  out = HandleBlob{};
+  std::memcpy(out.bytes, &header, sizeof(header));
+}
+
+BlobHeader check_header(const HandleBlob& blob, int rank, const WindowShape& shape) {
+  BlobHeader h{};
+  std::memcpy(&h, blob.bytes, sizeof(h));
+  const std::string who = "rank " + std::to_string(rank) + "'s handle blob";
+  auto refuse = [&](const std::string& why) { throw Error(ErrorKind::Usage, who + " " + why); };
+  if (h.magic != kBlobMagic) refuse("is not a window's");
+  if (h.version != kBlobVersion)
+    refuse("speaks protocol version " + std::to_string(h.version) + ", this rank " +
+           std::to_string(kBlobVersion));
+  if (h.backend != static_cast<uint8_t>(shape.backend))
+    refuse(std::string("is for the ") + backend_name(h.backend) + " backend, this rank's for the " +
+           backend_name(static_cast<uint8_t>(shape.backend)));
+  if (h.rank != rank || h.nranks != shape.nranks)
+    refuse("is rank " + std::to_string(h.rank) + " of " + std::to_string(h.nranks) + ", expected " +
+           std::to_string(rank) + " of " + std::to_string(shape.nranks));
+  if (h.comm_identity != shape.comm_identity) refuse("belongs to another communicator");
+  if (h.slot_bytes != shape.slot_bytes)
+    refuse("has slots of " + std::to_string(h.slot_bytes) + " bytes, this rank " +
+           std::to_string(shape.slot_bytes));
+  if (h.window_bytes != shape.window_bytes)
+    refuse("has a window of " + std::to_string(h.window_bytes) + " bytes, this rank " +
+           std::to_string(shape.window_bytes));
+  if (h.bound > 1 || (h.bound != 0) != shape.bound)
+    refuse(std::string("has ") + (h.bound != 0 ? "a bound" : "a staging") + " window, this rank " +
+           (shape.bound ? "a bound one" : "a staging one"));
+  if (h.pid <= 0) refuse("names no process");
+  return h;
+}
+
+void FaultPoints::at_prepare() const {
+  if (where_ == Options::Fault::Where::Prepare)
+    throw Error(ErrorKind::Cuda, "preparing the window: injected by MAGI_INJECT_FAULT");
+}
+
+void FaultPoints::at_attach() const {
+  if (where_ == Options::Fault::Where::Attach)
+    throw Error(ErrorKind::Cuda, "opening the peers' windows: injected by MAGI_INJECT_FAULT");
+}
+
+void FaultPoints::at_bucket_start() const {
+  if (where_ == Options::Fault::Where::Slow)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+}
+
+}  // namespace magi::ce::protocol
