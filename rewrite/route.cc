@@ -95,7 +95,7 @@ void comm_joined(ncclComm_t comm, const capture::CommInfo& info) {
     std::atexit(release_at_exit);
     pthread_atfork(nullptr, nullptr, forget_in_child);
   });
-  auto agreement = std::make_shared<CommAgreement>(comm, info, g_nccl);
+  auto agreement = make_comm_agreement(comm, info, g_nccl);
   std::lock_guard<std::mutex> lock(g_mutex);
   agreements()[comm] = std::move(agreement);
   g_generation.fetch_add(1, std::memory_order_release);
@@ -131,17 +131,26 @@ Outcome intercept(ncclComm_t comm, const capture::CallArgs& args, capture::CallR
   guarded("rewrite", [&] {
     if (!view.collective) return;
     const AgreementRef agreement = find(comm);
-    if (agreement == nullptr) return;
+    if (agreement != nullptr) outcome = route_call(agreement, args, record, view);
+  });
+  return outcome;
+}
+
+Outcome route_call(const AgreementRef& agreement, const capture::CallArgs& args,
+                   capture::CallRecord& record, const capture::StepView& view) noexcept {
+  Outcome outcome;
+  guarded("rewrite", [&] {
     const Route route = agreement->on_collective(args, record, view);
     if (route.kind == Route::Kind::WouldMove) record.flags |= trace::kCallWouldMove;
     if (route.kind != Route::Kind::Move && route.kind != Route::Kind::TrialNccl) return;
     const bool via_nccl = route.kind == Route::Kind::TrialNccl;
     if (!via_nccl) record.flags |= trace::kCallMoved;
-    const ce::GatherOp op{args.sendbuf, args.recvbuf, args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)),
+    const ce::GatherOp op{args.sendbuf, args.recvbuf,
+                          args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)),
                           route.slot_offset};
     const NcclGather call{args.sendbuf, args.recvbuf, args.count, args.dtype};
     outcome.served = true;
-    if (capture::group_depth() > 0) {
+    if (agreement->world().group().depth > 0) {
       t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, op, call});
       outcome.result = ncclSuccess;
     } else {
@@ -149,11 +158,6 @@ Outcome intercept(ncclComm_t comm, const capture::CallArgs& args, capture::CallR
     }
   });
   return outcome;
-}
-
-EarlyLaunches& early_launches() {
-  thread_local EarlyLaunches early;
-  return early;
 }
 
 ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
@@ -174,7 +178,8 @@ ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
       bucket.clear();
       calls.clear();
       for (size_t j = i; j < queued.size(); ++j) {
-        if (queued[j].agreement != queued[i].agreement || queued[j].bucket != queued[i].bucket) continue;
+        if (queued[j].agreement != queued[i].agreement || queued[j].bucket != queued[i].bucket)
+          continue;
         bucket.push_back(queued[j].op);
         calls.push_back(queued[j].call);
         done[j] = true;

@@ -1,0 +1,62 @@
+#include "rewrite/cost_trial.h"
+
+#include <algorithm>
+
+namespace magi::rewrite {
+
+void CostTrial::start(bool timed, uint64_t steps, uint64_t warmup_steps, size_t buckets) {
+  running_ = timed;
+  start_ = steps;
+  end_ = steps + 2 * warmup_steps;
+  timings_.clear();
+  moved_ns_.assign(buckets, {});
+  nccl_ns_.assign(buckets, {});
+}
+
+void CostTrial::stop() {
+  running_ = false;
+  timings_.clear();
+}
+
+std::unique_ptr<ce::CompletionTimer> CostTrial::begin_timing(const TransportFactory& make,
+                                                             void* stream) const {
+  if (!running_) return nullptr;
+  try {
+    std::unique_ptr<ce::CompletionTimer> timer = make.timer();
+    timer->start(stream);
+    return timer;
+  } catch (const Error&) {
+    return nullptr;
+  }
+}
+
+void CostTrial::end_timing(std::unique_ptr<ce::CompletionTimer> timer, void* stream,
+                           uint16_t bucket, bool via_nccl) {
+  if (!timer) return;
+  timer->stop(stream);
+  timings_.push_back({bucket, via_nccl, std::move(timer)});
+}
+
+void CostTrial::collect() {
+  for (Timing& t : timings_) {
+    const uint64_t ns = t.timer->elapsed_ns();  // a step later: long complete
+    if (ns == 0 || t.bucket >= moved_ns_.size()) continue;
+    (t.via_nccl ? nccl_ns_ : moved_ns_)[t.bucket].push_back(ns);
+  }
+  timings_.clear();
+}
+
+std::vector<BucketCost> CostTrial::medians() {
+  collect();
+  auto median = [](std::vector<uint64_t> v) -> uint64_t {
+    if (v.empty()) return 0;
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    return v[v.size() / 2];
+  };
+  std::vector<BucketCost> costs;
+  for (size_t b = 0; b < moved_ns_.size(); ++b)
+    costs.push_back({median(moved_ns_[b]), median(nccl_ns_[b])});
+  return costs;
+}
+
+}  // namespace magi::rewrite
