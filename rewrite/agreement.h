@@ -163,7 +163,9 @@ std::shared_ptr<CommAgreement> make_comm_agreement(ncclComm_t comm, const captur
                                                    const RealNcclCalls& nccl);
 
 // The call path of rewrite::intercept once the call's agreement is found: asks it for the route
-// and serves a moved call now or, inside a group, queues it for rewrite::group_ended.
+// and serves a moved call now or, inside a group, queues it for rewrite::group_ended. The call
+// counts as served (and is marked kCallMoved) only once it was served or queued; whatever is
+// thrown before leaves it to NCCL.
 Outcome route_call(const std::shared_ptr<CommAgreement>& agreement, const capture::CallArgs& args,
                    capture::CallRecord& record, const capture::StepView& view) noexcept;
 

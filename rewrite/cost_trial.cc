@@ -31,10 +31,14 @@ std::unique_ptr<ce::CompletionTimer> CostTrial::begin_timing(const TransportFact
 }
 
 void CostTrial::end_timing(std::unique_ptr<ce::CompletionTimer> timer, void* stream,
-                           uint16_t bucket, bool via_nccl) {
+                           uint16_t bucket, bool via_nccl) noexcept {
   if (!timer) return;
-  timer->stop(stream);
-  timings_.push_back({bucket, via_nccl, std::move(timer)});
+  try {
+    timer->stop(stream);
+    timings_.push_back({bucket, via_nccl, std::move(timer)});
+  } catch (...) {
+    // Unmeasured: the cost round keeps the bucket moving.
+  }
 }
 
 void CostTrial::collect() {

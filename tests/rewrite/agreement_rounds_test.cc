@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,9 @@ struct Fakes {
   int transports_made = 0;
   int transport_gathers = 0;
   uint64_t moved_ns = 500;  // what a bucket costs on the transport (fake clock)
+  bool gather_throws = false;  // once transport_gathers reaches gathers_before_throw
+  int gathers_before_throw = 0;
+  bool timer_stop_throws = false;
   uint64_t clock_ns = 0;
   GroupView group;
   std::vector<trace::AgreementRecord> rounds;
@@ -108,6 +112,8 @@ class FakeTransport : public ce::Transport {
     EXPECT_EQ(blobs.size(), static_cast<size_t>(kRanks));
   }
   Served gather(std::span<const ce::GatherOp>, void*, Timing) override {
+    if (g_fakes->gather_throws && g_fakes->transport_gathers >= g_fakes->gathers_before_throw)
+      throw std::runtime_error("not one of ours");
     ++g_fakes->transport_gathers;
     g_fakes->clock_ns += g_fakes->moved_ns;
     return Served::Moved;
@@ -123,7 +129,10 @@ class FakeTransport : public ce::Transport {
 class FakeTimer : public ce::CompletionTimer {
  public:
   void start(void*) override { start_ = g_fakes->clock_ns; }
-  void stop(void*) override { stop_ = g_fakes->clock_ns; }
+  void stop(void*) override {
+    if (g_fakes->timer_stop_throws) throw Error(ErrorKind::Cuda, "cannot record the stop event");
+    stop_ = g_fakes->clock_ns;
+  }
   uint64_t elapsed_ns() override { return stop_ - start_; }
 
  private:
@@ -468,6 +477,26 @@ TEST(AgreementRounds, TheCostRoundKeepsMovingWhatWasFaster) {
   EXPECT_EQ(rank.find(trace::RoundEvent::Deactivated, RoundKind::Propose), nullptr);
 }
 
+// Timers that cannot stop leave every bucket unmeasured: the calls are still served, and the
+// cost round keeps the plan moving.
+TEST(AgreementRounds, ATimerThatCannotStopLeavesTheTrialUnmeasured) {
+  Rank0 rank(Env{});
+  rank.fakes.timer_stop_throws = true;
+  const std::vector<Kind> kinds = rank.steps(14);
+  EXPECT_EQ(kinds[16], Kind::TrialNccl);
+  EXPECT_EQ(kinds[19], Kind::Move);
+  EXPECT_EQ(rank.fakes.nccl_gathers, 4);
+  ASSERT_GE(rank.fakes.contributed.size(), 4u);
+  const Contribution& cost = rank.fakes.contributed[3];
+  ASSERT_EQ(cost.costs.size(), 2u);
+  for (const BucketCost& b : cost.costs) {
+    EXPECT_EQ(b.moved_ns, 0u);
+    EXPECT_EQ(b.nccl_ns, 0u);
+  }
+  for (size_t i = 30; i < kinds.size(); ++i)
+    EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;
+}
+
 // MAGI_REAGREE_STEPS=0: one agreement, then no round ever again.
 TEST(AgreementRounds, ReagreeZeroMeansNoFurtherRounds) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_REAGREE_STEPS", "0"}});
@@ -495,6 +524,47 @@ TEST(AgreementRounds, DryRunReportsWouldMoveAndMovesNothing) {
   const trace::AgreementRecord* on = rank.find(trace::RoundEvent::Activated, RoundKind::Propose);
   ASSERT_NE(on, nullptr);
   EXPECT_EQ(on->seq, 9u);
+}
+
+// A call is served only once it was: an exception out of serving (here not even a magi::Error)
+// leaves the call to NCCL and unmarked, rather than lost.
+TEST(AgreementRounds, AThrowWhileServingLeavesTheCallToNccl) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.run_to(16);
+  rank.fakes.gather_throws = true;
+  EXPECT_EQ(rank.call(), Kind::Nccl);
+  EXPECT_EQ(rank.fakes.transport_gathers, 0);
+}
+
+// Inside a group the calls are queued (served at the group's end); a throw there forwards every
+// call not yet served to NCCL, as one group.
+TEST(AgreementRounds, AThrowAtTheGroupsEndForwardsTheQueuedCallsAsOneGroup) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.run_to(16);
+  rank.fakes.group = {1, false, 1};
+  EXPECT_EQ(rank.call(), Kind::Move);  // queued
+  EXPECT_EQ(rank.call(), Kind::Move);  // queued, another bucket
+  rank.fakes.group = {};
+  rank.fakes.gather_throws = true;
+  const int starts = rank.fakes.group_starts;
+  const int ends = rank.fakes.group_ends;
+  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  EXPECT_EQ(rank.fakes.nccl_gathers, 2);
+  EXPECT_EQ(rank.fakes.group_starts, starts + 1);
+  EXPECT_EQ(rank.fakes.group_ends, ends + 1);
+  // What was served stays served: a throw in the second bucket forwards that bucket alone.
+  rank.fakes.gather_throws = false;
+  rank.run_to(19);
+  rank.fakes.group = {1, false, 1};
+  EXPECT_EQ(rank.call(), Kind::Move);  // index 19, queued
+  EXPECT_EQ(rank.call(), Kind::Move);  // index 20, queued
+  rank.fakes.group = {};
+  rank.fakes.gather_throws = true;
+  rank.fakes.gathers_before_throw = rank.fakes.transport_gathers + 1;
+  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  EXPECT_EQ(rank.fakes.transport_gathers, rank.fakes.gathers_before_throw);
+  EXPECT_EQ(rank.fakes.nccl_gathers, 3);
+  EXPECT_EQ(rank.fakes.group_starts, starts + 2);
 }
 
 }  // namespace
