@@ -3,6 +3,7 @@
 // communicator, like NCCL launching a group's work at ncclGroupEnd).
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <new>
@@ -68,10 +69,9 @@ thread_local std::vector<Queued> t_queued;
 // What a failure at the group's end left unserved goes to NCCL as the program issued it: one
 // NCCL group (so the calls of several communicators cannot meet in different orders).
 ncclResult_t forward_unserved(std::span<Queued> queued) noexcept {
-  const Queued* first = nullptr;
-  for (const Queued& q : queued)
-    if (!q.served) first = first ? first : &q;
-  if (first == nullptr) return ncclSuccess;
+  const auto first =
+      std::find_if(queued.begin(), queued.end(), [](const Queued& q) { return !q.served; });
+  if (first == queued.end()) return ncclSuccess;
   const RealNcclCalls& nccl = first->agreement->world().nccl;
   nccl.group_start();
   ncclResult_t result = ncclSuccess;
