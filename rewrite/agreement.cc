@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 #include <string>
 
 namespace magi::rewrite {
@@ -351,21 +350,7 @@ void CommAgreement::publish(uint64_t seq) {
   Contribution c = header_for(RoundKind::Publish);
   c.header.decision_hash = decision_.hash;
   try {
-    ce::WindowPlan plan;
-    plan.slot_bytes = layout_.slot_bytes;
-    plan.bound = decision_.bound;
-    plan.verify_every = static_cast<uint64_t>(options_.verify_every);
-    if (plan.bound) {
-      // The send buffers of the last step: stable (same address and allocation) for the whole
-      // warmup, which is what made them candidates.
-      for (const GatherDecision& g : decision_.gathers) {
-        if (!g.moves) continue;
-        const PositionSeen& p = seen_.at(g.position);
-        plan.bind.push_back({reinterpret_cast<const void*>(p.sendbuf),
-                             p.count * datatype_bytes(p.dtype),
-                             layout_.offset_by_position[g.position]});
-      }
-    }
+    const ce::WindowPlan plan = window_plan(decision_, seen_, layout_, options_);
     serving_.open_window(plan, c.header.handle);
     c.header.flags |= kCanServe;
     const size_t window = serving_.window_bytes();
@@ -415,37 +400,8 @@ void CommAgreement::issue_cost(uint64_t seq) {
 
 void CommAgreement::after_cost(std::span<const uint8_t> all, uint64_t seq) {
   const std::vector<CostVerdict> costs = decide_cost(all, info_.nranks, trial_.buckets());
-  if (log_detail::enabled(1, Subsystem::Rewrite)) {
-    // What the choice rested on, bucket by bucket (the first few): why a gather stays or moves.
-    std::string text;
-    constexpr size_t kShown = 6;
-    for (size_t b = 0; b < costs.size() && b < kShown; ++b) {
-      const CostVerdict& k = costs[b];
-      char line[112];
-      if (k.measured)
-        std::snprintf(line, sizeof line, "%sbucket %zu: copy engine %.1f us, NCCL %.1f us -> %s",
-                      b ? "; " : "", b, k.moved_ns / 1e3, k.nccl_ns / 1e3,
-                      k.keep ? "copy engine" : "NCCL");
-      else
-        std::snprintf(line, sizeof line, "%sbucket %zu: not measured on every rank -> copy engine",
-                      b ? "; " : "", b);
-      text += line;
-    }
-    if (costs.size() > kShown) text += "; ...";
-    MAGI_INFO(Rewrite, "comm %012llx round %u: cost on the slowest rank (median per call): %s",
-              short_id(info_.identity), decision_round_, text.c_str());
-  }
-  uint32_t moved = 0;
-  for (GatherDecision& g : decision_.gathers) {
-    if (!g.moves) continue;
-    if (g.bucket < costs.size() && !costs[g.bucket].keep) {
-      g.moves = false;
-      g.reason = Reason::NcclFaster;
-      layout_.offset_by_position[g.position] = SIZE_MAX;
-    } else {
-      ++moved;
-    }
-  }
+  log_costs(info_.identity, decision_round_, costs);
+  const uint32_t moved = keep_faster(costs, decision_, layout_);
   const bool changed = moved != decision_.moved;
   decision_.moved = moved;
   record(RoundKind::Cost, trace::RoundEvent::Read, seq, decision_.mode,

@@ -1,6 +1,8 @@
 #include "rewrite/cost_trial.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <string>
 
 namespace magi::rewrite {
 
@@ -61,6 +63,43 @@ std::vector<BucketCost> CostTrial::medians() {
   for (size_t b = 0; b < moved_ns_.size(); ++b)
     costs.push_back({median(moved_ns_[b]), median(nccl_ns_[b])});
   return costs;
+}
+
+uint32_t keep_faster(const std::vector<CostVerdict>& costs, Decision& decision,
+                     SlotLayout& layout) {
+  uint32_t moved = 0;
+  for (GatherDecision& g : decision.gathers) {
+    if (!g.moves) continue;
+    if (g.bucket < costs.size() && !costs[g.bucket].keep) {
+      g.moves = false;
+      g.reason = Reason::NcclFaster;
+      layout.offset_by_position[g.position] = SIZE_MAX;
+    } else {
+      ++moved;
+    }
+  }
+  return moved;
+}
+
+void log_costs(uint64_t comm_id, uint32_t round, const std::vector<CostVerdict>& costs) {
+  if (!log_detail::enabled(1, Subsystem::Rewrite)) return;
+  std::string text;
+  constexpr size_t kShown = 6;
+  for (size_t b = 0; b < costs.size() && b < kShown; ++b) {
+    const CostVerdict& k = costs[b];
+    char line[112];
+    if (k.measured)
+      std::snprintf(line, sizeof line, "%sbucket %zu: copy engine %.1f us, NCCL %.1f us -> %s",
+                    b ? "; " : "", b, k.moved_ns / 1e3, k.nccl_ns / 1e3,
+                    k.keep ? "copy engine" : "NCCL");
+    else
+      std::snprintf(line, sizeof line, "%sbucket %zu: not measured on every rank -> copy engine",
+                    b ? "; " : "", b);
+    text += line;
+  }
+  if (costs.size() > kShown) text += "; ...";
+  MAGI_INFO(Rewrite, "comm %012llx round %u: cost on the slowest rank (median per call): %s",
+            short_id(comm_id), round, text.c_str());
 }
 
 }  // namespace magi::rewrite

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "rewrite/contribution.h"
+#include "rewrite/observation.h"
 #include "rewrite/world.h"
 
 namespace magi::rewrite {
@@ -55,5 +56,12 @@ class CostTrial {
   std::vector<std::vector<uint64_t>> moved_ns_;  // by bucket
   std::vector<std::vector<uint64_t>> nccl_ns_;
 };
+
+// The cost round read: the gathers of every bucket NCCL served faster stay from now on (their
+// slots are freed in `layout`). Returns how many gathers keep moving.
+uint32_t keep_faster(const std::vector<CostVerdict>& costs, Decision& decision,
+                     SlotLayout& layout);
+// What the choice rested on, bucket by bucket (the first few), at INFO.
+void log_costs(uint64_t comm_id, uint32_t round, const std::vector<CostVerdict>& costs);
 
 }  // namespace magi::rewrite

@@ -2,6 +2,22 @@
 
 namespace magi::rewrite {
 
+ce::WindowPlan window_plan(const Decision& decision, const StepObservation& seen,
+                           const SlotLayout& layout, const Options& options) {
+  ce::WindowPlan plan;
+  plan.slot_bytes = layout.slot_bytes;
+  plan.bound = decision.bound;
+  plan.verify_every = static_cast<uint64_t>(options.verify_every);
+  if (!plan.bound) return plan;
+  for (const GatherDecision& g : decision.gathers) {
+    if (!g.moves) continue;
+    const PositionSeen& p = seen.at(g.position);
+    plan.bind.push_back({reinterpret_cast<const void*>(p.sendbuf),
+                         p.count * datatype_bytes(p.dtype), layout.offset_by_position[g.position]});
+  }
+  return plan;
+}
+
 Serving::Serving(const AgreementWorld& world, const capture::CommInfo& info, ncclComm_t comm)
     : world_(world), info_(info), comm_(comm) {}
 

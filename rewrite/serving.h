@@ -24,6 +24,12 @@ struct NcclGather {
   ncclDataType_t dtype;
 };
 
+// The window a plan needs on this rank. Bound (static weights): the send buffers of the last
+// step, stable (same address and allocation) for the whole warmup, which is what made them
+// candidates.
+ce::WindowPlan window_plan(const Decision& decision, const StepObservation& seen,
+                           const SlotLayout& layout, const Options& options);
+
 class Serving {
  public:
   Serving(const AgreementWorld& world, const capture::CommInfo& info, ncclComm_t comm);
