@@ -9,7 +9,7 @@
 #include <memory>
 
 #include "base/base.h"
-#include "capture/trace_format.h"
+#include "capture/capture.h"
 #include "ce_transport/ce_transport.h"
 #include "rewrite/rewrite.h"
 
