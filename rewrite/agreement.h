@@ -43,24 +43,22 @@
 #include <nccl.h>
 
 #include <memory>
-#include <mutex>
+#include <span>
 #include <vector>
 
 #include "capture/capture.h"
 #include "ce_transport/ce_transport.h"
 #include "rewrite/contribution.h"
+#include "rewrite/cost_trial.h"
+#include "rewrite/group_flush.h"
 #include "rewrite/observation.h"
 #include "rewrite/rewrite.h"
+#include "rewrite/round_log.h"
+#include "rewrite/round_schedule.h"
+#include "rewrite/serving.h"
+#include "rewrite/world.h"
 
 namespace magi::rewrite {
-
-// A moved gather as its NCCL call, kept to fall back on.
-struct NcclGather {
-  const void* sendbuf;
-  void* recvbuf;
-  size_t count;
-  ncclDataType_t dtype;
-};
 
 struct Route {
   // TrialNccl: a moved gather sent to NCCL on purpose, and timed, during the cost trial.
@@ -72,19 +70,11 @@ struct Route {
   uint16_t bucket = 0;
 };
 
-// What the early launches of the program's open group (CommAgreement::issue) left for that
-// group's end: the first error they met, which the program gets from rewrite::group_ended, and
-// how many of the group's calls they launched, which ncclGroupSimulateEnd reports. Per thread,
-// as NCCL's groups are.
-struct EarlyLaunches {
-  ncclResult_t error = ncclSuccess;
-  uint32_t calls = 0;
-};
-EarlyLaunches& early_launches();
-
+// Coordinates the parts for one communicator: the round schedule, the rounds themselves (issued
+// through a GroupFlush, recorded through round_log), the active plan, its Serving and CostTrial.
 class CommAgreement {
  public:
-  CommAgreement(ncclComm_t comm, const capture::CommInfo& info, const RealNcclCalls& nccl);
+  CommAgreement(ncclComm_t comm, const capture::CommInfo& info, AgreementWorld world);
   ~CommAgreement();
   CommAgreement(const CommAgreement&) = delete;
   CommAgreement& operator=(const CommAgreement&) = delete;
@@ -100,54 +90,55 @@ class CommAgreement {
                      cudaStream_t stream, uint16_t bucket_id, bool via_nccl);
 
   uint64_t identity() const { return info_.identity; }
+  ncclComm_t comm() const { return comm_; }
+  const AgreementWorld& world() const { return world_; }
 
   // The communicator is being aborted, maybe from another thread while a call of this one is
   // blocked: the transport stops waiting on peers now, and no window is made after this.
-  void abandon();
+  void abandon() { serving_.abandon(); }
 
  private:
   struct Round {
     RoundKind kind;
     uint32_t number;
     std::unique_ptr<ce::Exchange> exchange;
-    bool voted_no = false;        // issued inside an open group: this rank said no
-    uint64_t decision_hash = 0;   // publish/confirm
+    bool voted_no = false;       // issued inside an open group: this rank said no
+    uint64_t decision_hash = 0;  // publish/confirm
   };
 
-  ncclResult_t forward_to_nccl(std::span<const NcclGather> calls, cudaStream_t stream);
+  void restart(const capture::StepView& view);
   void on_lost(uint64_t seq);
+  void abandon_pending(uint64_t seq);
   void at_anchor(const capture::StepView& view);
-  void read_round(const capture::StepView& view);
+  void read_round(uint64_t seq);
+  void read_voted_no(Round& round, uint64_t seq);
+  void read_publish(std::span<const uint8_t> all, const Round& round, uint64_t seq);
+  void read_confirm(std::span<const uint8_t> all, const Round& round, uint64_t seq);
   void issue(RoundKind kind, Contribution& contribution, uint64_t seq);
   Contribution header_for(RoundKind kind) const;
   void propose(uint64_t seq);
+  void take_decision(const Decision& decision, uint32_t round, uint64_t seq);
   void after_propose(const Decision& decision, uint64_t seq);
   void publish(uint64_t seq);
   void activate(uint64_t seq);
   void issue_cost(uint64_t seq);
   void after_cost(std::span<const uint8_t> all, uint64_t seq);
-  void collect_timings();
   void deactivate(uint64_t seq, Reason why);
-  void drop_transport();
   void retire(std::unique_ptr<ce::Exchange> exchange);
-  void record_round(RoundKind kind, trace::RoundEvent event, uint64_t seq, AgreementMode mode,
-                    Reason reason, uint32_t moved) const;
-  void record_decision(const Decision& decision) const;
+  void record(RoundKind kind, trace::RoundEvent event, uint64_t seq, AgreementMode mode,
+              Reason reason, uint32_t moved) const;
 
   const ncclComm_t comm_;
   const capture::CommInfo info_;
-  const RealNcclCalls nccl_;
+  const AgreementWorld world_;
   const Options& options_;
   const ce::Backend backend_;
   bool agreeable_ = true;
-  bool told_point_to_point_group_ = false;  // the warning of CommAgreement::issue, once
 
+  RoundSchedule schedule_;
+  GroupFlush flush_;
   StepObservation seen_;
-  uint64_t step_digest_ = 0;     // of the step being observed
-  uint64_t steps_ = 0;           // anchors passed since the step was found
-  uint32_t anchor_ = 0;          // step position where rounds are issued and read
-  uint64_t next_propose_ = 0;    // value of steps_ at which to propose
-  uint32_t rounds_ = 0;
+  uint64_t step_digest_ = 0;  // of the step being observed
   std::unique_ptr<Round> pending_;
   std::vector<std::unique_ptr<ce::Exchange>> retired_;  // rounds whose result nobody needs
   std::unique_ptr<ce::Exchange> spare_;                 // a read round's buffers, for the next
@@ -156,29 +147,8 @@ class CommAgreement {
   Decision decision_;
   uint32_t decision_round_ = 0;
   SlotLayout layout_;
-  std::unique_ptr<ce::Transport> transport_;
-  // Held where transport_ is replaced or dropped, and by abandon(), which may come from another
-  // thread; the calling thread itself reads transport_ without it.
-  std::mutex transport_mutex_;
-  bool aborted_ = false;  // under transport_mutex_
-  bool transport_failed_ = false;
-  std::vector<uint32_t> stale_positions_;  // static bindings found changed, until the step changes
-
-  // The cost trial (unless MAGI_CE_FORCE=1): for 2 × MAGI_WARMUP_STEPS steps after activation,
-  // the moved buckets alternate, step by step, between the transport and NCCL, each timed to
-  // completion; then a cost round keeps, per bucket, the route that was faster on the slowest
-  // rank. Which steps go where is a function of the anchor count: shared by every rank.
-  bool trial_ = false;
-  uint64_t trial_start_ = 0;  // steps_ at activation
-  uint64_t trial_end_ = 0;
-  struct Timing {
-    uint16_t bucket;
-    bool via_nccl;
-    std::unique_ptr<ce::CompletionTimer> timer;
-  };
-  std::vector<Timing> timings_;                    // waiting to be read
-  std::vector<std::vector<uint64_t>> moved_ns_;    // by bucket
-  std::vector<std::vector<uint64_t>> nccl_ns_;
+  Serving serving_;
+  CostTrial trial_;
   uint64_t nccl_faster_hash_ = 0;  // a plan whose cost round kept no bucket: not tried again
 
   // The active plan: routes follow it while the step digest is this one.
@@ -187,5 +157,9 @@ class CommAgreement {
   uint64_t active_digest_ = 0;
   uint64_t active_hash_ = 0;
 };
+
+// The agreement of a communicator that joined, in the process's world (production_world).
+std::shared_ptr<CommAgreement> make_comm_agreement(ncclComm_t comm, const capture::CommInfo& info,
+                                                   const RealNcclCalls& nccl);
 
 }  // namespace magi::rewrite

@@ -49,9 +49,12 @@ struct Outcome {
   ncclResult_t result = ncclSuccess;  // what the program gets when served
 };
 
-// For every recorded call of a communicator that has an agreement. May first issue or read an agreement round on the communicator (one
-// all-gather of its own through the real NCCL). Marks `record.flags` with kCallMoved or
-// kCallWouldMove. Never throws.
+// For every recorded call of a communicator (`agreement` is null for one created out of sight).
+// May first issue or read an agreement round on the communicator (one all-gather of its own
+// through the real NCCL). Serves a moved call now or, inside a group, queues it for
+// group_ended. The call counts as served (and is marked kCallMoved) only once it was served or
+// queued; whatever is thrown before leaves it to NCCL. Marks kCallWouldMove in a dry run.
+// Never throws.
 Outcome intercept(const std::shared_ptr<CommAgreement>& agreement, const capture::CallArgs& args,
                   capture::CallRecord& record, const capture::StepView& view) noexcept;
 

@@ -1,7 +1,9 @@
 // The call path of rewrite/: asks the communicator's agreement for the call's route,
 // and serves moved gathers now or, inside a group, when the group ends (one bucket per
 // communicator, like NCCL launching a group's work at ncclGroupEnd).
+#include <algorithm>
 #include <memory>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -24,15 +26,36 @@ struct Queued {
   cudaStream_t stream;
   ce::GatherOp op;
   NcclGather call;
+  bool served = false;  // its bucket was served at the group's end
 };
 thread_local std::vector<Queued> t_queued;
+
+// What a failure at the group's end left unserved goes to NCCL as the program issued it: one
+// NCCL group (so the calls of several communicators cannot meet in different orders).
+ncclResult_t forward_unserved(std::span<Queued> queued) noexcept {
+  const auto first =
+      std::find_if(queued.begin(), queued.end(), [](const Queued& q) { return !q.served; });
+  if (first == queued.end()) return ncclSuccess;
+  const RealNcclCalls& nccl = first->agreement->world().nccl;
+  nccl.group_start();
+  ncclResult_t result = ncclSuccess;
+  for (const Queued& q : queued) {
+    if (q.served) continue;
+    const NcclGather& g = q.call;
+    const ncclResult_t r = q.agreement->world().nccl.all_gather(
+        g.sendbuf, g.recvbuf, g.count, g.dtype, q.agreement->comm(), q.stream);
+    if (result == ncclSuccess) result = r;
+  }
+  const ncclResult_t ended = nccl.group_end();
+  return result != ncclSuccess ? result : ended;
+}
 
 }  // namespace
 
 void install(const RealNcclCalls& calls) { g_nccl = calls; }
 
 std::shared_ptr<CommAgreement> join(ncclComm_t comm, const capture::CommInfo& info) {
-  return std::make_shared<CommAgreement>(comm, info, g_nccl);
+  return make_comm_agreement(comm, info, g_nccl);
 }
 
 void abandon(CommAgreement& agreement) noexcept {
@@ -60,24 +83,23 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
     if (route.kind == Route::Kind::WouldMove) record.flags |= trace::kCallWouldMove;
     if (route.kind != Route::Kind::Move && route.kind != Route::Kind::TrialNccl) return;
     const bool via_nccl = route.kind == Route::Kind::TrialNccl;
-    if (!via_nccl) record.flags |= trace::kCallMoved;
-    const ce::GatherOp op{args.sendbuf, args.recvbuf, args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)),
+    const ce::GatherOp op{args.sendbuf, args.recvbuf,
+                          args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)),
                           route.slot_offset};
     const NcclGather call{args.sendbuf, args.recvbuf, args.count, args.dtype};
-    outcome.served = true;
-    if (capture::group_depth() > 0) {
+    // Served only once it was: until then, whatever is thrown leaves the call to NCCL. Inside a
+    // group, queued is as good as served: group_ended serves it, or forwards it if that fails.
+    ncclResult_t result = ncclSuccess;
+    if (agreement->world().group().depth > 0) {
       t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, op, call});
-      outcome.result = ncclSuccess;
     } else {
-      outcome.result = agreement->serve({&op, 1}, {&call, 1}, args.stream, route.bucket, via_nccl);
+      result = agreement->serve({&op, 1}, {&call, 1}, args.stream, route.bucket, via_nccl);
     }
+    outcome.served = true;
+    outcome.result = result;
+    if (!via_nccl) record.flags |= trace::kCallMoved;
   });
   return outcome;
-}
-
-EarlyLaunches& early_launches() {
-  thread_local EarlyLaunches early;
-  return early;
 }
 
 ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
@@ -85,29 +107,38 @@ ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
   if (nccl_result == ncclSuccess && flushed != ncclSuccess) nccl_result = flushed;
   if (t_queued.empty()) return nccl_result;
   ncclResult_t result = nccl_result;
-  guarded("ncclGroupEnd", [&] {
-    std::vector<Queued> queued = std::move(t_queued);
-    t_queued.clear();
+  std::vector<Queued> queued = std::move(t_queued);
+  t_queued.clear();
+  const bool all_served = guarded("ncclGroupEnd", [&] {
     // One bucket of the plan at a time, in the order the group first named each. The ranks
     // queued the same calls (routes are shared), so they serve the same buckets in this order.
     std::vector<bool> done(queued.size(), false);
     std::vector<ce::GatherOp> bucket;
     std::vector<NcclGather> calls;
+    std::vector<size_t> members;
     for (size_t i = 0; i < queued.size(); ++i) {
       if (done[i]) continue;
       bucket.clear();
       calls.clear();
+      members.clear();
       for (size_t j = i; j < queued.size(); ++j) {
-        if (queued[j].agreement != queued[i].agreement || queued[j].bucket != queued[i].bucket) continue;
+        if (queued[j].agreement != queued[i].agreement || queued[j].bucket != queued[i].bucket)
+          continue;
         bucket.push_back(queued[j].op);
         calls.push_back(queued[j].call);
+        members.push_back(j);
         done[j] = true;
       }
       const ncclResult_t served = queued[i].agreement->serve(bucket, calls, queued[i].stream,
                                                              queued[i].bucket, queued[i].via_nccl);
+      for (const size_t j : members) queued[j].served = true;
       if (result == ncclSuccess) result = served;
     }
   });
+  if (!all_served) {
+    const ncclResult_t forwarded = forward_unserved(queued);
+    if (result == ncclSuccess) result = forwarded;
+  }
   return result;
 }
 

@@ -552,7 +552,7 @@ TEST(Agreement, AGroupingSkewWithChangingShapesAbortsAndFinishes) {
 // does (STANDIN_GROUP_ORDER=size). An agreement round issued inside the even ranks' group would
 // run after their gather whenever the gather is the larger, while the odd ranks run it before:
 // the ranks would meet different collectives and hang (what two H200s showed, before rounds
-// stopped joining the program's groups: rewrite/agreement.cc, CommAgreement::issue).
+// stopped joining the program's groups: rewrite/group_flush.h).
 TEST(Agreement, AGroupingSkewSurvivesNcclsLargestFirstOrderWithinAGroup) {
   const AgreedRun r = run_agreed(4, {"groupskew", "--configs", "12", "--steps", "16"},
                                  {{"STANDIN_GROUP_ORDER", "size"}, {"STANDIN_TIMEOUT_S", "20"}}, 60);

@@ -1,0 +1,105 @@
+#include "rewrite/cost_trial.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+
+namespace magi::rewrite {
+
+void CostTrial::start(bool timed, uint64_t steps, uint64_t warmup_steps, size_t buckets) {
+  running_ = timed;
+  start_ = steps;
+  end_ = steps + 2 * warmup_steps;
+  timings_.clear();
+  moved_ns_.assign(buckets, {});
+  nccl_ns_.assign(buckets, {});
+}
+
+void CostTrial::stop() {
+  running_ = false;
+  timings_.clear();
+}
+
+std::unique_ptr<ce::CompletionTimer> CostTrial::begin_timing(const TransportFactory& make,
+                                                             void* stream) const {
+  if (!running_) return nullptr;
+  try {
+    std::unique_ptr<ce::CompletionTimer> timer = make.timer();
+    timer->start(stream);
+    return timer;
+  } catch (const Error&) {
+    return nullptr;
+  }
+}
+
+void CostTrial::end_timing(std::unique_ptr<ce::CompletionTimer> timer, void* stream,
+                           uint16_t bucket, bool via_nccl) noexcept {
+  if (!timer) return;
+  try {
+    timer->stop(stream);
+    timings_.push_back({bucket, via_nccl, std::move(timer)});
+  } catch (...) {
+    // Unmeasured: the cost round keeps the bucket moving.
+  }
+}
+
+void CostTrial::collect() {
+  for (Timing& t : timings_) {
+    const uint64_t ns = t.timer->elapsed_ns();  // a step later: long complete
+    if (ns == 0 || t.bucket >= moved_ns_.size()) continue;
+    (t.via_nccl ? nccl_ns_ : moved_ns_)[t.bucket].push_back(ns);
+  }
+  timings_.clear();
+}
+
+std::vector<BucketCost> CostTrial::medians() {
+  collect();
+  auto median = [](std::vector<uint64_t> v) -> uint64_t {
+    if (v.empty()) return 0;
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    return v[v.size() / 2];
+  };
+  std::vector<BucketCost> costs;
+  for (size_t b = 0; b < moved_ns_.size(); ++b)
+    costs.push_back({median(moved_ns_[b]), median(nccl_ns_[b])});
+  return costs;
+}
+
+uint32_t keep_faster(const std::vector<CostVerdict>& costs, Decision& decision,
+                     SlotLayout& layout) {
+  uint32_t moved = 0;
+  for (GatherDecision& g : decision.gathers) {
+    if (!g.moves) continue;
+    if (g.bucket < costs.size() && !costs[g.bucket].keep) {
+      g.moves = false;
+      g.reason = Reason::NcclFaster;
+      layout.offset_by_position[g.position] = SIZE_MAX;
+    } else {
+      ++moved;
+    }
+  }
+  return moved;
+}
+
+void log_costs(uint64_t comm_id, uint32_t round, const std::vector<CostVerdict>& costs) {
+  if (!log_detail::enabled(1, Subsystem::Rewrite)) return;
+  std::string text;
+  constexpr size_t kShown = 6;
+  for (size_t b = 0; b < costs.size() && b < kShown; ++b) {
+    const CostVerdict& k = costs[b];
+    char line[112];
+    if (k.measured)
+      std::snprintf(line, sizeof line, "%sbucket %zu: copy engine %.1f us, NCCL %.1f us -> %s",
+                    b ? "; " : "", b, k.moved_ns / 1e3, k.nccl_ns / 1e3,
+                    k.keep ? "copy engine" : "NCCL");
+    else
+      std::snprintf(line, sizeof line, "%sbucket %zu: not measured on every rank -> copy engine",
+                    b ? "; " : "", b);
+    text += line;
+  }
+  if (costs.size() > kShown) text += "; ...";
+  MAGI_INFO(Rewrite, "comm %012llx round %u: cost on the slowest rank (median per call): %s",
+            short_id(comm_id), round, text.c_str());
+}
+
+}  // namespace magi::rewrite

@@ -1,0 +1,65 @@
+#include "rewrite/round_log.h"
+
+#include <map>
+#include <string>
+
+namespace magi::rewrite {
+
+void record_round(const TraceSink& trace, const RoundStamp& stamp, RoundKind kind,
+                  trace::RoundEvent event, uint64_t seq, AgreementMode mode, Reason reason,
+                  uint32_t moved) {
+  trace::AgreementRecord r{};
+  r.comm_id = stamp.comm_id;
+  r.seq = seq;
+  r.step_digest = stamp.step_digest;
+  r.round = stamp.round;
+  r.period = stamp.period;
+  r.gathers = stamp.gathers;
+  r.moved = moved;
+  r.rank = stamp.rank;
+  r.kind = static_cast<uint8_t>(kind);
+  r.event = static_cast<uint8_t>(event);
+  r.mode = static_cast<uint8_t>(mode);
+  r.reason = static_cast<uint8_t>(reason);
+  trace(trace::RecordType::Agreement, &r, sizeof(r));
+}
+
+void record_decision(const TraceSink& trace, const capture::CommInfo& info,
+                     const StepObservation& seen, const Decision& d, uint32_t round) {
+  std::map<Reason, uint32_t> stays;
+  for (const GatherDecision& g : d.gathers) {
+    const PositionSeen& p = seen.at(g.position);
+    trace::DecisionRecord r{};
+    r.comm_id = info.identity;
+    r.callsite = p.callsite;
+    r.count = p.count;
+    r.round = round;
+    r.position = g.position;
+    r.rank = info.rank;
+    r.refused_by = g.refused_by;
+    r.bucket = g.bucket;
+    r.dtype = p.dtype;
+    r.verdict = static_cast<uint8_t>(!g.moves    ? trace::Verdict::Stays
+                                     : d.dry_run ? trace::Verdict::WouldMove
+                                                 : trace::Verdict::Moved);
+    r.reason = static_cast<uint8_t>(g.reason);
+    r.mode = static_cast<uint8_t>(d.mode);
+    trace(trace::RecordType::Decision, &r, sizeof(r));
+    if (!g.moves) ++stays[g.reason];
+    MAGI_TRACE(Rewrite, "comm %012llx round %u gather at position %u: %s%s%s",
+               short_id(info.identity), round, g.position,
+               std::string(trace::verdict_name(static_cast<trace::Verdict>(r.verdict))).c_str(),
+               g.moves ? "" : ": ",
+               g.moves ? "" : std::string(trace::reason_name(g.reason)).c_str());
+  }
+  std::string why;
+  for (const auto& [reason, count] : stays)
+    why += (why.empty() ? "" : "; ") + std::to_string(count) + " " +
+           std::string(trace::reason_name(reason));
+  MAGI_INFO(Rewrite, "comm %012llx round %u: mode %s, %u of %zu gathers %s%s%s",
+            short_id(info.identity), round, std::string(trace::mode_name(d.mode)).c_str(),
+            d.moved, d.gathers.size(), d.dry_run ? "would move" : "move",
+            why.empty() ? "" : "; stay: ", why.c_str());
+}
+
+}  // namespace magi::rewrite

@@ -1,0 +1,121 @@
+#include "rewrite/serving.h"
+
+namespace magi::rewrite {
+
+ce::WindowPlan window_plan(const Decision& decision, const StepObservation& seen,
+                           const SlotLayout& layout, const Options& options) {
+  ce::WindowPlan plan;
+  plan.slot_bytes = layout.slot_bytes;
+  plan.bound = decision.bound;
+  plan.verify_every = static_cast<uint64_t>(options.verify_every);
+  if (!plan.bound) return plan;
+  for (const GatherDecision& g : decision.gathers) {
+    if (!g.moves) continue;
+    const PositionSeen& p = seen.at(g.position);
+    plan.bind.push_back({reinterpret_cast<const void*>(p.sendbuf),
+                         p.count * datatype_bytes(p.dtype), layout.offset_by_position[g.position]});
+  }
+  return plan;
+}
+
+Serving::Serving(const AgreementWorld& world, const capture::CommInfo& info, ncclComm_t comm)
+    : world_(world), info_(info), comm_(comm) {}
+
+Serving::~Serving() { drop(); }
+
+ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket,
+                            std::span<const NcclGather> calls, cudaStream_t stream,
+                            uint16_t bucket_id, bool via_nccl, CostTrial& trial,
+                            const SlotLayout& layout) {
+  if (!transport_) return ncclInternalError;  // routes say Move only with a transport
+  struct Timed {  // stops the timer once the bucket is served, whichever way it leaves
+    CostTrial& trial;
+    std::unique_ptr<ce::CompletionTimer> timer;
+    cudaStream_t stream;
+    uint16_t bucket;
+    bool via_nccl;
+    ~Timed() { trial.end_timing(std::move(timer), stream, bucket, via_nccl); }
+  } timed{trial, trial.begin_timing(world_.make, stream), stream, bucket_id, via_nccl};
+  if (via_nccl) return forward_to_nccl(calls, stream);
+  try {
+    const auto timing = timed.timer ? ce::Transport::Timing::Timed : ce::Transport::Timing::Untimed;
+    if (transport_->gather(bucket, stream, timing) == ce::Transport::Served::FallBack) {
+      // Every rank learned of the failure in this bucket: all of them hand it to NCCL now, and
+      // refuse its gathers at the next round.
+      if (!failed_)
+        MAGI_WARN(Transport, "comm %012llx: the transport failed on some rank; its gathers go to "
+                  "NCCL until the next agreement round takes them back", short_id(info_.identity));
+      failed_ = true;
+      return forward_to_nccl(calls, stream);
+    }
+    for (const size_t offset : transport_->take_stale_bindings()) {
+      for (uint32_t p = 0; p < layout.offset_by_position.size(); ++p) {
+        if (layout.offset_by_position[p] != offset) continue;
+        MAGI_WARN(Transport, "comm %012llx: MAGI_STATIC_WEIGHTS=1, but the shard of the gather at "
+                  "position %u changed after it was bound; peers may have read stale bytes. It "
+                  "goes back to NCCL at the next agreement round", short_id(info_.identity), p);
+        stale_positions_.push_back(p);
+      }
+    }
+    return ncclSuccess;
+  } catch (const Error& e) {
+    if (!failed_)
+      MAGI_WARN(Transport, "comm %012llx: a moved gather failed: %s; the communicator goes back "
+                "to NCCL at its next agreement round", short_id(info_.identity), e.what());
+    failed_ = true;
+    return e.result();
+  }
+}
+
+ncclResult_t Serving::forward_to_nccl(std::span<const NcclGather> calls, cudaStream_t stream) {
+  const RealNcclCalls& nccl = world_.nccl;
+  const bool grouped = calls.size() > 1;
+  if (grouped) nccl.group_start();
+  ncclResult_t result = ncclSuccess;
+  for (const NcclGather& g : calls) {
+    const ncclResult_t r = nccl.all_gather(g.sendbuf, g.recvbuf, g.count, g.dtype, comm_, stream);
+    if (result == ncclSuccess) result = r;
+  }
+  if (grouped) {
+    const ncclResult_t r = nccl.group_end();
+    if (result == ncclSuccess) result = r;
+  }
+  return result;
+}
+
+void Serving::open_window(const ce::WindowPlan& plan, ce::HandleBlob& handle) {
+  drop();
+  failed_ = false;
+  {
+    std::lock_guard<std::mutex> lock(transport_mutex_);
+    if (aborted_) throw Error(ErrorKind::Usage, "the communicator is being aborted");
+    transport_ = world_.make.transport(info_);
+  }
+  transport_->prepare(plan, handle);
+}
+
+void Serving::drop() {
+  std::lock_guard<std::mutex> lock(transport_mutex_);
+  if (!transport_) return;
+  try {
+    transport_->release();
+  } catch (const Error& e) {
+    MAGI_WARN(Transport, "comm %012llx: releasing the window: %s", short_id(info_.identity),
+              e.what());
+  }
+  transport_.reset();
+}
+
+void Serving::abandon() {
+  std::lock_guard<std::mutex> lock(transport_mutex_);
+  aborted_ = true;
+  if (!transport_) return;
+  try {
+    transport_->abandon();
+  } catch (const Error& e) {
+    MAGI_WARN(Transport, "comm %012llx: abandoning the window: %s", short_id(info_.identity),
+              e.what());
+  }
+}
+
+}  // namespace magi::rewrite

@@ -1,0 +1,45 @@
+#include "rewrite/world.h"
+
+#include "capture/capture.h"
+#include "rewrite/agreement.h"
+
+namespace magi::rewrite {
+
+ce::Backend backend_of(const Options& options) {
+  return options.backend == Options::Backend::Host ? ce::Backend::Host : ce::Backend::Cuda;
+}
+
+AgreementWorld production_world(const RealNcclCalls& nccl) {
+  const Options& options = Options::get();
+  const ce::Backend backend = backend_of(options);
+  TransportFactory make;
+  make.transport = [backend](const capture::CommInfo& info) {
+    return ce::make_transport(backend, info.rank, info.nranks, info.identity, info.cuda_device);
+  };
+  make.exchange = [backend](const capture::CommInfo& info) {
+    return ce::make_exchange(backend, kContributionBytes, info.nranks, info.cuda_device);
+  };
+  make.timer = [backend] { return ce::make_timer(backend); };
+  make.locality = [backend](const capture::CommInfo& info) {
+    return ce::local_locality(backend, info.cuda_device);
+  };
+  return AgreementWorld{
+      options,
+      nccl,
+      std::move(make),
+      [] {
+        return GroupView{capture::group_depth(), capture::group_holds_point_to_point(),
+                         capture::group_calls()};
+      },
+      [](trace::RecordType type, const void* payload, uint32_t bytes) {
+        capture::trace_record(type, payload, bytes);
+      },
+  };
+}
+
+std::shared_ptr<CommAgreement> make_comm_agreement(ncclComm_t comm, const capture::CommInfo& info,
+                                                   const RealNcclCalls& nccl) {
+  return std::make_shared<CommAgreement>(comm, info, production_world(nccl));
+}
+
+}  // namespace magi::rewrite

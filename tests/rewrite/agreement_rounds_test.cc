@@ -1,0 +1,571 @@
+// One communicator's agreement driven in one process: this test plays rank 0's program call by
+// call, and every other rank's side of each round (a fake exchange hands back rank 0's own
+// contribution together with the peers' the test writes). The world is fake throughout: NCCL
+// counts calls, the transport and the timers run on a clock the fakes advance, the group state
+// and the trace are the test's.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "rewrite/agreement.h"
+
+namespace magi::rewrite {
+namespace {
+
+constexpr int kRanks = 4;
+constexpr uint32_t kPeriod = 3;  // position 0: an all-reduce (the anchor); 1 and 2: all-gathers
+constexpr uint64_t kDigest = 0xd15e57;
+constexpr uint64_t kNcclGatherNs = 100;
+
+// What the fakes saw and what they do; the NCCL calls are plain function pointers, so the state
+// they reach is the file's.
+struct Fakes {
+  std::vector<Contribution> contributed;  // rank 0's contribution to each round, in order
+  // Writes rank `rank`'s contribution to a round, starting from a copy of rank 0's.
+  std::function<void(int rank, Contribution&)> peer;
+  int results_read = 0;
+  int rounds_launched = 0;
+  int nccl_gathers = 0;  // the program's gathers that reached NCCL
+  int group_starts = 0;
+  int group_ends = 0;
+  int transports_made = 0;
+  int transport_gathers = 0;
+  uint64_t moved_ns = 500;  // what a bucket costs on the transport (fake clock)
+  bool gather_throws = false;  // once transport_gathers reaches gathers_before_throw
+  int gathers_before_throw = 0;
+  bool timer_stop_throws = false;
+  uint64_t clock_ns = 0;
+  GroupView group;
+  std::vector<trace::AgreementRecord> rounds;
+  std::vector<trace::DecisionRecord> decisions;
+};
+Fakes* g_fakes = nullptr;
+
+ncclResult_t fake_all_gather(const void*, void*, size_t count, ncclDataType_t dtype, ncclComm_t,
+                             cudaStream_t) {
+  if (dtype == ncclUint8 && count == kContributionBytes) {
+    ++g_fakes->rounds_launched;
+  } else {
+    ++g_fakes->nccl_gathers;
+    g_fakes->clock_ns += kNcclGatherNs;
+  }
+  return ncclSuccess;
+}
+ncclResult_t fake_group_start() {
+  ++g_fakes->group_starts;
+  return ncclSuccess;
+}
+ncclResult_t fake_group_end() {
+  ++g_fakes->group_ends;
+  return ncclSuccess;
+}
+
+class FakeExchange : public ce::Exchange {
+ public:
+  explicit FakeExchange(int rank)
+      : rank_(rank), send_(kContributionBytes), recv_(kRanks * kContributionBytes) {}
+  void* send_buffer() override { return send_.data(); }
+  void* recv_buffer() override { return recv_.data(); }
+  void* stream() override { return nullptr; }
+  void stage(std::span<const uint8_t> bytes) override {
+    std::memcpy(send_.data(), bytes.data(), bytes.size());
+    Contribution mine;
+    EXPECT_TRUE(Contribution::parse(bytes, mine));
+    g_fakes->contributed.push_back(mine);
+  }
+  void issued() override {}
+  bool ready() override { return true; }
+  std::span<const uint8_t> result() override {
+    ++g_fakes->results_read;
+    Contribution mine;
+    EXPECT_TRUE(Contribution::parse(send_, mine));
+    for (int r = 0; r < kRanks; ++r) {
+      Contribution c = mine;
+      c.header.rank = r;
+      if (r != rank_ && g_fakes->peer) g_fakes->peer(r, c);
+      c.serialize(std::span<uint8_t>(recv_).subspan(static_cast<size_t>(r) * kContributionBytes,
+                                                    kContributionBytes));
+    }
+    return recv_;
+  }
+
+ private:
+  int rank_;
+  std::vector<uint8_t> send_;
+  std::vector<uint8_t> recv_;
+};
+
+class FakeTransport : public ce::Transport {
+ public:
+  void prepare(const ce::WindowPlan& plan, ce::HandleBlob& out) override {
+    bytes_ = 2 * plan.slot_bytes;
+    out.bytes[0] = 0x5a;
+  }
+  void attach(std::span<const ce::HandleBlob> blobs) override {
+    EXPECT_EQ(blobs.size(), static_cast<size_t>(kRanks));
+  }
+  Served gather(std::span<const ce::GatherOp>, void*, Timing) override {
+    if (g_fakes->gather_throws && g_fakes->transport_gathers >= g_fakes->gathers_before_throw)
+      throw std::runtime_error("not one of ours");
+    ++g_fakes->transport_gathers;
+    g_fakes->clock_ns += g_fakes->moved_ns;
+    return Served::Moved;
+  }
+  void release() override {}
+  void abandon() override {}
+  size_t window_bytes() const override { return bytes_; }
+
+ private:
+  size_t bytes_ = 0;
+};
+
+class FakeTimer : public ce::CompletionTimer {
+ public:
+  void start(void*) override { start_ = g_fakes->clock_ns; }
+  void stop(void*) override {
+    if (g_fakes->timer_stop_throws) throw Error(ErrorKind::Cuda, "cannot record the stop event");
+    stop_ = g_fakes->clock_ns;
+  }
+  uint64_t elapsed_ns() override { return stop_ - start_; }
+
+ private:
+  uint64_t start_ = 0;
+  uint64_t stop_ = 0;
+};
+
+Options options_with(std::map<std::string, std::string> env) {
+  env.emplace("MAGI_BACKEND", "host");
+  env.emplace("MAGI_WARMUP_STEPS", "2");
+  env.emplace("MAGI_REAGREE_STEPS", "8");
+  std::vector<std::string> names;
+  for (const auto& [name, value] : env) names.push_back(name);
+  std::vector<std::string> complaints;
+  Options options = Options::parse(
+      [&](const char* name) -> std::optional<std::string> {
+        auto it = env.find(name);
+        return it == env.end() ? std::nullopt : std::optional<std::string>(it->second);
+      },
+      names, complaints);
+  EXPECT_TRUE(complaints.empty());
+  return options;
+}
+
+using Kind = Route::Kind;
+using Env = std::map<std::string, std::string>;
+
+// Rank 0 of a 4-rank communicator whose step is [all-reduce, all-gather, all-gather].
+class Rank0 {
+ public:
+  explicit Rank0(std::map<std::string, std::string> env)
+      : options_(options_with(std::move(env))) {
+    g_fakes = &fakes;
+    TransportFactory make;
+    make.transport = [](const capture::CommInfo&) {
+      ++g_fakes->transports_made;
+      return std::make_unique<FakeTransport>();
+    };
+    make.exchange = [](const capture::CommInfo& info) {
+      return std::make_unique<FakeExchange>(info.rank);
+    };
+    make.timer = [] { return std::make_unique<FakeTimer>(); };
+    make.locality = [](const capture::CommInfo&) { return ce::Locality{42, -1, 0}; };
+    AgreementWorld world{options_,
+                         {fake_all_gather, fake_group_start, fake_group_end},
+                         std::move(make),
+                         [] { return g_fakes->group; },
+                         [](trace::RecordType type, const void* payload, uint32_t bytes) {
+                           if (type == trace::RecordType::Agreement) {
+                             trace::AgreementRecord r;
+                             EXPECT_EQ(bytes, sizeof r);
+                             std::memcpy(&r, payload, sizeof r);
+                             g_fakes->rounds.push_back(r);
+                           } else if (type == trace::RecordType::Decision) {
+                             trace::DecisionRecord r;
+                             EXPECT_EQ(bytes, sizeof r);
+                             std::memcpy(&r, payload, sizeof r);
+                             g_fakes->decisions.push_back(r);
+                           }
+                         }};
+    capture::CommInfo info{0xc0ffee, 0, 0, kRanks, -1, capture::CommOrigin::InitRank, false};
+    agreement_ = std::make_shared<CommAgreement>(comm(), info, std::move(world));
+  }
+  ~Rank0() { g_fakes = nullptr; }
+
+  static ncclComm_t comm() { return reinterpret_cast<ncclComm_t>(uintptr_t{0x1000}); }
+
+  // The program's next collective; returns the route it took (seen through rewrite's call path).
+  Kind call(std::optional<capture::StepDetector::Event> event = std::nullopt, bool found = true) {
+    const uint64_t index = next_++;
+    const uint32_t position = static_cast<uint32_t>((index - base_) % kPeriod);
+    capture::CallArgs args{};
+    args.op = position == 0 ? trace::Op::AllReduce : trace::Op::AllGather;
+    args.dtype = ncclFloat;
+    args.count = position == 0 ? 4096 : position == 1 ? 1000 : 64;
+    args.root_or_peer = -1;
+    args.redop = position == 0 ? 0 : -1;
+    args.sendbuf = position == 0 ? reduce_ : position == 1 ? send1_ : send2_;
+    args.recvbuf = position == 0 ? reduce_ : position == 1 ? recv1_ : recv2_;
+    capture::CallRecord record{};
+    record.callsite = 1000 + position;
+    record.sendbuf = reinterpret_cast<uint64_t>(args.sendbuf);
+    record.recvbuf = reinterpret_cast<uint64_t>(args.recvbuf);
+    capture::StepView view;
+    view.collective = true;
+    view.event = event.value_or(index == base_ && found ? capture::StepDetector::Event::Found
+                                                        : capture::StepDetector::Event::None);
+    view.found = found;
+    view.position = found ? position : 0;
+    view.period = found ? kPeriod : 0;
+    view.digest = found ? kDigest : 0;
+    view.collective_index = index;
+    const Outcome outcome = intercept(agreement_, args, record, view);
+    const bool moved = (record.flags & trace::kCallMoved) != 0;
+    if (record.flags & trace::kCallWouldMove) {
+      EXPECT_FALSE(outcome.served);
+      return Kind::WouldMove;
+    }
+    if (!outcome.served) {
+      EXPECT_FALSE(moved);
+      return Kind::Nccl;
+    }
+    return moved ? Kind::Move : Kind::TrialNccl;
+  }
+  // Whole steps; returns the routes of every call, by collective index.
+  std::vector<Kind> steps(int n) {
+    std::vector<Kind> kinds;
+    for (int i = 0; i < n * static_cast<int>(kPeriod); ++i) kinds.push_back(call());
+    return kinds;
+  }
+  // Until collective `index` (excluded).
+  void run_to(uint64_t index) {
+    while (next_ < index) call();
+  }
+  // The step is found again from the next call on (after a loss).
+  void refind() { base_ = next_; }
+  uint64_t next() const { return next_; }
+
+  // The rounds issued so far: (collective index, kind).
+  std::vector<std::pair<uint64_t, RoundKind>> issued() const {
+    std::vector<std::pair<uint64_t, RoundKind>> out;
+    for (const trace::AgreementRecord& r : fakes.rounds)
+      if (r.event == static_cast<uint8_t>(trace::RoundEvent::Issued))
+        out.push_back({r.seq, static_cast<RoundKind>(r.kind)});
+    return out;
+  }
+  const trace::AgreementRecord* find(trace::RoundEvent event, RoundKind kind) const {
+    for (const trace::AgreementRecord& r : fakes.rounds)
+      if (r.event == static_cast<uint8_t>(event) && r.kind == static_cast<uint8_t>(kind)) return &r;
+    return nullptr;
+  }
+
+  Fakes fakes;
+  std::shared_ptr<CommAgreement> agreement_;
+
+ private:
+  Options options_;
+  uint64_t next_ = 0;
+  uint64_t base_ = 0;
+  float reduce_[4096] = {};
+  float send1_[1000] = {};
+  float recv1_[4000] = {};
+  float send2_[64] = {};
+  float recv2_[256] = {};
+};
+
+using Issued = std::vector<std::pair<uint64_t, RoundKind>>;
+
+// With MAGI_WARMUP_STEPS=W the first propose comes at the anchor of step W + 1: index 3W.
+TEST(AgreementRounds, NoRoundBeforeTheWarmupStepsAreComplete) {
+  for (const int warmup : {1, 2, 3}) {
+    Rank0 rank(Env{{"MAGI_WARMUP_STEPS", std::to_string(warmup)}});
+    const uint64_t first = static_cast<uint64_t>(3 * warmup);
+    rank.run_to(first);
+    EXPECT_EQ(rank.fakes.rounds_launched, 0) << "warmup " << warmup;
+    EXPECT_TRUE(rank.issued().empty());
+    rank.call();
+    EXPECT_EQ(rank.issued(), (Issued{{first, RoundKind::Propose}})) << "warmup " << warmup;
+    ASSERT_EQ(rank.fakes.contributed.size(), 1u);
+    const Contribution& c = rank.fakes.contributed[0];
+    EXPECT_EQ(c.header.gathers, 2u);
+    EXPECT_EQ(c.header.period, kPeriod);
+    for (const GatherEntry& e : c.entries) EXPECT_EQ(e.reason, 0) << "position " << e.position;
+  }
+}
+
+// Propose (step 3) -> publish (4) -> confirm (5) -> read at the anchor of step 6 (index 15): the
+// gathers of that very step move, on every rank at the same call.
+TEST(AgreementRounds, AnAgreedPlanMovesAtTheSameCallOnceConfirmed) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  const std::vector<Kind> kinds = rank.steps(8);
+  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose},
+                                   {9, RoundKind::Publish},
+                                   {12, RoundKind::Confirm}}));
+  for (uint64_t i = 0; i < 16; ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
+  for (uint64_t i = 16; i < kinds.size(); ++i)
+    EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;
+  const trace::AgreementRecord* activated =
+      rank.find(trace::RoundEvent::Activated, RoundKind::Confirm);
+  ASSERT_NE(activated, nullptr);
+  EXPECT_EQ(activated->seq, 15u);
+  EXPECT_EQ(activated->moved, 2u);
+  EXPECT_EQ(rank.fakes.transports_made, 1);
+  EXPECT_EQ(rank.fakes.transport_gathers, 6);
+  EXPECT_EQ(rank.fakes.nccl_gathers, 0);
+  // Publish and confirm carry the plan and say this rank can serve it.
+  ASSERT_EQ(rank.fakes.contributed.size(), 3u);
+  for (size_t r = 1; r < 3; ++r) {
+    EXPECT_NE(rank.fakes.contributed[r].header.decision_hash, 0u);
+    EXPECT_TRUE(rank.fakes.contributed[r].header.flags & kCanServe);
+  }
+}
+
+// A peer that holds one gather ineligible: the AND refuses it everywhere, nothing is published,
+// and the next propose comes MAGI_REAGREE_STEPS (8) steps after the read one (step 4 -> 12).
+TEST(AgreementRounds, APeerThatRefusesKeepsEverythingOnNcclUntilTheNextPropose) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.fakes.peer = [](int r, Contribution& c) {
+    if (r == 2 && c.header.kind == static_cast<uint8_t>(RoundKind::Propose))
+      for (GatherEntry& e : c.entries) e.reason = static_cast<uint8_t>(Reason::NotStable);
+  };
+  const std::vector<Kind> kinds = rank.steps(14);
+  for (uint64_t i = 0; i < kinds.size(); ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
+  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose}, {33, RoundKind::Propose}}));
+  EXPECT_EQ(rank.fakes.transports_made, 0);
+  ASSERT_GE(rank.fakes.decisions.size(), 2u);
+  for (size_t d = 0; d < 2; ++d) {
+    EXPECT_EQ(rank.fakes.decisions[d].refused_by, 2);
+    EXPECT_EQ(rank.fakes.decisions[d].reason, static_cast<uint8_t>(Reason::OtherRankRefused));
+    EXPECT_EQ(rank.fakes.decisions[d].verdict, static_cast<uint8_t>(trace::Verdict::Stays));
+  }
+}
+
+// The anchor's call inside the program's open group: the group so far is launched, the round
+// goes alone, the group reopens; this rank votes no and never reads the round; every rank then
+// moves the anchor one position on and proposes again a step later.
+TEST(AgreementRounds, ARoundIssuedInsideAGroupVotesNoAndTheAnchorMovesOn) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.run_to(6);
+  rank.fakes.group = {1, false, 3};
+  EXPECT_EQ(rank.call(), Kind::Nccl);
+  rank.fakes.group = {};
+  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  EXPECT_EQ(rank.fakes.group_ends, 1);    // the group so far, launched before the round
+  EXPECT_EQ(rank.fakes.group_starts, 1);  // and opened again after it
+  ASSERT_EQ(rank.fakes.contributed.size(), 1u);
+  EXPECT_TRUE(rank.fakes.contributed[0].header.flags & kIssuedInGroup);
+  rank.run_to(11);
+  EXPECT_EQ(rank.fakes.results_read, 0);  // voted no: the answer is known without reading
+  const trace::AgreementRecord* read = rank.find(trace::RoundEvent::Read, RoundKind::Propose);
+  ASSERT_NE(read, nullptr);
+  EXPECT_EQ(read->seq, 9u);
+  EXPECT_EQ(read->reason, static_cast<uint8_t>(Reason::AnchorInGroup));
+  // The anchor is now position 1: the next propose is issued at index 10, read at 13.
+  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose}, {10, RoundKind::Propose}}));
+  const std::vector<Kind> kinds = rank.steps(4);
+  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose},
+                                   {10, RoundKind::Propose},
+                                   {13, RoundKind::Publish},
+                                   {16, RoundKind::Confirm}}));
+  // Read at index 19 (position 1, step 7): that gather and the one after it move.
+  EXPECT_EQ(kinds[19 - 11], Kind::Move);
+  EXPECT_EQ(kinds[18 - 11], Kind::Nccl);
+  EXPECT_EQ(kinds[20 - 11], Kind::Move);
+}
+
+// Inside a group holding Send/Recv the round stays in the group (no early launch).
+TEST(AgreementRounds, ARoundInAGroupWithSendRecvIsNotLaunchedEarly) {
+  Rank0 rank(Env{});
+  rank.run_to(6);
+  rank.fakes.group = {1, true, 3};
+  rank.call();
+  rank.fakes.group = {};
+  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  EXPECT_EQ(rank.fakes.rounds_launched, 1);
+  EXPECT_EQ(rank.fakes.group_ends, 0);
+  EXPECT_EQ(rank.fakes.group_starts, 0);
+}
+
+// The step is lost while a confirm round is pending: the round is abandoned, nothing activates.
+TEST(AgreementRounds, AStepLostDropsThePendingRound) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.run_to(13);
+  EXPECT_EQ(rank.call(capture::StepDetector::Event::Lost, false), Kind::Nccl);
+  const trace::AgreementRecord* abandoned =
+      rank.find(trace::RoundEvent::Abandoned, RoundKind::Confirm);
+  ASSERT_NE(abandoned, nullptr);
+  EXPECT_EQ(abandoned->seq, 13u);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(rank.call(std::nullopt, false), Kind::Nccl);
+  EXPECT_EQ(rank.find(trace::RoundEvent::Activated, RoundKind::Confirm), nullptr);
+}
+
+// The step is lost after activation: the plan is dropped at that call; found again, the warmup
+// starts over before the next propose.
+TEST(AgreementRounds, AStepLostDropsThePlanAndTheWarmupStartsOver) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.run_to(18);
+  EXPECT_EQ(rank.call(), Kind::Nccl);  // index 18, position 0
+  EXPECT_EQ(rank.call(), Kind::Move);  // index 19
+  EXPECT_EQ(rank.call(capture::StepDetector::Event::Lost, false), Kind::Nccl);  // index 20
+  const trace::AgreementRecord* off = rank.find(trace::RoundEvent::Deactivated, RoundKind::Propose);
+  ASSERT_NE(off, nullptr);
+  EXPECT_EQ(off->seq, 20u);
+  EXPECT_EQ(off->reason, static_cast<uint8_t>(Reason::Deviated));
+  rank.refind();  // index 21 is position 0 of a step found again
+  const std::vector<Kind> kinds = rank.steps(3);
+  for (const Kind k : kinds) EXPECT_EQ(k, Kind::Nccl);
+  EXPECT_EQ(rank.issued().back(), (std::pair<uint64_t, RoundKind>{27, RoundKind::Propose}));
+}
+
+// Activation at step 6 starts the trial: steps 6 and 8 go to NCCL (timed), 7 and 9 move
+// (timed); the cost round is issued at step 10 and read at step 11. The fake transport is five
+// times slower than NCCL, so every bucket goes back to NCCL, and the same plan is not tried again.
+TEST(AgreementRounds, TheCostTrialAlternatesAndKeepsNcclWhereNcclWasFaster) {
+  Rank0 rank(Env{});
+  const std::vector<Kind> kinds = rank.steps(16);
+  auto at = [&](int step, uint32_t position) {
+    return kinds[static_cast<size_t>((step - 1) * 3) + position];
+  };
+  for (const int step : {6, 8}) {
+    EXPECT_EQ(at(step, 1), Kind::TrialNccl) << "step " << step;
+    EXPECT_EQ(at(step, 2), Kind::TrialNccl) << "step " << step;
+  }
+  for (const int step : {7, 9, 10}) {
+    EXPECT_EQ(at(step, 1), Kind::Move) << "step " << step;
+    EXPECT_EQ(at(step, 2), Kind::Move) << "step " << step;
+  }
+  for (int step = 11; step <= 16; ++step) {
+    EXPECT_EQ(at(step, 1), Kind::Nccl) << "step " << step;
+    EXPECT_EQ(at(step, 2), Kind::Nccl) << "step " << step;
+  }
+  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose},
+                                   {9, RoundKind::Publish},
+                                   {12, RoundKind::Confirm},
+                                   {27, RoundKind::Cost},
+                                   {39, RoundKind::Propose}}));
+  const Contribution& cost = rank.fakes.contributed[3];
+  ASSERT_EQ(cost.costs.size(), 2u);
+  for (const BucketCost& b : cost.costs) {
+    EXPECT_EQ(b.moved_ns, 500u);
+    EXPECT_EQ(b.nccl_ns, kNcclGatherNs);
+  }
+  const trace::AgreementRecord* off = rank.find(trace::RoundEvent::Deactivated, RoundKind::Propose);
+  ASSERT_NE(off, nullptr);
+  EXPECT_EQ(off->seq, 30u);
+  EXPECT_EQ(off->reason, static_cast<uint8_t>(Reason::NcclFaster));
+  // The propose at step 14 agrees the same plan again: read at step 15, it moves nothing.
+  const trace::AgreementRecord& last = rank.fakes.rounds.back();
+  EXPECT_EQ(last.seq, 42u);
+  EXPECT_EQ(last.event, static_cast<uint8_t>(trace::RoundEvent::Read));
+  EXPECT_EQ(last.moved, 0u);
+  EXPECT_EQ(rank.fakes.transports_made, 1);
+}
+
+// The same trial with a transport faster than NCCL: every bucket keeps moving.
+TEST(AgreementRounds, TheCostRoundKeepsMovingWhatWasFaster) {
+  Rank0 rank(Env{});
+  rank.fakes.moved_ns = 20;
+  const std::vector<Kind> kinds = rank.steps(14);
+  for (size_t i = 30; i < kinds.size(); ++i)
+    EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;
+  EXPECT_EQ(rank.find(trace::RoundEvent::Deactivated, RoundKind::Propose), nullptr);
+}
+
+// Timers that cannot stop leave every bucket unmeasured: the calls are still served, and the
+// cost round keeps the plan moving.
+TEST(AgreementRounds, ATimerThatCannotStopLeavesTheTrialUnmeasured) {
+  Rank0 rank(Env{});
+  rank.fakes.timer_stop_throws = true;
+  const std::vector<Kind> kinds = rank.steps(14);
+  EXPECT_EQ(kinds[16], Kind::TrialNccl);
+  EXPECT_EQ(kinds[19], Kind::Move);
+  EXPECT_EQ(rank.fakes.nccl_gathers, 4);
+  ASSERT_GE(rank.fakes.contributed.size(), 4u);
+  const Contribution& cost = rank.fakes.contributed[3];
+  ASSERT_EQ(cost.costs.size(), 2u);
+  for (const BucketCost& b : cost.costs) {
+    EXPECT_EQ(b.moved_ns, 0u);
+    EXPECT_EQ(b.nccl_ns, 0u);
+  }
+  for (size_t i = 30; i < kinds.size(); ++i)
+    EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;
+}
+
+// MAGI_REAGREE_STEPS=0: one agreement, then no round ever again.
+TEST(AgreementRounds, ReagreeZeroMeansNoFurtherRounds) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_REAGREE_STEPS", "0"}});
+  const std::vector<Kind> kinds = rank.steps(40);
+  EXPECT_EQ(rank.fakes.rounds_launched, 3);
+  EXPECT_EQ(kinds.back(), Kind::Move);
+  Rank0 refused(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_REAGREE_STEPS", "0"}});
+  refused.fakes.peer = [](int r, Contribution& c) {
+    if (r == 1) c.header.host = 7;  // a peer on another node
+  };
+  refused.steps(40);
+  EXPECT_EQ(refused.issued(), (Issued{{6, RoundKind::Propose}}));
+}
+
+// MAGI_DRY_RUN=1: the read propose activates a plan that only reports (WouldMove); no window.
+TEST(AgreementRounds, DryRunReportsWouldMoveAndMovesNothing) {
+  Rank0 rank(Env{{"MAGI_DRY_RUN", "1"}});
+  const std::vector<Kind> kinds = rank.steps(8);
+  for (uint64_t i = 0; i < 10; ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
+  for (uint64_t i = 10; i < kinds.size(); ++i)
+    EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::WouldMove) << "call " << i;
+  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose}}));
+  EXPECT_EQ(rank.fakes.transports_made, 0);
+  EXPECT_EQ(rank.fakes.nccl_gathers, 0);  // the shim forwards WouldMove calls, not rewrite/
+  const trace::AgreementRecord* on = rank.find(trace::RoundEvent::Activated, RoundKind::Propose);
+  ASSERT_NE(on, nullptr);
+  EXPECT_EQ(on->seq, 9u);
+}
+
+// A call is served only once it was: an exception out of serving (here not even a magi::Error)
+// leaves the call to NCCL and unmarked, rather than lost.
+TEST(AgreementRounds, AThrowWhileServingLeavesTheCallToNccl) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.run_to(16);
+  rank.fakes.gather_throws = true;
+  EXPECT_EQ(rank.call(), Kind::Nccl);
+  EXPECT_EQ(rank.fakes.transport_gathers, 0);
+}
+
+// Inside a group the calls are queued (served at the group's end); a throw there forwards every
+// call not yet served to NCCL, as one group.
+TEST(AgreementRounds, AThrowAtTheGroupsEndForwardsTheQueuedCallsAsOneGroup) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.run_to(16);
+  rank.fakes.group = {1, false, 1};
+  EXPECT_EQ(rank.call(), Kind::Move);  // queued
+  EXPECT_EQ(rank.call(), Kind::Move);  // queued, another bucket
+  rank.fakes.group = {};
+  rank.fakes.gather_throws = true;
+  const int starts = rank.fakes.group_starts;
+  const int ends = rank.fakes.group_ends;
+  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  EXPECT_EQ(rank.fakes.nccl_gathers, 2);
+  EXPECT_EQ(rank.fakes.group_starts, starts + 1);
+  EXPECT_EQ(rank.fakes.group_ends, ends + 1);
+  // What was served stays served: a throw in the second bucket forwards that bucket alone.
+  rank.fakes.gather_throws = false;
+  rank.run_to(19);
+  rank.fakes.group = {1, false, 1};
+  EXPECT_EQ(rank.call(), Kind::Move);  // index 19, queued
+  EXPECT_EQ(rank.call(), Kind::Move);  // index 20, queued
+  rank.fakes.group = {};
+  rank.fakes.gather_throws = true;
+  rank.fakes.gathers_before_throw = rank.fakes.transport_gathers + 1;
+  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  EXPECT_EQ(rank.fakes.transport_gathers, rank.fakes.gathers_before_throw);
+  EXPECT_EQ(rank.fakes.nccl_gathers, 3);
+  EXPECT_EQ(rank.fakes.group_starts, starts + 2);
+}
+
+}  // namespace
+}  // namespace magi::rewrite

@@ -1,0 +1,249 @@
+// What one rank sees of its step: candidates, their stability over the warmup, the grouping of
+// the step's calls, why a gather cannot move here, and where moving gathers lie in a slot.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "rewrite/observation.h"
+
+namespace magi::rewrite {
+namespace {
+
+Options options_with(std::map<std::string, std::string> env) {
+  env.emplace("MAGI_BACKEND", "host");
+  env.emplace("MAGI_WARMUP_STEPS", "2");
+  std::vector<std::string> names;
+  for (const auto& [name, value] : env) names.push_back(name);
+  std::vector<std::string> complaints;
+  Options options = Options::parse(
+      [&](const char* name) -> std::optional<std::string> {
+        auto it = env.find(name);
+        return it == env.end() ? std::nullopt : std::optional<std::string>(it->second);
+      },
+      names, complaints);
+  EXPECT_TRUE(complaints.empty());
+  return options;
+}
+
+// One call of a step as the observation takes it.
+struct Call {
+  trace::Op op = trace::Op::AllGather;
+  size_t count = 1000;  // floats
+  uint64_t callsite = 1;
+  uintptr_t sendbuf = 0x10000;
+  uint32_t group = 0;  // outermost group ordinal; 0: not in a group
+  bool capturing = false;
+};
+
+void observe_step(StepObservation& seen, const std::vector<Call>& calls) {
+  seen.begin_step();
+  for (uint32_t pos = 0; pos < calls.size(); ++pos) {
+    const Call& c = calls[pos];
+    capture::CallArgs args{};
+    args.op = c.op;
+    args.dtype = ncclFloat;
+    args.count = c.count;
+    args.sendbuf = reinterpret_cast<const void*>(c.sendbuf);
+    args.recvbuf = reinterpret_cast<void*>(c.sendbuf + 0x100000);
+    capture::CallRecord record{};
+    record.callsite = c.callsite;
+    record.sendbuf = c.sendbuf;
+    record.recvbuf = c.sendbuf + 0x100000;
+    if (c.group != 0) {
+      record.flags |= trace::kCallInGroup;
+      record.group = c.group;
+    }
+    if (c.capturing) record.flags |= trace::kCallCapturing;
+    seen.observe(pos, args, record, ce::Backend::Host);
+  }
+}
+
+std::vector<Reason> reasons(const std::vector<GatherEntry>& entries) {
+  std::vector<Reason> out;
+  for (const GatherEntry& e : entries) out.push_back(static_cast<Reason>(e.reason));
+  return out;
+}
+
+TEST(StepObservation, GathersAreCandidatesOnceStableForTheWarmup) {
+  const Options options = options_with({});
+  const std::vector<Call> step = {{trace::Op::AllReduce, 10, 1, 0x1000},
+                                  {trace::Op::AllGather, 1000, 2, 0x20000},
+                                  {trace::Op::AllGather, 64, 3, 0x30000}};
+  StepObservation seen;
+  seen.reset(3);
+  EXPECT_EQ(seen.period(), 3u);
+  observe_step(seen, step);
+  EXPECT_EQ(seen.complete_steps(), 0u);
+  std::vector<GatherEntry> entries = seen.entries(options, ce::Backend::Host);
+  ASSERT_EQ(entries.size(), 2u);  // all-gathers only
+  EXPECT_EQ(entries[0].position, 1u);
+  EXPECT_EQ(entries[1].position, 2u);
+  EXPECT_EQ(entries[0].count, 1000u);
+  EXPECT_EQ(entries[1].callsite, 3u);
+  EXPECT_EQ(reasons(entries), (std::vector<Reason>{Reason::NotStable, Reason::NotStable}));
+  observe_step(seen, step);
+  EXPECT_EQ(seen.complete_steps(), 1u);
+  EXPECT_EQ(seen.at(1).stable_steps, 2u);
+  EXPECT_EQ(reasons(seen.entries(options, ce::Backend::Host)),
+            (std::vector<Reason>{Reason::None, Reason::None}));
+  // A new send buffer at one position starts its count over; the other stays a candidate.
+  std::vector<Call> moved = step;
+  moved[2].sendbuf = 0x40000;
+  observe_step(seen, moved);
+  EXPECT_EQ(seen.at(2).stable_steps, 1u);
+  EXPECT_EQ(reasons(seen.entries(options, ce::Backend::Host)),
+            (std::vector<Reason>{Reason::None, Reason::NotStable}));
+  // So does a new count or call site.
+  std::vector<Call> other = moved;
+  other[1].count = 999;
+  observe_step(seen, other);
+  EXPECT_EQ(seen.at(1).stable_steps, 1u);
+  EXPECT_EQ(seen.at(2).stable_steps, 2u);
+  other[2].callsite = 9;
+  observe_step(seen, other);
+  EXPECT_EQ(seen.at(1).stable_steps, 2u);
+  EXPECT_EQ(seen.at(2).stable_steps, 1u);
+  // reset forgets everything.
+  seen.reset(3);
+  EXPECT_EQ(seen.complete_steps(), 0u);
+  EXPECT_FALSE(seen.at(1).seen);
+}
+
+TEST(StepObservation, CallsBeforeTheFirstStepBeginsAreNotObserved) {
+  StepObservation seen;
+  seen.reset(2);
+  capture::CallArgs args{};
+  args.op = trace::Op::AllGather;
+  args.dtype = ncclFloat;
+  args.count = 4;
+  capture::CallRecord record{};
+  seen.observe(0, args, record, ce::Backend::Host);
+  EXPECT_FALSE(seen.at(0).seen);
+  seen.begin_step();
+  seen.observe(5, args, record, ce::Backend::Host);  // past the period: ignored
+  seen.observe(0, args, record, ce::Backend::Host);
+  EXPECT_TRUE(seen.at(0).seen);
+}
+
+TEST(StepObservation, GroupDigestAndStability) {
+  // Positions 0 and 1 in one group, 2 ungrouped, 3 in the next group.
+  std::vector<Call> step(4);
+  step[0].group = 7;
+  step[1].group = 7;
+  step[3].group = 8;
+  for (uint32_t p = 0; p < 4; ++p) step[p].sendbuf = 0x10000 * (p + 1);
+  StepObservation seen;
+  seen.reset(4);
+  observe_step(seen, step);
+  EXPECT_EQ(seen.at(0).group, 0u);
+  EXPECT_EQ(seen.at(1).group, 0u);
+  EXPECT_EQ(seen.at(2).group, kNoGroup);
+  EXPECT_EQ(seen.at(3).group, 1u);  // numbered within the step, not by the ordinal
+  observe_step(seen, step);
+  EXPECT_FALSE(seen.groups_stable());  // one complete step: nothing to compare with
+  const uint64_t digest = seen.group_digest();
+  EXPECT_NE(digest, 0u);
+  // The same grouping with other ordinals, a step later: the same digest, now stable.
+  for (Call& c : step) c.group = c.group == 0 ? 0 : c.group + 10;
+  observe_step(seen, step);
+  EXPECT_EQ(seen.group_digest(), digest);
+  EXPECT_TRUE(seen.groups_stable());
+  // Another grouping: a new digest, unstable until it repeats.
+  step[2].group = 18;  // joins position 3's group
+  observe_step(seen, step);
+  observe_step(seen, step);
+  EXPECT_NE(seen.group_digest(), digest);
+  EXPECT_FALSE(seen.groups_stable());
+  observe_step(seen, step);
+  EXPECT_TRUE(seen.groups_stable());
+  // The buckets follow the groups: positions 0 and 1 share one; 2 and 3 share the next.
+  const Options options = options_with({});
+  const std::vector<GatherEntry> entries = seen.entries(options, ce::Backend::Host);
+  ASSERT_EQ(entries.size(), 4u);
+  EXPECT_EQ(entries[0].bucket, 0u);
+  EXPECT_EQ(entries[1].bucket, 0u);
+  EXPECT_EQ(entries[2].bucket, 1u);
+  EXPECT_EQ(entries[3].bucket, 1u);
+}
+
+TEST(StepObservation, EntriesSayWhyAGatherCannotMoveHere) {
+  // Position 0: small; 1: captured; 2 and 3 in one group, 3 large.
+  std::vector<Call> step(4);
+  step[0].count = 1000;                   // 4000 bytes
+  step[1].count = 1 << 20;                // 4 MiB
+  step[1].capturing = true;
+  step[2].count = 1 << 20;
+  step[2].group = 5;
+  step[3].count = 3 << 20;                // 12 MiB: the group needs 16 MiB of staging
+  step[3].group = 5;
+  for (uint32_t p = 0; p < 4; ++p) step[p].sendbuf = 0x1000000 * (p + 1);
+  StepObservation seen;
+  seen.reset(4);
+  for (int i = 0; i < 3; ++i) observe_step(seen, step);
+  const Options options = options_with({{"MAGI_SYMM_MIN_SHARD_MIB", "1"},
+                                        {"MAGI_WINDOW_MAX_MIB", "8"}});
+  EXPECT_EQ(reasons(seen.entries(options, ce::Backend::Host)),
+            (std::vector<Reason>{Reason::ShardTooSmall, Reason::GraphCapture,
+                                 Reason::WindowTooLarge, Reason::WindowTooLarge}));
+  // Stale bindings stay, whatever else holds.
+  const Options roomy = options_with({{"MAGI_WINDOW_MAX_MIB", "64"}});
+  EXPECT_EQ(reasons(seen.entries(roomy, ce::Backend::Host, {0, 3})),
+            (std::vector<Reason>{Reason::BindingChanged, Reason::GraphCapture, Reason::None,
+                                 Reason::BindingChanged}));
+  // Static weights: bindings past MAGI_BIND_MAX_MIB (in step order) stay.
+  const Options bound = options_with({{"MAGI_WINDOW_MAX_MIB", "64"},
+                                      {"MAGI_STATIC_WEIGHTS", "1"},
+                                      {"MAGI_BIND_MAX_MIB", "6"}});
+  EXPECT_EQ(reasons(seen.entries(bound, ce::Backend::Host)),
+            (std::vector<Reason>{Reason::None, Reason::GraphCapture, Reason::None,
+                                 Reason::BindTooLarge}));
+}
+
+TEST(StepObservation, SlotsArePackedPerBucketAligned) {
+  std::vector<Call> step(4);
+  step[0].count = 100;   // 400 bytes -> 512
+  step[1].count = 64;    // 256 bytes
+  step[2].count = 1;     // 4 bytes -> 256
+  step[3].count = 1000;  // 4000 bytes -> 4096
+  step[0].group = 3;
+  step[1].group = 3;
+  for (uint32_t p = 0; p < 4; ++p) step[p].sendbuf = 0x10000 * (p + 1);
+  StepObservation seen;
+  seen.reset(4);
+  observe_step(seen, step);
+  const std::vector<GatherDecision> gathers = {{0, 0, true, Reason::None, -1},
+                                               {1, 0, true, Reason::None, -1},
+                                               {2, 1, false, Reason::NotStable, -1},
+                                               {3, 2, true, Reason::None, -1}};
+  const SlotLayout layout = lay_out_slots(seen, gathers, false);
+  ASSERT_EQ(layout.offset_by_position.size(), 4u);
+  EXPECT_EQ(layout.offset_by_position[0], 0u);
+  EXPECT_EQ(layout.offset_by_position[1], 512u);
+  EXPECT_EQ(layout.offset_by_position[2], SIZE_MAX);
+  EXPECT_EQ(layout.offset_by_position[3], 0u);  // a bucket of its own starts at 0
+  EXPECT_EQ(layout.bucket_by_position[1], 0u);
+  EXPECT_EQ(layout.bucket_by_position[3], 2u);
+  EXPECT_EQ(layout.slot_bytes, 4096u);  // the largest bucket
+  for (const size_t offset : layout.offset_by_position) {
+    if (offset != SIZE_MAX) {
+      EXPECT_EQ(offset % kSlotAlignment, 0u);
+    }
+  }
+  // Bound: every moving gather has its own place in one region.
+  const SlotLayout region = lay_out_slots(seen, gathers, true);
+  EXPECT_EQ(region.offset_by_position[0], 0u);
+  EXPECT_EQ(region.offset_by_position[1], 512u);
+  EXPECT_EQ(region.offset_by_position[3], 768u);
+  EXPECT_EQ(region.slot_bytes, 768u + 4096u);
+  EXPECT_EQ(region.bucket_by_position[3], 2u);
+  // What a bucket needs: its gathers' shards, each aligned.
+  const std::vector<GatherEntry> entries = seen.entries(options_with({}), ce::Backend::Host);
+  EXPECT_EQ(bucket_bytes(seen, 0, entries), 768u);
+  EXPECT_EQ(bucket_bytes(seen, 1, entries), 256u);
+}
+
+}  // namespace
+}  // namespace magi::rewrite
