@@ -96,6 +96,9 @@ class CommAgreement {
   // The communicator is being aborted, maybe from another thread while a call of this one is
   // blocked: the transport stops waiting on peers now, and no window is made after this.
   void abandon() { serving_.abandon(); }
+  // A moved gather failed outside the transport (`why`, said once): the communicator refuses
+  // every gather at its next propose, as after a transport error.
+  void fail_transport(const char* why) noexcept { serving_.fail(why); }
 
  private:
   struct Round {

@@ -30,20 +30,33 @@ struct Queued {
 };
 thread_local std::vector<Queued> t_queued;
 
-// What a failure at the group's end left unserved goes to NCCL as the program issued it: one
-// NCCL group (so the calls of several communicators cannot meet in different orders).
-ncclResult_t forward_unserved(std::span<Queued> queued) noexcept {
-  const auto first =
-      std::find_if(queued.begin(), queued.end(), [](const Queued& q) { return !q.served; });
-  if (first == queued.end()) return ncclSuccess;
+// What a failure at the group's end left unserved. A trial call goes to NCCL as the program
+// issued it (every rank sends that bucket to NCCL), in one NCCL group so that the calls of
+// several communicators cannot meet in different orders. A moved call does not: its peers serve
+// it through the transport, and one rank's NCCL all-gather would meet no peer there (the route
+// would split); it fails instead, and its communicator leaves the transport at its next round.
+ncclResult_t settle_unserved(std::span<Queued> queued) noexcept {
+  ncclResult_t result = ncclSuccess;
+  bool trial_calls = false;
+  for (Queued& q : queued) {
+    if (q.served) continue;
+    if (q.via_nccl) {
+      trial_calls = true;
+      continue;
+    }
+    q.agreement->fail_transport("a moved gather could not be served at the end of its group");
+    result = ncclInternalError;
+  }
+  if (!trial_calls) return result;
+  const auto first = std::find_if(queued.begin(), queued.end(),
+                                  [](const Queued& q) { return !q.served && q.via_nccl; });
   const RealNcclCalls& nccl = first->agreement->world().nccl;
   nccl.group_start();
-  ncclResult_t result = ncclSuccess;
   for (const Queued& q : queued) {
-    if (q.served) continue;
+    if (q.served || !q.via_nccl) continue;
     const NcclGather& g = q.call;
-    const ncclResult_t r = q.agreement->world().nccl.all_gather(
-        g.sendbuf, g.recvbuf, g.count, g.dtype, q.agreement->comm(), q.stream);
+    const ncclResult_t r = nccl.all_gather(g.sendbuf, g.recvbuf, g.count, g.dtype,
+                                           q.agreement->comm(), q.stream);
     if (result == ncclSuccess) result = r;
   }
   const ncclResult_t ended = nccl.group_end();
@@ -77,28 +90,40 @@ void forget_in_child() noexcept {
 Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
                   capture::CallRecord& record, const capture::StepView& view) noexcept {
   Outcome outcome;
-  guarded("rewrite", [&] {
-    if (!view.collective || agreement == nullptr) return;
-    const Route route = agreement->on_collective(args, record, view);
-    if (route.kind == Route::Kind::WouldMove) record.flags |= trace::kCallWouldMove;
-    if (route.kind != Route::Kind::Move && route.kind != Route::Kind::TrialNccl) return;
-    const bool via_nccl = route.kind == Route::Kind::TrialNccl;
+  if (!view.collective || agreement == nullptr) return outcome;
+  Route route;
+  // Until its route is known, whatever is thrown leaves the call to NCCL, unmarked.
+  if (!guarded("rewrite", [&] { route = agreement->on_collective(args, record, view); }))
+    return outcome;
+  if (route.kind == Route::Kind::WouldMove) record.flags |= trace::kCallWouldMove;
+  if (route.kind != Route::Kind::Move && route.kind != Route::Kind::TrialNccl) return outcome;
+  const bool via_nccl = route.kind == Route::Kind::TrialNccl;
+  // A trial call goes to NCCL on every rank: a throw before it got there forwards it. A moved
+  // call is never forwarded alone, since its peers serve it through the transport (the route
+  // would split, and the ranks hang): a throw fails it, and the communicator leaves the
+  // transport at its next round. Served (and marked moved) only once it was; inside a group,
+  // queued is as good as served: group_ended serves it, or settles it if that fails.
+  const bool done = guarded("rewrite", [&] {
     const ce::GatherOp op{args.sendbuf, args.recvbuf,
                           args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)),
                           route.slot_offset};
     const NcclGather call{args.sendbuf, args.recvbuf, args.count, args.dtype};
-    // Served only once it was: until then, whatever is thrown leaves the call to NCCL. Inside a
-    // group, queued is as good as served: group_ended serves it, or forwards it if that fails.
-    ncclResult_t result = ncclSuccess;
     if (agreement->world().group().depth > 0) {
       t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, op, call});
+      outcome.result = ncclSuccess;
     } else {
-      result = agreement->serve({&op, 1}, {&call, 1}, args.stream, route.bucket, via_nccl);
+      outcome.result =
+          agreement->serve({&op, 1}, {&call, 1}, args.stream, route.bucket, via_nccl);
     }
-    outcome.served = true;
-    outcome.result = result;
-    if (!via_nccl) record.flags |= trace::kCallMoved;
   });
+  if (done) {
+    outcome.served = true;
+    if (!via_nccl && outcome.result == ncclSuccess) record.flags |= trace::kCallMoved;
+  } else if (!via_nccl) {
+    agreement->fail_transport("a moved gather could not be served");
+    outcome.served = true;
+    outcome.result = ncclInternalError;
+  }
   return outcome;
 }
 
@@ -136,8 +161,8 @@ ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
     }
   });
   if (!all_served) {
-    const ncclResult_t forwarded = forward_unserved(queued);
-    if (result == ncclSuccess) result = forwarded;
+    const ncclResult_t settled = settle_unserved(queued);
+    if (result == ncclSuccess) result = settled;
   }
   return result;
 }

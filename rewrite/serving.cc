@@ -1,5 +1,7 @@
 #include "rewrite/serving.h"
 
+#include <exception>
+
 namespace magi::rewrite {
 
 ce::WindowPlan window_plan(const Decision& decision, const StepObservation& seen,
@@ -59,12 +61,19 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket,
     }
     return ncclSuccess;
   } catch (const Error& e) {
-    if (!failed_)
-      MAGI_WARN(Transport, "comm %012llx: a moved gather failed: %s; the communicator goes back "
-                "to NCCL at its next agreement round", short_id(info_.identity), e.what());
-    failed_ = true;
+    fail(e.what());
     return e.result();
+  } catch (const std::exception& e) {  // not one of ours: the bucket's state is unknown
+    fail(e.what());
+    return ncclInternalError;
   }
+}
+
+void Serving::fail(const char* why) noexcept {
+  if (!failed_)
+    MAGI_WARN(Transport, "comm %012llx: a moved gather failed: %s; the communicator goes back "
+              "to NCCL at its next agreement round", short_id(info_.identity), why);
+  failed_ = true;
 }
 
 ncclResult_t Serving::forward_to_nccl(std::span<const NcclGather> calls, cudaStream_t stream) {

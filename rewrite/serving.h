@@ -58,6 +58,8 @@ class Serving {
   // The transport failed since the window was opened: every gather is refused at the next
   // propose.
   bool failed() const { return failed_; }
+  // Marks it failed for a reason outside the transport (one WARN, the first time).
+  void fail(const char* why) noexcept;
   // Positions whose static binding was found changed; they stay until the step changes.
   const std::vector<uint32_t>& stale_positions() const { return stale_positions_; }
   void forget_stale() { stale_positions_.clear(); }

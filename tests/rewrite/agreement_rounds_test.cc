@@ -226,6 +226,7 @@ class Rank0 {
     view.digest = found ? kDigest : 0;
     view.collective_index = index;
     const Outcome outcome = intercept(agreement_, args, record, view);
+    last = outcome;
     const bool moved = (record.flags & trace::kCallMoved) != 0;
     if (record.flags & trace::kCallWouldMove) {
       EXPECT_FALSE(outcome.served);
@@ -237,6 +238,7 @@ class Rank0 {
     }
     return moved ? Kind::Move : Kind::TrialNccl;
   }
+  Outcome last;  // of the last call()
   // Whole steps; returns the routes of every call, by collective index.
   std::vector<Kind> steps(int n) {
     std::vector<Kind> kinds;
@@ -526,19 +528,34 @@ TEST(AgreementRounds, DryRunReportsWouldMoveAndMovesNothing) {
   EXPECT_EQ(on->seq, 9u);
 }
 
-// A call is served only once it was: an exception out of serving (here not even a magi::Error)
-// leaves the call to NCCL and unmarked, rather than lost.
-TEST(AgreementRounds, AThrowWhileServingLeavesTheCallToNccl) {
+// A moved call whose serving throws (here not even a magi::Error) is never sent to NCCL alone:
+// its peers serve it through the transport, and the route would split. It fails, unmarked, and
+// the next propose refuses every gather (TransportFailed), so all ranks leave together.
+TEST(AgreementRounds, AThrowWhileServingAMovedCallFailsItAndNeverForwardsItAlone) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
   rank.run_to(16);
   rank.fakes.gather_throws = true;
-  EXPECT_EQ(rank.call(), Kind::Nccl);
+  EXPECT_EQ(rank.call(), Kind::TrialNccl);  // served, not moved
+  EXPECT_TRUE(rank.last.served);
+  EXPECT_EQ(rank.last.result, ncclInternalError);
   EXPECT_EQ(rank.fakes.transport_gathers, 0);
+  EXPECT_EQ(rank.fakes.nccl_gathers, 0);
+  rank.fakes.gather_throws = false;
+  const size_t before = rank.fakes.contributed.size();
+  rank.steps(300);  // to the next propose (MAGI_REAGREE_STEPS)
+  std::vector<GatherEntry> proposed;
+  for (size_t i = before; i < rank.fakes.contributed.size(); ++i)
+    if (rank.fakes.contributed[i].header.kind == static_cast<uint8_t>(RoundKind::Propose))
+      proposed = rank.fakes.contributed[i].entries;
+  ASSERT_FALSE(proposed.empty());
+  for (const GatherEntry& e : proposed)
+    EXPECT_EQ(e.reason, static_cast<uint8_t>(Reason::TransportFailed));
 }
 
-// Inside a group the calls are queued (served at the group's end); a throw there forwards every
-// call not yet served to NCCL, as one group.
-TEST(AgreementRounds, AThrowAtTheGroupsEndForwardsTheQueuedCallsAsOneGroup) {
+// Inside a group the calls are queued (served at the group's end). A throw there: what was
+// served stays served, a moved call not yet served fails (never forwarded alone), and the
+// group's end says so.
+TEST(AgreementRounds, AThrowAtTheGroupsEndFailsTheMovedCallsNotYetServed) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
   rank.run_to(16);
   rank.fakes.group = {1, false, 1};
@@ -546,25 +563,10 @@ TEST(AgreementRounds, AThrowAtTheGroupsEndForwardsTheQueuedCallsAsOneGroup) {
   EXPECT_EQ(rank.call(), Kind::Move);  // queued, another bucket
   rank.fakes.group = {};
   rank.fakes.gather_throws = true;
-  const int starts = rank.fakes.group_starts;
-  const int ends = rank.fakes.group_ends;
-  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
-  EXPECT_EQ(rank.fakes.nccl_gathers, 2);
-  EXPECT_EQ(rank.fakes.group_starts, starts + 1);
-  EXPECT_EQ(rank.fakes.group_ends, ends + 1);
-  // What was served stays served: a throw in the second bucket forwards that bucket alone.
-  rank.fakes.gather_throws = false;
-  rank.run_to(19);
-  rank.fakes.group = {1, false, 1};
-  EXPECT_EQ(rank.call(), Kind::Move);  // index 19, queued
-  EXPECT_EQ(rank.call(), Kind::Move);  // index 20, queued
-  rank.fakes.group = {};
-  rank.fakes.gather_throws = true;
   rank.fakes.gathers_before_throw = rank.fakes.transport_gathers + 1;
-  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  EXPECT_EQ(group_ended(ncclSuccess), ncclInternalError);
   EXPECT_EQ(rank.fakes.transport_gathers, rank.fakes.gathers_before_throw);
-  EXPECT_EQ(rank.fakes.nccl_gathers, 3);
-  EXPECT_EQ(rank.fakes.group_starts, starts + 2);
+  EXPECT_EQ(rank.fakes.nccl_gathers, 0);
 }
 
 }  // namespace
