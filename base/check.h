@@ -63,11 +63,11 @@ bool guarded(const char* where, Work&& work) noexcept {
 
 // Returns the failing ncclResult_t upward and adds this frame to the chain.
 // ncclInProgress is not a failure: non-blocking communicators return it routinely.
-#define MAGI_CHECK(call)                                                              \
-  do {                                                                                \
-    ncclResult_t magi_res_ = (call);                                                  \
-    if (magi_res_ != ncclSuccess && magi_res_ != ncclInProgress) {                    \
+#define MAGI_CHECK(call)                                                               \
+  do {                                                                                 \
+    ncclResult_t magi_res_ = (call);                                                   \
+    if (magi_res_ != ncclSuccess && magi_res_ != ncclInProgress) {                     \
       MAGI_INFO(Shim, "%s:%d -> %d", __FILE__, __LINE__, static_cast<int>(magi_res_)); \
-      return magi_res_;                                                               \
-    }                                                                                 \
+      return magi_res_;                                                                \
+    }                                                                                  \
   } while (0)

@@ -47,7 +47,8 @@ void emit(int level, Subsystem subsys, const char* file, int line, const char* f
   va_end(args);
 
   char rank[16] = "-";
-  if (const int r = g_rank.load(std::memory_order_relaxed); r >= 0) snprintf(rank, sizeof(rank), "%d", r);
+  if (const int r = g_rank.load(std::memory_order_relaxed); r >= 0)
+    snprintf(rank, sizeof(rank), "%d", r);
   char where[96] = "";
   if (level >= 2) {  // TRACE lines say where they come from; WARN/INFO stay short
     const char* base = std::strrchr(file, '/');
@@ -57,8 +58,10 @@ void emit(int level, Subsystem subsys, const char* file, int line, const char* f
   char out[1280];
   const int n = snprintf(out, sizeof(out), "%s:%d:%ld [%s] MAGI %s %s%s %s\n", host_name(),
                          static_cast<int>(getpid()), static_cast<long>(syscall(SYS_gettid)), rank,
-                         kLevels[level < 0 ? 0 : level > 2 ? 2 : level], subsystem_name(subsys),
-                         where, message);
+                         kLevels[level < 0   ? 0
+                                 : level > 2 ? 2
+                                             : level],
+                         subsystem_name(subsys), where, message);
   if (n > 0) {
     size_t len = static_cast<size_t>(n);
     if (len >= sizeof(out)) {  // truncated: keep the line a line

@@ -31,9 +31,9 @@ void set_log_rank(int rank);
 
 }  // namespace magi
 
-#define MAGI_LOG_AT(lvl, subsys, ...)                                                   \
-  do {                                                                                  \
-    if (::magi::log_detail::enabled(lvl, ::magi::Subsystem::subsys))                    \
+#define MAGI_LOG_AT(lvl, subsys, ...)                                                            \
+  do {                                                                                           \
+    if (::magi::log_detail::enabled(lvl, ::magi::Subsystem::subsys))                             \
       ::magi::log_detail::emit(lvl, ::magi::Subsystem::subsys, __FILE__, __LINE__, __VA_ARGS__); \
   } while (0)
 

@@ -231,8 +231,8 @@ constexpr bool states_range(std::string_view text, int64_t min, int64_t max) {
 template <auto Field>
 constexpr OptionSpec bool_option(const char* name, const char* default_text, const char* doc) {
   static_assert(std::is_same_v<FieldOf<Field>, bool>);
-  return {name, OptionKind::Bool, default_text, "0 or 1", 0, 0, OptionUnit::Count, nullptr, doc,
-          assign_bool<Field>, show_bool<Field>};
+  return {name, OptionKind::Bool,   default_text,    "0 or 1", 0, 0, OptionUnit::Count, nullptr,
+          doc,  assign_bool<Field>, show_bool<Field>};
 }
 
 template <auto Field>
@@ -251,24 +251,42 @@ constexpr OptionSpec int_option(const char* name, const char* default_text, cons
   }
   if (!fits) throw "the range, in bytes, does not fit the field";
   if (!states_range(accepted, min, max)) throw "the accepted text does not state the range";
-  return {name, OptionKind::Int, default_text, accepted, min, max, unit, nullptr, doc,
-          assign_int<Field>, show_int<Field>};
+  return {name, OptionKind::Int,   default_text,   accepted, min, max, unit, nullptr,
+          doc,  assign_int<Field>, show_int<Field>};
 }
 
 template <auto Field, const auto& Names>
-constexpr OptionSpec enum_option(const char* name, const char* default_text,
-                                 const char* accepted, const char* doc) {
+constexpr OptionSpec enum_option(const char* name, const char* default_text, const char* accepted,
+                                 const char* doc) {
   static_assert(std::is_same_v<FieldOf<Field>, decltype(Names[0].value)>);
-  return {name, OptionKind::Enum, default_text, accepted, 0, 0, OptionUnit::Count, nullptr, doc,
-          assign_enum<Field, Names>, show_enum<Field, Names>};
+  return {name,
+          OptionKind::Enum,
+          default_text,
+          accepted,
+          0,
+          0,
+          OptionUnit::Count,
+          nullptr,
+          doc,
+          assign_enum<Field, Names>,
+          show_enum<Field, Names>};
 }
 
 template <auto Field>
 constexpr OptionSpec subsystem_option(const char* name, const char* default_text,
                                       const char* accepted, const char* doc) {
   static_assert(std::is_same_v<FieldOf<Field>, uint32_t>);
-  return {name, OptionKind::SubsystemList, default_text, accepted, 0, 0, OptionUnit::Count,
-          nullptr, doc, assign_subsystems<Field>, show_subsystems<Field>};
+  return {name,
+          OptionKind::SubsystemList,
+          default_text,
+          accepted,
+          0,
+          0,
+          OptionUnit::Count,
+          nullptr,
+          doc,
+          assign_subsystems<Field>,
+          show_subsystems<Field>};
 }
 
 // A path's default is empty: describe() shows `empty_shows` for it.
@@ -276,16 +294,34 @@ template <auto Field>
 constexpr OptionSpec path_option(const char* name, const char* accepted, const char* empty_shows,
                                  const char* doc) {
   static_assert(std::is_same_v<FieldOf<Field>, std::string>);
-  return {name, OptionKind::Path, "", accepted, 0, 0, OptionUnit::Count, empty_shows, doc,
-          assign_path<Field>, show_path<Field>};
+  return {name,
+          OptionKind::Path,
+          "",
+          accepted,
+          0,
+          0,
+          OptionUnit::Count,
+          empty_shows,
+          doc,
+          assign_path<Field>,
+          show_path<Field>};
 }
 
 template <auto Field, const auto& Places>
-constexpr OptionSpec fault_option(const char* name, const char* default_text,
-                                  const char* accepted, const char* doc) {
+constexpr OptionSpec fault_option(const char* name, const char* default_text, const char* accepted,
+                                  const char* doc) {
   static_assert(std::is_same_v<FieldOf<Field>, Options::Fault>);
-  return {name, OptionKind::FaultSpec, default_text, accepted, 0, 0, OptionUnit::Count, nullptr,
-          doc, assign_fault<Field, Places>, show_fault<Field, Places>};
+  return {name,
+          OptionKind::FaultSpec,
+          default_text,
+          accepted,
+          0,
+          0,
+          OptionUnit::Count,
+          nullptr,
+          doc,
+          assign_fault<Field, Places>,
+          show_fault<Field, Places>};
 }
 
 // --- The table: one row per MAGI_* variable, in the order describe(), --help and README list them.
@@ -298,8 +334,10 @@ constexpr ValueName<Options::Transport> kTransports[] = {
 constexpr ValueName<Options::Backend> kBackends[] = {{"cuda", Options::Backend::Cuda},
                                                      {"host", Options::Backend::Host}};
 constexpr ValueName<Options::Fault::Where> kFaultPlaces[] = {
-    {"none", Options::Fault::Where::None},       {"prepare", Options::Fault::Where::Prepare},
-    {"attach", Options::Fault::Where::Attach},   {"gather", Options::Fault::Where::Gather},
+    {"none", Options::Fault::Where::None},
+    {"prepare", Options::Fault::Where::Prepare},
+    {"attach", Options::Fault::Where::Attach},
+    {"gather", Options::Fault::Where::Gather},
     {"slow", Options::Fault::Where::Slow}};
 
 using O = Options;
@@ -324,8 +362,8 @@ constexpr OptionSpec kTable[] = {
     int_option<&O::callsite_depth>(
         "MAGI_CALLSITE_DEPTH", "16", "an integer from 1 to 64", 1, 64, OptionUnit::Count,
         "Native frames, above the library's own, hashed into a call-site fingerprint."),
-    int_option<&O::max_step_calls>("MAGI_MAX_STEP_CALLS", "4096", "an integer from 2 to 1048576",
-                                   2, 1048576, OptionUnit::Count,
+    int_option<&O::max_step_calls>("MAGI_MAX_STEP_CALLS", "4096", "an integer from 2 to 1048576", 2,
+                                   1048576, OptionUnit::Count,
                                    "Longest repeating step (in collective calls) the step "
                                    "detector looks for, per communicator."),
     path_option<&O::nccl_library>("MAGI_NCCL_LIBRARY", "a path to libnccl.so.2", "(search)",
@@ -341,14 +379,12 @@ constexpr OptionSpec kTable[] = {
                                  1000000, OptionUnit::Count,
                                  "Steps a gather must recur unchanged (position, count, type, "
                                  "call site, send buffer) to be a candidate."),
-    int_option<&O::reagree_steps>("MAGI_REAGREE_STEPS", "256",
-                                  "an integer from 0 to 1000000000", 0, 1000000000,
-                                  OptionUnit::Count,
+    int_option<&O::reagree_steps>("MAGI_REAGREE_STEPS", "256", "an integer from 0 to 1000000000", 0,
+                                  1000000000, OptionUnit::Count,
                                   "Steps between agreement rounds while routes are agreed (0: "
                                   "only after the step changes)."),
     int_option<&O::symm_min_shard_bytes>(
-        "MAGI_SYMM_MIN_SHARD_MIB", "0", "an integer from 0 to 1048576", 0, 1048576,
-        OptionUnit::MiB,
+        "MAGI_SYMM_MIN_SHARD_MIB", "0", "an integer from 0 to 1048576", 0, 1048576, OptionUnit::MiB,
         "Smallest per-rank shard (MiB) a gather needs to leave NCCL; 0: any size."),
     int_option<&O::window_max_bytes>("MAGI_WINDOW_MAX_MIB", "4096", "an integer from 1 to 1048576",
                                      1, 1048576, OptionUnit::MiB,
@@ -364,16 +400,15 @@ constexpr OptionSpec kTable[] = {
                                  1000000000, OptionUnit::Count,
                                  "Static weights: check a shard against its binding every this "
                                  "many calls (0: only the first 3)."),
-    int_option<&O::bind_max_bytes>("MAGI_BIND_MAX_MIB", "16384", "an integer from 0 to 1048576",
-                                   0, 1048576, OptionUnit::MiB,
+    int_option<&O::bind_max_bytes>("MAGI_BIND_MAX_MIB", "16384", "an integer from 0 to 1048576", 0,
+                                   1048576, OptionUnit::MiB,
                                    "Static weights: most device memory (MiB) a communicator's "
                                    "bindings may take; gathers beyond stay on NCCL."),
     bool_option<&O::ce_force>("MAGI_CE_FORCE", "0",
                               "Skip the trial that times each moved bucket both ways: agreed "
                               "gathers always move."),
     fault_option<&O::inject_fault, kFaultPlaces>(
-        "MAGI_INJECT_FAULT", "none",
-        "none, or prepare:RANK, attach:RANK, gather:RANK or slow:RANK",
+        "MAGI_INJECT_FAULT", "none", "none, or prepare:RANK, attach:RANK, gather:RANK or slow:RANK",
         "For tests: the transport of that rank of every communicator fails there, as a CUDA "
         "error would (slow: each bucket it serves takes 20 ms longer; gather: on the host "
         "backend every rank falls back to NCCL in that bucket, on the CUDA backend that rank's "

@@ -37,11 +37,11 @@ struct OptionSpec {
   const char* name;
   OptionKind kind;
   const char* default_text;
-  const char* accepted;    // shown to the user when a value is refused
-  int64_t min;             // Int only, in `unit`
-  int64_t max;             // Int only, in `unit`
-  OptionUnit unit;         // Int only
-  const char* empty_shows; // Path only: what describe() shows for an empty path
+  const char* accepted;     // shown to the user when a value is refused
+  int64_t min;              // Int only, in `unit`
+  int64_t max;              // Int only, in `unit`
+  OptionUnit unit;          // Int only
+  const char* empty_shows;  // Path only: what describe() shows for an empty path
   const char* doc;
   // Made from the row's field by the generic parser of its kind: `assign` fills the field from
   // the user's text (false: refused, the field unchanged); `show` gives the field back as the

@@ -18,10 +18,18 @@ constexpr size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; 
 // the library does not know the type, which keeps such a call off every copy path.
 constexpr size_t datatype_bytes(uint8_t dtype) {
   switch (static_cast<ncclDataType_t>(dtype)) {
-    case ncclInt8: case ncclUint8: case ncclFloat8e4m3: case ncclFloat8e5m2: return 1;
-    case ncclFloat16: case ncclBfloat16: return 2;
-    case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
-    case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
+    case ncclInt8:
+    case ncclUint8:
+    case ncclFloat8e4m3:
+    case ncclFloat8e5m2: return 1;
+    case ncclFloat16:
+    case ncclBfloat16: return 2;
+    case ncclInt32:
+    case ncclUint32:
+    case ncclFloat32: return 4;
+    case ncclInt64:
+    case ncclUint64:
+    case ncclFloat64: return 8;
     default: return 0;
   }
 }

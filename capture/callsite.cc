@@ -42,9 +42,9 @@
 namespace magi::capture {
 namespace {
 
-constexpr int kMaxDepth = 64;            // MAGI_CALLSITE_DEPTH's upper bound
+constexpr int kMaxDepth = 64;                // MAGI_CALLSITE_DEPTH's upper bound
 constexpr int kMaxCapture = kMaxDepth + 64;  // depth plus the library's own frames
-constexpr size_t kCacheEntries = 64;     // per thread; a thread has few NCCL call sites
+constexpr size_t kCacheEntries = 64;         // per thread; a thread has few NCCL call sites
 
 // ---- the loader's counters --------------------------------------------------------------------
 
@@ -86,9 +86,9 @@ struct ModuleRange {
 };
 
 struct ModuleTable {
-  LoaderCounters counters;  // read in the same pass that listed the modules
-  uint64_t generation = 0;  // tells cache entries of different tables apart; never 0
-  std::vector<ModuleRange> ranges;                    // PT_LOAD segments, sorted, disjoint
+  LoaderCounters counters;          // read in the same pass that listed the modules
+  uint64_t generation = 0;          // tells cache entries of different tables apart; never 0
+  std::vector<ModuleRange> ranges;  // PT_LOAD segments, sorted, disjoint
   std::vector<std::pair<uintptr_t, uintptr_t>> own;  // segments of the module holding this code
 
   const ModuleRange* find(uintptr_t address) const {
@@ -172,8 +172,8 @@ int add_module(dl_phdr_info* info, size_t size, void* data) {
     build.table->counters = LoaderCounters{info->dlpi_adds, info->dlpi_subs};
   build.first = false;
 
-  std::string name = is_program ? build.program
-                                : std::string(basename_of(info->dlpi_name ? info->dlpi_name : ""));
+  std::string name =
+      is_program ? build.program : std::string(basename_of(info->dlpi_name ? info->dlpi_name : ""));
   std::string_view build_id;
   const uint64_t key = find_build_id(*info, build_id)
                            ? XXH3_64bits(build_id.data(), build_id.size())
@@ -251,8 +251,8 @@ const ModuleTable* protect_current(HazardSlot& slot) {
 ModuleTable* build_table() {
   auto* table = new ModuleTable;
   table->generation = ++g_generation;
-  TableBuild build{table, {}, program_basename(),
-                   reinterpret_cast<uintptr_t>(&read_loader_counters)};
+  TableBuild build{
+      table, {}, program_basename(), reinterpret_cast<uintptr_t>(&read_loader_counters)};
   dl_iterate_phdr(add_module, &build);
   std::sort(table->ranges.begin(), table->ranges.end(),
             [](const ModuleRange& a, const ModuleRange& b) { return a.start < b.start; });
@@ -297,7 +297,7 @@ struct FingerprintCache {
     uint64_t fingerprint = 0;
     int count = 0;
   };
-  int frame_capacity = 0;            // frames kept per entry
+  int frame_capacity = 0;  // frames kept per entry
   std::vector<Entry> entries;
   std::vector<trace::Frame> frames;  // frame_capacity per entry
 
@@ -341,8 +341,7 @@ std::atomic<int> g_own_frames{4};
 void remember_own_frames(int frames) {
   int seen = g_own_frames.load(std::memory_order_relaxed);
   while (seen < frames &&
-         !g_own_frames.compare_exchange_weak(seen, frames, std::memory_order_relaxed)) {
-  }
+         !g_own_frames.compare_exchange_weak(seen, frames, std::memory_order_relaxed)) {}
 }
 
 // Unmapped addresses (JIT code, say) become (0, 0), which is still equal on every rank.

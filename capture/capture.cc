@@ -14,10 +14,10 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "base/base.h"
 #include "capture/callsite.h"
 #include "capture/stream_capture.h"
 #include "capture/trace_writer.h"
-#include "base/base.h"
 
 namespace magi::capture {
 namespace {
@@ -64,7 +64,8 @@ bool first_sighting(std::atomic<uint64_t>* set, size_t size, uint64_t key) {
   return slot.exchange(key, std::memory_order_relaxed) != key;
 }
 
-void describe_callsite(TraceWriter* writer, uint64_t callsite, const trace::Frame* frames, int count) {
+void describe_callsite(TraceWriter* writer, uint64_t callsite, const trace::Frame* frames,
+                       int count) {
   if (!first_sighting(g_seen_callsites, kSeenCallsites, callsite)) return;
   for (int i = 0; i < count; ++i) {
     const uint64_t module = frames[i].module;
@@ -90,7 +91,7 @@ void record_step_event(TraceWriter* writer, const Communicator& comm, StepDetect
   record.repeats = s.repeats();
   record.period = found ? s.period() : s.lost_period();
   record.event = static_cast<uint8_t>(event == StepDetector::Event::Found ? trace::StepEvent::Found
-                                                                         : trace::StepEvent::Lost);
+                                                                          : trace::StepEvent::Lost);
   trace_append(writer, trace::RecordType::Step, &record, sizeof(record));
   if (event == StepDetector::Event::Found)
     MAGI_INFO(Capture, "comm %012llx: step of %u collectives found at collective #%llu",
@@ -98,8 +99,7 @@ void record_step_event(TraceWriter* writer, const Communicator& comm, StepDetect
               static_cast<unsigned long long>(record.seq));
   else
     MAGI_INFO(Capture, "comm %012llx: step lost at collective #%llu after %llu repeats",
-              short_id(comm.info.identity),
-              static_cast<unsigned long long>(record.seq),
+              short_id(comm.info.identity), static_cast<unsigned long long>(record.seq),
               static_cast<unsigned long long>(s.repeats()));
 }
 
@@ -165,8 +165,8 @@ void comm_joined(ncclComm_t comm, const Communicator& state) {
   record.cuda_device = info.cuda_device;
   record.origin = static_cast<uint8_t>(info.origin);
   trace_append(trace_writer(), trace::RecordType::Comm, &record, sizeof(record));
-  MAGI_INFO(Capture, "comm %012llx joined: rank %d of %d (%s)", short_id(info.identity),
-            info.rank, info.nranks, std::string(trace::origin_name(info.origin)).c_str());
+  MAGI_INFO(Capture, "comm %012llx joined: rank %d of %d (%s)", short_id(info.identity), info.rank,
+            info.nranks, std::string(trace::origin_name(info.origin)).c_str());
 }
 
 void comm_ended(const Communicator& state, CommEndKind how) {
@@ -277,12 +277,10 @@ void end_call(CallRecord& record, ncclResult_t result) {
     record.duration_ns = elapsed > UINT32_MAX ? UINT32_MAX : static_cast<uint32_t>(elapsed);
     trace_append(writer, trace::RecordType::Call, &record, sizeof(record));
   }
-  MAGI_TRACE(Capture, "comm %012llx #%llu %s count %llu -> %d",
-             short_id(record.comm_id),
+  MAGI_TRACE(Capture, "comm %012llx #%llu %s count %llu -> %d", short_id(record.comm_id),
              static_cast<unsigned long long>(record.seq),
              std::string(trace::op_name(static_cast<trace::Op>(record.op))).c_str(),
              static_cast<unsigned long long>(record.count), record.result);
 }
-
 
 }  // namespace magi::capture

@@ -29,9 +29,10 @@ using trace::Op;
 struct CallArgs {
   Op op;
   ncclDataType_t dtype;
-  size_t count;       // the count argument of the API (sendcount for AllGather, recvcount for ReduceScatter)
-  int root_or_peer;   // root of rooted collectives, peer of Send/Recv, else -1
-  int redop;          // ncclRedOp_t of reductions, else -1
+  size_t count;      // the count argument of the API (sendcount for AllGather, recvcount for
+                     // ReduceScatter)
+  int root_or_peer;  // root of rooted collectives, peer of Send/Recv, else -1
+  int redop;         // ncclRedOp_t of reductions, else -1
   const void* sendbuf;
   void* recvbuf;
   cudaStream_t stream;
@@ -72,14 +73,14 @@ void forget_trace_in_child();
 // Where a collective stands in its communicator's step, as begin_call saw it. Computed from
 // shapes alone, so equal on every rank that issued the same collectives.
 struct StepView {
-  bool collective = false;       // fed to the step detector (Send/Recv are not)
+  bool collective = false;  // fed to the step detector (Send/Recv are not)
   StepDetector::Event event = StepDetector::Event::None;
-  bool found = false;            // a step is established, including this call
-  uint32_t position = 0;         // of this call in the step (found only)
+  bool found = false;     // a step is established, including this call
+  uint32_t position = 0;  // of this call in the step (found only)
   uint32_t period = 0;
-  uint64_t digest = 0;           // of the step's shapes
-  uint64_t repeats = 0;          // complete steps since the run began
-  uint64_t collective_index = 0; // of this call among the communicator's collectives
+  uint64_t digest = 0;            // of the step's shapes
+  uint64_t repeats = 0;           // complete steps since the run began
+  uint64_t collective_index = 0;  // of this call among the communicator's collectives
 };
 
 // `view`, when given, receives the call's place in the step.

@@ -17,7 +17,7 @@ struct CommInfo {
   uint64_t parent_identity;  // Split/Shrink; else 0
   int rank;
   int nranks;
-  int cuda_device;           // -1 when unknown
+  int cuda_device;  // -1 when unknown
   trace::CommOrigin origin;
   bool nonblocking = false;  // made with config.blocking = 0 (its calls may return ncclInProgress)
 };

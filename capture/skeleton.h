@@ -109,7 +109,7 @@ class StepDetector {
   uint32_t candidate_ = 0;  // candidate period while searching, 0 = none
   uint64_t run_ = 0;        // consecutive keys with key[i] == key[i - candidate]
 
-  uint32_t period_ = 0;     // found period, 0 = not found
+  uint32_t period_ = 0;  // found period, 0 = not found
   uint64_t origin_ = 0;
   uint32_t position_ = 0;
   uint64_t repeats_ = 0;

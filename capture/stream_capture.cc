@@ -19,7 +19,8 @@ void probe_cuda_driver() {
     // cuda_driver() never loads the driver: if the program has not, we do not either.
     const CudaDriver* driver = cuda_driver();
     if (driver == nullptr) {
-      MAGI_INFO(Capture, "no CUDA driver in the process: graph-capture state is recorded as unknown");
+      MAGI_INFO(Capture,
+                "no CUDA driver in the process: graph-capture state is recorded as unknown");
       return;
     }
     if (driver->cuStreamIsCapturing_fn == nullptr) {
@@ -36,7 +37,8 @@ StreamCapture stream_capture_status(cudaStream_t stream) {
   CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
   if (is_capturing(reinterpret_cast<CUstream>(stream), &status) != CUDA_SUCCESS)
     return StreamCapture::Unknown;
-  return status == CU_STREAM_CAPTURE_STATUS_NONE ? StreamCapture::NotCapturing : StreamCapture::Capturing;
+  return status == CU_STREAM_CAPTURE_STATUS_NONE ? StreamCapture::NotCapturing
+                                                 : StreamCapture::Capturing;
 }
 
 }  // namespace magi::capture

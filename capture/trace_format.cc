@@ -119,8 +119,7 @@ std::string_view reason_name(Reason reason) {
 }
 
 std::string_view verdict_name(Verdict verdict) {
-  static const auto names =
-      names_with_fallback<3>({"moved", "would move", "stays"}, 1, "verdict#");
+  static const auto names = names_with_fallback<3>({"moved", "would move", "stays"}, 1, "verdict#");
   return names[static_cast<uint8_t>(verdict)];
 }
 

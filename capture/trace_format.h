@@ -23,7 +23,7 @@ inline constexpr uint32_t kVersion = 1;
 struct FileHeader {
   char magic[8];
   uint32_t version;
-  uint32_t header_bytes;        // sizeof(FileHeader) of the writer
+  uint32_t header_bytes;  // sizeof(FileHeader) of the writer
   uint64_t pid;
   uint64_t start_monotonic_ns;  // CLOCK_MONOTONIC at open: the clock of every time_ns below
   uint64_t start_realtime_ns;   // CLOCK_REALTIME at the same instant, to place the trace in time
@@ -33,15 +33,15 @@ struct FileHeader {
 static_assert(sizeof(FileHeader) == 8 + 4 + 4 + 8 + 8 + 8 + 64 + 128);
 
 enum class RecordType : uint16_t {
-  Comm = 1,      // a communicator joined
-  Call = 2,      // one NCCL call
-  CommEnd = 3,   // a communicator finalized, destroyed, aborted or revoked
-  Callsite = 4,  // the frames behind a call-site fingerprint, written once per fingerprint
-  Module = 5,    // the name behind a module key, written once per module
-  Step = 6,      // the step detector found or lost a communicator's repeating step
-  Dropped = 7,   // records lost because the writer fell behind (never blocks the caller)
-  Agreement = 8, // an agreement round of a communicator was issued, read, or changed its routes
-  Decision = 9,  // what one agreement round decided for one gather of the step, on this rank
+  Comm = 1,       // a communicator joined
+  Call = 2,       // one NCCL call
+  CommEnd = 3,    // a communicator finalized, destroyed, aborted or revoked
+  Callsite = 4,   // the frames behind a call-site fingerprint, written once per fingerprint
+  Module = 5,     // the name behind a module key, written once per module
+  Step = 6,       // the step detector found or lost a communicator's repeating step
+  Dropped = 7,    // records lost because the writer fell behind (never blocks the caller)
+  Agreement = 8,  // an agreement round of a communicator was issued, read, or changed its routes
+  Decision = 9,   // what one agreement round decided for one gather of the step, on this rank
 };
 
 struct RecordHeader {
@@ -53,21 +53,36 @@ static_assert(sizeof(RecordHeader) == 8);
 
 // How a communicator came to be; for Split/Shrink, parent_id names the parent.
 enum class CommOrigin : uint8_t {
-  InitRank = 1, InitRankConfig, InitAll, InitRankScalable, Split, Shrink, Unknown
+  InitRank = 1,
+  InitRankConfig,
+  InitAll,
+  InitRankScalable,
+  Split,
+  Shrink,
+  Unknown
 };
 enum class CommEndKind : uint8_t { Finalize = 1, Destroy, Abort, Revoke, ProcessExit };
 
 // NCCL operations, as recorded. Bcast is recorded as Broadcast with sendbuf == recvbuf.
 enum class Op : uint8_t {
-  AllGather = 1, AllReduce, ReduceScatter, Broadcast, Reduce, AlltoAll, Gather, Scatter,
-  Send, Recv
+  AllGather = 1,
+  AllReduce,
+  ReduceScatter,
+  Broadcast,
+  Reduce,
+  AlltoAll,
+  Gather,
+  Scatter,
+  Send,
+  Recv
 };
 
-inline constexpr uint8_t kCallCapturing = 1u << 0;      // the stream was capturing a CUDA graph
-inline constexpr uint8_t kCallCaptureUnknown = 1u << 1; // could not ask CUDA (no driver, not a CUDA stream)
-inline constexpr uint8_t kCallInGroup = 1u << 2;        // issued between ncclGroupStart and End
-inline constexpr uint8_t kCallMoved = 1u << 3;          // served by the copy-engine transport, not NCCL
-inline constexpr uint8_t kCallWouldMove = 1u << 4;      // MAGI_DRY_RUN: would have been moved
+inline constexpr uint8_t kCallCapturing = 1u << 0;  // the stream was capturing a CUDA graph
+inline constexpr uint8_t kCallCaptureUnknown =
+    1u << 1;  // could not ask CUDA (no driver, not a CUDA stream)
+inline constexpr uint8_t kCallInGroup = 1u << 2;    // issued between ncclGroupStart and End
+inline constexpr uint8_t kCallMoved = 1u << 3;      // served by the copy-engine transport, not NCCL
+inline constexpr uint8_t kCallWouldMove = 1u << 4;  // MAGI_DRY_RUN: would have been moved
 
 struct CommRecord {
   uint64_t comm_id;    // equal on every rank of the communicator
@@ -102,8 +117,8 @@ struct CallRecord {
   uint8_t dtype;         // ncclDataType_t
   uint8_t group_depth;   // ncclGroupStart nesting on the calling thread
   uint8_t flags;         // kCall*
-  int32_t rank;          // the caller's rank in the communicator (ncclCommInitAll: several per file)
-  uint32_t group;        // the calling thread's outermost group ordinal (kCallInGroup), else 0
+  int32_t rank;    // the caller's rank in the communicator (ncclCommInitAll: several per file)
+  uint32_t group;  // the calling thread's outermost group ordinal (kCallInGroup), else 0
 };
 static_assert(sizeof(CallRecord) == 112);
 
@@ -139,12 +154,12 @@ enum class StepEvent : uint8_t { Found = 1, Lost = 2 };
 
 struct StepRecord {
   uint64_t comm_id;
-  uint64_t seq;     // collective index (not call seq: Send/Recv are not in steps) at the event
-  uint64_t origin;  // collective index where the current run of steps began
-  uint64_t digest;  // XXH3 of the step's shapes, from its first position
-  uint64_t repeats; // complete steps seen (Lost: how many the run lasted)
-  uint32_t period;  // calls per step
-  uint8_t event;    // StepEvent
+  uint64_t seq;      // collective index (not call seq: Send/Recv are not in steps) at the event
+  uint64_t origin;   // collective index where the current run of steps began
+  uint64_t digest;   // XXH3 of the step's shapes, from its first position
+  uint64_t repeats;  // complete steps seen (Lost: how many the run lasted)
+  uint32_t period;   // calls per step
+  uint8_t event;     // StepEvent
   uint8_t reserved[3];
 };
 static_assert(sizeof(StepRecord) == 48);
@@ -175,30 +190,30 @@ enum class RoundEvent : uint8_t {
 // Why a gather (or a whole communicator) stays on NCCL. Names: reason_name().
 enum class Reason : uint8_t {
   None = 0,
-  NotStable,           // count, call site or send buffer changed within MAGI_WARMUP_STEPS steps
-  HostMemory,          // a host buffer (the cuda backend needs device memory)
-  DeviceMemory,        // a device buffer (the host backend serves host memory only)
-  ManagedMemory,       // managed (unified) memory
-  UnknownMemory,       // the driver could not say what the buffer is
-  PeerOffNode,         // a rank of the communicator is on another host
-  PeerNotAccessible,   // a peer's GPU cannot be reached (cudaDeviceCanAccessPeer)
-  ShardTooSmall,       // below MAGI_SYMM_MIN_SHARD_MIB
-  GraphCapture,        // issued while its stream was capturing a CUDA graph
-  WindowTooLarge,      // its bucket needs more staging than MAGI_WINDOW_MAX_MIB
-  OtherRankRefused,    // another rank holds it ineligible
-  BucketPartial,       // another gather of its bucket (ncclGroupStart/End) stays
-  StepsDiffer,         // abort: the ranks' steps differ
-  GroupsDiffer,        // abort: the ranks group their calls differently
-  TooManyGathers,      // abort: more gathers in the step than a round can carry
-  AnchorInGroup,       // the round's call was inside an open ncclGroupStart on some rank
-  BackendDiffers,      // ranks run different MAGI_BACKEND values
-  TransportFailed,     // the transport could not prepare, attach or serve on some rank
-  CommitRefused,       // some rank did not confirm the commit
-  Deviated,            // the call deviated from the agreed step in a shared fact
-  CommNotAgreeable,    // made by ncclCommInitAll, non-blocking, or unknown to the shim
-  BindTooLarge,        // static weights: the bindings would pass MAGI_BIND_MAX_MIB
-  BindingChanged,      // static weights: the shard changed after it was bound (verification)
-  NcclFaster,          // timed both ways during the trial: NCCL completed its bucket sooner
+  NotStable,          // count, call site or send buffer changed within MAGI_WARMUP_STEPS steps
+  HostMemory,         // a host buffer (the cuda backend needs device memory)
+  DeviceMemory,       // a device buffer (the host backend serves host memory only)
+  ManagedMemory,      // managed (unified) memory
+  UnknownMemory,      // the driver could not say what the buffer is
+  PeerOffNode,        // a rank of the communicator is on another host
+  PeerNotAccessible,  // a peer's GPU cannot be reached (cudaDeviceCanAccessPeer)
+  ShardTooSmall,      // below MAGI_SYMM_MIN_SHARD_MIB
+  GraphCapture,       // issued while its stream was capturing a CUDA graph
+  WindowTooLarge,     // its bucket needs more staging than MAGI_WINDOW_MAX_MIB
+  OtherRankRefused,   // another rank holds it ineligible
+  BucketPartial,      // another gather of its bucket (ncclGroupStart/End) stays
+  StepsDiffer,        // abort: the ranks' steps differ
+  GroupsDiffer,       // abort: the ranks group their calls differently
+  TooManyGathers,     // abort: more gathers in the step than a round can carry
+  AnchorInGroup,      // the round's call was inside an open ncclGroupStart on some rank
+  BackendDiffers,     // ranks run different MAGI_BACKEND values
+  TransportFailed,    // the transport could not prepare, attach or serve on some rank
+  CommitRefused,      // some rank did not confirm the commit
+  Deviated,           // the call deviated from the agreed step in a shared fact
+  CommNotAgreeable,   // made by ncclCommInitAll, non-blocking, or unknown to the shim
+  BindTooLarge,       // static weights: the bindings would pass MAGI_BIND_MAX_MIB
+  BindingChanged,     // static weights: the shard changed after it was bound (verification)
+  NcclFaster,         // timed both ways during the trial: NCCL completed its bucket sooner
   Count
 };
 
@@ -208,13 +223,13 @@ struct AgreementRecord {
   uint64_t step_digest;  // the step the round is about
   uint32_t round;        // per communicator, from 1; the rounds of one agreement share it
   uint32_t period;
-  uint32_t gathers;      // gathers in the step
-  uint32_t moved;        // gathers that move (Read of a propose, Activated); would move under dry run
+  uint32_t gathers;  // gathers in the step
+  uint32_t moved;    // gathers that move (Read of a propose, Activated); would move under dry run
   int32_t rank;
-  uint8_t kind;          // RoundKind
-  uint8_t event;         // RoundEvent
-  uint8_t mode;          // AgreementMode (Read, Activated)
-  uint8_t reason;        // Reason: why nothing moves, or why routes went back
+  uint8_t kind;    // RoundKind
+  uint8_t event;   // RoundEvent
+  uint8_t mode;    // AgreementMode (Read, Activated)
+  uint8_t reason;  // Reason: why nothing moves, or why routes went back
 };
 static_assert(sizeof(AgreementRecord) == 48);
 
@@ -228,12 +243,12 @@ struct DecisionRecord {
   uint32_t round;
   uint32_t position;  // position of the gather in the step
   int32_t rank;
-  int32_t refused_by; // Stays because of another rank: the lowest such rank; else -1
-  uint16_t bucket;    // bucket index in the step (gathers of one ncclGroupStart/End share it)
+  int32_t refused_by;  // Stays because of another rank: the lowest such rank; else -1
+  uint16_t bucket;     // bucket index in the step (gathers of one ncclGroupStart/End share it)
   uint8_t dtype;
-  uint8_t verdict;    // Verdict
-  uint8_t reason;     // Reason (Stays)
-  uint8_t mode;       // AgreementMode of the round
+  uint8_t verdict;  // Verdict
+  uint8_t reason;   // Reason (Stays)
+  uint8_t mode;     // AgreementMode of the round
   uint8_t reserved[2];
 };
 static_assert(sizeof(DecisionRecord) == 48);
@@ -252,7 +267,7 @@ std::string_view redop_name(int32_t redop);
 std::string_view mode_name(AgreementMode mode);
 std::string_view round_kind_name(RoundKind kind);
 std::string_view round_event_name(RoundEvent event);
-std::string_view reason_name(Reason reason);    // a short phrase: "send buffer changed", ...
+std::string_view reason_name(Reason reason);  // a short phrase: "send buffer changed", ...
 std::string_view verdict_name(Verdict verdict);
 bool is_collective(Op op);
 

@@ -12,8 +12,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -45,8 +45,8 @@ class TraceWriter {
     spare_.reserve(capacity_);
   }
 
-  void append(trace::RecordType type, const void* payload, uint32_t payload_bytes,
-              const void* tail, uint32_t tail_bytes) {
+  void append(trace::RecordType type, const void* payload, uint32_t payload_bytes, const void* tail,
+              uint32_t tail_bytes) {
     const uint32_t body = payload_bytes + tail_bytes;
     const uint32_t bytes = trace::padded(static_cast<uint32_t>(sizeof(trace::RecordHeader)) + body);
     if (bytes > capacity_) return;  // cannot happen with the record types we write
@@ -127,7 +127,8 @@ class TraceWriter {
     std::memset(out + sizeof(header) + body, 0, bytes - sizeof(header) - body);
   }
 
-  static constexpr size_t kDroppedBytes = sizeof(trace::RecordHeader) + sizeof(trace::DroppedRecord);
+  static constexpr size_t kDroppedBytes =
+      sizeof(trace::RecordHeader) + sizeof(trace::DroppedRecord);
 
   void put_dropped_locked() {
     const trace::DroppedRecord lost{dropped_};
@@ -206,9 +207,9 @@ class TraceWriter {
   std::vector<char> active_;  // guarded by lock_
   std::vector<char> spare_;   // owned by the writer while spare_busy_
   std::atomic<bool> spare_busy_{false};
-  uint64_t dropped_ = 0;      // guarded by lock_
-  bool closed_ = false;       // guarded by lock_
-  bool failed_ = false;       // writer thread only
+  uint64_t dropped_ = 0;  // guarded by lock_
+  bool closed_ = false;   // guarded by lock_
+  bool failed_ = false;   // writer thread only
 
   std::mutex mutex_;
   std::condition_variable wake_, idle_;

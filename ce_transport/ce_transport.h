@@ -42,8 +42,9 @@ enum class MemoryKind : uint8_t { Device, Host, Managed, Unknown };
 
 struct BufferIdentity {
   MemoryKind kind = MemoryKind::Unknown;
-  uint64_t allocation_id = 0;  // CUDA's buffer id (CU_POINTER_ATTRIBUTE_BUFFER_ID); 0 for host memory
-  int device = -1;             // CUDA device of device memory
+  uint64_t allocation_id =
+      0;            // CUDA's buffer id (CU_POINTER_ATTRIBUTE_BUFFER_ID); 0 for host memory
+  int device = -1;  // CUDA device of device memory
 };
 // Classifies `ptr` for `backend`. Host backend: every pointer is Host memory, allocation id 0.
 // Cuda backend: asks the driver (only if the program already loaded it); Unknown otherwise.
@@ -51,9 +52,10 @@ BufferIdentity identify_buffer(Backend backend, const void* ptr);
 
 // Where this process runs, for "every peer is on this node and can reach my memory".
 struct Locality {
-  uint64_t host = 0;               // XXH3 of hostname and boot id
-  int32_t device = -1;             // CUDA device ordinal (-1: host backend or unknown)
-  uint64_t peer_access_mask = 0;   // bit d: this device can access device d (cudaDeviceCanAccessPeer)
+  uint64_t host = 0;    // XXH3 of hostname and boot id
+  int32_t device = -1;  // CUDA device ordinal (-1: host backend or unknown)
+  uint64_t peer_access_mask =
+      0;  // bit d: this device can access device d (cudaDeviceCanAccessPeer)
 };
 Locality local_locality(Backend backend, int cuda_device);
 
@@ -126,7 +128,8 @@ class Transport {
   // in it.
   enum class Served : uint8_t { Moved, FallBack };
   enum class Timing : uint8_t { Untimed, Timed };
-  virtual Served gather(std::span<const GatherOp> bucket, void* stream, Timing timing = Timing::Untimed) = 0;
+  virtual Served gather(std::span<const GatherOp> bucket, void* stream,
+                        Timing timing = Timing::Untimed) = 0;
   // Frees the window and unmaps the peers', once every peer has finished reading it and this
   // rank's own copies have run. If that cannot be known (a peer died, or did not finish in
   // time, or abandon() came first), the rank stops waiting and leaves the window allocated, and
@@ -148,8 +151,8 @@ class Transport {
 // A waiting rank notices a dead peer (its pid is in its window) and throws instead of waiting
 // for ever.
 // `device`: the communicator's CUDA device (Cuda backend; -1 when unknown).
-std::unique_ptr<Transport> make_transport(Backend backend, int rank, int nranks, uint64_t comm_identity,
-                                          int device = -1);
+std::unique_ptr<Transport> make_transport(Backend backend, int rank, int nranks,
+                                          uint64_t comm_identity, int device = -1);
 
 // Times one bucket to its completion on its stream (seed 000: wait(launch()), not the launch):
 // the wall clock for the host backend, whose buckets complete before the call returns; CUDA
@@ -174,9 +177,9 @@ bool backend_available(Backend backend);
 class Exchange {
  public:
   virtual ~Exchange() = default;
-  virtual void* send_buffer() = 0;              // contribution_bytes, where the real NCCL reads
-  virtual void* recv_buffer() = 0;              // nranks × contribution_bytes, where it writes
-  virtual void* stream() = 0;                   // the stream the all-gather is issued on
+  virtual void* send_buffer() = 0;  // contribution_bytes, where the real NCCL reads
+  virtual void* recv_buffer() = 0;  // nranks × contribution_bytes, where it writes
+  virtual void* stream() = 0;       // the stream the all-gather is issued on
   // Copies `contribution` to the send buffer before the all-gather is issued.
   virtual void stage(std::span<const uint8_t> contribution) = 0;
   // After the all-gather was issued: starts bringing the result back to the host.

@@ -18,14 +18,18 @@ class CudaExchange final : public Exchange {
   CudaExchange(size_t contribution_bytes, int nranks)
       : contribution_bytes_(contribution_bytes),
         result_bytes_(contribution_bytes * static_cast<size_t>(nranks > 0 ? nranks : 0)) {
-    if (nranks < 1) throw Error(ErrorKind::Usage, "an exchange of " + std::to_string(nranks) + " ranks");
+    if (nranks < 1)
+      throw Error(ErrorKind::Usage, "an exchange of " + std::to_string(nranks) + " ranks");
     try {
       cuda_check(cudaMalloc(&send_, contribution_bytes_), "cudaMalloc (exchange send buffer)");
       cuda_check(cudaMalloc(&recv_, result_bytes_), "cudaMalloc (exchange receive buffer)");
-      cuda_check(cudaMallocHost(&staged_, contribution_bytes_), "cudaMallocHost (exchange staging)");
+      cuda_check(cudaMallocHost(&staged_, contribution_bytes_),
+                 "cudaMallocHost (exchange staging)");
       cuda_check(cudaMallocHost(&result_, result_bytes_), "cudaMallocHost (exchange result)");
-      cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-      cuda_check(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+      cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                 "cudaStreamCreateWithFlags");
+      cuda_check(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming),
+                 "cudaEventCreateWithFlags");
     } catch (...) {
       free_all();
       throw;
@@ -40,14 +44,16 @@ class CudaExchange final : public Exchange {
   void stage(std::span<const uint8_t> contribution) override {
     if (contribution.size() != contribution_bytes_)
       throw Error(ErrorKind::Internal, "a contribution of " + std::to_string(contribution.size()) +
-                                           " bytes for an exchange of " + std::to_string(contribution_bytes_));
+                                           " bytes for an exchange of " +
+                                           std::to_string(contribution_bytes_));
     // The previous round's copies may still read the staging buffer or fill the result.
     cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (exchange)");
     issued_ = false;
     if (contribution_bytes_ == 0) return;
     std::memcpy(staged_, contribution.data(), contribution_bytes_);
-    cuda_check(cudaMemcpyAsync(send_, staged_, contribution_bytes_, cudaMemcpyHostToDevice, stream_),
-               "cudaMemcpyAsync (exchange contribution)");
+    cuda_check(
+        cudaMemcpyAsync(send_, staged_, contribution_bytes_, cudaMemcpyHostToDevice, stream_),
+        "cudaMemcpyAsync (exchange contribution)");
   }
 
   void issued() override {
@@ -67,7 +73,8 @@ class CudaExchange final : public Exchange {
   }
 
   std::span<const uint8_t> result() override {
-    if (!issued_) throw Error(ErrorKind::Internal, "exchange result asked before the all-gather was issued");
+    if (!issued_)
+      throw Error(ErrorKind::Internal, "exchange result asked before the all-gather was issued");
     cuda_check(cudaEventSynchronize(copied_), "cudaEventSynchronize (exchange)");
     return {static_cast<const uint8_t*>(result_), result_bytes_};
   }
@@ -102,13 +109,15 @@ class CudaExchange final : public Exchange {
 
 std::unique_ptr<Exchange> make_cuda_exchange(size_t contribution_bytes, int nranks, int device) {
   // Never the first to start CUDA in a process: only a program that already uses it gets here.
-  if (!cuda_driver_loaded()) throw Error(ErrorKind::System, "the CUDA driver is not loaded in this process");
+  if (!cuda_driver_loaded())
+    throw Error(ErrorKind::System, "the CUDA driver is not loaded in this process");
   // Our CUDA runtime is not the program's: it follows the communicator's device explicitly.
   if (device >= 0) cuda_check(cudaSetDevice(device), "cudaSetDevice");
   return std::make_unique<CudaExchange>(contribution_bytes, nranks);
 }
 
-std::unique_ptr<Exchange> make_exchange(Backend backend, size_t contribution_bytes, int nranks, int device) {
+std::unique_ptr<Exchange> make_exchange(Backend backend, size_t contribution_bytes, int nranks,
+                                        int device) {
   if (backend == Backend::Host) return make_host_exchange(contribution_bytes, nranks);
   return make_cuda_exchange(contribution_bytes, nranks, device);
 }

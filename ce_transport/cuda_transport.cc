@@ -110,8 +110,7 @@ class CudaTransport final : public Transport {
   ~CudaTransport() override {
     try {
       release();
-    } catch (...) {
-    }
+    } catch (...) {}
   }
 
   void prepare(const WindowPlan& plan, HandleBlob& out) override {
@@ -128,7 +127,8 @@ class CudaTransport final : public Transport {
     bytes_ = round_up(flags_at_ + flag_bytes_, kAllocationGranule);
     abandoned_.store(false);
     settled_at_ = kNotSettled;
-    cuda_check(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    cuda_check(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking),
+               "cudaStreamCreateWithFlags");
     cuda_check(cudaMallocHost(&flags_host_, flag_bytes_), "cudaMallocHost (flags)");
     cuda_check(cudaMalloc(&base_, bytes_), "cudaMalloc (window)");
     cuda_check(cudaMemsetAsync(flag(0), 0, flag_bytes_, own_stream_), "cudaMemsetAsync (flags)");
@@ -142,7 +142,8 @@ class CudaTransport final : public Transport {
         if (b.bytes == 0) continue;
         check_bindable(b);
         cuda_check(cudaMemcpyAsync(region() + b.slot_offset, b.sendbuf, b.bytes, cudaMemcpyDefault,
-                                   own_stream_), "cudaMemcpyAsync (binding)");
+                                   own_stream_),
+                   "cudaMemcpyAsync (binding)");
       }
     }
     cuda_check(cudaStreamSynchronize(own_stream_), "cudaStreamSynchronize (window)");
@@ -155,7 +156,8 @@ class CudaTransport final : public Transport {
 
   void attach(std::span<const HandleBlob> blobs) override {
     if (base_ == nullptr) throw Error(ErrorKind::Usage, "attach before prepare");
-    if (blobs.size() != static_cast<size_t>(nranks_)) throw Error(ErrorKind::Usage, "one handle blob per rank");
+    if (blobs.size() != static_cast<size_t>(nranks_))
+      throw Error(ErrorKind::Usage, "one handle blob per rank");
     faults_.at_attach();
     std::lock_guard<std::mutex> lock(lifetime_);
     use_device();
@@ -177,9 +179,11 @@ class CudaTransport final : public Transport {
     attached_ = true;
   }
 
-  Served gather(std::span<const GatherOp> bucket, void* stream_handle, Timing timing = Timing::Untimed) override {
+  Served gather(std::span<const GatherOp> bucket, void* stream_handle,
+                Timing timing = Timing::Untimed) override {
     if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
-    if (abandoned_.load()) throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
+    if (abandoned_.load())
+      throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
     faults_.at_bucket_start();
     use_device();
     const auto stream = static_cast<cudaStream_t>(stream_handle);
@@ -213,7 +217,8 @@ class CudaTransport final : public Transport {
     issue_mem_ops(stream);
     // 2. Stage this rank's shards.
     for (const GatherOp& op : bucket)
-      if (op.bytes != 0) add_copy(static_cast<uint8_t*>(base_) + slot + op.slot_offset, op.sendbuf, op.bytes);
+      if (op.bytes != 0)
+        add_copy(static_cast<uint8_t*>(base_) + slot + op.slot_offset, op.sendbuf, op.bytes);
     issue_copies(stream);
     // 3. Staged: say so in every peer's window, and wait until every peer has said so in ours.
     mem_ops_.clear();
@@ -289,8 +294,8 @@ class CudaTransport final : public Transport {
       // This rank's stream must not wait for ever on peers that will never come; freeing would
       // wait for the whole device (see the top of this file). The process's end returns it all.
       release_waits();
-      MAGI_WARN(Transport, "window of %zu bytes left allocated, with its %d peer mappings: %s", bytes_,
-                nranks_ - 1, settled_name(settled, unfinished).c_str());
+      MAGI_WARN(Transport, "window of %zu bytes left allocated, with its %d peer mappings: %s",
+                bytes_, nranks_ - 1, settled_name(settled, unfinished).c_str());
     }
     cudaStreamDestroy(own_stream_);  // returns at once; the stream goes when its work has run
     cudaGetLastError();
@@ -319,7 +324,9 @@ class CudaTransport final : public Transport {
   // Flag words, by their offset from the flags' start (flags_): in this rank's window, and in
   // peer r's.
   uint8_t* flag(size_t offset) const { return static_cast<uint8_t*>(base_) + flags_at_ + offset; }
-  uint8_t* peer_flag(int r, size_t offset) const { return peers_[static_cast<size_t>(r)] + flags_at_ + offset; }
+  uint8_t* peer_flag(int r, size_t offset) const {
+    return peers_[static_cast<size_t>(r)] + flags_at_ + offset;
+  }
 
   // Bucket n has run on this rank: its reads are done (peers may reuse what it read) and its
   // own part is over (release() may free what it used).
@@ -337,9 +344,7 @@ class CudaTransport final : public Transport {
       if (r != rank_) visit(r);
   }
 
-  void add_copy(void* dst, const void* src, size_t bytes) {
-    copies_.push_back({dst, src, bytes});
-  }
+  void add_copy(void* dst, const void* src, size_t bytes) { copies_.push_back({dst, src, bytes}); }
 
   template <class PeerBase>
   void add_reads(std::span<const GatherOp> bucket, PeerBase peer_base) {
@@ -363,7 +368,8 @@ class CudaTransport final : public Transport {
     if (copies_.empty()) return;
     if (stream == nullptr || stream == cudaStreamLegacy) {
       for (const Copy& c : copies_)
-        cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync");
+        cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream),
+                   "cudaMemcpyAsync");
       return;
     }
     dsts_.clear();
@@ -381,8 +387,8 @@ class CudaTransport final : public Transport {
     attributes.srcLocHint.id = device_ < 0 ? 0 : device_;
     attributes.dstLocHint = attributes.srcLocHint;
     size_t first = 0;
-    const cudaError_t batched = cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(),
-                                                     copies_.size(), &attributes, &first, 1, stream);
+    const cudaError_t batched = cudaMemcpyBatchAsync(
+        dsts_.data(), srcs_.data(), sizes_.data(), copies_.size(), &attributes, &first, 1, stream);
     if (batched == cudaSuccess) return;
     // The peers are already waiting on this bucket's flags: a refused batch (not a broken
     // context) is retried copy by copy rather than leaving them without their bytes.
@@ -390,7 +396,8 @@ class CudaTransport final : public Transport {
     MAGI_WARN(Transport, "cudaMemcpyBatchAsync refused a bucket (%s); copying one by one",
               cudaGetErrorName(batched));
     for (const Copy& c : copies_)
-      cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync");
+      cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream),
+                 "cudaMemcpyAsync");
   }
 
   void issue_mem_ops(cudaStream_t stream) {
@@ -421,10 +428,13 @@ class CudaTransport final : public Transport {
         host_check_bytes_ = 2 * op.bytes;
       }
       if (check_.copied == nullptr)
-        cuda_check(cudaEventCreateWithFlags(&check_.copied, cudaEventDisableTiming), "cudaEventCreate (verify)");
+        cuda_check(cudaEventCreateWithFlags(&check_.copied, cudaEventDisableTiming),
+                   "cudaEventCreate (verify)");
       auto* host = static_cast<uint8_t*>(host_check_);
-      cuda_check(cudaMemcpyAsync(host, op.sendbuf, op.bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync (verify)");
-      cuda_check(cudaMemcpyAsync(host + op.bytes, region() + op.slot_offset, op.bytes, cudaMemcpyDefault, stream),
+      cuda_check(cudaMemcpyAsync(host, op.sendbuf, op.bytes, cudaMemcpyDefault, stream),
+                 "cudaMemcpyAsync (verify)");
+      cuda_check(cudaMemcpyAsync(host + op.bytes, region() + op.slot_offset, op.bytes,
+                                 cudaMemcpyDefault, stream),
                  "cudaMemcpyAsync (verify)");
       cuda_check(cudaEventRecord(check_.copied, stream), "cudaEventRecord (verify)");
       check_.pending = true;
@@ -446,14 +456,22 @@ class CudaTransport final : public Transport {
     const GatherOp& op = check_.op;
     const auto* host = static_cast<const uint8_t*>(host_check_);
     if (std::memcmp(host, host + op.bytes, op.bytes) != 0) {
-      cuda_check(cudaMemcpyAsync(region() + op.slot_offset, op.sendbuf, op.bytes, cudaMemcpyDefault, stream),
+      cuda_check(cudaMemcpyAsync(region() + op.slot_offset, op.sendbuf, op.bytes, cudaMemcpyDefault,
+                                 stream),
                  "cudaMemcpyAsync (re-bind)");
       stale_.push_back(op.slot_offset);
     }
   }
 
   // Why a window could not be freed; `ranks` names the peers concerned, where there are any.
-  enum class Settled : uint8_t { Finished, PeerDied, OwnStreamBehind, PeersBehind, Abandoned, Unreadable };
+  enum class Settled : uint8_t {
+    Finished,
+    PeerDied,
+    OwnStreamBehind,
+    PeersBehind,
+    Abandoned,
+    Unreadable
+  };
   static std::string settled_name(Settled s, const std::string& ranks) {
     switch (s) {
       case Settled::Finished: return "finished";
@@ -474,7 +492,8 @@ class CudaTransport final : public Transport {
   // This rank's flag words as they are now, read on its own stream (never the program's, which
   // may be the one stuck).
   bool read_flags() {
-    if (cudaMemcpyAsync(flags_host_, flag(0), flag_bytes_, cudaMemcpyDeviceToHost, own_stream_) != cudaSuccess ||
+    if (cudaMemcpyAsync(flags_host_, flag(0), flag_bytes_, cudaMemcpyDeviceToHost, own_stream_) !=
+            cudaSuccess ||
         cudaStreamSynchronize(own_stream_) != cudaSuccess) {
       cudaGetLastError();
       return false;
@@ -528,7 +547,8 @@ class CudaTransport final : public Transport {
                                       0) != CUDA_SUCCESS ||
         cudaStreamSynchronize(own_stream_) != cudaSuccess) {
       cudaGetLastError();
-      MAGI_WARN(Transport, "could not release this rank's waits on its peers; its stream may stay blocked");
+      MAGI_WARN(Transport,
+                "could not release this rank's waits on its peers; its stream may stay blocked");
     }
   }
 
@@ -565,7 +585,7 @@ class CudaTransport final : public Transport {
   std::atomic<bool> abandoned_{false};
   static constexpr uint64_t kNotSettled = ~uint64_t{0};
   uint64_t settled_at_ = kNotSettled;  // abandon() found buckets 1..settled_at_ all finished
-  std::mutex lifetime_;                 // prepare, release and abandon, which may come from another thread
+  std::mutex lifetime_;  // prepare, release and abandon, which may come from another thread
   void* flags_host_ = nullptr;
   size_t flag_bytes_ = 0;
   std::vector<Copy> copies_;
@@ -584,12 +604,13 @@ std::unique_ptr<Transport> make_cuda_transport(int rank, int nranks, uint64_t co
                                                int device, const Options::Fault& fault) {
   if (nranks < 1 || rank < 0 || rank >= nranks)
     throw Error(ErrorKind::Usage, "rank " + std::to_string(rank) + " of " + std::to_string(nranks));
-  if (!cuda_driver_loaded()) throw Error(ErrorKind::System, "the CUDA driver is not loaded in this process");
+  if (!cuda_driver_loaded())
+    throw Error(ErrorKind::System, "the CUDA driver is not loaded in this process");
   return std::make_unique<CudaTransport>(rank, nranks, comm_identity, device, fault);
 }
 
-std::unique_ptr<Transport> make_transport(Backend backend, int rank, int nranks, uint64_t comm_identity,
-                                          int device) {
+std::unique_ptr<Transport> make_transport(Backend backend, int rank, int nranks,
+                                          uint64_t comm_identity, int device) {
   if (backend == Backend::Host) return make_host_transport(rank, nranks, comm_identity);
   return make_cuda_transport(rank, nranks, comm_identity, device);
 }

@@ -4,8 +4,8 @@
 #include <string>
 #include <vector>
 
-#include "ce_transport/backends.h"
 #include "base/base.h"
+#include "ce_transport/backends.h"
 
 namespace magi::ce {
 namespace {
@@ -14,7 +14,8 @@ class HostExchange final : public Exchange {
  public:
   HostExchange(size_t contribution_bytes, int nranks)
       : send_(contribution_bytes), recv_(contribution_bytes * static_cast<size_t>(nranks)) {
-    if (nranks < 1) throw Error(ErrorKind::Usage, "an exchange of " + std::to_string(nranks) + " ranks");
+    if (nranks < 1)
+      throw Error(ErrorKind::Usage, "an exchange of " + std::to_string(nranks) + " ranks");
   }
 
   void* send_buffer() override { return send_.data(); }
@@ -24,14 +25,16 @@ class HostExchange final : public Exchange {
   void stage(std::span<const uint8_t> contribution) override {
     if (contribution.size() != send_.size())
       throw Error(ErrorKind::Internal, "a contribution of " + std::to_string(contribution.size()) +
-                                           " bytes for an exchange of " + std::to_string(send_.size()));
+                                           " bytes for an exchange of " +
+                                           std::to_string(send_.size()));
     if (!contribution.empty()) std::memcpy(send_.data(), contribution.data(), contribution.size());
     issued_ = false;
   }
   void issued() override { issued_ = true; }
   bool ready() override { return issued_; }
   std::span<const uint8_t> result() override {
-    if (!issued_) throw Error(ErrorKind::Internal, "exchange result asked before the all-gather was issued");
+    if (!issued_)
+      throw Error(ErrorKind::Internal, "exchange result asked before the all-gather was issued");
     return recv_;
   }
 

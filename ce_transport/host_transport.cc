@@ -77,7 +77,8 @@ void wait_for(int peer_rank, pid_t peer_pid, const std::atomic<bool>& abandoned,
       nanosleep(&kNap, nullptr);
     }
     if (abandoned.load(std::memory_order_relaxed))
-      throw Error(ErrorKind::System, "the communicator was aborted while waiting for rank " + std::to_string(peer_rank));
+      throw Error(ErrorKind::System, "the communicator was aborted while waiting for rank " +
+                                         std::to_string(peer_rank));
     const uint64_t now = clock_ns();
     if (next_check == 0) {
       next_check = now + kLivenessPeriodNs;
@@ -100,7 +101,8 @@ void copy_checked(void* into, const void* from, size_t bytes) {
   const ssize_t n = process_vm_readv(getpid(), &local, 1, &remote, 1, 0);
   if (n != static_cast<ssize_t>(bytes))
     throw Error(ErrorKind::System, "binding a shard: its send buffer is no longer readable (" +
-                                       std::string(n < 0 ? std::strerror(errno) : "short read") + ")");
+                                       std::string(n < 0 ? std::strerror(errno) : "short read") +
+                                       ")");
 }
 
 // ---- the transport ----------------------------------------------------------------------------
@@ -114,7 +116,8 @@ class HostTransport final : public Transport {
         flags_{kCacheLine, nranks},
         faults_(fault, rank) {
     if (nranks < 1 || rank < 0 || rank >= nranks)
-      throw Error(ErrorKind::Usage, "rank " + std::to_string(rank) + " of " + std::to_string(nranks));
+      throw Error(ErrorKind::Usage,
+                  "rank " + std::to_string(rank) + " of " + std::to_string(nranks));
   }
   ~HostTransport() override { release(); }
 
@@ -178,14 +181,18 @@ class HostTransport final : public Transport {
     attached_ = true;
   }
 
-  Served gather(std::span<const GatherOp> bucket, void* /*stream*/, Timing timing = Timing::Untimed) override {
+  Served gather(std::span<const GatherOp> bucket, void* /*stream*/,
+                Timing timing = Timing::Untimed) override {
     if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
-    if (broken_) throw Error(ErrorKind::System, "an earlier bucket failed; this window is unusable");
-    if (abandoned_.load(std::memory_order_relaxed)) throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
+    if (broken_)
+      throw Error(ErrorKind::System, "an earlier bucket failed; this window is unusable");
+    if (abandoned_.load(std::memory_order_relaxed))
+      throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
     faults_.at_bucket_start();
     for (const GatherOp& op : bucket)
       if (op.bytes > slot_bytes_ || op.slot_offset > slot_bytes_ - op.bytes)
-        throw Error(ErrorKind::Usage, "gather of " + std::to_string(op.bytes) + " bytes at slot offset " +
+        throw Error(ErrorKind::Usage, "gather of " + std::to_string(op.bytes) +
+                                          " bytes at slot offset " +
                                           std::to_string(op.slot_offset) + " overflows a slot of " +
                                           std::to_string(slot_bytes_));
     if (bound_) {
@@ -246,7 +253,8 @@ class HostTransport final : public Transport {
     for (const GatherOp& op : bucket) {
       auto* recv = static_cast<uint8_t*>(op.recvbuf);
       uint8_t* region = own_.data() + slots_at_ + op.slot_offset;
-      if (verify_.on_call(op.slot_offset, timing) && std::memcmp(region, op.sendbuf, op.bytes) != 0) {
+      if (verify_.on_call(op.slot_offset, timing) &&
+          std::memcmp(region, op.sendbuf, op.bytes) != 0) {
         std::memcpy(region, op.sendbuf, op.bytes);
         stale_.push_back(op.slot_offset);
       }

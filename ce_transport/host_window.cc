@@ -79,7 +79,7 @@ HostWindow HostWindow::create(size_t bytes, size_t flag_bytes, int peers) {
 HostWindow HostWindow::open(const std::string& name, size_t bytes, int peers) {
   const int fd = shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) fail("opening peer window " + name, errno);
-  struct stat st{};
+  struct stat st {};
   if (fstat(fd, &st) != 0) {
     const int err = errno;
     ::close(fd);

@@ -24,8 +24,9 @@ BufferIdentity identify_cuda_buffer(const void* ptr) {
   const CudaDriver* driver = cuda_driver();
   const auto get = driver != nullptr ? driver->cuPointerGetAttributes_fn : nullptr;
   if (get == nullptr) return {};
-  CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_IS_MANAGED,
-                                      CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
+  CUpointer_attribute attributes[] = {
+      CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_IS_MANAGED,
+      CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
   // The attributes are unsigned int, bool, unsigned long long and int: each gets a zeroed 8-byte
   // word, so whatever width the driver writes, the low bytes read back right (little-endian).
   uint64_t memory_type = 0, is_managed = 0, buffer_id = 0, ordinal = 0;

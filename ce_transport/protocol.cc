@@ -11,10 +11,8 @@ namespace {
 
 const char* backend_name(uint8_t backend) {
   switch (static_cast<Backend>(backend)) {
-    case Backend::Cuda:
-      return "CUDA";
-    case Backend::Host:
-      return "host";
+    case Backend::Cuda: return "CUDA";
+    case Backend::Host: return "host";
   }
   return "unknown";
 }

@@ -15,7 +15,8 @@ class WallTimer final : public CompletionTimer {
   void start(void*) override { begin_ = std::chrono::steady_clock::now(); }
   void stop(void*) override { end_ = std::chrono::steady_clock::now(); }
   uint64_t elapsed_ns() override {
-    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(end_ - begin_).count());
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(end_ - begin_).count());
   }
 
  private:
@@ -38,7 +39,8 @@ class EventTimer final : public CompletionTimer {
   void stop(void* stream) override { cudaEventRecord(end_, static_cast<cudaStream_t>(stream)); }
   uint64_t elapsed_ns() override {
     float ms = 0;
-    if (cudaEventSynchronize(end_) != cudaSuccess || cudaEventElapsedTime(&ms, begin_, end_) != cudaSuccess) {
+    if (cudaEventSynchronize(end_) != cudaSuccess ||
+        cudaEventElapsedTime(&ms, begin_, end_) != cudaSuccess) {
       cudaGetLastError();
       return 0;  // not measured
     }

@@ -15,8 +15,7 @@ Reason unagreeable(const capture::CommInfo& info, const Options& options) {
   // created before the shim saw them and have no identity shared with their peers.
   if (info.origin == capture::CommOrigin::InitAll || info.origin == capture::CommOrigin::Unknown)
     return Reason::CommNotAgreeable;
-  if (info.rank < 0 || info.nranks < 1 || info.rank >= info.nranks)
-    return Reason::CommNotAgreeable;
+  if (info.rank < 0 || info.nranks < 1 || info.rank >= info.nranks) return Reason::CommNotAgreeable;
   // A non-blocking communicator may not even have enqueued a round's all-gather when the call
   // returns (ncclInProgress): a round could not be waited for safely. Every rank created it
   // with the same config, so every rank stays out alike.
@@ -46,7 +45,8 @@ CommAgreement::CommAgreement(ncclComm_t comm, const capture::CommInfo& info, Agr
     // Every rank of a job runs with the same environment and the same kind of program, so they
     // all end up here alike.
     agreeable_ = false;
-    MAGI_INFO(Rewrite, "comm %012llx: no agreement: MAGI_BACKEND=cuda and the program has not "
+    MAGI_INFO(Rewrite,
+              "comm %012llx: no agreement: MAGI_BACKEND=cuda and the program has not "
               "loaded the CUDA driver (MAGI_BACKEND=host serves host buffers)",
               short_id(info_.identity));
   }
@@ -59,8 +59,10 @@ CommAgreement::~CommAgreement() {
   if (pending_) retire(std::move(pending_->exchange));
   for (auto& exchange : retired_) {
     if (exchange && !exchange->ready()) {
-      MAGI_WARN(Rewrite, "comm %012llx: an agreement round was still in flight at destroy; its "
-                "buffers are left allocated", short_id(info_.identity));
+      MAGI_WARN(Rewrite,
+                "comm %012llx: an agreement round was still in flight at destroy; its "
+                "buffers are left allocated",
+                short_id(info_.identity));
       exchange.release();
     }
   }
@@ -86,8 +88,8 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   }
   seen_.observe(view.position, args, record, backend_);
 
-  if (active_ && !capturing && view.digest == active_digest_ &&
-      args.op == trace::Op::AllGather && view.position < layout_.offset_by_position.size()) {
+  if (active_ && !capturing && view.digest == active_digest_ && args.op == trace::Op::AllGather &&
+      view.position < layout_.offset_by_position.size()) {
     const size_t offset = layout_.offset_by_position[view.position];
     if (offset != SIZE_MAX) {
       Route::Kind kind = active_dry_ ? Route::Kind::WouldMove : Route::Kind::Move;
@@ -207,8 +209,10 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
   } catch (const Error& e) {
     // Rare and serious (no memory for a few kilobytes): without a round of our own the peers'
     // round would meet the program's next call, so say so loudly.
-    MAGI_WARN(Rewrite, "comm %012llx: cannot prepare an agreement round (%s); peers may wait for "
-              "it", short_id(info_.identity), e.what());
+    MAGI_WARN(Rewrite,
+              "comm %012llx: cannot prepare an agreement round (%s); peers may wait for "
+              "it",
+              short_id(info_.identity), e.what());
     agreeable_ = false;
     return;
   }
@@ -219,8 +223,10 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
                                   static_cast<cudaStream_t>(exchange.stream()));
   });
   if (result != ncclSuccess && result != ncclInProgress) {
-    MAGI_WARN(Rewrite, "comm %012llx: NCCL refused an agreement round (%d); no agreement on this "
-              "communicator from now on", short_id(info_.identity), static_cast<int>(result));
+    MAGI_WARN(Rewrite,
+              "comm %012llx: NCCL refused an agreement round (%d); no agreement on this "
+              "communicator from now on",
+              short_id(info_.identity), static_cast<int>(result));
     agreeable_ = false;
     return;
   }
@@ -290,8 +296,10 @@ void CommAgreement::read_publish(std::span<const uint8_t> all, const Round& roun
   record(RoundKind::Publish, trace::RoundEvent::Read, seq, decision_.mode, c.reason,
          c.agreed ? decision_.moved : 0);
   if (!c.agreed) {
-    MAGI_INFO(Rewrite, "comm %012llx round %u: not every rank can serve the plan (%s); "
-              "everything stays on NCCL", short_id(info_.identity), round.number,
+    MAGI_INFO(Rewrite,
+              "comm %012llx round %u: not every rank can serve the plan (%s); "
+              "everything stays on NCCL",
+              short_id(info_.identity), round.number,
               std::string(trace::reason_name(c.reason)).c_str());
     serving_.drop();
     schedule_.reagree_later();
@@ -303,8 +311,10 @@ void CommAgreement::read_publish(std::span<const uint8_t> all, const Round& roun
     serving_.attach(c.handles);
     confirm.header.flags |= kCanServe;
   } catch (const Error& e) {
-    MAGI_WARN(Transport, "comm %012llx: cannot open the peers' windows: %s; everything stays on "
-              "NCCL", short_id(info_.identity), e.what());
+    MAGI_WARN(Transport,
+              "comm %012llx: cannot open the peers' windows: %s; everything stays on "
+              "NCCL",
+              short_id(info_.identity), e.what());
     confirm.header.reason = static_cast<uint8_t>(Reason::TransportFailed);
   }
   issue(RoundKind::Confirm, confirm, seq);
@@ -317,8 +327,10 @@ void CommAgreement::read_confirm(std::span<const uint8_t> all, const Round& roun
   if (c.agreed) {
     activate(seq);
   } else {
-    MAGI_INFO(Rewrite, "comm %012llx round %u: the commit was not confirmed by every rank (%s); "
-              "everything stays on NCCL", short_id(info_.identity), round.number,
+    MAGI_INFO(Rewrite,
+              "comm %012llx round %u: the commit was not confirmed by every rank (%s); "
+              "everything stays on NCCL",
+              short_id(info_.identity), round.number,
               std::string(trace::reason_name(c.reason)).c_str());
     serving_.drop();
   }
@@ -355,13 +367,17 @@ void CommAgreement::publish(uint64_t seq) {
     c.header.flags |= kCanServe;
     const size_t window = serving_.window_bytes();
     if (plan.bound)
-      MAGI_INFO(Transport, "comm %012llx: static weights: %u gathers bound in a window of %zu "
-                "bytes (%.1f MiB; MAGI_BIND_MAX_MIB=%s)", short_id(info_.identity),
-                decision_.moved, window, static_cast<double>(window) / (1 << 20),
+      MAGI_INFO(Transport,
+                "comm %012llx: static weights: %u gathers bound in a window of %zu "
+                "bytes (%.1f MiB; MAGI_BIND_MAX_MIB=%s)",
+                short_id(info_.identity), decision_.moved, window,
+                static_cast<double>(window) / (1 << 20),
                 options_.value_text("MAGI_BIND_MAX_MIB").c_str());
     else
-      MAGI_INFO(Transport, "comm %012llx: window of %zu bytes (two staging slots of %zu) for %u "
-                "gathers", short_id(info_.identity), window, layout_.slot_bytes, decision_.moved);
+      MAGI_INFO(Transport,
+                "comm %012llx: window of %zu bytes (two staging slots of %zu) for %u "
+                "gathers",
+                short_id(info_.identity), window, layout_.slot_bytes, decision_.moved);
   } catch (const Error& e) {
     MAGI_WARN(Transport, "comm %012llx: cannot prepare a window: %s; everything stays on NCCL",
               short_id(info_.identity), e.what());
@@ -382,10 +398,11 @@ void CommAgreement::activate(uint64_t seq) {
                static_cast<uint64_t>(options_.warmup_steps), buckets);
   record(active_dry_ ? RoundKind::Propose : RoundKind::Confirm, trace::RoundEvent::Activated, seq,
          decision_.mode, Reason::None, decision_.moved);
-  MAGI_INFO(Rewrite, "comm %012llx round %u: %s %u of %zu gathers per step from collective #%llu "
-            "(%s)", short_id(info_.identity), decision_round_,
-            active_dry_ ? "would move" : "moving", decision_.moved, decision_.gathers.size(),
-            static_cast<unsigned long long>(seq),
+  MAGI_INFO(Rewrite,
+            "comm %012llx round %u: %s %u of %zu gathers per step from collective #%llu "
+            "(%s)",
+            short_id(info_.identity), decision_round_, active_dry_ ? "would move" : "moving",
+            decision_.moved, decision_.gathers.size(), static_cast<unsigned long long>(seq),
             std::string(trace::mode_name(decision_.mode)).c_str());
 }
 
@@ -407,9 +424,10 @@ void CommAgreement::after_cost(std::span<const uint8_t> all, uint64_t seq) {
   record(RoundKind::Cost, trace::RoundEvent::Read, seq, decision_.mode,
          changed ? Reason::NcclFaster : Reason::None, moved);
   if (!changed) {
-    MAGI_INFO(Rewrite, "comm %012llx round %u: timed both ways, every moved bucket was as fast or "
-              "faster off NCCL: %u gathers keep moving", short_id(info_.identity),
-              decision_round_, moved);
+    MAGI_INFO(Rewrite,
+              "comm %012llx round %u: timed both ways, every moved bucket was as fast or "
+              "faster off NCCL: %u gathers keep moving",
+              short_id(info_.identity), decision_round_, moved);
     return;
   }
   record_decision(world_.trace, info_, seen_, decision_, decision_round_);
@@ -421,9 +439,10 @@ void CommAgreement::after_cost(std::span<const uint8_t> all, uint64_t seq) {
   }
   record(RoundKind::Cost, trace::RoundEvent::Activated, seq, decision_.mode, Reason::NcclFaster,
          moved);
-  MAGI_INFO(Rewrite, "comm %012llx round %u: timed both ways: %u of %zu gathers keep moving, the "
-            "rest were faster on NCCL", short_id(info_.identity), decision_round_, moved,
-            decision_.gathers.size());
+  MAGI_INFO(Rewrite,
+            "comm %012llx round %u: timed both ways: %u of %zu gathers keep moving, the "
+            "rest were faster on NCCL",
+            short_id(info_.identity), decision_round_, moved, decision_.gathers.size());
 }
 
 void CommAgreement::deactivate(uint64_t seq, Reason why) {

@@ -28,12 +28,14 @@ bool Contribution::parse(std::span<const uint8_t> in, Contribution& out) {
   const size_t n = std::min<size_t>(out.header.gathers, kMaxGathers);
   if (out.header.kind == static_cast<uint8_t>(RoundKind::Cost)) {
     out.costs.resize(n);
-    if (n > 0) std::memcpy(out.costs.data(), in.data() + sizeof(out.header), n * sizeof(BucketCost));
+    if (n > 0)
+      std::memcpy(out.costs.data(), in.data() + sizeof(out.header), n * sizeof(BucketCost));
     out.entries.clear();
     return true;
   }
   out.entries.resize(n);
-  if (n > 0) std::memcpy(out.entries.data(), in.data() + sizeof(out.header), n * sizeof(GatherEntry));
+  if (n > 0)
+    std::memcpy(out.entries.data(), in.data() + sizeof(out.header), n * sizeof(GatherEntry));
   return true;
 }
 
@@ -42,9 +44,9 @@ namespace {
 std::vector<Contribution> parse_all(std::span<const uint8_t> all, int nranks) {
   std::vector<Contribution> out(static_cast<size_t>(nranks));
   for (int r = 0; r < nranks; ++r) {
-    if (!Contribution::parse(all.subspan(static_cast<size_t>(r) * kContributionBytes,
-                                         kContributionBytes),
-                             out[static_cast<size_t>(r)]))
+    if (!Contribution::parse(
+            all.subspan(static_cast<size_t>(r) * kContributionBytes, kContributionBytes),
+            out[static_cast<size_t>(r)]))
       return {};
   }
   return out;
@@ -138,7 +140,8 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
 
   // Whole-communicator refusals: nothing moves, but the mode is still reported.
   for (const Contribution& x : c) {
-    if (x.header.backend != mine.header.backend) return nothing_moves(d, Reason::BackendDiffers, mine);
+    if (x.header.backend != mine.header.backend)
+      return nothing_moves(d, Reason::BackendDiffers, mine);
   }
   if (const Reason r = locality_refusal(c); r != Reason::None) return nothing_moves(d, r, mine);
 
@@ -224,7 +227,8 @@ CommitOutcome decide_commit(std::span<const uint8_t> all, int nranks, RoundKind 
       return out;
     }
     if (!(x.header.flags & kCanServe)) {
-      out.reason = x.header.flags & kIssuedInGroup ? Reason::AnchorInGroup : Reason::TransportFailed;
+      out.reason =
+          x.header.flags & kIssuedInGroup ? Reason::AnchorInGroup : Reason::TransportFailed;
       return out;
     }
   }

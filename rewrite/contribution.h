@@ -26,19 +26,19 @@ inline constexpr uint32_t kContributionVersion = 1;
 inline constexpr uint32_t kMaxGathers = 1024;  // gathers per step a round can carry
 
 // Flags of a contribution.
-inline constexpr uint32_t kIssuedInGroup = 1u << 0;  // this rank's round call was inside a group
-inline constexpr uint32_t kGroupsUnstable = 1u << 1; // its grouping changed between steps
-inline constexpr uint32_t kDryRun = 1u << 2;         // MAGI_DRY_RUN=1 on this rank
-inline constexpr uint32_t kCanServe = 1u << 3;       // publish/confirm: prepared / attached
-inline constexpr uint32_t kStaticWeights = 1u << 4;  // MAGI_STATIC_WEIGHTS=1 on this rank
+inline constexpr uint32_t kIssuedInGroup = 1u << 0;   // this rank's round call was inside a group
+inline constexpr uint32_t kGroupsUnstable = 1u << 1;  // its grouping changed between steps
+inline constexpr uint32_t kDryRun = 1u << 2;          // MAGI_DRY_RUN=1 on this rank
+inline constexpr uint32_t kCanServe = 1u << 3;        // publish/confirm: prepared / attached
+inline constexpr uint32_t kStaticWeights = 1u << 4;   // MAGI_STATIC_WEIGHTS=1 on this rank
 
 struct ContributionHeader {
   uint32_t magic;
   uint32_t version;
   uint32_t round;
-  uint8_t kind;        // RoundKind
-  uint8_t backend;     // ce::Backend
-  uint8_t reason;      // publish/confirm: why this rank cannot serve
+  uint8_t kind;     // RoundKind
+  uint8_t backend;  // ce::Backend
+  uint8_t reason;   // publish/confirm: why this rank cannot serve
   uint8_t reserved0;
   int32_t rank;
   int32_t nranks;
@@ -47,13 +47,13 @@ struct ContributionHeader {
   uint64_t callsite_digest;  // call sites of the step's collectives, in order
   uint64_t group_digest;     // which positions are grouped together
   uint32_t period;
-  uint32_t gathers;          // all-gathers in the step
-  uint64_t host;             // ce::Locality
+  uint32_t gathers;  // all-gathers in the step
+  uint64_t host;     // ce::Locality
   int32_t device;
   uint32_t reserved1;
   uint64_t peer_access_mask;
-  uint64_t decision_hash;    // publish/confirm: the decision being served
-  ce::HandleBlob handle;     // publish: how to open this rank's window
+  uint64_t decision_hash;  // publish/confirm: the decision being served
+  ce::HandleBlob handle;   // publish: how to open this rank's window
 };
 
 // One all-gather of the step as this rank saw it.
@@ -63,7 +63,7 @@ struct GatherEntry {
   uint32_t position;  // in the step
   uint16_t bucket;    // bucket index in the step
   uint8_t dtype;
-  uint8_t reason;     // Reason::None: eligible on this rank
+  uint8_t reason;  // Reason::None: eligible on this rank
 };
 static_assert(sizeof(GatherEntry) == 24);
 
@@ -93,18 +93,18 @@ struct GatherDecision {
   uint32_t position;
   uint16_t bucket;
   bool moves;
-  Reason reason;      // why it stays (Reason::None when it moves)
-  int32_t refused_by; // lowest other rank that held it ineligible, else -1
+  Reason reason;       // why it stays (Reason::None when it moves)
+  int32_t refused_by;  // lowest other rank that held it ineligible, else -1
 };
 
 struct Decision {
   AgreementMode mode = AgreementMode::None;
-  Reason reason = Reason::None;  // when nothing moves because of the whole communicator
-  bool dry_run = false;          // some rank runs dry: everyone only reports
-  bool bound = false;            // every rank asserted static weights: shards are bound once
+  Reason reason = Reason::None;         // when nothing moves because of the whole communicator
+  bool dry_run = false;                 // some rank runs dry: everyone only reports
+  bool bound = false;                   // every rank asserted static weights: shards are bound once
   std::vector<GatherDecision> gathers;  // in step order
   uint32_t moved = 0;
-  uint64_t hash = 0;             // of step digest, mode and the moving positions; 0 if none move
+  uint64_t hash = 0;  // of step digest, mode and the moving positions; 0 if none move
 
   bool moves_anything() const { return moved != 0; }
 };

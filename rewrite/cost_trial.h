@@ -59,8 +59,7 @@ class CostTrial {
 
 // The cost round read: the gathers of every bucket NCCL served faster stay from now on (their
 // slots are freed in `layout`). Returns how many gathers keep moving.
-uint32_t keep_faster(const std::vector<CostVerdict>& costs, Decision& decision,
-                     SlotLayout& layout);
+uint32_t keep_faster(const std::vector<CostVerdict>& costs, Decision& decision, SlotLayout& layout);
 // What the choice rested on, bucket by bucket (the first few), at INFO.
 void log_costs(uint64_t comm_id, uint32_t round, const std::vector<CostVerdict>& costs);
 

@@ -12,10 +12,12 @@ bool GroupFlush::before(const GroupView& group) {
   if (group.depth > 0 && !flush && !told_point_to_point_group_) {
     // Said once, so that a hang there can be traced to this.
     told_point_to_point_group_ = true;
-    MAGI_WARN(Rewrite, "comm %012llx: an agreement round was issued inside a group holding "
+    MAGI_WARN(Rewrite,
+              "comm %012llx: an agreement round was issued inside a group holding "
               "Send/Recv, which cannot be launched in two parts; if other ranks do not group these "
               "calls alike, NCCL may order the round differently there (MAGI_TRANSPORT=nccl turns "
-              "rounds off)", short_id(comm_identity_));
+              "rounds off)",
+              short_id(comm_identity_));
   }
   if (!flush) return false;
   EarlyLaunches& early = early_launches();

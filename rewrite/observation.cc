@@ -50,10 +50,12 @@ void StepObservation::observe(uint32_t position, const capture::CallArgs& args,
     group = static_cast<uint16_t>(groups_in_step_ - 1);
   }
   const bool gather = args.op == trace::Op::AllGather;
-  const ce::BufferIdentity send = gather ? ce::identify_buffer(backend, args.sendbuf) : ce::BufferIdentity{};
-  const bool same = p.seen && p.count == args.count && p.dtype == static_cast<uint8_t>(args.dtype) &&
-                    p.callsite == record.callsite && p.sendbuf == record.sendbuf &&
-                    p.send.allocation_id == send.allocation_id && p.group == group;
+  const ce::BufferIdentity send =
+      gather ? ce::identify_buffer(backend, args.sendbuf) : ce::BufferIdentity{};
+  const bool same = p.seen && p.count == args.count &&
+                    p.dtype == static_cast<uint8_t>(args.dtype) && p.callsite == record.callsite &&
+                    p.sendbuf == record.sendbuf && p.send.allocation_id == send.allocation_id &&
+                    p.group == group;
   p.stable_steps = same ? p.stable_steps + 1 : 1;
   p.seen = true;
   p.op = static_cast<uint8_t>(args.op);
@@ -71,7 +73,8 @@ void StepObservation::observe(uint32_t position, const capture::CallArgs& args,
 uint64_t StepObservation::callsite_digest() const {
   XXH3_state_t state;
   XXH3_64bits_reset(&state);
-  for (const PositionSeen& p : positions_) XXH3_64bits_update(&state, &p.callsite, sizeof(p.callsite));
+  for (const PositionSeen& p : positions_)
+    XXH3_64bits_update(&state, &p.callsite, sizeof(p.callsite));
   return XXH3_64bits_digest(&state);
 }
 
@@ -100,7 +103,8 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
     const PositionSeen& p = positions_[pos];
     if (p.op != static_cast<uint8_t>(trace::Op::AllGather)) continue;
     const uint32_t key = p.group != kNoGroup ? p.group : 0x10000u + pos;
-    const auto [it, inserted] = bucket_of_key.try_emplace(key, static_cast<uint16_t>(bucket_of_key.size()));
+    const auto [it, inserted] =
+        bucket_of_key.try_emplace(key, static_cast<uint16_t>(bucket_of_key.size()));
     GatherEntry e{};
     e.callsite = p.callsite;
     e.count = p.count;
@@ -109,18 +113,24 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
     e.dtype = p.dtype;
     Reason why = Reason::None;
     const uint64_t min_bytes = options.symm_min_shard_bytes;
-    if (p.stable_steps < static_cast<uint64_t>(options.warmup_steps)) why = Reason::NotStable;
-    else if (Reason m = memory_refusal(p.send, backend); m != Reason::None) why = m;
-    else if (Reason m2 = memory_refusal(p.recv, backend); m2 != Reason::None) why = m2;
-    else if (p.capturing) why = Reason::GraphCapture;
-    else if (p.count * datatype_bytes(p.dtype) < min_bytes) why = Reason::ShardTooSmall;
+    if (p.stable_steps < static_cast<uint64_t>(options.warmup_steps))
+      why = Reason::NotStable;
+    else if (Reason m = memory_refusal(p.send, backend); m != Reason::None)
+      why = m;
+    else if (Reason m2 = memory_refusal(p.recv, backend); m2 != Reason::None)
+      why = m2;
+    else if (p.capturing)
+      why = Reason::GraphCapture;
+    else if (p.count * datatype_bytes(p.dtype) < min_bytes)
+      why = Reason::ShardTooSmall;
     e.reason = static_cast<uint8_t>(why);
     out.push_back(e);
   }
   // A bucket larger than a window's slot may hold stays, all of it.
   const uint64_t max_slot = options.window_max_bytes;
   for (GatherEntry& e : out) {
-    if (e.reason == static_cast<uint8_t>(Reason::None) && bucket_bytes(*this, e.bucket, out) > max_slot)
+    if (e.reason == static_cast<uint8_t>(Reason::None) &&
+        bucket_bytes(*this, e.bucket, out) > max_slot)
       e.reason = static_cast<uint8_t>(Reason::WindowTooLarge);
   }
   for (GatherEntry& e : out) {
@@ -134,17 +144,21 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
     for (GatherEntry& e : out) {
       if (e.reason != static_cast<uint8_t>(Reason::None)) continue;
       const uint64_t bytes = aligned(e.count * datatype_bytes(e.dtype));
-      if (bound + bytes > cap) e.reason = static_cast<uint8_t>(Reason::BindTooLarge);
-      else bound += bytes;
+      if (bound + bytes > cap)
+        e.reason = static_cast<uint8_t>(Reason::BindTooLarge);
+      else
+        bound += bytes;
     }
   }
   return out;
 }
 
-size_t bucket_bytes(const StepObservation& seen, uint16_t bucket, const std::vector<GatherEntry>& entries) {
+size_t bucket_bytes(const StepObservation& seen, uint16_t bucket,
+                    const std::vector<GatherEntry>& entries) {
   size_t total = 0;
   for (const GatherEntry& e : entries)
-    if (e.bucket == bucket) total += aligned(seen.at(e.position).count * datatype_bytes(seen.at(e.position).dtype));
+    if (e.bucket == bucket)
+      total += aligned(seen.at(e.position).count * datatype_bytes(seen.at(e.position).dtype));
   return total;
 }
 

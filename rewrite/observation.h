@@ -6,10 +6,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "base/base.h"
 #include "capture/capture.h"
 #include "ce_transport/ce_transport.h"
 #include "rewrite/contribution.h"
-#include "base/base.h"
 
 namespace magi::rewrite {
 

@@ -45,7 +45,7 @@ void forget_queued(const CommAgreement& agreement) noexcept;
 void forget_in_child() noexcept;
 
 struct Outcome {
-  bool served = false;              // the call left NCCL: do not forward it
+  bool served = false;                // the call left NCCL: do not forward it
   ncclResult_t result = ncclSuccess;  // what the program gets when served
 };
 

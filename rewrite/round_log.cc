@@ -57,8 +57,8 @@ void record_decision(const TraceSink& trace, const capture::CommInfo& info,
     why += (why.empty() ? "" : "; ") + std::to_string(count) + " " +
            std::string(trace::reason_name(reason));
   MAGI_INFO(Rewrite, "comm %012llx round %u: mode %s, %u of %zu gathers %s%s%s",
-            short_id(info.identity), round, std::string(trace::mode_name(d.mode)).c_str(),
-            d.moved, d.gathers.size(), d.dry_run ? "would move" : "move",
+            short_id(info.identity), round, std::string(trace::mode_name(d.mode)).c_str(), d.moved,
+            d.gathers.size(), d.dry_run ? "would move" : "move",
             why.empty() ? "" : "; stay: ", why.c_str());
 }
 

@@ -15,7 +15,7 @@ struct RoundStamp {
   uint64_t comm_id = 0;
   int32_t rank = 0;
   uint64_t step_digest = 0;
-  uint32_t round = 0;    // the round issued (Issued, Abandoned) or the decision's round (others)
+  uint32_t round = 0;  // the round issued (Issued, Abandoned) or the decision's round (others)
   uint32_t period = 0;
   uint32_t gathers = 0;  // of the decision
 };

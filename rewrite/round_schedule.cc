@@ -12,14 +12,12 @@ void RoundSchedule::restart() {
 }
 
 bool RoundSchedule::propose_due(uint64_t complete_steps) const {
-  return steps_ >= next_propose_ &&
-         complete_steps >= static_cast<uint64_t>(options_.warmup_steps);
+  return steps_ >= next_propose_ && complete_steps >= static_cast<uint64_t>(options_.warmup_steps);
 }
 
 void RoundSchedule::reagree_later() {
-  next_propose_ = options_.reagree_steps > 0
-                      ? steps_ + static_cast<uint64_t>(options_.reagree_steps)
-                      : kNever;
+  next_propose_ =
+      options_.reagree_steps > 0 ? steps_ + static_cast<uint64_t>(options_.reagree_steps) : kNever;
 }
 
 void RoundSchedule::move_anchor(uint32_t period) {

@@ -55,8 +55,8 @@ ncclResult_t settle_unserved(std::span<Queued> queued) noexcept {
   for (const Queued& q : queued) {
     if (q.served || !q.via_nccl) continue;
     const NcclGather& g = q.call;
-    const ncclResult_t r = nccl.all_gather(g.sendbuf, g.recvbuf, g.count, g.dtype,
-                                           q.agreement->comm(), q.stream);
+    const ncclResult_t r =
+        nccl.all_gather(g.sendbuf, g.recvbuf, g.count, g.dtype, q.agreement->comm(), q.stream);
     if (result == ncclSuccess) result = r;
   }
   const ncclResult_t ended = nccl.group_end();
@@ -112,8 +112,7 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
       t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, op, call});
       outcome.result = ncclSuccess;
     } else {
-      outcome.result =
-          agreement->serve({&op, 1}, {&call, 1}, args.stream, route.bucket, via_nccl);
+      outcome.result = agreement->serve({&op, 1}, {&call, 1}, args.stream, route.bucket, via_nccl);
     }
   });
   if (done) {
@@ -173,7 +172,8 @@ void group_discarded() noexcept {
   // take it back. Rare (nothing in PyTorch simulates groups), and said rather than hidden.
   const EarlyLaunches early = std::exchange(early_launches(), {});
   if (early.calls > 0)
-    MAGI_WARN(Rewrite, "ncclGroupSimulateEnd: an agreement round launched the first %u call(s) of "
+    MAGI_WARN(Rewrite,
+              "ncclGroupSimulateEnd: an agreement round launched the first %u call(s) of "
               "this group for real; they ran, and the simulation covers only the calls after them",
               early.calls);
 }

@@ -25,10 +25,9 @@ Serving::Serving(const AgreementWorld& world, const capture::CommInfo& info, ncc
 
 Serving::~Serving() { drop(); }
 
-ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket,
-                            std::span<const NcclGather> calls, cudaStream_t stream,
-                            uint16_t bucket_id, bool via_nccl, CostTrial& trial,
-                            const SlotLayout& layout) {
+ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<const NcclGather> calls,
+                            cudaStream_t stream, uint16_t bucket_id, bool via_nccl,
+                            CostTrial& trial, const SlotLayout& layout) {
   if (!transport_) return ncclInternalError;  // routes say Move only with a transport
   struct Timed {  // stops the timer once the bucket is served, whichever way it leaves
     CostTrial& trial;
@@ -45,17 +44,21 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket,
       // Every rank learned of the failure in this bucket: all of them hand it to NCCL now, and
       // refuse its gathers at the next round.
       if (!failed_)
-        MAGI_WARN(Transport, "comm %012llx: the transport failed on some rank; its gathers go to "
-                  "NCCL until the next agreement round takes them back", short_id(info_.identity));
+        MAGI_WARN(Transport,
+                  "comm %012llx: the transport failed on some rank; its gathers go to "
+                  "NCCL until the next agreement round takes them back",
+                  short_id(info_.identity));
       failed_ = true;
       return forward_to_nccl(calls, stream);
     }
     for (const size_t offset : transport_->take_stale_bindings()) {
       for (uint32_t p = 0; p < layout.offset_by_position.size(); ++p) {
         if (layout.offset_by_position[p] != offset) continue;
-        MAGI_WARN(Transport, "comm %012llx: MAGI_STATIC_WEIGHTS=1, but the shard of the gather at "
+        MAGI_WARN(Transport,
+                  "comm %012llx: MAGI_STATIC_WEIGHTS=1, but the shard of the gather at "
                   "position %u changed after it was bound; peers may have read stale bytes. It "
-                  "goes back to NCCL at the next agreement round", short_id(info_.identity), p);
+                  "goes back to NCCL at the next agreement round",
+                  short_id(info_.identity), p);
         stale_positions_.push_back(p);
       }
     }
@@ -71,8 +74,10 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket,
 
 void Serving::fail(const char* why) noexcept {
   if (!failed_)
-    MAGI_WARN(Transport, "comm %012llx: a moved gather failed: %s; the communicator goes back "
-              "to NCCL at its next agreement round", short_id(info_.identity), why);
+    MAGI_WARN(Transport,
+              "comm %012llx: a moved gather failed: %s; the communicator goes back "
+              "to NCCL at its next agreement round",
+              short_id(info_.identity), why);
   failed_ = true;
 }
 

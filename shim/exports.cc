@@ -92,8 +92,9 @@ bool nonblocking(const ncclConfig_t* config, ncclComm_t parent = nullptr) {
   return record != nullptr && record->capture.info.nonblocking;
 }
 
-void joined(ncclResult_t result, ncclComm_t comm, uint64_t identity, uint64_t parent, CommOrigin origin,
-            int rank_hint = -1, int nranks_hint = -1, bool is_nonblocking = false) {
+void joined(ncclResult_t result, ncclComm_t comm, uint64_t identity, uint64_t parent,
+            CommOrigin origin, int rank_hint = -1, int nranks_hint = -1,
+            bool is_nonblocking = false) {
   if ((result != ncclSuccess && result != ncclInProgress) || comm == nullptr) return;
   const RealNccl& real = real_nccl();
   CommInfo info{};
@@ -151,10 +152,11 @@ using magi::capture::Op;
 MAGI_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
   const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommInitRank, comm, nranks, id, rank);
-  if (!nested) guarded("ncclCommInitRank", [&] {
-    joined(r, comm ? *comm : nullptr, magi::capture::identity_from_unique_ids({&id, 1}), 0,
-           CommOrigin::InitRank, rank, nranks);
-  });
+  if (!nested)
+    guarded("ncclCommInitRank", [&] {
+      joined(r, comm ? *comm : nullptr, magi::capture::identity_from_unique_ids({&id, 1}), 0,
+             CommOrigin::InitRank, rank, nranks);
+    });
   return r;
 }
 
@@ -162,10 +164,11 @@ MAGI_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, nc
                                                 int rank, ncclConfig_t* config) {
   const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommInitRankConfig, comm, nranks, id, rank, config);
-  if (!nested) guarded("ncclCommInitRankConfig", [&] {
-    joined(r, comm ? *comm : nullptr, magi::capture::identity_from_unique_ids({&id, 1}), 0,
-           CommOrigin::InitRankConfig, rank, nranks, nonblocking(config));
-  });
+  if (!nested)
+    guarded("ncclCommInitRankConfig", [&] {
+      joined(r, comm ? *comm : nullptr, magi::capture::identity_from_unique_ids({&id, 1}), 0,
+             CommOrigin::InitRankConfig, rank, nranks, nonblocking(config));
+    });
   return r;
 }
 
@@ -173,23 +176,25 @@ MAGI_EXPORT ncclResult_t ncclCommInitRankScalable(ncclComm_t* comm, int nranks, 
                                                   ncclUniqueId* ids, ncclConfig_t* config) {
   const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommInitRankScalable, comm, nranks, rank, nIds, ids, config);
-  if (!nested) guarded("ncclCommInitRankScalable", [&] {
-    if (ids == nullptr || nIds <= 0) return;
-    joined(r, comm ? *comm : nullptr,
-           magi::capture::identity_from_unique_ids({ids, static_cast<size_t>(nIds)}), 0,
-           CommOrigin::InitRankScalable, rank, nranks, nonblocking(config));
-  });
+  if (!nested)
+    guarded("ncclCommInitRankScalable", [&] {
+      if (ids == nullptr || nIds <= 0) return;
+      joined(r, comm ? *comm : nullptr,
+             magi::capture::identity_from_unique_ids({ids, static_cast<size_t>(nIds)}), 0,
+             CommOrigin::InitRankScalable, rank, nranks, nonblocking(config));
+    });
   return r;
 }
 
 MAGI_EXPORT ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
   const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommInitAll, comms, ndev, devlist);
-  if (!nested) guarded("ncclCommInitAll", [&] {
-    if (r != ncclSuccess || comms == nullptr) return;
-    const uint64_t identity = magi::capture::identity_for_init_all(ndev);
-    for (int i = 0; i < ndev; ++i) joined(r, comms[i], identity, 0, CommOrigin::InitAll, i, ndev);
-  });
+  if (!nested)
+    guarded("ncclCommInitAll", [&] {
+      if (r != ncclSuccess || comms == nullptr) return;
+      const uint64_t identity = magi::capture::identity_for_init_all(ndev);
+      for (int i = 0; i < ndev; ++i) joined(r, comms[i], identity, 0, CommOrigin::InitAll, i, ndev);
+    });
   return r;
 }
 
@@ -197,34 +202,38 @@ MAGI_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, nccl
                                        ncclConfig_t* config) {
   const bool nested = inside_real_nccl();
   uint64_t identity = 0;
-  if (!nested) guarded("ncclCommSplit", [&] {
-    identity = child_identity(comm, CommOrigin::Split, color, {});
-  });
+  if (!nested)
+    guarded("ncclCommSplit",
+            [&] { identity = child_identity(comm, CommOrigin::Split, color, {}); });
   const ncclResult_t r = MAGI_FORWARD(CommSplit, comm, color, key, newcomm, config);
-  if (!nested) guarded("ncclCommSplit", [&] {
-    joined(r, newcomm ? *newcomm : nullptr, identity, identity_of(comm),
-           CommOrigin::Split, -1, -1, nonblocking(config, comm));
-  });
+  if (!nested)
+    guarded("ncclCommSplit", [&] {
+      joined(r, newcomm ? *newcomm : nullptr, identity, identity_of(comm), CommOrigin::Split, -1,
+             -1, nonblocking(config, comm));
+    });
   return r;
 }
 
-MAGI_EXPORT ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount,
-                                        ncclComm_t* newcomm, ncclConfig_t* config, int shrinkFlags) {
+MAGI_EXPORT ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList,
+                                        int excludeRanksCount, ncclComm_t* newcomm,
+                                        ncclConfig_t* config, int shrinkFlags) {
   const bool nested = inside_real_nccl();
   uint64_t identity = 0;
-  if (!nested) guarded("ncclCommShrink", [&] {
-    std::vector<int> excluded;
-    if (excludeRanksList != nullptr && excludeRanksCount > 0)
-      excluded.assign(excludeRanksList, excludeRanksList + excludeRanksCount);
-    std::sort(excluded.begin(), excluded.end());  // the same set, however each rank listed it
-    identity = child_identity(comm, CommOrigin::Shrink, 0, excluded);
-  });
+  if (!nested)
+    guarded("ncclCommShrink", [&] {
+      std::vector<int> excluded;
+      if (excludeRanksList != nullptr && excludeRanksCount > 0)
+        excluded.assign(excludeRanksList, excludeRanksList + excludeRanksCount);
+      std::sort(excluded.begin(), excluded.end());  // the same set, however each rank listed it
+      identity = child_identity(comm, CommOrigin::Shrink, 0, excluded);
+    });
   const ncclResult_t r = MAGI_FORWARD(CommShrink, comm, excludeRanksList, excludeRanksCount,
                                       newcomm, config, shrinkFlags);
-  if (!nested) guarded("ncclCommShrink", [&] {
-    joined(r, newcomm ? *newcomm : nullptr, identity, identity_of(comm),
-           CommOrigin::Shrink, -1, -1, nonblocking(config, comm));
-  });
+  if (!nested)
+    guarded("ncclCommShrink", [&] {
+      joined(r, newcomm ? *newcomm : nullptr, identity, identity_of(comm), CommOrigin::Shrink, -1,
+             -1, nonblocking(config, comm));
+    });
   return r;
 }
 
@@ -233,10 +242,11 @@ MAGI_EXPORT ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, 
 MAGI_EXPORT ncclResult_t ncclCommFinalize(ncclComm_t comm) {
   const bool nested = inside_real_nccl();
   const ncclResult_t r = MAGI_FORWARD(CommFinalize, comm);
-  if (!nested) guarded("ncclCommFinalize", [&] {
-    if (const CommRef record = find_comm(comm))
-      magi::capture::comm_ended(record->capture, CommEndKind::Finalize);
-  });
+  if (!nested)
+    guarded("ncclCommFinalize", [&] {
+      if (const CommRef record = find_comm(comm))
+        magi::capture::comm_ended(record->capture, CommEndKind::Finalize);
+    });
   return r;
 }
 
@@ -295,84 +305,98 @@ MAGI_EXPORT ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
 // ---------------------------------------------------------------- collectives and p2p
 
 MAGI_EXPORT ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
-                                       ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
-  return recorded("ncclAllGather", comm, {Op::AllGather, datatype, sendcount, -1, -1, sendbuff, recvbuff, stream}, [&] {
-      return MAGI_FORWARD(AllGather, sendbuff, recvbuff, sendcount, datatype, comm, stream);
-    });
+                                       ncclDataType_t datatype, ncclComm_t comm,
+                                       cudaStream_t stream) {
+  return recorded("ncclAllGather", comm,
+                  {Op::AllGather, datatype, sendcount, -1, -1, sendbuff, recvbuff, stream}, [&] {
+                    return MAGI_FORWARD(AllGather, sendbuff, recvbuff, sendcount, datatype, comm,
+                                        stream);
+                  });
 }
 
 MAGI_EXPORT ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
                                        ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                                        cudaStream_t stream) {
-  return recorded("ncclAllReduce", comm, {Op::AllReduce, datatype, count, -1, op, sendbuff, recvbuff, stream}, [&] {
-      return MAGI_FORWARD(AllReduce, sendbuff, recvbuff, count, datatype, op, comm, stream);
-    });
+  return recorded("ncclAllReduce", comm,
+                  {Op::AllReduce, datatype, count, -1, op, sendbuff, recvbuff, stream}, [&] {
+                    return MAGI_FORWARD(AllReduce, sendbuff, recvbuff, count, datatype, op, comm,
+                                        stream);
+                  });
 }
 
 MAGI_EXPORT ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
                                            ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                                            cudaStream_t stream) {
-  return recorded("ncclReduceScatter", comm, {Op::ReduceScatter, datatype, recvcount, -1, op, sendbuff, recvbuff, stream}, [&] {
-      return MAGI_FORWARD(ReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
-    });
+  return recorded("ncclReduceScatter", comm,
+                  {Op::ReduceScatter, datatype, recvcount, -1, op, sendbuff, recvbuff, stream},
+                  [&] {
+                    return MAGI_FORWARD(ReduceScatter, sendbuff, recvbuff, recvcount, datatype, op,
+                                        comm, stream);
+                  });
 }
 
 MAGI_EXPORT ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
                                        ncclDataType_t datatype, int root, ncclComm_t comm,
                                        cudaStream_t stream) {
-  return recorded("ncclBroadcast", comm, {Op::Broadcast, datatype, count, root, -1, sendbuff, recvbuff, stream}, [&] {
-      return MAGI_FORWARD(Broadcast, sendbuff, recvbuff, count, datatype, root, comm, stream);
-    });
+  return recorded("ncclBroadcast", comm,
+                  {Op::Broadcast, datatype, count, root, -1, sendbuff, recvbuff, stream}, [&] {
+                    return MAGI_FORWARD(Broadcast, sendbuff, recvbuff, count, datatype, root, comm,
+                                        stream);
+                  });
 }
 
 MAGI_EXPORT ncclResult_t ncclBcast(void* buff, size_t count, ncclDataType_t datatype, int root,
                                    ncclComm_t comm, cudaStream_t stream) {
-  return recorded("ncclBcast", comm, {Op::Broadcast, datatype, count, root, -1, buff, buff, stream}, [&] {
-      return MAGI_FORWARD(Bcast, buff, count, datatype, root, comm, stream);
-    });
+  return recorded("ncclBcast", comm, {Op::Broadcast, datatype, count, root, -1, buff, buff, stream},
+                  [&] { return MAGI_FORWARD(Bcast, buff, count, datatype, root, comm, stream); });
 }
 
 MAGI_EXPORT ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count,
                                     ncclDataType_t datatype, ncclRedOp_t op, int root,
                                     ncclComm_t comm, cudaStream_t stream) {
-  return recorded("ncclReduce", comm, {Op::Reduce, datatype, count, root, op, sendbuff, recvbuff, stream}, [&] {
-      return MAGI_FORWARD(Reduce, sendbuff, recvbuff, count, datatype, op, root, comm, stream);
-    });
+  return recorded(
+      "ncclReduce", comm, {Op::Reduce, datatype, count, root, op, sendbuff, recvbuff, stream}, [&] {
+        return MAGI_FORWARD(Reduce, sendbuff, recvbuff, count, datatype, op, root, comm, stream);
+      });
 }
 
 MAGI_EXPORT ncclResult_t ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count,
-                                      ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
-  return recorded("ncclAlltoAll", comm, {Op::AlltoAll, datatype, count, -1, -1, sendbuff, recvbuff, stream}, [&] {
-      return MAGI_FORWARD(AlltoAll, sendbuff, recvbuff, count, datatype, comm, stream);
-    });
+                                      ncclDataType_t datatype, ncclComm_t comm,
+                                      cudaStream_t stream) {
+  return recorded(
+      "ncclAlltoAll", comm, {Op::AlltoAll, datatype, count, -1, -1, sendbuff, recvbuff, stream},
+      [&] { return MAGI_FORWARD(AlltoAll, sendbuff, recvbuff, count, datatype, comm, stream); });
 }
 
 MAGI_EXPORT ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count,
                                     ncclDataType_t datatype, int root, ncclComm_t comm,
                                     cudaStream_t stream) {
-  return recorded("ncclGather", comm, {Op::Gather, datatype, count, root, -1, sendbuff, recvbuff, stream}, [&] {
-      return MAGI_FORWARD(Gather, sendbuff, recvbuff, count, datatype, root, comm, stream);
-    });
+  return recorded(
+      "ncclGather", comm, {Op::Gather, datatype, count, root, -1, sendbuff, recvbuff, stream}, [&] {
+        return MAGI_FORWARD(Gather, sendbuff, recvbuff, count, datatype, root, comm, stream);
+      });
 }
 
 MAGI_EXPORT ncclResult_t ncclScatter(const void* sendbuff, void* recvbuff, size_t count,
                                      ncclDataType_t datatype, int root, ncclComm_t comm,
                                      cudaStream_t stream) {
-  return recorded("ncclScatter", comm, {Op::Scatter, datatype, count, root, -1, sendbuff, recvbuff, stream}, [&] {
-      return MAGI_FORWARD(Scatter, sendbuff, recvbuff, count, datatype, root, comm, stream);
-    });
+  return recorded("ncclScatter", comm,
+                  {Op::Scatter, datatype, count, root, -1, sendbuff, recvbuff, stream}, [&] {
+                    return MAGI_FORWARD(Scatter, sendbuff, recvbuff, count, datatype, root, comm,
+                                        stream);
+                  });
 }
 
-MAGI_EXPORT ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer,
-                                  ncclComm_t comm, cudaStream_t stream) {
-  return recorded("ncclSend", comm, {Op::Send, datatype, count, peer, -1, sendbuff, nullptr, stream}, [&] {
-      return MAGI_FORWARD(Send, sendbuff, count, datatype, peer, comm, stream);
-    });
+MAGI_EXPORT ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype,
+                                  int peer, ncclComm_t comm, cudaStream_t stream) {
+  return recorded(
+      "ncclSend", comm, {Op::Send, datatype, count, peer, -1, sendbuff, nullptr, stream},
+      [&] { return MAGI_FORWARD(Send, sendbuff, count, datatype, peer, comm, stream); });
 }
 
 MAGI_EXPORT ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer,
                                   ncclComm_t comm, cudaStream_t stream) {
-  return recorded("ncclRecv", comm, {Op::Recv, datatype, count, peer, -1, nullptr, recvbuff, stream}, [&] {
-      return MAGI_FORWARD(Recv, recvbuff, count, datatype, peer, comm, stream);
-    });
+  return recorded(
+      "ncclRecv", comm, {Op::Recv, datatype, count, peer, -1, nullptr, recvbuff, stream},
+      [&] { return MAGI_FORWARD(Recv, recvbuff, count, datatype, peer, comm, stream); });
 }

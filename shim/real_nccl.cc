@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "base/options.h"
 #include "base/log.h"
+#include "base/options.h"
 
 namespace magi::shim {
 namespace {
@@ -43,11 +43,11 @@ void* lookup(void* handle, const char* name) {
 bool bind_all(RealNccl& real, void* handle) {
   bool any = false;
   void* first = nullptr;
-#define MAGI_BIND(ret, name, params)                                 \
-  if (void* f = lookup(handle, #name)) {                             \
-    real.name = reinterpret_cast<ret(*) params>(f);                   \
-    any = true;                                                      \
-    if (first == nullptr) first = f;                                 \
+#define MAGI_BIND(ret, name, params)                \
+  if (void* f = lookup(handle, #name)) {            \
+    real.name = reinterpret_cast<ret(*) params>(f); \
+    any = true;                                     \
+    if (first == nullptr) first = f;                \
   }
   MAGI_NCCL_FUNCTIONS(MAGI_BIND)
 #undef MAGI_BIND
@@ -82,9 +82,11 @@ RealNccl resolve() {
     real.how = how;
     return true;
   };
-  if (attempt(dlopen("libnccl.so.2", RTLD_NOLOAD | RTLD_LAZY), "already loaded as libnccl.so.2")) return real;
+  if (attempt(dlopen("libnccl.so.2", RTLD_NOLOAD | RTLD_LAZY), "already loaded as libnccl.so.2"))
+    return real;
   for (const std::string& path : loaded_nccl_candidates())
-    if (attempt(dlopen(path.c_str(), RTLD_NOLOAD | RTLD_LAZY), "found among loaded libraries")) return real;
+    if (attempt(dlopen(path.c_str(), RTLD_NOLOAD | RTLD_LAZY), "found among loaded libraries"))
+      return real;
   if (attempt(RTLD_NEXT, "next in the global scope")) return real;
   if (const std::string& path = Options::get().nccl_library; !path.empty()) {
     void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -124,7 +126,8 @@ ncclResult_t missing_function(const char* name) {
     if (seen == name) return ncclInvalidUsage;
     if (seen == nullptr) {
       if (slot.compare_exchange_strong(seen, name)) {
-        MAGI_WARN(Shim, "nccl%s: the real NCCL (%s) does not provide it; returning ncclInvalidUsage",
+        MAGI_WARN(Shim,
+                  "nccl%s: the real NCCL (%s) does not provide it; returning ncclInvalidUsage",
                   name, real_nccl().path);
         return ncclInvalidUsage;
       }

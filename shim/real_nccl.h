@@ -17,14 +17,14 @@
 namespace magi::shim {
 
 // Every function the shim forwards: return type, name without the "nccl" prefix, parameters.
-#define MAGI_NCCL_FUNCTIONS(X)                                                                     \
+#define MAGI_NCCL_FUNCTIONS(X)                                                                    \
   X(ncclResult_t, GetVersion, (int* version))                                                     \
-  X(ncclResult_t, CommInitRank, (ncclComm_t* comm, int nranks, ncclUniqueId id, int rank))        \
+  X(ncclResult_t, CommInitRank, (ncclComm_t * comm, int nranks, ncclUniqueId id, int rank))       \
   X(ncclResult_t, CommInitRankConfig,                                                             \
-    (ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t* config))              \
-  X(ncclResult_t, CommInitAll, (ncclComm_t* comms, int ndev, const int* devlist))                 \
+    (ncclComm_t * comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t* config))             \
+  X(ncclResult_t, CommInitAll, (ncclComm_t * comms, int ndev, const int* devlist))                \
   X(ncclResult_t, CommInitRankScalable,                                                           \
-    (ncclComm_t* comm, int nranks, int rank, int nIds, ncclUniqueId* ids, ncclConfig_t* config))  \
+    (ncclComm_t * comm, int nranks, int rank, int nIds, ncclUniqueId* ids, ncclConfig_t* config)) \
   X(ncclResult_t, CommSplit,                                                                      \
     (ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config))             \
   X(ncclResult_t, CommShrink,                                                                     \
@@ -72,7 +72,7 @@ namespace magi::shim {
      cudaStream_t stream))                                                                        \
   X(ncclResult_t, GroupStart, ())                                                                 \
   X(ncclResult_t, GroupEnd, ())                                                                   \
-  X(ncclResult_t, GroupSimulateEnd, (ncclSimInfo_t* info))
+  X(ncclResult_t, GroupSimulateEnd, (ncclSimInfo_t * info))
 
 struct RealNccl {
 #define MAGI_REAL_NCCL_POINTER(ret, name, params) ret(*name) params = nullptr;

@@ -78,15 +78,21 @@ TEST(Options, EveryBadValueGivesOneLineAndTheDefault) {
     switch (spec.kind) {
       case OptionKind::Bool: bad = {"", "2", "-1", "maybe", "99999999999999999999"}; break;
       case OptionKind::Int:
-        bad = {"", "-1", "abc", "12abc", "1e3", "99999999999999999999",
-               std::to_string(spec.min - 1), std::to_string(spec.max + 1)};
+        bad = {"",
+               "-1",
+               "abc",
+               "12abc",
+               "1e3",
+               "99999999999999999999",
+               std::to_string(spec.min - 1),
+               std::to_string(spec.max + 1)};
         break;
       case OptionKind::Enum: bad = {"", "LOUD", "-1", "42"}; break;
       case OptionKind::SubsystemList: bad = {"", "NETWORK", "INIT,BOGUS", "^", "-1"}; break;
       case OptionKind::Path: break;  // any text is a path; an unusable one is reported where used
       case OptionKind::FaultSpec:
-        bad = {"", "LOUD", "-1", "42", "prepare", "prepare:", "prepare:-1", "none:1", "explode:1",
-               "gather:x", "slow:16777217"};
+        bad = {"",           "LOUD",   "-1",        "42",       "prepare",      "prepare:",
+               "prepare:-1", "none:1", "explode:1", "gather:x", "slow:16777217"};
         break;
     }
     for (const std::string& value : bad) {
@@ -187,7 +193,8 @@ const std::vector<Setting> kEveryOptionChanged = {
     {"MAGI_CALLSITES", "no", {{"callsites", "false"}}},
     {"MAGI_CALLSITE_DEPTH", "5", {{"callsite_depth", "5"}}},
     {"MAGI_MAX_STEP_CALLS", "77", {{"max_step_calls", "77"}}},
-    {"MAGI_NCCL_LIBRARY", "/opt/nccl/lib/libnccl.so.2",
+    {"MAGI_NCCL_LIBRARY",
+     "/opt/nccl/lib/libnccl.so.2",
      {{"nccl_library", "/opt/nccl/lib/libnccl.so.2"}}},
     {"MAGI_TRANSPORT", "NCCL", {{"transport", "Nccl"}}},
     {"MAGI_BACKEND", "host", {{"backend", "Host"}}},

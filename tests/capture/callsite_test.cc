@@ -245,8 +245,9 @@ testing::AssertionResult run_self(const std::string& test, std::string assignmen
     if (std::chrono::steady_clock::now() > deadline) {
       kill(pid, SIGKILL);
       waitpid(pid, &status, 0);
-      return testing::AssertionFailure() << test << " did not finish within " << timeout.count()
-                                         << " s; its output:\n" << read_file(log_path).value_or("");
+      return testing::AssertionFailure()
+             << test << " did not finish within " << timeout.count() << " s; its output:\n"
+             << read_file(log_path).value_or("");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }

@@ -63,7 +63,9 @@ struct Happened {
 };
 
 std::ostream& operator<<(std::ostream& out, const Happened& h) {
-  return out << (h.event == Event::Found ? "Found" : h.event == Event::Lost ? "Lost" : "None")
+  return out << (h.event == Event::Found  ? "Found"
+                 : h.event == Event::Lost ? "Lost"
+                                          : "None")
              << "@" << h.index;
 }
 
@@ -139,8 +141,9 @@ TEST(StepDetector, PrologueIsLeftOutOfTheStep) {
   const std::vector<Happened> events =
       feed(detector, prologue + repeated(step, repetitions) + keys_of("ab"));
 
-  EXPECT_EQ(events, (std::vector<Happened>{
-                        {prologue.size() + keys_to_find(step.size()) - 1, Event::Found}}));
+  EXPECT_EQ(
+      events,
+      (std::vector<Happened>{{prologue.size() + keys_to_find(step.size()) - 1, Event::Found}}));
   ASSERT_TRUE(detector.found());
   EXPECT_EQ(detector.origin(), prologue.size());
   EXPECT_EQ(step_of(detector), step);

@@ -121,7 +121,8 @@ TEST(ThreadedCallsChild, DISABLED_CallsFromEveryThreadAtOnce) {
   if (mode == nullptr) GTEST_SKIP() << "runs only as a child of the ThreadedCalls tests";
   const bool clique = std::string(mode) == "clique";
   const bool churn = std::string(mode) == "churn";
-  void* standin = dlopen((build_dir() + "/tests/support/libnccl.so.2").c_str(), RTLD_NOW | RTLD_LOCAL);
+  void* standin =
+      dlopen((build_dir() + "/tests/support/libnccl.so.2").c_str(), RTLD_NOW | RTLD_LOCAL);
   ASSERT_NE(standin, nullptr) << dlerror();
   void* shim = dlopen((build_dir() + "/libmagice.so").c_str(), RTLD_NOW | RTLD_LOCAL);
   ASSERT_NE(shim, nullptr) << dlerror();
@@ -187,9 +188,11 @@ testing::AssertionResult run_child(const std::string& mode,
                                    std::vector<std::pair<std::string, std::string>> env,
                                    trace::Trace& out) {
   TempDir traces;
-  if (traces.path.empty()) return testing::AssertionFailure() << "cannot make a temporary directory";
+  if (traces.path.empty())
+    return testing::AssertionFailure() << "cannot make a temporary directory";
   LaunchSpec spec;
-  spec.argv = {self_path(), "--gtest_filter=ThreadedCallsChild.*", "--gtest_also_run_disabled_tests"};
+  spec.argv = {self_path(), "--gtest_filter=ThreadedCallsChild.*",
+               "--gtest_also_run_disabled_tests"};
   spec.env = std::move(env);
   spec.env.emplace_back(kChildVariable, mode);
   spec.env.emplace_back("MAGI_TRACE_DIR", traces.path);
@@ -224,7 +227,8 @@ void expect_every_call_traced(const trace::Trace& t) {
   ASSERT_EQ(by_comm.size(), static_cast<size_t>(kThreads));
   std::set<uint32_t> threads;
   for (const auto& [key, calls] : by_comm) {
-    SCOPED_TRACE("communicator " + std::to_string(key.first) + " rank " + std::to_string(key.second));
+    SCOPED_TRACE("communicator " + std::to_string(key.first) + " rank " +
+                 std::to_string(key.second));
     ASSERT_EQ(calls.size(), static_cast<size_t>(kCallsPerThread));
     for (size_t i = 0; i < calls.size(); ++i) {
       ASSERT_EQ(calls[i].seq, i);
@@ -255,7 +259,8 @@ void expect_every_call_traced(const trace::Trace& t) {
 
 TEST(ThreadedCalls, ThreadsOnCommunicatorsOfTheirOwnAreTracedCallForCall) {
   trace::Trace t;
-  ASSERT_TRUE(run_child("independent", {{"MAGI_TRACE_BUFFER_KIB", "256"}, {"MAGI_LOG", "INFO"}}, t));
+  ASSERT_TRUE(
+      run_child("independent", {{"MAGI_TRACE_BUFFER_KIB", "256"}, {"MAGI_LOG", "INFO"}}, t));
   expect_every_call_traced(t);
   std::set<uint64_t> identities;
   for (const trace::CommRecord& c : t.comms) identities.insert(c.comm_id);
@@ -302,7 +307,8 @@ TEST(ThreadedCalls, ThreadsMakingAndEndingCommunicatorsAtOnceLoseNoRecord) {
 TEST(ThreadedCalls, WithTheSmallestBuffersEveryRecordIsWrittenOrCountedAsDropped) {
   trace::Trace t;
   // Call sites off: their records depend on the build; all the others are known in advance.
-  ASSERT_TRUE(run_child("independent", {{"MAGI_TRACE_BUFFER_KIB", "16"}, {"MAGI_CALLSITES", "0"}}, t));
+  ASSERT_TRUE(
+      run_child("independent", {{"MAGI_TRACE_BUFFER_KIB", "16"}, {"MAGI_CALLSITES", "0"}}, t));
   // Each communicator: its Comm record, its calls, one Step (found once, never lost: the calls
   // repeat to the end), its CommEnd.
   const uint64_t made = uint64_t{kThreads} * (1 + kCallsPerThread + 1 + 1);

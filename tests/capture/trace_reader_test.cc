@@ -19,8 +19,8 @@ namespace {
 using testing::CallSpec;
 using testing::make_agreement;
 using testing::make_call;
-using testing::make_decision;
 using testing::make_comm;
+using testing::make_decision;
 using testing::make_file_header;
 using testing::TraceBuilder;
 
@@ -42,12 +42,13 @@ struct EveryRecord {
   std::array<Frame, 3> frames{{{0x1111, 0x10}, {0x2222, 0x20}, {0, 0}}};
   std::string module_name = "/usr/lib/libtorch_cuda.so";  // 25 bytes: exercises padding
   StepRecord step{kComm, 100, 4, 0x5eed, 32, 3, static_cast<uint8_t>(StepEvent::Found), {}};
-  AgreementRecord agreement = make_agreement(
-      kComm, 2, {7, RoundKind::Publish, RoundEvent::Read, 130, AgreementMode::Slot, 12, 5,
-                 Reason::TransportFailed, 9, 0x5eed});
-  DecisionRecord decision = make_decision(
-      kComm, 2, 7, AgreementMode::Slot,
-      {11, Verdict::Stays, Reason::OtherRankRefused, 3, 4, 9, 65536, 0xfeed});
+  AgreementRecord agreement =
+      make_agreement(kComm, 2,
+                     {7, RoundKind::Publish, RoundEvent::Read, 130, AgreementMode::Slot, 12, 5,
+                      Reason::TransportFailed, 9, 0x5eed});
+  DecisionRecord decision =
+      make_decision(kComm, 2, 7, AgreementMode::Slot,
+                    {11, Verdict::Stays, Reason::OtherRankRefused, 3, 4, 9, 65536, 0xfeed});
 
   TraceBuilder builder() const {
     TraceBuilder b(header);
@@ -353,21 +354,21 @@ TEST(TraceReader, AgreementAndDecisionRecordsAreReadInFileOrder) {
   std::vector<DecisionRecord> decisions;
   for (uint32_t round = 1; round <= 3; ++round) {
     const uint64_t comm = round == 2 ? kOther : kComm;
-    agreements.push_back(make_agreement(
-        comm, 1, {round, RoundKind::Propose, RoundEvent::Issued, 10 * round}));
+    agreements.push_back(
+        make_agreement(comm, 1, {round, RoundKind::Propose, RoundEvent::Issued, 10 * round}));
     b.agreement(agreements.back());
     b.call(make_call(comm, 1, round, CallSpec{}));
     agreements.push_back(make_agreement(
-        comm, 1, {round, RoundKind::Propose, RoundEvent::Read, 10 * round + 3,
-                  AgreementMode::Identical, 2, round == 3 ? 0u : 2u,
-                  round == 3 ? Reason::StepsDiffer : Reason::None}));
+        comm, 1,
+        {round, RoundKind::Propose, RoundEvent::Read, 10 * round + 3, AgreementMode::Identical, 2,
+         round == 3 ? 0u : 2u, round == 3 ? Reason::StepsDiffer : Reason::None}));
     b.agreement(agreements.back());
     for (uint32_t position : {0u, 2u}) {
-      decisions.push_back(make_decision(
-          comm, 1, round, AgreementMode::Identical,
-          {position, round == 3 ? Verdict::Stays : Verdict::Moved,
-           round == 3 ? Reason::StepsDiffer : Reason::None, -1,
-           static_cast<uint16_t>(position), 9, 4096u << position, 0xa0 + position}));
+      decisions.push_back(
+          make_decision(comm, 1, round, AgreementMode::Identical,
+                        {position, round == 3 ? Verdict::Stays : Verdict::Moved,
+                         round == 3 ? Reason::StepsDiffer : Reason::None, -1,
+                         static_cast<uint16_t>(position), 9, 4096u << position, 0xa0 + position}));
       b.decision(decisions.back());
     }
   }

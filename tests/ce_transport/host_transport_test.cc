@@ -60,7 +60,8 @@ struct Shared {
 class SharedArea {
  public:
   SharedArea() {
-    void* p = mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    void* p =
+        mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::runtime_error("mmap of the shared area failed");
     shared_ = ::new (p) Shared{};
   }
@@ -97,7 +98,7 @@ struct RankRun {
 // The rank `reap_last` (if >= 0) is reaped only after every other rank has exited, so while the
 // others run it stays a zombie once dead, as a child whose parent is busy elsewhere would.
 RankRun run_ranks(int nranks, Shared& shared, double timeout_s,
-              const std::function<int(int rank, Shared& shared)>& body, int reap_last = -1) {
+                  const std::function<int(int rank, Shared& shared)>& body, int reap_last = -1) {
   RankRun run;
   run.ranks.resize(static_cast<size_t>(nranks));
   std::fflush(nullptr);
@@ -138,7 +139,8 @@ RankRun run_ranks(int nranks, Shared& shared, double timeout_s,
       for (int r = 0; r < nranks; ++r)
         if (!reaped[static_cast<size_t>(r)]) kill(run.ranks[static_cast<size_t>(r)].pid, SIGKILL);
       for (int r = 0; r < nranks; ++r)
-        if (!reaped[static_cast<size_t>(r)]) waitpid(run.ranks[static_cast<size_t>(r)].pid, nullptr, 0);
+        if (!reaped[static_cast<size_t>(r)])
+          waitpid(run.ranks[static_cast<size_t>(r)].pid, nullptr, 0);
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -155,7 +157,8 @@ std::vector<std::string> window_names_of(const std::vector<pid_t>& pids) {
     if (name.rfind(kWindowNamePrefix, 0) != 0) continue;
     for (const pid_t pid : pids) {
       const std::string tail = "." + std::to_string(pid);
-      if (name.size() > tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0)
+      if (name.size() > tail.size() &&
+          name.compare(name.size() - tail.size(), tail.size(), tail) == 0)
         found.push_back(name);
     }
   }
@@ -204,9 +207,10 @@ Plan make_plan() {
 // iteration `iteration`: every one of them changes from one iteration to the next, so a stale
 // byte is caught.
 uint8_t value(int iteration, int rank, size_t bucket, size_t gather, size_t index) {
-  uint32_t x = static_cast<uint32_t>(iteration) * 0x9E3779B1u ^ static_cast<uint32_t>(rank) * 0x85EBCA77u ^
-               static_cast<uint32_t>(bucket) * 0xC2B2AE3Du ^ static_cast<uint32_t>(gather) * 0x27D4EB2Fu ^
-               static_cast<uint32_t>(index) * 0x165667B1u;
+  uint32_t x =
+      static_cast<uint32_t>(iteration) * 0x9E3779B1u ^ static_cast<uint32_t>(rank) * 0x85EBCA77u ^
+      static_cast<uint32_t>(bucket) * 0xC2B2AE3Du ^ static_cast<uint32_t>(gather) * 0x27D4EB2Fu ^
+      static_cast<uint32_t>(index) * 0x165667B1u;
   x ^= x >> 15;
   x *= 0x2C1B3C6Du;
   x ^= x >> 12;
@@ -233,13 +237,15 @@ Buffers make_buffers(const Plan& plan, int nranks) {
 
 // Writes this rank's shards for `iteration`, poisons the rest of the receive buffers and
 // returns the bucket's ops.
-std::vector<GatherOp> fill_bucket(const Plan& plan, Buffers& buffers, size_t b, int iteration, int rank) {
+std::vector<GatherOp> fill_bucket(const Plan& plan, Buffers& buffers, size_t b, int iteration,
+                                  int rank) {
   std::vector<GatherOp> ops;
   for (size_t g = 0; g < plan.buckets[b].size(); ++g) {
     const Gather& gather = plan.buckets[b][g];
     uint8_t* recv = buffers.recv[b][g].data();
     std::memset(recv, 0xEE, buffers.recv[b][g].size());
-    uint8_t* send = gather.in_place ? recv + static_cast<size_t>(rank) * gather.bytes : buffers.send[b][g].data();
+    uint8_t* send = gather.in_place ? recv + static_cast<size_t>(rank) * gather.bytes
+                                    : buffers.send[b][g].data();
     for (size_t i = 0; i < gather.bytes; ++i) send[i] = value(iteration, rank, b, g, i);
     ops.push_back({send, recv, gather.bytes, gather.slot_offset});
   }
@@ -247,7 +253,8 @@ std::vector<GatherOp> fill_bucket(const Plan& plan, Buffers& buffers, size_t b, 
 }
 
 // 0 if every byte of every rank's shard arrived; else says where the first one did not.
-int check_bucket(const Plan& plan, const Buffers& buffers, size_t b, int iteration, int rank, int nranks) {
+int check_bucket(const Plan& plan, const Buffers& buffers, size_t b, int iteration, int rank,
+                 int nranks) {
   for (size_t g = 0; g < plan.buckets[b].size(); ++g) {
     const size_t bytes = plan.buckets[b][g].bytes;
     const uint8_t* recv = buffers.recv[b][g].data();
@@ -256,10 +263,11 @@ int check_bucket(const Plan& plan, const Buffers& buffers, size_t b, int iterati
         const uint8_t want = value(iteration, r, b, g, i);
         const uint8_t got = recv[static_cast<size_t>(r) * bytes + i];
         if (got != want) {
-          std::fprintf(stderr,
-                       "rank %d, iteration %d, bucket %zu, gather %zu: byte %zu of rank %d's shard is "
-                       "%#x, expected %#x\n",
-                       rank, iteration, b, g, i, r, got, want);
+          std::fprintf(
+              stderr,
+              "rank %d, iteration %d, bucket %zu, gather %zu: byte %zu of rank %d's shard is "
+              "%#x, expected %#x\n",
+              rank, iteration, b, g, i, r, got, want);
           return 1;
         }
       }
@@ -302,7 +310,8 @@ int gather_and_check(int rank, int nranks, Shared& shared) {
     std::vector<pid_t> pids;
     for (int r = 0; r < nranks; ++r) pids.push_back(static_cast<pid_t>(shared.pids[r].load()));
     for (const std::string& name : window_names_of(pids)) {
-      std::fprintf(stderr, "window name %s still in /dev/shm after every rank attached\n", name.c_str());
+      std::fprintf(stderr, "window name %s still in /dev/shm after every rank attached\n",
+                   name.c_str());
       return 1;
     }
   }
@@ -317,7 +326,8 @@ int gather_and_check(int rank, int nranks, Shared& shared) {
   transport->release();
   transport->release();
   if (transport->window_bytes() != 0) {
-    std::fprintf(stderr, "rank %d: window_bytes %zu after release\n", rank, transport->window_bytes());
+    std::fprintf(stderr, "rank %d: window_bytes %zu after release\n", rank,
+                 transport->window_bytes());
     return 1;
   }
   return 0;
@@ -330,8 +340,9 @@ class HostTransportRanks : public ::testing::TestWithParam<int> {};
 TEST_P(HostTransportRanks, EveryRankReceivesEveryByteOfEveryBucket) {
   const int nranks = GetParam();
   SharedArea area;
-  const RankRun run = run_ranks(nranks, area.get(), 30,
-                                [nranks](int rank, Shared& shared) { return gather_and_check(rank, nranks, shared); });
+  const RankRun run = run_ranks(nranks, area.get(), 30, [nranks](int rank, Shared& shared) {
+    return gather_and_check(rank, nranks, shared);
+  });
   ASSERT_FALSE(run.timed_out) << "ranks still running after 30 s; killed";
   for (int r = 0; r < nranks; ++r) {
     EXPECT_EQ(run.ranks[static_cast<size_t>(r)].exit_code, 0) << "rank " << r;
@@ -353,7 +364,8 @@ int bound_gathers(int rank, int nranks, Shared& shared) {
   for (size_t g = 0; g < std::size(kShards); ++g) {
     send.emplace_back(kShards[g]);
     recv.emplace_back(kShards[g] * static_cast<size_t>(nranks));
-    for (size_t i = 0; i < kShards[g]; ++i) send[g][i] = static_cast<uint8_t>(rank * 31 + g * 7 + i);
+    for (size_t i = 0; i < kShards[g]; ++i)
+      send[g][i] = static_cast<uint8_t>(rank * 31 + g * 7 + i);
     binds.push_back({send[g].data(), kShards[g], offset});
     offset += (kShards[g] + 255) / 256 * 256;
   }
@@ -386,8 +398,10 @@ int bound_gathers(int rank, int nranks, Shared& shared) {
     const std::vector<size_t> stale = transport->take_stale_bindings();
     // Verified on calls 1, 4, 8, 12: the change before call 6 is found on call 8, by rank 1 only.
     const bool should_find = rank == 1 && call == 8;
-    if (should_find != (stale.size() == 1 && stale[0] == binds[2].slot_offset) || (!should_find && !stale.empty())) {
-      std::fprintf(stderr, "rank %d call %d: %zu stale bindings reported\n", rank, call, stale.size());
+    if (should_find != (stale.size() == 1 && stale[0] == binds[2].slot_offset) ||
+        (!should_find && !stale.empty())) {
+      std::fprintf(stderr, "rank %d call %d: %zu stale bindings reported\n", rank, call,
+                   stale.size());
       return 1;
     }
     for (int r = 0; r < nranks; ++r)
@@ -400,7 +414,8 @@ int bound_gathers(int rank, int nranks, Shared& shared) {
           const uint8_t got = recv[g][static_cast<size_t>(r) * kShards[g] + i];
           const bool racing = r == 1 && rank != 1 && call == 8 && got == expected(r, g, i, 1);
           if (got != expected(r, g, i, version) && !racing) {
-            std::fprintf(stderr, "rank %d call %d: gather %zu byte %zu of rank %d is %#x, expected %#x\n",
+            std::fprintf(stderr,
+                         "rank %d call %d: gather %zu byte %zu of rank %d is %#x, expected %#x\n",
                          rank, call, g, i, r, got, expected(r, g, i, version));
             return 1;
           }
@@ -417,7 +432,8 @@ TEST(HostTransport, BindingAFreedBufferIsRefusedNotACrash) {
   // Unreadable as a freed, unmapped buffer is, but still reserved, so that the window's own
   // mapping cannot land on the same address.
   const long page = sysconf(_SC_PAGESIZE);
-  void* gone = mmap(nullptr, static_cast<size_t>(page), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* gone =
+      mmap(nullptr, static_cast<size_t>(page), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(gone, MAP_FAILED);
   WindowPlan plan;
   plan.slot_bytes = 4096;
@@ -440,10 +456,12 @@ TEST(HostTransport, BindingAFreedBufferIsRefusedNotACrash) {
 TEST(HostTransport, BoundShardsAreReadWithoutHandshakeAndAChangeIsFoundAndRebound) {
   for (const int nranks : {2, 4}) {
     SharedArea area;
-    const RankRun run = run_ranks(nranks, area.get(), 30,
-                                  [nranks](int rank, Shared& shared) { return bound_gathers(rank, nranks, shared); });
+    const RankRun run = run_ranks(nranks, area.get(), 30, [nranks](int rank, Shared& shared) {
+      return bound_gathers(rank, nranks, shared);
+    });
     ASSERT_FALSE(run.timed_out);
-    for (int r = 0; r < nranks; ++r) EXPECT_EQ(run.ranks[static_cast<size_t>(r)].exit_code, 0) << "rank " << r;
+    for (int r = 0; r < nranks; ++r)
+      EXPECT_EQ(run.ranks[static_cast<size_t>(r)].exit_code, 0) << "rank " << r;
     EXPECT_EQ(window_names_of(pids_of(run)), std::vector<std::string>{});
   }
 }
@@ -487,14 +505,19 @@ void peer_killed_while_others_wait(bool zombie) {
   };
   const RankRun run = run_ranks(kRanks, area.get(), 15, body, zombie ? kVictim : -1);
   ASSERT_FALSE(run.timed_out) << "a rank waited for a dead peer for 15 s";
-  for (int r = 0; r < kVictim; ++r) EXPECT_EQ(run.ranks[static_cast<size_t>(r)].exit_code, 0) << "rank " << r;
+  for (int r = 0; r < kVictim; ++r)
+    EXPECT_EQ(run.ranks[static_cast<size_t>(r)].exit_code, 0) << "rank " << r;
   EXPECT_EQ(run.ranks[kVictim].signal, SIGKILL);
   EXPECT_EQ(window_names_of(pids_of(run)), std::vector<std::string>{});
 }
 
-TEST(HostTransport, PeerKilledWhileOthersWaitMakesTheirGatherThrow) { peer_killed_while_others_wait(false); }
+TEST(HostTransport, PeerKilledWhileOthersWaitMakesTheirGatherThrow) {
+  peer_killed_while_others_wait(false);
+}
 
-TEST(HostTransport, PeerKilledAndNotYetReapedMakesTheirGatherThrow) { peer_killed_while_others_wait(true); }
+TEST(HostTransport, PeerKilledAndNotYetReapedMakesTheirGatherThrow) {
+  peer_killed_while_others_wait(true);
+}
 
 // Two ranks of one process, each on a thread: the same handshake without fork.
 TEST(HostTransport, TwoThreadsGatherThroughEachOthersWindows) {
@@ -578,7 +601,8 @@ TEST(HostTransport, RefusesBlobsOfAnotherPlanAndGathersThatOverflowASlot) {
   b->attach(right);
   uint8_t send[100] = {}, recv[200] = {};
   const GatherOp overflow{send, recv, 100, 192};
-  EXPECT_EQ(kind_of([&] { a->gather(std::span<const GatherOp>(&overflow, 1), nullptr); }), ErrorKind::Usage);
+  EXPECT_EQ(kind_of([&] { a->gather(std::span<const GatherOp>(&overflow, 1), nullptr); }),
+            ErrorKind::Usage);
 
   for (auto* t : {&a, &other_comm, &other_slots, &b}) (*t)->release();
   EXPECT_EQ(window_names_of({getpid()}), std::vector<std::string>{});
@@ -706,7 +730,8 @@ TEST(HostTransportFaults, SlowFaultDelaysEveryBucketOfThatRankAndStillMovesIt) {
 
 // Without a driver in the process the CUDA backend refuses at once, and never loads CUDA itself.
 TEST(CudaTransport, RefusesWithoutADriverAndNeverLoadsOne) {
-  if (dlopen("libcuda.so.1", RTLD_NOLOAD | RTLD_LAZY) != nullptr) GTEST_SKIP() << "a CUDA driver is loaded";
+  if (dlopen("libcuda.so.1", RTLD_NOLOAD | RTLD_LAZY) != nullptr)
+    GTEST_SKIP() << "a CUDA driver is loaded";
   try {
     make_transport(Backend::Cuda, 0, 2, kCommIdentity);
     ADD_FAILURE() << "a CUDA transport without a driver";
@@ -778,12 +803,14 @@ TEST(HostExchange, ResultIsWhatTheAllGatherWroteOnceIssued) {
   // The all-gather, as the stand-in would do it.
   auto* recv = static_cast<uint8_t*>(exchange->recv_buffer());
   for (int r = 0; r < kRanks; ++r)
-    for (size_t i = 0; i < kBytes; ++i) recv[static_cast<size_t>(r) * kBytes + i] = static_cast<uint8_t>(r * 100 + i);
+    for (size_t i = 0; i < kBytes; ++i)
+      recv[static_cast<size_t>(r) * kBytes + i] = static_cast<uint8_t>(r * 100 + i);
   exchange->issued();
   EXPECT_TRUE(exchange->ready());
   const std::span<const uint8_t> result = exchange->result();
   ASSERT_EQ(result.size(), kBytes * kRanks);
-  for (size_t i = 0; i < result.size(); ++i) EXPECT_EQ(result[i], static_cast<uint8_t>(i / kBytes * 100 + i % kBytes));
+  for (size_t i = 0; i < result.size(); ++i)
+    EXPECT_EQ(result[i], static_cast<uint8_t>(i / kBytes * 100 + i % kBytes));
   exchange->stage(contribution);
   EXPECT_FALSE(exchange->ready());  // a new round is not ready until issued
 }

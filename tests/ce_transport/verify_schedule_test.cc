@@ -23,7 +23,8 @@ std::vector<int> checked_calls(VerifySchedule& s, const std::vector<Transport::T
 TEST(VerifySchedule, FirstCallsThenEveryNth) {
   VerifySchedule s;
   s.reset(3, 4);
-  EXPECT_EQ(checked_calls(s, std::vector<Transport::Timing>(12, kUntimed)), (std::vector<int>{1, 2, 3, 4, 8, 12}));
+  EXPECT_EQ(checked_calls(s, std::vector<Transport::Timing>(12, kUntimed)),
+            (std::vector<int>{1, 2, 3, 4, 8, 12}));
 }
 
 TEST(VerifySchedule, TimedCallsAreNeverCheckedAndWhatWasDueRunsAfter) {

@@ -50,8 +50,8 @@ TraceBuilder every_record_type() {
   step.period = 3;
   step.event = static_cast<uint8_t>(StepEvent::Found);
   b.step(step);
-  b.agreement(make_agreement(kComm, 0, {1, RoundKind::Propose, RoundEvent::Read, 8,
-                                        AgreementMode::Identical, 1, 1}));
+  b.agreement(make_agreement(
+      kComm, 0, {1, RoundKind::Propose, RoundEvent::Read, 8, AgreementMode::Identical, 1, 1}));
   b.decision(make_decision(kComm, 0, 1, AgreementMode::Identical, {1, Verdict::Moved}));
   b.dropped(3);
   const uint64_t future[2] = {1, 2};
@@ -83,17 +83,18 @@ TraceBuilder agreement_rounds() {
     call(0);
     b.agreement(make_agreement(kComm, 1,
                                {round, RoundKind::Propose, RoundEvent::Read, at + 3, mode, 2, 1}));
-    b.decision(make_decision(kComm, 1, round, mode, {0, Verdict::Moved, Reason::None, -1, 0, 9,
-                                                     1 << 16, 0xa1}));
+    b.decision(make_decision(kComm, 1, round, mode,
+                             {0, Verdict::Moved, Reason::None, -1, 0, 9, 1 << 16, 0xa1}));
     b.decision(make_decision(kComm, 1, round, mode,
                              {3, Verdict::Stays, Reason::OtherRankRefused, 0, 1, 7, 512, 0xa2}));
-    b.agreement(make_agreement(kComm, 1, {round, RoundKind::Confirm, RoundEvent::Activated,
-                                          at + 6, mode, 2, 1}));
+    b.agreement(make_agreement(
+        kComm, 1, {round, RoundKind::Confirm, RoundEvent::Activated, at + 6, mode, 2, 1}));
     call(kCallMoved);
     call(kCallWouldMove | kCallInGroup);
   }
-  b.agreement(make_agreement(kComm, 1, {2, RoundKind::Confirm, RoundEvent::Deactivated, 40,
-                                        AgreementMode::Slot, 2, 1, Reason::Deviated}));
+  b.agreement(make_agreement(kComm, 1,
+                             {2, RoundKind::Confirm, RoundEvent::Deactivated, 40,
+                              AgreementMode::Slot, 2, 1, Reason::Deviated}));
   return b;
 }
 

@@ -66,7 +66,8 @@ Parsed parse(const Environment& env) {
 // `value` is the field: bytes for an option written in KiB or MiB.
 void check_in_range(const char* name, int64_t value) {
   const magi::OptionSpec* spec = magi::find_option(name);
-  if (spec == nullptr || spec->kind != magi::OptionKind::Int) broken(std::string("no Int option ") + name);
+  if (spec == nullptr || spec->kind != magi::OptionKind::Int)
+    broken(std::string("no Int option ") + name);
   const int64_t unit = magi::unit_bytes(spec->unit);
   if (value % unit != 0 || value / unit < spec->min || value / unit > spec->max)
     broken(std::string(name) + " holds " + std::to_string(value) + ", outside its range");
@@ -88,7 +89,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::optional<std::string> about;
     for (const magi::OptionSpec& spec : magi::option_table()) {
       if (env.count(spec.name) && starts_with(complaint, std::string(spec.name) + "='")) {
-        if (!refused.insert(spec.name).second) broken("two complaints about " + std::string(spec.name));
+        if (!refused.insert(spec.name).second)
+          broken("two complaints about " + std::string(spec.name));
         about = spec.name;
       }
     }

@@ -54,7 +54,8 @@ struct Shared {
 };
 
 void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
 // True once `done` holds, polled until `seconds` pass.
@@ -85,7 +86,8 @@ void expect_usable_context() {
 }
 
 // Runs body(rank) in `nranks` forked processes; true if every one exits 0 within `seconds`.
-bool run_ranks(int nranks, double seconds, Shared& shared, const std::function<void(int, Shared&)>& body) {
+bool run_ranks(int nranks, double seconds, Shared& shared,
+               const std::function<void(int, Shared&)>& body) {
   std::vector<pid_t> pids;
   std::fflush(nullptr);
   for (int r = 0; r < nranks; ++r) {
@@ -189,13 +191,13 @@ void hung_peer_then_abandon(int rank, Shared& shared) {
     std::this_thread::sleep_for(std::chrono::seconds(12));  // hung, alive, never gathers
     return;
   }
-  gather_alone(*transport, "abandon() from another thread", [&] {
-    std::thread([&] { transport->abandon(); }).join();
-  });
+  gather_alone(*transport, "abandon() from another thread",
+               [&] { std::thread([&] { transport->abandon(); }).join(); });
   const auto started = Clock::now();
   transport->release();
   const double took = std::chrono::duration<double>(Clock::now() - started).count();
-  if (took > 2) throw std::runtime_error("release() after abandon() waited " + std::to_string(took) + " s");
+  if (took > 2)
+    throw std::runtime_error("release() after abandon() waited " + std::to_string(took) + " s");
 }
 
 void dead_peer_then_release(int rank, Shared& shared) {
@@ -210,7 +212,8 @@ void dead_peer_then_release(int rank, Shared& shared) {
 
 // Holds a stream until *release becomes true (a host function: the stream waits for it).
 void CUDART_CB hold_stream(void* release) {
-  while (!static_cast<std::atomic<bool>*>(release)->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  while (!static_cast<std::atomic<bool>*>(release)->load())
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
 void changed_static_shard_is_found_without_waiting(int /*rank*/, Shared& /*shared*/) {
@@ -254,12 +257,17 @@ void changed_static_shard_is_found_without_waiting(int /*rank*/, Shared& /*share
   release.store(true);
   check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   if (!held || took > 0.5)
-    throw std::runtime_error("a gather that checks its binding waited " + std::to_string(took) + " s for the stream");
-  if (!transport->take_stale_bindings().empty()) throw std::runtime_error("the check compared before its copies ran");
+    throw std::runtime_error("a gather that checks its binding waited " + std::to_string(took) +
+                             " s for the stream");
+  if (!transport->take_stale_bindings().empty())
+    throw std::runtime_error("the check compared before its copies ran");
   // Call 4 compares (the copies have run): the change is found, once, and re-bound.
-  if (stale_after(Transport::Timing::Untimed) != 1) throw std::runtime_error("the changed shard was not found");
-  if (stale_after(Transport::Timing::Untimed) != 0) throw std::runtime_error("the change was reported twice");
-  std::fprintf(stderr, "  a gather that started a check returned in %.2f ms with the stream held\n", took * 1e3);
+  if (stale_after(Transport::Timing::Untimed) != 1)
+    throw std::runtime_error("the changed shard was not found");
+  if (stale_after(Transport::Timing::Untimed) != 0)
+    throw std::runtime_error("the change was reported twice");
+  std::fprintf(stderr, "  a gather that started a check returned in %.2f ms with the stream held\n",
+               took * 1e3);
   transport->release();
   check(cudaStreamDestroy(stream), "cudaStreamDestroy");
   expect_usable_context();
@@ -323,7 +331,8 @@ int main() {
   };
   int passed = 0, failed = 0;
   for (const Case& c : cases) {
-    void* area = mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    void* area =
+        mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (area == MAP_FAILED) return 2;
     Shared* shared = ::new (area) Shared{};
     const bool ok = run_ranks(c.ranks, 60, *shared, c.body);

@@ -62,7 +62,7 @@ struct RankView {
 struct AgreedRun {
   support::LaunchResult result;
   std::map<uint64_t, std::map<int, RankView>> comms;  // comm id -> rank -> view
-  std::string log;                                     // every rank's stderr
+  std::string log;                                    // every rank's stderr
   int unreadable_traces = 0;
 
   const RankView& view(uint64_t comm, int rank) const { return comms.at(comm).at(rank); }
@@ -74,8 +74,9 @@ struct AgreedRun {
   }
 };
 
-AgreedRun run_agreed(int n, std::vector<std::string> args, std::vector<std::pair<std::string, std::string>> env = {},
-        double timeout_s = 60) {
+AgreedRun run_agreed(int n, std::vector<std::string> args,
+                     std::vector<std::pair<std::string, std::string>> env = {},
+                     double timeout_s = 60) {
   TempDir dir;
   support::LaunchSpec spec;
   spec.nranks = n;
@@ -83,8 +84,11 @@ AgreedRun run_agreed(int n, std::vector<std::string> args, std::vector<std::pair
   spec.argv.insert(spec.argv.end(), args.begin(), args.end());
   // Routes here must not hang on timing: the cost trial (which keeps, per bucket, whichever route
   // was faster) is skipped unless a test asks for it with MAGI_CE_FORCE=0.
-  spec.env = {{"LD_PRELOAD", shim_preload()}, {"MAGI_BACKEND", "host"},
-              {"MAGI_TRACE_DIR", dir.path}, {"MAGI_LOG", "INFO"}, {"MAGI_LOG_SUBSYS", "REWRITE,TRANSPORT"}};
+  spec.env = {{"LD_PRELOAD", shim_preload()},
+              {"MAGI_BACKEND", "host"},
+              {"MAGI_TRACE_DIR", dir.path},
+              {"MAGI_LOG", "INFO"},
+              {"MAGI_LOG_SUBSYS", "REWRITE,TRANSPORT"}};
   bool force_set = false;
   for (auto& e : env) {
     spec.env.push_back(e);
@@ -156,10 +160,12 @@ void expect_ranks_agree(const AgreedRun& r) {
   }
 }
 
-std::vector<trace::AgreementRecord> rounds_with(const RankView& v, RoundKind kind, RoundEvent event) {
+std::vector<trace::AgreementRecord> rounds_with(const RankView& v, RoundKind kind,
+                                                RoundEvent event) {
   std::vector<trace::AgreementRecord> out;
   for (const auto& a : v.rounds)
-    if (a.kind == static_cast<uint8_t>(kind) && a.event == static_cast<uint8_t>(event)) out.push_back(a);
+    if (a.kind == static_cast<uint8_t>(kind) && a.event == static_cast<uint8_t>(event))
+      out.push_back(a);
   return out;
 }
 
@@ -195,7 +201,7 @@ TEST(Agreement, IdenticalStepsMoveEveryStableGatherOnEveryRank) {
     EXPECT_EQ(rounds_with(v, RoundKind::Confirm, RoundEvent::Activated).size(), 1u);
     ASSERT_EQ(v.decisions.size(), 5u);
     for (const auto& d : v.decisions) EXPECT_EQ(d.verdict, static_cast<uint8_t>(Verdict::Moved));
-    EXPECT_GE(v.moved.size(), 5u * 4);  // at least four steps ran moved
+    EXPECT_GE(v.moved.size(), 5u * 4);       // at least four steps ran moved
     EXPECT_FALSE(v.in_group_moved.empty());  // the bucketed layers moved as a bucket
   }
 }
@@ -227,24 +233,27 @@ TEST(Agreement, DifferentGroupingAbortsAndNothingMoves) {
     EXPECT_TRUE(v.moved.empty()) << "rank " << rank;
     for (const auto& d : v.decisions) EXPECT_EQ(d.verdict, static_cast<uint8_t>(Verdict::Stays));
   }
-  EXPECT_NE(r.log.find("abort: the ranks group their calls differently"), std::string::npos) << r.log;
+  EXPECT_NE(r.log.find("abort: the ranks group their calls differently"), std::string::npos)
+      << r.log;
 }
 
 TEST(Agreement, ASendBufferMovedAfterCommitKeepsOneRouteAndCorrectBytes) {
   // Rank 1's layer-0 shard moves to a new buffer at step 10, long after the commit; rounds every
   // 2 steps see it as "not stable" on rank 1, which every rank then honours.
   const AgreedRun r = run_agreed(4, fsdp({"--newbuf-rank", "1", "--newbuf-step", "10"}, 30),
-                    {{"MAGI_REAGREE_STEPS", "2"}});
+                                 {{"MAGI_REAGREE_STEPS", "2"}});
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   const uint64_t comm = r.comm_ids()[0];
   bool refused_by_rank1 = false;
   for (const auto& d : r.view(comm, 1).decisions)
-    if (d.position == 0 && d.reason == static_cast<uint8_t>(Reason::NotStable)) refused_by_rank1 = true;
+    if (d.position == 0 && d.reason == static_cast<uint8_t>(Reason::NotStable))
+      refused_by_rank1 = true;
   EXPECT_TRUE(refused_by_rank1);
   bool others_followed = false;
   for (const auto& d : r.view(comm, 0).decisions)
-    if (d.reason == static_cast<uint8_t>(Reason::OtherRankRefused) && d.refused_by == 1) others_followed = true;
+    if (d.reason == static_cast<uint8_t>(Reason::OtherRankRefused) && d.refused_by == 1)
+      others_followed = true;
   EXPECT_TRUE(others_followed);
   EXPECT_GE(rounds_with(r.view(comm, 0), RoundKind::Confirm, RoundEvent::Activated).size(), 1u);
 }
@@ -271,7 +280,8 @@ TEST(Agreement, AGroupMixingMovedGathersAndAnAllReduceStaysCorrect) {
 TEST(Agreement, TwoCommunicatorsAgreeIndependentlyAndOneAborting) {
   // Three ranks split by rank % 2: the world, {0, 2} and {1}. The change applies to rank 1 of
   // each half, which only {0, 2} has (world rank 2): that half aborts, the others agree.
-  const AgreedRun r = run_agreed(3, fsdp({"--comms", "2", "--perturb-comm", "2", "--group-rank", "1"}));
+  const AgreedRun r =
+      run_agreed(3, fsdp({"--comms", "2", "--perturb-comm", "2", "--group-rank", "1"}));
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   ASSERT_EQ(r.comms.size(), 3u);
@@ -300,7 +310,8 @@ TEST(Agreement, DryRunDecidesEverythingAndMovesNothing) {
     EXPECT_TRUE(v.moved.empty());
     EXPECT_FALSE(v.would_move.empty());
     ASSERT_FALSE(v.decisions.empty());
-    for (const auto& d : v.decisions) EXPECT_EQ(d.verdict, static_cast<uint8_t>(Verdict::WouldMove));
+    for (const auto& d : v.decisions)
+      EXPECT_EQ(d.verdict, static_cast<uint8_t>(Verdict::WouldMove));
   }
   EXPECT_NE(r.log.find("would move"), std::string::npos);
 }
@@ -324,7 +335,8 @@ TEST(Agreement, WithoutTheHostBackendHostBuffersStayOnNccl) {
 
 TEST(Agreement, StaticWeightsAreBoundOnceAndReadWithoutHandshake) {
   // Static weights: the shards do not change (no --rewrite).
-  const AgreedRun r = run_agreed(4, {"fsdp", "--layers", "5", "--steps", "20"}, {{"MAGI_STATIC_WEIGHTS", "1"}});
+  const AgreedRun r =
+      run_agreed(4, {"fsdp", "--layers", "5", "--steps", "20"}, {{"MAGI_STATIC_WEIGHTS", "1"}});
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   for (const auto& [rank, v] : r.comms.begin()->second) EXPECT_GE(v.moved.size(), 5u * 4);
@@ -334,21 +346,24 @@ TEST(Agreement, StaticWeightsAreBoundOnceAndReadWithoutHandshake) {
 TEST(Agreement, StaticWeightsThatChangeAreCaughtAndGoBackToNcclOnEveryRank) {
   // Rank 1 breaks the promise at step 12; verification on every call finds it, and the next
   // round (every 2 steps) takes that gather back to NCCL on every rank: the last steps are right.
-  const AgreedRun r = run_agreed(4, {"fsdp", "--layers", "5", "--steps", "30", "--static-change-rank", "1",
-                                     "--static-change-step", "12"},
-                                 {{"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_VERIFY_EVERY", "1"},
-                                  {"MAGI_REAGREE_STEPS", "2"}});
+  const AgreedRun r = run_agreed(
+      4,
+      {"fsdp", "--layers", "5", "--steps", "30", "--static-change-rank", "1",
+       "--static-change-step", "12"},
+      {{"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_VERIFY_EVERY", "1"}, {"MAGI_REAGREE_STEPS", "2"}});
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   EXPECT_NE(r.log.find("changed after it was bound"), std::string::npos) << r.log;
   const uint64_t comm = r.comm_ids()[0];
   bool caught = false;
   for (const auto& d : r.view(comm, 1).decisions)
-    caught = caught || (d.position == 0 && d.reason == static_cast<uint8_t>(Reason::BindingChanged));
+    caught =
+        caught || (d.position == 0 && d.reason == static_cast<uint8_t>(Reason::BindingChanged));
   EXPECT_TRUE(caught);
   bool followed = false;
   for (const auto& d : r.view(comm, 2).decisions)
-    followed = followed || (d.position == 0 && d.reason == static_cast<uint8_t>(Reason::OtherRankRefused));
+    followed =
+        followed || (d.position == 0 && d.reason == static_cast<uint8_t>(Reason::OtherRankRefused));
   EXPECT_TRUE(followed);
 }
 
@@ -364,8 +379,10 @@ TEST(Agreement, ATransportThatCannotPrepareOrAttachKeepsEveryRankOnNccl) {
       EXPECT_TRUE(rounds_with(v, RoundKind::Confirm, RoundEvent::Activated).empty()) << fault;
       const auto publish = rounds_with(v, RoundKind::Publish, RoundEvent::Read);
       const auto confirm = rounds_with(v, RoundKind::Confirm, RoundEvent::Read);
-      const bool refused = (!publish.empty() && publish[0].reason == static_cast<uint8_t>(Reason::TransportFailed)) ||
-                           (!confirm.empty() && confirm[0].reason == static_cast<uint8_t>(Reason::TransportFailed));
+      const bool refused =
+          (!publish.empty() &&
+           publish[0].reason == static_cast<uint8_t>(Reason::TransportFailed)) ||
+          (!confirm.empty() && confirm[0].reason == static_cast<uint8_t>(Reason::TransportFailed));
       EXPECT_TRUE(refused) << fault << " rank " << rank;
     }
     EXPECT_NE(r.log.find("injected by MAGI_INJECT_FAULT"), std::string::npos) << r.log;
@@ -373,7 +390,8 @@ TEST(Agreement, ATransportThatCannotPrepareOrAttachKeepsEveryRankOnNccl) {
 }
 
 TEST(Agreement, ATransportThatFailsWhileGatheringFallsBackOnEveryRankInTheSameBucket) {
-  const AgreedRun r = run_agreed(4, fsdp({}, 24), {{"MAGI_INJECT_FAULT", "gather:3"}, {"MAGI_REAGREE_STEPS", "2"}});
+  const AgreedRun r =
+      run_agreed(4, fsdp({}, 24), {{"MAGI_INJECT_FAULT", "gather:3"}, {"MAGI_REAGREE_STEPS", "2"}});
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);  // every byte right: the buckets went to NCCL
   expect_ranks_agree(r);
   const uint64_t comm = r.comm_ids()[0];
@@ -409,7 +427,8 @@ TEST(Agreement, TheCostTrialTimesBothRoutesAndEveryRankKeepsTheSameOnes) {
 // slow (20 ms more per bucket) sends every gather back to NCCL on every rank, for good, since
 // the route kept is the one faster on the slowest rank.
 TEST(Agreement, TheCostTrialKeepsTheTransportWhereNcclIsSlower) {
-  const AgreedRun r = run_agreed(3, fsdp({}, 30), {{"MAGI_CE_FORCE", "0"}, {"STANDIN_DELAY_US", "5000"}});
+  const AgreedRun r =
+      run_agreed(3, fsdp({}, 30), {{"MAGI_CE_FORCE", "0"}, {"STANDIN_DELAY_US", "5000"}});
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   for (const auto& [rank, v] : r.comms.begin()->second) {
@@ -417,14 +436,18 @@ TEST(Agreement, TheCostTrialKeepsTheTransportWhereNcclIsSlower) {
     ASSERT_EQ(cost.size(), 1u) << "rank " << rank << "\n" << transcript(r);
     EXPECT_EQ(cost[0].reason, static_cast<uint8_t>(Reason::None)) << "rank " << rank;
     EXPECT_EQ(cost[0].moved, 5u) << "rank " << rank;  // every layer's gather
-    EXPECT_GT(std::count_if(v.moved.begin(), v.moved.end(), [&](uint64_t seq) { return seq > cost[0].seq; }), 0)
+    EXPECT_GT(std::count_if(v.moved.begin(), v.moved.end(),
+                            [&](uint64_t seq) { return seq > cost[0].seq; }),
+              0)
         << "rank " << rank << ": nothing moved after the cost round";
   }
-  EXPECT_NE(r.log.find("every moved bucket was as fast or faster off NCCL"), std::string::npos) << r.log;
+  EXPECT_NE(r.log.find("every moved bucket was as fast or faster off NCCL"), std::string::npos)
+      << r.log;
 }
 
 TEST(Agreement, TheCostTrialSendsEveryGatherBackToNcclWhenOneRanksTransportIsSlow) {
-  const AgreedRun r = run_agreed(3, fsdp({}, 30), {{"MAGI_CE_FORCE", "0"}, {"MAGI_INJECT_FAULT", "slow:1"}});
+  const AgreedRun r =
+      run_agreed(3, fsdp({}, 30), {{"MAGI_CE_FORCE", "0"}, {"MAGI_INJECT_FAULT", "slow:1"}});
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   for (const auto& [rank, v] : r.comms.begin()->second) {
@@ -432,14 +455,17 @@ TEST(Agreement, TheCostTrialSendsEveryGatherBackToNcclWhenOneRanksTransportIsSlo
     ASSERT_EQ(cost.size(), 1u) << "rank " << rank << "\n" << transcript(r);
     EXPECT_EQ(cost[0].reason, static_cast<uint8_t>(Reason::NcclFaster)) << "rank " << rank;
     EXPECT_EQ(cost[0].moved, 0u) << "rank " << rank;
-    EXPECT_EQ(std::count_if(v.moved.begin(), v.moved.end(), [&](uint64_t seq) { return seq > cost[0].seq; }), 0)
+    EXPECT_EQ(std::count_if(v.moved.begin(), v.moved.end(),
+                            [&](uint64_t seq) { return seq > cost[0].seq; }),
+              0)
         << "rank " << rank << ": gathers still moved after the cost round kept NCCL";
   }
   EXPECT_NE(r.log.find("NCCL was faster for its bucket"), std::string::npos) << r.log;
   // The log says what the choice rested on: the slowest rank's times, which rank 1's 20 ms
   // delay puts far above NCCL's for bucket 0.
   EXPECT_NE(r.log.find("cost on the slowest rank (median per call): bucket 0: copy engine 2"),
-            std::string::npos) << r.log;
+            std::string::npos)
+      << r.log;
   EXPECT_NE(r.log.find(" -> NCCL"), std::string::npos) << r.log;
 }
 
@@ -492,13 +518,15 @@ TEST(Agreement, APeerKilledBeforeDuringOrAfterAgreementHangsNoOne) {
   std::vector<support::LaunchResult> runs;
   // Steps 2 (before any round), 5-8 (propose, publish, confirm: rounds in flight), 14 (moving).
   for (const int step : {2, 5, 6, 7, 8, 14}) {
-    const AgreedRun r = run_agreed(4, fsdp({"--die-rank", "2", "--die-step", std::to_string(step)}, 20), {}, 30);
+    const AgreedRun r =
+        run_agreed(4, fsdp({"--die-rank", "2", "--die-step", std::to_string(step)}, 20), {}, 30);
     runs.push_back(r.result);
     ASSERT_FALSE(r.result.timed_out) << "killed at step " << step << ": " << transcript(r);
     EXPECT_EQ(r.result.ranks[2].signal, SIGKILL);
     for (int rank : {0, 1, 3}) {
       const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
-      EXPECT_EQ(rr.signal, 0) << "step " << step << " rank " << rank << " crashed:\n" << rr.stderr_text;
+      EXPECT_EQ(rr.signal, 0) << "step " << step << " rank " << rank << " crashed:\n"
+                              << rr.stderr_text;
       EXPECT_NE(rr.exit_code, 0) << "step " << step << " rank " << rank;  // it saw the error
     }
   }
@@ -517,18 +545,22 @@ TEST(Agreement, APeerKilledBeforeDuringOrAfterAgreementHangsNoOne) {
 TEST(Agreement, AnAbortFromAWatchdogThreadFreesCallsBlockedOnAHungPeer) {
   std::vector<support::LaunchResult> runs;
   for (const int step : {6, 14}) {
-    const AgreedRun r = run_agreed(3, fsdp({"--stall-rank", "1", "--stall-step", std::to_string(step),
-                                            "--stall-s", "14", "--watchdog-s", "3",
-                                            "--watchdog-grace-s", "8", "--comms", "2"}, 20),
-                                   {}, 90);
+    const AgreedRun r =
+        run_agreed(3,
+                   fsdp({"--stall-rank", "1", "--stall-step", std::to_string(step), "--stall-s",
+                         "14", "--watchdog-s", "3", "--watchdog-grace-s", "8", "--comms", "2"},
+                        20),
+                   {}, 90);
     runs.push_back(r.result);
     ASSERT_FALSE(r.result.timed_out) << "stalled at step " << step << ": " << transcript(r);
     EXPECT_EQ(r.result.ranks[1].exit_code, 0) << transcript(r);
     for (const int rank : {0, 2}) {
       const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
-      EXPECT_EQ(rr.signal, 0) << "step " << step << " rank " << rank << " crashed:\n" << rr.stderr_text;
+      EXPECT_EQ(rr.signal, 0) << "step " << step << " rank " << rank << " crashed:\n"
+                              << rr.stderr_text;
       EXPECT_EQ(rr.exit_code, 3) << "step " << step << " rank " << rank << ":\n" << rr.stderr_text;
-      EXPECT_NE(rr.stderr_text.find("the main thread is free again"), std::string::npos) << rr.stderr_text;
+      EXPECT_NE(rr.stderr_text.find("the main thread is free again"), std::string::npos)
+          << rr.stderr_text;
     }
   }
   EXPECT_TRUE(windows_left_by(runs).empty());
@@ -544,7 +576,9 @@ TEST(Agreement, AGroupingSkewWithChangingShapesAbortsAndFinishes) {
   expect_ranks_agree(r);
   for (const auto& [rank, v] : r.comms.begin()->second) {
     EXPECT_TRUE(v.moved.empty()) << "rank " << rank;
-    EXPECT_TRUE(has_abort(rounds_with(v, RoundKind::Propose, RoundEvent::Read))) << "rank " << rank << "\n" << transcript(r);
+    EXPECT_TRUE(has_abort(rounds_with(v, RoundKind::Propose, RoundEvent::Read)))
+        << "rank " << rank << "\n"
+        << transcript(r);
   }
 }
 
@@ -554,8 +588,9 @@ TEST(Agreement, AGroupingSkewWithChangingShapesAbortsAndFinishes) {
 // the ranks would meet different collectives and hang (what two H200s showed, before rounds
 // stopped joining the program's groups: rewrite/group_flush.h).
 TEST(Agreement, AGroupingSkewSurvivesNcclsLargestFirstOrderWithinAGroup) {
-  const AgreedRun r = run_agreed(4, {"groupskew", "--configs", "12", "--steps", "16"},
-                                 {{"STANDIN_GROUP_ORDER", "size"}, {"STANDIN_TIMEOUT_S", "20"}}, 60);
+  const AgreedRun r =
+      run_agreed(4, {"groupskew", "--configs", "12", "--steps", "16"},
+                 {{"STANDIN_GROUP_ORDER", "size"}, {"STANDIN_TIMEOUT_S", "20"}}, 60);
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   for (const auto& [rank, v] : r.comms.begin()->second) {
@@ -568,23 +603,28 @@ TEST(Agreement, AGroupingSkewSurvivesNcclsLargestFirstOrderWithinAGroup) {
 // program then ends with ncclGroupSimulateEnd had those calls run for real, which cannot be
 // taken back: every rank must still end right and agree, and the log must say it.
 TEST(Agreement, AGroupEndedBySimulationIsToldWhenARoundLaunchedPartOfIt) {
-  const AgreedRun r = run_agreed(4, {"groupskew", "--configs", "4", "--steps", "16", "--simulate", "1"},
-                                 {{"STANDIN_GROUP_ORDER", "size"}, {"STANDIN_TIMEOUT_S", "20"}}, 60);
+  const AgreedRun r =
+      run_agreed(4, {"groupskew", "--configs", "4", "--steps", "16", "--simulate", "1"},
+                 {{"STANDIN_GROUP_ORDER", "size"}, {"STANDIN_TIMEOUT_S", "20"}}, 60);
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   EXPECT_NE(r.log.find("ncclGroupSimulateEnd: an agreement round launched the first 1 call(s) of "
-                       "this group for real"), std::string::npos) << r.log;
+                       "this group for real"),
+            std::string::npos)
+      << r.log;
 }
 
 // A group holding Send/Recv cannot be launched in two parts, so a round whose anchor falls in
 // one goes inside it: safe when every rank groups those calls alike, as here, and said once.
 TEST(Agreement, ARoundInsideAGroupHoldingSendRecvIsSafeWhenRanksGroupAlikeAndSaid) {
-  const AgreedRun r = run_agreed(4, {"groupskew", "--configs", "4", "--steps", "16", "--p2p", "1"},
-                                 {{"STANDIN_GROUP_ORDER", "size"}, {"STANDIN_TIMEOUT_S", "20"}}, 60);
+  const AgreedRun r =
+      run_agreed(4, {"groupskew", "--configs", "4", "--steps", "16", "--p2p", "1"},
+                 {{"STANDIN_GROUP_ORDER", "size"}, {"STANDIN_TIMEOUT_S", "20"}}, 60);
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   EXPECT_NE(r.log.find("an agreement round was issued inside a group holding Send/Recv"),
-            std::string::npos) << r.log;
+            std::string::npos)
+      << r.log;
 }
 
 TEST(Agreement, NonBlockingCommunicatorsStayOnNcclAndSaySo) {
@@ -609,7 +649,8 @@ TEST(Agreement, SplitShrinkAndThreadedChildrenAgreeWithoutHanging) {
 TEST(Agreement, AbortingMidRunReleasesEverything) {
   std::vector<support::LaunchResult> runs;
   for (const int step : {6, 7, 14}) {
-    const AgreedRun r = run_agreed(3, fsdp({"--abort-step", std::to_string(step), "--comms", "2"}, 20));
+    const AgreedRun r =
+        run_agreed(3, fsdp({"--abort-step", std::to_string(step), "--comms", "2"}, 20));
     ASSERT_TRUE(r.result.all_ok()) << "abort at step " << step << ": " << transcript(r);
     expect_ranks_agree(r);
     runs.push_back(r.result);
@@ -629,16 +670,19 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
   int with_moves = 0, failures = 0;
   for (int seed = 1; seed <= scenarios && failures < 3; ++seed) {
     const int n = 2 + seed % 7;
-    const std::vector<std::string> args = {"agree", "--seed", std::to_string(seed), "--steps", "14",
-                                           "--comms", seed % 3 == 0 ? "2" : "1"};
+    const std::vector<std::string> args = {"agree", "--seed",  std::to_string(seed),     "--steps",
+                                           "14",    "--comms", seed % 3 == 0 ? "2" : "1"};
     // Every other seed runs the cost trial too: its routes alternate and then narrow, and must
     // still be the same on every rank.
     // Every fifth seed has one rank's transport fail, at prepare, attach or inside a bucket.
     std::vector<std::pair<std::string, std::string>> env = {
-        {"MAGI_WARMUP_STEPS", "2"}, {"MAGI_REAGREE_STEPS", "3"}, {"MAGI_CE_FORCE", seed % 2 == 0 ? "0" : "1"}};
+        {"MAGI_WARMUP_STEPS", "2"},
+        {"MAGI_REAGREE_STEPS", "3"},
+        {"MAGI_CE_FORCE", seed % 2 == 0 ? "0" : "1"}};
     if (seed % 5 == 4) {
       static const char* kWhere[] = {"prepare", "attach", "gather"};
-      env.emplace_back("MAGI_INJECT_FAULT", std::string(kWhere[(seed / 5) % 3]) + ":" + std::to_string(seed % n));
+      env.emplace_back("MAGI_INJECT_FAULT",
+                       std::string(kWhere[(seed / 5) % 3]) + ":" + std::to_string(seed % n));
     }
     // Every third seed has the stand-in run each group's collectives largest first, as NCCL does.
     if (seed % 3 == 1) env.emplace_back("STANDIN_GROUP_ORDER", "size");
@@ -656,7 +700,10 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
       ADD_FAILURE() << "seed " << seed << " on " << n << " ranks: ranks disagree";
     }
     for (const auto& [id, ranks] : r.comms)
-      if (!ranks.begin()->second.moved.empty()) { ++with_moves; break; }
+      if (!ranks.begin()->second.moved.empty()) {
+        ++with_moves;
+        break;
+      }
   }
   std::printf("agreement: %d random scenarios, %d moved gathers, %d failed\n", scenarios,
               with_moves, failures);

@@ -127,7 +127,8 @@ TEST(Shim, CallsNcclMakesFromInsideACallAreNotRecordedAsTheProgramsCalls) {
                 [](const auto& a, const auto& b) { return a.time_ns < b.time_ns; });
       for (size_t i = 1; i < calls.size(); ++i)
         ASSERT_GE(calls[i].time_ns, calls[i - 1].time_ns + calls[i - 1].duration_ns)
-            << file << ": call seq " << calls[i].seq << " began inside call seq " << calls[i - 1].seq;
+            << file << ": call seq " << calls[i].seq << " began inside call seq "
+            << calls[i - 1].seq;
     }
   }
 }
@@ -149,8 +150,10 @@ TEST(Shim, NoRealNcclGivesAnErrorAndOneLineNotACrash) {
   auto r = run_ranks(1, {support("magi-probe"), "AllReduce", "AllGather", "GroupStart", "GroupEnd"},
                      true);
   ASSERT_TRUE(r.all_ok()) << describe(r);
-  EXPECT_NE(r.ranks[0].stdout_text.find("AllReduce=2\n"), std::string::npos) << r.ranks[0].stdout_text;
-  EXPECT_NE(r.ranks[0].stdout_text.find("AllGather=2\n"), std::string::npos) << r.ranks[0].stdout_text;
+  EXPECT_NE(r.ranks[0].stdout_text.find("AllReduce=2\n"), std::string::npos)
+      << r.ranks[0].stdout_text;
+  EXPECT_NE(r.ranks[0].stdout_text.find("AllGather=2\n"), std::string::npos)
+      << r.ranks[0].stdout_text;
   const std::string& err = r.ranks[0].stderr_text;
   size_t lines = 0;
   for (size_t at = err.find("no real NCCL found"); at != std::string::npos;
@@ -177,7 +180,8 @@ TEST(Shim, ForwardsToMagiNcclLibraryAndAnswersForFunctionsItLacks) {
   const size_t first = err.find("ncclAllGather: the real NCCL");
   ASSERT_NE(first, std::string::npos) << err;
   EXPECT_EQ(err.find("ncclAllGather: the real NCCL", first + 1), std::string::npos)
-      << "the missing function was reported more than once:\n" << err;
+      << "the missing function was reported more than once:\n"
+      << err;
 }
 
 TEST(Shim, BadOptionValueGivesOneLineAndTheProgramRunsOn) {
@@ -186,10 +190,15 @@ TEST(Shim, BadOptionValueGivesOneLineAndTheProgramRunsOn) {
                      {{"MAGI_CALLSITE_DEPTH", "lots"}, {"MAGI_CALLSITE_DEPT", "4"}});
   ASSERT_TRUE(r.all_ok()) << describe(r);
   const std::string& err = r.ranks[0].stderr_text;
-  EXPECT_NE(err.find("MAGI_CALLSITE_DEPTH='lots' is not accepted (expected an integer from 1 to 64)"),
-            std::string::npos) << err;
-  EXPECT_NE(err.find("unknown variable MAGI_CALLSITE_DEPT is ignored (did you mean MAGI_CALLSITE_DEPTH?)"),
-            std::string::npos) << err;
+  EXPECT_NE(
+      err.find("MAGI_CALLSITE_DEPTH='lots' is not accepted (expected an integer from 1 to 64)"),
+      std::string::npos)
+      << err;
+  EXPECT_NE(
+      err.find(
+          "unknown variable MAGI_CALLSITE_DEPT is ignored (did you mean MAGI_CALLSITE_DEPTH?)"),
+      std::string::npos)
+      << err;
 }
 
 // The disk fills up while tracing (tests/support/full_disk.cc fails trace writes with ENOSPC
@@ -204,7 +213,9 @@ TEST(Shim, AFullDiskStopsTracingWithOneLineAndTheProgramRunsOn) {
   support::LaunchSpec spec;
   spec.nranks = 2;
   spec.argv = {support("magi-workload"), "fsdp", "--layers", "4", "--steps", "40"};
-  spec.env = {{"LD_PRELOAD", preload}, {"MAGI_TRACE_DIR", traces.path}, {"FULL_DISK_BYTES", "6000"},
+  spec.env = {{"LD_PRELOAD", preload},
+              {"MAGI_TRACE_DIR", traces.path},
+              {"FULL_DISK_BYTES", "6000"},
               {"MAGI_TRACE_BUFFER_KIB", "16"}};
   spec.timeout_s = 60;
   spec.capture_output = true;
@@ -233,7 +244,8 @@ TEST(Shim, UnwritableTraceDirGivesOneLineAndTheProgramRunsOn) {
                      {{"MAGI_TRACE_DIR", "/proc/no-such-dir/traces"}});
   ASSERT_TRUE(r.all_ok()) << describe(r);
   EXPECT_NE(r.ranks[0].stderr_text.find("MAGI_TRACE_DIR=/proc/no-such-dir/traces: cannot create"),
-            std::string::npos) << r.ranks[0].stderr_text;
+            std::string::npos)
+      << r.ranks[0].stderr_text;
 }
 
 // ---- what the traces say ----
@@ -245,7 +257,8 @@ struct FsdpRun {
 
 FsdpRun run_fsdp(int n, const std::string& dir, std::vector<std::string> extra = {},
                  std::vector<std::pair<std::string, std::string>> env = {}) {
-  std::vector<std::string> argv = {support("magi-workload"), "fsdp", "--layers", "4", "--steps", "6"};
+  std::vector<std::string> argv = {
+      support("magi-workload"), "fsdp", "--layers", "4", "--steps", "6"};
   argv.insert(argv.end(), extra.begin(), extra.end());
   env.emplace_back("MAGI_TRACE_DIR", dir);
   FsdpRun run;
@@ -276,7 +289,8 @@ TEST(Traces, EveryRankRecordsTheSameCommunicatorAndTheSameCallsites) {
       EXPECT_EQ(t.calls[i].seq, i);
       EXPECT_EQ(t.calls[i].shape, run.traces[0].calls[i].shape) << "rank " << r << " call " << i;
       EXPECT_NE(t.calls[i].callsite, 0u);
-      EXPECT_EQ(t.calls[i].callsite, run.traces[0].calls[i].callsite) << "rank " << r << " call " << i;
+      EXPECT_EQ(t.calls[i].callsite, run.traces[0].calls[i].callsite)
+          << "rank " << r << " call " << i;
       EXPECT_NE(t.calls[i].sendbuf, 0u);
     }
     EXPECT_FALSE(t.callsites.empty());
@@ -434,7 +448,8 @@ TEST(TraceTool, DiffReportsAnInjectedCountDivergenceAtTheRightCollective) {
   for (const auto& f : traces_in(dir.path)) args.push_back(f);
   std::string out;
   EXPECT_EQ(run_tool(args, &out), 1) << out;
-  EXPECT_NE(out.find("diverges at collective #" + std::to_string(kDivergentCollective)), std::string::npos)
+  EXPECT_NE(out.find("diverges at collective #" + std::to_string(kDivergentCollective)),
+            std::string::npos)
       << out;
 }
 
@@ -448,7 +463,8 @@ TEST(TraceTool, DiffReportsAnInjectedCallsiteDivergenceAtTheRightCollective) {
   for (const auto& f : traces_in(dir.path)) args.push_back(f);
   std::string out;
   EXPECT_EQ(run_tool(args, &out), 1) << out;
-  EXPECT_NE(out.find("call sites differ from #" + std::to_string(kDivergentCollective)), std::string::npos)
+  EXPECT_NE(out.find("call sites differ from #" + std::to_string(kDivergentCollective)),
+            std::string::npos)
       << out;
   args.insert(args.begin() + 1, "--shapes-only");
   EXPECT_EQ(run_tool(args, &out), 0) << out;

@@ -37,7 +37,7 @@ struct Fakes {
   int group_ends = 0;
   int transports_made = 0;
   int transport_gathers = 0;
-  uint64_t moved_ns = 500;  // what a bucket costs on the transport (fake clock)
+  uint64_t moved_ns = 500;     // what a bucket costs on the transport (fake clock)
   bool gather_throws = false;  // once transport_gathers reaches gathers_before_throw
   int gathers_before_throw = 0;
   bool timer_stop_throws = false;
@@ -163,8 +163,7 @@ using Env = std::map<std::string, std::string>;
 // Rank 0 of a 4-rank communicator whose step is [all-reduce, all-gather, all-gather].
 class Rank0 {
  public:
-  explicit Rank0(std::map<std::string, std::string> env)
-      : options_(options_with(std::move(env))) {
+  explicit Rank0(std::map<std::string, std::string> env) : options_(options_with(std::move(env))) {
     g_fakes = &fakes;
     TransportFactory make;
     make.transport = [](const capture::CommInfo&) {
@@ -306,9 +305,8 @@ TEST(AgreementRounds, NoRoundBeforeTheWarmupStepsAreComplete) {
 TEST(AgreementRounds, AnAgreedPlanMovesAtTheSameCallOnceConfirmed) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
   const std::vector<Kind> kinds = rank.steps(8);
-  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose},
-                                   {9, RoundKind::Publish},
-                                   {12, RoundKind::Confirm}}));
+  EXPECT_EQ(rank.issued(),
+            (Issued{{6, RoundKind::Propose}, {9, RoundKind::Publish}, {12, RoundKind::Confirm}}));
   for (uint64_t i = 0; i < 16; ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
   for (uint64_t i = 16; i < kinds.size(); ++i)
     EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;

@@ -172,19 +172,19 @@ TEST(StepObservation, GroupDigestAndStability) {
 TEST(StepObservation, EntriesSayWhyAGatherCannotMoveHere) {
   // Position 0: small; 1: captured; 2 and 3 in one group, 3 large.
   std::vector<Call> step(4);
-  step[0].count = 1000;                   // 4000 bytes
-  step[1].count = 1 << 20;                // 4 MiB
+  step[0].count = 1000;     // 4000 bytes
+  step[1].count = 1 << 20;  // 4 MiB
   step[1].capturing = true;
   step[2].count = 1 << 20;
   step[2].group = 5;
-  step[3].count = 3 << 20;                // 12 MiB: the group needs 16 MiB of staging
+  step[3].count = 3 << 20;  // 12 MiB: the group needs 16 MiB of staging
   step[3].group = 5;
   for (uint32_t p = 0; p < 4; ++p) step[p].sendbuf = 0x1000000 * (p + 1);
   StepObservation seen;
   seen.reset(4);
   for (int i = 0; i < 3; ++i) observe_step(seen, step);
-  const Options options = options_with({{"MAGI_SYMM_MIN_SHARD_MIB", "1"},
-                                        {"MAGI_WINDOW_MAX_MIB", "8"}});
+  const Options options =
+      options_with({{"MAGI_SYMM_MIN_SHARD_MIB", "1"}, {"MAGI_WINDOW_MAX_MIB", "8"}});
   EXPECT_EQ(reasons(seen.entries(options, ce::Backend::Host)),
             (std::vector<Reason>{Reason::ShardTooSmall, Reason::GraphCapture,
                                  Reason::WindowTooLarge, Reason::WindowTooLarge}));
@@ -194,9 +194,8 @@ TEST(StepObservation, EntriesSayWhyAGatherCannotMoveHere) {
             (std::vector<Reason>{Reason::BindingChanged, Reason::GraphCapture, Reason::None,
                                  Reason::BindingChanged}));
   // Static weights: bindings past MAGI_BIND_MAX_MIB (in step order) stay.
-  const Options bound = options_with({{"MAGI_WINDOW_MAX_MIB", "64"},
-                                      {"MAGI_STATIC_WEIGHTS", "1"},
-                                      {"MAGI_BIND_MAX_MIB", "6"}});
+  const Options bound = options_with(
+      {{"MAGI_WINDOW_MAX_MIB", "64"}, {"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_BIND_MAX_MIB", "6"}});
   EXPECT_EQ(reasons(seen.entries(bound, ce::Backend::Host)),
             (std::vector<Reason>{Reason::None, Reason::GraphCapture, Reason::None,
                                  Reason::BindTooLarge}));

@@ -28,7 +28,8 @@ std::atomic<long long> g_written{0};
 
 }  // namespace
 
-extern "C" __attribute__((visibility("default"))) ssize_t write(int fd, const void* buf, size_t count) {
+extern "C" __attribute__((visibility("default"))) ssize_t write(int fd, const void* buf,
+                                                                size_t count) {
   static const WriteFn real = reinterpret_cast<WriteFn>(dlsym(RTLD_NEXT, "write"));
   static const long long limit = [] {
     const char* v = getenv("FULL_DISK_BYTES");

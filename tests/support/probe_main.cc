@@ -22,11 +22,14 @@ int main(int argc, char** argv) {
     }
     ncclResult_t r = ncclInternalError;
     if (name == "AllReduce")
-      r = reinterpret_cast<decltype(&ncclAllReduce)>(fn)(send, recv, 4, ncclFloat32, ncclSum, nullptr, nullptr);
+      r = reinterpret_cast<decltype(&ncclAllReduce)>(fn)(send, recv, 4, ncclFloat32, ncclSum,
+                                                         nullptr, nullptr);
     else if (name == "AllGather")
-      r = reinterpret_cast<decltype(&ncclAllGather)>(fn)(send, recv, 4, ncclFloat32, nullptr, nullptr);
+      r = reinterpret_cast<decltype(&ncclAllGather)>(fn)(send, recv, 4, ncclFloat32, nullptr,
+                                                         nullptr);
     else if (name == "Broadcast")
-      r = reinterpret_cast<decltype(&ncclBroadcast)>(fn)(send, recv, 4, ncclFloat32, 0, nullptr, nullptr);
+      r = reinterpret_cast<decltype(&ncclBroadcast)>(fn)(send, recv, 4, ncclFloat32, 0, nullptr,
+                                                         nullptr);
     else if (name == "GroupStart")
       r = reinterpret_cast<decltype(&ncclGroupStart)>(fn)();
     else if (name == "GroupEnd")

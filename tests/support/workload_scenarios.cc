@@ -56,7 +56,8 @@ void check(ncclResult_t result, const char* call) {
 
 extern "C" __attribute__((visibility("default"))) int magi_workload_main(int argc, char** argv) {
   if (argc < 1) {
-    std::fprintf(stderr, "usage: SCENARIO [--option value]...  (ops|fsdp|split|initall|agree|groupskew)\n");
+    std::fprintf(stderr,
+                 "usage: SCENARIO [--option value]...  (ops|fsdp|split|initall|agree|groupskew)\n");
     return 2;
   }
   const std::string scenario = argv[0];
@@ -68,7 +69,8 @@ extern "C" __attribute__((visibility("default"))) int magi_workload_main(int arg
     if (scenario == "initall") return workload::run_initall(options);
     if (scenario == "agree") return workload::run_agree(options);
     if (scenario == "groupskew") return workload::run_groupskew(options);
-    std::fprintf(stderr, "unknown scenario %s (ops|fsdp|split|initall|agree|groupskew)\n", scenario.c_str());
+    std::fprintf(stderr, "unknown scenario %s (ops|fsdp|split|initall|agree|groupskew)\n",
+                 scenario.c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: %s\n", scenario.c_str(), e.what());

@@ -27,8 +27,8 @@ using testing::CallSpec;
 using testing::DecisionSpec;
 using testing::make_agreement;
 using testing::make_call;
-using testing::make_decision;
 using testing::make_comm;
+using testing::make_decision;
 using testing::make_file_header;
 using testing::TraceBuilder;
 
@@ -386,7 +386,6 @@ TEST_F(MagiceTrace, MalformedInputNamesFileAndOffsetAndExitsTwo) {
   EXPECT_TRUE(contains(absent.err, dir_ + "/absent.trace")) << absent.err;
 }
 
-
 // ---- decisions ----
 
 // One propose round as a rank records it: issued, read three collectives later, then one
@@ -404,8 +403,8 @@ void add_round(TraceBuilder& b, uint64_t comm, int32_t rank, const RoundPlan& pl
   uint32_t moved = 0;
   for (const DecisionSpec& g : plan.gathers) moved += g.verdict != Verdict::Stays ? 1 : 0;
   b.agreement(make_agreement(comm, rank,
-                             {plan.round, RoundKind::Propose, RoundEvent::Issued,
-                              plan.read_at - 3, AgreementMode::None, gathers, 0}));
+                             {plan.round, RoundKind::Propose, RoundEvent::Issued, plan.read_at - 3,
+                              AgreementMode::None, gathers, 0}));
   b.agreement(make_agreement(comm, rank,
                              {plan.round, RoundKind::Propose, RoundEvent::Read, plan.read_at,
                               plan.mode, gathers, moved, plan.reason}));
@@ -531,8 +530,9 @@ TEST_F(MagiceTraceDecisions, RanksWithDifferentVerdictsExitOne) {
                        "ranks 0, 1; stays on rank 2\n"))
       << run.out;
   EXPECT_FALSE(contains(run.out, "gather #0 (round")) << "gathers that agree are not reported";
-  EXPECT_TRUE(contains(run.out, "rank 2 gather #2 (pos 5, bfloat16 x 262144, bucket 2): stays: "
-                                "not stable for MAGI_WARMUP_STEPS steps"))
+  EXPECT_TRUE(contains(run.out,
+                       "rank 2 gather #2 (pos 5, bfloat16 x 262144, bucket 2): stays: "
+                       "not stable for MAGI_WARMUP_STEPS steps"))
       << run.out;
 }
 
@@ -544,8 +544,9 @@ TEST_F(MagiceTraceDecisions, AGatherOnlySomeRanksHaveDisagreesOnlyIfItLeavesNccl
   files[1] = write_agreeing_rank(1, 2, 2, extra);
   const ToolRun harmless = tool(with({"decisions"}, files));
   EXPECT_EQ(harmless.status, 0) << harmless.out;
-  EXPECT_TRUE(contains(harmless.out, "rank 1 gather #3 (pos 7, float32 x 1024, bucket 3): stays: "
-                                     "shard below MAGI_SYMM_MIN_SHARD_MIB\n"))
+  EXPECT_TRUE(contains(harmless.out,
+                       "rank 1 gather #3 (pos 7, float32 x 1024, bucket 3): stays: "
+                       "shard below MAGI_SYMM_MIN_SHARD_MIB\n"))
       << harmless.out;
 
   // The same extra gather moving on rank 1 alone would leave rank 0 waiting in NCCL.
@@ -574,8 +575,9 @@ TEST_F(MagiceTraceDecisions, RanksThatReadDifferentRoundsExitOne) {
   const ToolRun all = tool(with({"decisions", "--all"}, files));
   EXPECT_EQ(all.status, 1) << all.out;
   EXPECT_TRUE(contains(all.out, "comm 3f2a0c1d9e7b rank 2: round 2 not read\n")) << all.out;
-  EXPECT_TRUE(contains(all.out, "ranks disagree on comm 3f2a0c1d9e7b round 2: read on ranks 0, "
-                                "1; not on rank 2\n"))
+  EXPECT_TRUE(contains(all.out,
+                       "ranks disagree on comm 3f2a0c1d9e7b round 2: read on ranks 0, "
+                       "1; not on rank 2\n"))
       << all.out;
   EXPECT_FALSE(contains(all.out, "round 1: ")) << "round 1 was read alike on every rank";
 }
@@ -613,8 +615,9 @@ TEST_F(MagiceTraceDecisions, DryRunRoundsSayWouldMove) {
   EXPECT_EQ(run.status, 0) << run.out << run.err;
   EXPECT_TRUE(contains(run.out, "rank 0: round 2 propose: mode slot, 2 of 3 gathers would move\n"))
       << run.out;
-  EXPECT_TRUE(contains(run.out, "rank 1 gather #0 (pos 1, bfloat16 x 1048576, bucket 0): would "
-                                "move\n"))
+  EXPECT_TRUE(contains(run.out,
+                       "rank 1 gather #0 (pos 1, bfloat16 x 1048576, bucket 0): would "
+                       "move\n"))
       << run.out;
 }
 
@@ -670,8 +673,12 @@ TEST_F(MagiceTraceDecisions, DumpShowsAgreementRecordsAndMovedCalls) {
   CallRecord dry = make_call(kWorld, 0, 1, {Op::AllGather, 9, 222, -1, -1, 0});
   dry.flags = kCallWouldMove;
   b.call(moved).call(dry).call(make_call(kWorld, 0, 2, {Op::AllReduce, 7, 333, -1, 0, 0}));
-  add_round(b, kWorld, 0, {4, 30, AgreementMode::Abort, {{2, Verdict::Stays, Reason::StepsDiffer}},
-                           Reason::StepsDiffer});
+  add_round(b, kWorld, 0,
+            {4,
+             30,
+             AgreementMode::Abort,
+             {{2, Verdict::Stays, Reason::StepsDiffer}},
+             Reason::StepsDiffer});
   const std::string file = dir_ + "/dump.trace";
   b.write(file);
 

@@ -23,7 +23,8 @@
 // 1 GiB (prepare of a bound window, all ranks at once). Every way that moves bytes is checked
 // once per size: sampled words of every rank's shard must arrive.
 //
-//   magice-ce-bench [--ranks 1,2,4,8] [--min-kib 64] [--max-mib 256] [--reps 9] [--extras 1] [--diagnose 0]
+//   magice-ce-bench [--ranks 1,2,4,8] [--min-kib 64] [--max-mib 256] [--reps 9] [--extras 1]
+//   [--diagnose 0]
 //                   [--timeout 240]
 //
 // Prints markdown on stdout, progress on stderr. Under tools/bench/count_kernels.cc
@@ -54,8 +55,8 @@
 #include <thread>
 #include <vector>
 
-#include "ce_transport/ce_transport.h"
 #include "base/base.h"
+#include "ce_transport/ce_transport.h"
 
 namespace {
 
@@ -82,14 +83,31 @@ constexpr uint64_t kIdentity = 0xce'be'4c'00'00'00'00'00;
 constexpr size_t kFlagBytes = 512;
 using BatchMemOp = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
 
-enum Way { kReference, kBatch, kDefault, kBound, kWindowLike, kPadded, kBatchWrite, kFlags, kMaxWays };
+enum Way {
+  kReference,
+  kBatch,
+  kDefault,
+  kBound,
+  kWindowLike,
+  kPadded,
+  kBatchWrite,
+  kFlags,
+  kMaxWays
+};
 constexpr int kMainWays = kWindowLike;  // the rest only with --diagnose 1
-const char* const kWayName[kMaxWays] = {"cudaMemcpyAsync", "cudaMemcpyBatchAsync", "moved, default", "moved, bound",
-                                        "batch, window-like sources", "batch, padded sources", "batch + flag write",
+const char* const kWayName[kMaxWays] = {"cudaMemcpyAsync",
+                                        "cudaMemcpyBatchAsync",
+                                        "moved, default",
+                                        "moved, bound",
+                                        "batch, window-like sources",
+                                        "batch, padded sources",
+                                        "batch + flag write",
                                         "flags only"};
-const char* const kWayPhase[kMaxWays] = {"memcpy reference", "batch reference", "gather default", "gather bound",
-                                         "batch window-like", "batch padded", "batch write", "flags"};
-constexpr size_t kWindowHead = 512;      // where a window's region starts (ce_transport/cuda_transport.cc)
+const char* const kWayPhase[kMaxWays] = {
+    "memcpy reference",  "batch reference", "gather default", "gather bound",
+    "batch window-like", "batch padded",    "batch write",    "flags"};
+constexpr size_t kWindowHead =
+    512;  // where a window's region starts (ce_transport/cuda_transport.cc)
 constexpr size_t kPadding = 2 << 20;
 
 struct Config {
@@ -106,7 +124,8 @@ struct Config {
 // The shard sizes: 1 byte (the latency row), then min_shard, ×4, … up to max_shard.
 std::vector<size_t> shard_sizes(const Config& config) {
   std::vector<size_t> sizes = {1};
-  for (size_t s = config.min_shard; s <= config.max_shard && sizes.size() < kMaxSizes; s *= 4) sizes.push_back(s);
+  for (size_t s = config.min_shard; s <= config.max_shard && sizes.size() < kMaxSizes; s *= 4)
+    sizes.push_back(s);
   return sizes;
 }
 
@@ -114,7 +133,8 @@ std::vector<size_t> shard_sizes(const Config& config) {
 // 4 to 1000. Rank 0 decides, so every rank runs the same number (the handshake counts them).
 constexpr double kBatchMs = 25;
 int iterations(double slowest_ms_per_gather) {
-  return static_cast<int>(std::clamp(kBatchMs / std::max(slowest_ms_per_gather, 1e-6), 4.0, 1000.0));
+  return static_cast<int>(
+      std::clamp(kBatchMs / std::max(slowest_ms_per_gather, 1e-6), 4.0, 1000.0));
 }
 
 // ---- what the ranks share (mapped before the fork) -------------------------------------------
@@ -127,10 +147,11 @@ struct Shared {
   // kReference: the send buffer's cudaIpcMemHandle_t; kFlags: the flag words'.
   HandleBlob blobs[kMaxWays][kMaxRanks];
   double batch_ms[kMaxSizes][kMaxWays][kMaxReps][kMaxRanks];  // events, per gather
-  int64_t wall_ns[kMaxSizes][kMaxWays][kMaxReps][kMaxRanks][2];  // steady clock: after the barrier, done
+  int64_t wall_ns[kMaxSizes][kMaxWays][kMaxReps][kMaxRanks]
+                 [2];  // steady clock: after the barrier, done
   int batch_iterations[kMaxSizes];
   double submit_us[kBuckets][kMainWays][kMaxRanks];  // median of kSubmitCalls calls
-  double bind_s[kMaxRanks];                      // median of kBindRepeats prepares of 1 GiB
+  double bind_s[kMaxRanks];                          // median of kBindRepeats prepares of 1 GiB
 };
 
 // A rank that fails marks it, so the others leave their barrier instead of waiting for ever.
@@ -142,7 +163,8 @@ void barrier(Shared& shared, int nranks) {
     return;
   }
   while (shared.generation.load(std::memory_order_acquire) == generation) {
-    if (shared.failed.load(std::memory_order_relaxed) != 0) throw std::runtime_error("another rank failed");
+    if (shared.failed.load(std::memory_order_relaxed) != 0)
+      throw std::runtime_error("another rank failed");
     sched_yield();
   }
 }
@@ -150,7 +172,8 @@ void barrier(Shared& shared, int nranks) {
 // ---- a rank ------------------------------------------------------------------------------------
 
 void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
 double median(std::vector<double> v) {
@@ -162,7 +185,8 @@ double median(std::vector<double> v) {
 
 // Word i of rank r's send buffer: every byte names the rank, the word's place shifts it.
 uint64_t pattern_word(int rank, size_t i) {
-  return (static_cast<uint64_t>(rank + 1) * 0x0101010101010101ull) ^ (static_cast<uint64_t>(i) << 8);
+  return (static_cast<uint64_t>(rank + 1) * 0x0101010101010101ull) ^
+         (static_cast<uint64_t>(i) << 8);
 }
 
 // The phase marker of tools/bench/count_kernels.cc, when the driver loaded it into this process.
@@ -187,12 +211,17 @@ struct Counter {
 class Rank {
  public:
   Rank(int rank, int nranks, const Config& config, Shared& shared)
-      : rank_(rank), nranks_(nranks), config_(config), shared_(shared),
-        buffer_bytes_(std::max(config.max_shard, kBucketGathers[kBuckets - 1] * kBucketShard)), ways_(config.ways()) {}
+      : rank_(rank),
+        nranks_(nranks),
+        config_(config),
+        shared_(shared),
+        buffer_bytes_(std::max(config.max_shard, kBucketGathers[kBuckets - 1] * kBucketShard)),
+        ways_(config.ways()) {}
 
   int run() {
     check(cudaSetDevice(0), "cudaSetDevice");
-    check(cudaFree(nullptr), "cudaFree (context)");  // loads the driver: the transport needs it there
+    check(cudaFree(nullptr),
+          "cudaFree (context)");  // loads the driver: the transport needs it there
     counter_.find();
     counter_.mark("bench");
     setup();
@@ -231,7 +260,8 @@ class Rank {
     {
       std::vector<uint64_t> host(buffer_bytes_ / sizeof(uint64_t));
       for (size_t i = 0; i < host.size(); ++i) host[i] = pattern_word(rank_, i);
-      check(cudaMemcpy(send_, host.data(), buffer_bytes_, cudaMemcpyHostToDevice), "cudaMemcpy (pattern)");
+      check(cudaMemcpy(send_, host.data(), buffer_bytes_, cudaMemcpyHostToDevice),
+            "cudaMemcpy (pattern)");
     }
     // The reference reads the peers' send buffers as the transport reads their windows: mapped.
     cudaIpcMemHandle_t handle{};
@@ -244,7 +274,8 @@ class Rank {
     if (ways_ > kMainWays) {  // the same bytes in allocations of other shapes
       check(cudaMalloc(&window_like_, buffer_bytes_ + kWindowHead), "cudaMalloc (window-like)");
       check(cudaMalloc(&padded_, buffer_bytes_ + kPadding), "cudaMalloc (padded)");
-      check(cudaMemcpy(window_like_ + kWindowHead, send_, buffer_bytes_, cudaMemcpyDeviceToDevice), "cudaMemcpy");
+      check(cudaMemcpy(window_like_ + kWindowHead, send_, buffer_bytes_, cudaMemcpyDeviceToDevice),
+            "cudaMemcpy");
       check(cudaMemcpy(padded_, send_, buffer_bytes_, cudaMemcpyDeviceToDevice), "cudaMemcpy");
       check(cudaIpcGetMemHandle(&handle, window_like_), "cudaIpcGetMemHandle (window-like)");
       std::memcpy(shared_.blobs[kWindowLike][rank_].bytes, &handle, sizeof handle);
@@ -253,7 +284,8 @@ class Rank {
     }
     cudaDriverEntryPointQueryResult found{};
     void* fn = nullptr;
-    check(cudaGetDriverEntryPointByVersion("cuStreamBatchMemOp", &fn, 12000, cudaEnableDefault, &found),
+    check(cudaGetDriverEntryPointByVersion("cuStreamBatchMemOp", &fn, 12000, cudaEnableDefault,
+                                           &found),
           "cuStreamBatchMemOp");
     batch_mem_op_ = reinterpret_cast<BatchMemOp>(fn);
 
@@ -266,13 +298,16 @@ class Rank {
     bound.bind = {BindOp{send_, buffer_bytes_, 0}};
     bound.verify_first = 0;  // pure peer reads: verification (a host round trip) is not timed here
     bound.verify_every = 0;
-    transports_[kDefault] = magi::ce::make_transport(Backend::Cuda, rank_, nranks_, kIdentity + 1, 0);
+    transports_[kDefault] =
+        magi::ce::make_transport(Backend::Cuda, rank_, nranks_, kIdentity + 1, 0);
     transports_[kBound] = magi::ce::make_transport(Backend::Cuda, rank_, nranks_, kIdentity + 2, 0);
     transports_[kDefault]->prepare(staging, shared_.blobs[kDefault][rank_]);
     transports_[kBound]->prepare(bound, shared_.blobs[kBound][rank_]);
     barrier(shared_, nranks_);
-    transports_[kDefault]->attach(std::span<const HandleBlob>(shared_.blobs[kDefault], static_cast<size_t>(nranks_)));
-    transports_[kBound]->attach(std::span<const HandleBlob>(shared_.blobs[kBound], static_cast<size_t>(nranks_)));
+    transports_[kDefault]->attach(
+        std::span<const HandleBlob>(shared_.blobs[kDefault], static_cast<size_t>(nranks_)));
+    transports_[kBound]->attach(
+        std::span<const HandleBlob>(shared_.blobs[kBound], static_cast<size_t>(nranks_)));
     peer_send_ = open_peers(kReference);
     peer_flags_ = open_peers(kFlags);
     if (ways_ > kMainWays) {
@@ -298,8 +333,8 @@ class Rank {
 
   void mem_ops(std::vector<CUstreamBatchMemOpParams>& ops) {
     if (ops.empty()) return;
-    if (batch_mem_op_(reinterpret_cast<CUstream>(stream_), static_cast<unsigned>(ops.size()), ops.data(), 0) !=
-        CUDA_SUCCESS)
+    if (batch_mem_op_(reinterpret_cast<CUstream>(stream_), static_cast<unsigned>(ops.size()),
+                      ops.data(), 0) != CUDA_SUCCESS)
       throw std::runtime_error("cuStreamBatchMemOp failed");
   }
 
@@ -310,8 +345,10 @@ class Rank {
       for (size_t i = 0; i < count; ++i) {
         uint8_t* recv = recv_ + i * shard * static_cast<size_t>(nranks_);
         for (int r = 0; r < nranks_; ++r) {
-          const uint8_t* from = (r == rank_ ? send_ : peer_send_[static_cast<size_t>(r)]) + i * shard;
-          check(cudaMemcpyAsync(recv + static_cast<size_t>(r) * shard, from, shard, cudaMemcpyDeviceToDevice, stream_),
+          const uint8_t* from =
+              (r == rank_ ? send_ : peer_send_[static_cast<size_t>(r)]) + i * shard;
+          check(cudaMemcpyAsync(recv + static_cast<size_t>(r) * shard, from, shard,
+                                cudaMemcpyDeviceToDevice, stream_),
                 "cudaMemcpyAsync (reference)");
         }
       }
@@ -337,17 +374,22 @@ class Rank {
       return;
     }
     if (way == kBatch || way == kWindowLike || way == kPadded || way == kBatchWrite) {
-      uint8_t* mine = way == kWindowLike ? window_like_ + kWindowHead : way == kPadded ? padded_ : send_;
-      const std::vector<uint8_t*>& theirs =
-          way == kWindowLike ? peer_window_like_ : way == kPadded ? peer_padded_ : peer_send_;
+      uint8_t* mine = way == kWindowLike ? window_like_ + kWindowHead
+                      : way == kPadded   ? padded_
+                                         : send_;
+      const std::vector<uint8_t*>& theirs = way == kWindowLike ? peer_window_like_
+                                            : way == kPadded   ? peer_padded_
+                                                               : peer_send_;
       const size_t skew = way == kWindowLike ? kWindowHead : 0;
       dsts_.clear();
       srcs_.clear();
       sizes_.clear();
       for (size_t i = 0; i < count; ++i)
         for (int r = 0; r < nranks_; ++r) {
-          dsts_.push_back(recv_ + (i * static_cast<size_t>(nranks_) + static_cast<size_t>(r)) * shard);
-          srcs_.push_back(r == rank_ ? mine + i * shard : theirs[static_cast<size_t>(r)] + skew + i * shard);
+          dsts_.push_back(recv_ +
+                          (i * static_cast<size_t>(nranks_) + static_cast<size_t>(r)) * shard);
+          srcs_.push_back(r == rank_ ? mine + i * shard
+                                     : theirs[static_cast<size_t>(r)] + skew + i * shard);
           sizes_.push_back(shard);
         }
       cudaMemcpyAttributes attributes{};  // as ce_transport/cuda_transport.cc asks
@@ -357,8 +399,8 @@ class Rank {
       attributes.srcLocHint.id = 0;
       attributes.dstLocHint = attributes.srcLocHint;
       size_t first = 0;
-      check(cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(), dsts_.size(), &attributes, &first, 1,
-                                 stream_),
+      check(cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(), dsts_.size(),
+                                 &attributes, &first, 1, stream_),
             "cudaMemcpyBatchAsync (reference)");
       if (way == kBatchWrite) {  // a word of its own, away from the flags' handshake
         std::vector<CUstreamBatchMemOpParams> ops(1);
@@ -372,7 +414,8 @@ class Rank {
     }
     ops_.clear();
     for (size_t i = 0; i < count; ++i)
-      ops_.push_back(GatherOp{send_ + i * shard, recv_ + i * shard * static_cast<size_t>(nranks_), shard, i * shard});
+      ops_.push_back(GatherOp{send_ + i * shard, recv_ + i * shard * static_cast<size_t>(nranks_),
+                              shard, i * shard});
     transports_[way]->gather(ops_, stream_);
   }
 
@@ -384,7 +427,8 @@ class Rank {
     const uint64_t poison = 0xdeadbeefdeadbeefull;
     for (int r = 0; r < nranks_; ++r)
       for (size_t off : offsets)
-        check(cudaMemcpy(recv_ + static_cast<size_t>(r) * shard + off, &poison, len, cudaMemcpyHostToDevice),
+        check(cudaMemcpy(recv_ + static_cast<size_t>(r) * shard + off, &poison, len,
+                         cudaMemcpyHostToDevice),
               "cudaMemcpy (poison)");
     counter_.mark(kWayPhase[way]);
     gather(way, shard);
@@ -393,12 +437,14 @@ class Rank {
     for (int r = 0; r < nranks_; ++r)
       for (size_t off : offsets) {
         uint64_t got = 0;
-        check(cudaMemcpy(&got, recv_ + static_cast<size_t>(r) * shard + off, len, cudaMemcpyDeviceToHost),
+        check(cudaMemcpy(&got, recv_ + static_cast<size_t>(r) * shard + off, len,
+                         cudaMemcpyDeviceToHost),
               "cudaMemcpy (check)");
         const uint64_t want = pattern_word(r, off / 8);
         if (std::memcmp(&got, &want, len) != 0) {
-          std::fprintf(stderr, "rank %d: %s, shard %zu B: rank %d's word at %zu is %#llx, expected %#llx\n", rank_,
-                       kWayName[way], shard, r, off, static_cast<unsigned long long>(got),
+          std::fprintf(stderr,
+                       "rank %d: %s, shard %zu B: rank %d's word at %zu is %#llx, expected %#llx\n",
+                       rank_, kWayName[way], shard, r, off, static_cast<unsigned long long>(got),
                        static_cast<unsigned long long>(want));
           shared_.check_failures.fetch_add(1);
         }
@@ -444,10 +490,12 @@ class Rank {
       for (int rep = 0; rep < config_.reps; ++rep)
         for (int j = 0; j < ways_; ++j) {
           const Way way = static_cast<Way>((rep + j) % ways_);
-          shared_.batch_ms[s][way][rep][rank_] = timed_batch(way, shard, k, shared_.wall_ns[s][way][rep][rank_]);
+          shared_.batch_ms[s][way][rep][rank_] =
+              timed_batch(way, shard, k, shared_.wall_ns[s][way][rep][rank_]);
         }
-      if (rank_ == 0) std::fprintf(stderr, "  N=%d shard %zu B: %d x %d gathers per way\n", nranks_, shard,
-                                   config_.reps, k);
+      if (rank_ == 0)
+        std::fprintf(stderr, "  N=%d shard %zu B: %d x %d gathers per way\n", nranks_, shard,
+                     config_.reps, k);
     }
   }
 
@@ -475,14 +523,17 @@ class Rank {
   void bind_cost() {
     uint8_t* source = nullptr;
     check(cudaMalloc(&source, kBindBytes), "cudaMalloc (bind source)");
-    check(cudaMemcpy(source, send_, std::min(kBindBytes, buffer_bytes_), cudaMemcpyDeviceToDevice), "cudaMemcpy");
+    check(cudaMemcpy(source, send_, std::min(kBindBytes, buffer_bytes_), cudaMemcpyDeviceToDevice),
+          "cudaMemcpy");
     WindowPlan plan;
     plan.slot_bytes = kBindBytes;
     plan.bound = true;
-    for (size_t off = 0; off < kBindBytes; off += kBindPiece) plan.bind.push_back(BindOp{source + off, kBindPiece, off});
+    for (size_t off = 0; off < kBindBytes; off += kBindPiece)
+      plan.bind.push_back(BindOp{source + off, kBindPiece, off});
     std::vector<double> seconds;
     for (int i = 0; i < kBindRepeats; ++i) {
-      auto t = magi::ce::make_transport(Backend::Cuda, rank_, nranks_, kIdentity + 3 + static_cast<uint64_t>(i), 0);
+      auto t = magi::ce::make_transport(Backend::Cuda, rank_, nranks_,
+                                        kIdentity + 3 + static_cast<uint64_t>(i), 0);
       HandleBlob blob;
       barrier(shared_, nranks_);
       counter_.mark("bind prepare");
@@ -511,7 +562,8 @@ class Rank {
   std::vector<uint8_t*> peer_send_;
   std::unique_ptr<Transport> transports_[kMainWays];
   std::vector<GatherOp> ops_;
-  uint8_t* flags_ = nullptr;  // kFlags: this rank's flag at 0; kBatchWrite: a word at kFlagBytes / 2
+  uint8_t* flags_ =
+      nullptr;  // kFlags: this rank's flag at 0; kBatchWrite: a word at kFlagBytes / 2
   std::vector<uint8_t*> peer_flags_;
   uint8_t* window_like_ = nullptr;  // --diagnose: the send buffer's bytes at kWindowHead
   uint8_t* padded_ = nullptr;       // --diagnose: the send buffer's bytes, kPadding more allocated
@@ -547,7 +599,8 @@ bool run_ranks(int nranks, const Config& config, Shared& shared) {
     }
     pids.push_back(pid);
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(config.timeout_s);
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(config.timeout_s);
   bool ok = true;
   size_t left = pids.size();
   std::vector<bool> reaped(pids.size(), false);
@@ -559,13 +612,15 @@ bool run_ranks(int nranks, const Config& config, Shared& shared) {
       --left;
       if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
         std::fprintf(stderr, "rank %zu of %d: exit status %d, signal %d\n", r, nranks,
-                     WIFEXITED(status) ? WEXITSTATUS(status) : -1, WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+                     WIFEXITED(status) ? WEXITSTATUS(status) : -1,
+                     WIFSIGNALED(status) ? WTERMSIG(status) : 0);
         ok = false;
         shared.failed.store(1);
       }
     }
     if (left > 0 && std::chrono::steady_clock::now() > deadline) {
-      std::fprintf(stderr, "N=%d: timed out after %.0f s; killing the ranks\n", nranks, config.timeout_s);
+      std::fprintf(stderr, "N=%d: timed out after %.0f s; killing the ranks\n", nranks,
+                   config.timeout_s);
       for (size_t r = 0; r < pids.size(); ++r)
         if (!reaped[r]) kill(pids[r], SIGKILL);
       for (size_t r = 0; r < pids.size(); ++r)
@@ -579,16 +634,21 @@ bool run_ranks(int nranks, const Config& config, Shared& shared) {
 
 std::string size_name(size_t bytes) {
   char out[32];
-  if (bytes >= kMiB) std::snprintf(out, sizeof out, "%zu MiB", bytes / kMiB);
-  else if (bytes >= 1024) std::snprintf(out, sizeof out, "%zu KiB", bytes / 1024);
-  else std::snprintf(out, sizeof out, "%zu B", bytes);
+  if (bytes >= kMiB)
+    std::snprintf(out, sizeof out, "%zu MiB", bytes / kMiB);
+  else if (bytes >= 1024)
+    std::snprintf(out, sizeof out, "%zu KiB", bytes / 1024);
+  else
+    std::snprintf(out, sizeof out, "%zu B", bytes);
   return out;
 }
 
 std::string time_name(double ms) {
   char out[32];
-  if (ms >= 1) std::snprintf(out, sizeof out, "%.2f ms", ms);
-  else std::snprintf(out, sizeof out, "%.1f µs", ms * 1e3);
+  if (ms >= 1)
+    std::snprintf(out, sizeof out, "%.2f ms", ms);
+  else
+    std::snprintf(out, sizeof out, "%.1f µs", ms * 1e3);
   return out;
 }
 
@@ -624,14 +684,21 @@ struct NResult {
 void print_tables(const Config& config, const std::vector<NResult>& results) {
   const std::vector<size_t> sizes = shard_sizes(config);
   std::printf("### Gather time and throughput\n\n");
-  std::printf("Received bytes per rank per gather = N × shard; GB/s = 10^9 bytes/s. Medians of %d interleaved "
-              "repetitions of about %.0f ms of back-to-back gathers. *device*: cudaEvents on each rank's stream, the "
-              "slowest rank. *collective*: wall clock from the first rank's start to the last rank's finish. "
-              "Spread: (max − min) / median of the collective time over repetitions. %% columns: cudaMemcpyAsync's "
-              "time / this way's time.\n\n",
-              config.reps, kBatchMs);
-  std::printf("| N | shard | way | device time | vs memcpy | collective time | spread | per rank GB/s | all ranks "
-              "GB/s | vs memcpy |\n");
+  std::printf(
+      "Received bytes per rank per gather = N × shard; GB/s = 10^9 bytes/s. Medians of %d "
+      "interleaved "
+      "repetitions of about %.0f ms of back-to-back gathers. *device*: cudaEvents on each rank's "
+      "stream, the "
+      "slowest rank. *collective*: wall clock from the first rank's start to the last rank's "
+      "finish. "
+      "Spread: (max − min) / median of the collective time over repetitions. %% columns: "
+      "cudaMemcpyAsync's "
+      "time / this way's time.\n\n",
+      config.reps, kBatchMs);
+  std::printf(
+      "| N | shard | way | device time | vs memcpy | collective time | spread | per rank GB/s | "
+      "all ranks "
+      "GB/s | vs memcpy |\n");
   std::printf("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   for (const NResult& n : results) {
     if (!n.ok) {
@@ -639,23 +706,26 @@ void print_tables(const Config& config, const std::vector<NResult>& results) {
       continue;
     }
     for (size_t s = 1; s < sizes.size(); ++s) {
-      const WayTimes ref = way_times(*n.shared, static_cast<int>(s), kReference, n.nranks, config.reps);
+      const WayTimes ref =
+          way_times(*n.shared, static_cast<int>(s), kReference, n.nranks, config.reps);
       for (int w = 0; w < config.ways(); ++w) {
         if (w == kFlags) continue;  // moves nothing: in the latency table only
         const WayTimes t = way_times(*n.shared, static_cast<int>(s), w, n.nranks, config.reps);
         const double per_rank = static_cast<double>(sizes[s]) * n.nranks / (t.wall_ms * 1e-3) / 1e9;
-        std::printf("| %d | %s | %s | %s | %.0f%% | %s | %.0f%% | %.1f | %.1f | %.0f%% |\n", n.nranks,
-                    size_name(sizes[s]).c_str(), kWayName[w], time_name(t.events_ms).c_str(),
-                    100 * ref.events_ms / t.events_ms, time_name(t.wall_ms).c_str(),
-                    100 * (t.wall_max_ms - t.wall_min_ms) / t.wall_ms, per_rank, per_rank * n.nranks,
-                    100 * ref.wall_ms / t.wall_ms);
+        std::printf("| %d | %s | %s | %s | %.0f%% | %s | %.0f%% | %.1f | %.1f | %.0f%% |\n",
+                    n.nranks, size_name(sizes[s]).c_str(), kWayName[w],
+                    time_name(t.events_ms).c_str(), 100 * ref.events_ms / t.events_ms,
+                    time_name(t.wall_ms).c_str(), 100 * (t.wall_max_ms - t.wall_min_ms) / t.wall_ms,
+                    per_rank, per_rank * n.nranks, 100 * ref.wall_ms / t.wall_ms);
       }
     }
   }
   std::printf("\n### Latency of a 1-byte gather\n\n");
-  std::printf("Time per gather of back-to-back 1-byte gathers (about %.0f ms of them), device / collective as "
-              "above, medians of %d repetitions. For the default way this is the handshake's cost.\n\n",
-              kBatchMs, config.reps);
+  std::printf(
+      "Time per gather of back-to-back 1-byte gathers (about %.0f ms of them), device / collective "
+      "as "
+      "above, medians of %d repetitions. For the default way this is the handshake's cost.\n\n",
+      kBatchMs, config.reps);
   std::printf("| N |");
   for (int w = 0; w < config.ways(); ++w) std::printf(" %s |", kWayName[w]);
   std::printf("\n| ---: |");
@@ -672,9 +742,11 @@ void print_tables(const Config& config, const std::vector<NResult>& results) {
   }
   if (!config.extras) return;
   std::printf("\n### Host cost of one gather call\n\n");
-  std::printf("Wall time of the call alone (stream drained before each call), buckets of 1 MiB gathers; median "
-              "over %d calls per rank, then over ranks. The references issue N copies per gather.\n\n",
-              kSubmitCalls);
+  std::printf(
+      "Wall time of the call alone (stream drained before each call), buckets of 1 MiB gathers; "
+      "median "
+      "over %d calls per rank, then over ranks. The references issue N copies per gather.\n\n",
+      kSubmitCalls);
   std::printf("| N | gathers in bucket |");
   for (int w = 0; w < kMainWays; ++w) std::printf(" %s |", kWayName[w]);
   std::printf("\n| ---: | ---: |");
@@ -692,9 +764,11 @@ void print_tables(const Config& config, const std::vector<NResult>& results) {
     }
   }
   std::printf("\n### Binding cost (static weights)\n\n");
-  std::printf("prepare() of a bound window holding 1 GiB of bindings (16 × 64 MiB): window allocation, a device "
-              "synchronize, the copies, the IPC handle; every rank at once; median of %d per rank.\n\n",
-              kBindRepeats);
+  std::printf(
+      "prepare() of a bound window holding 1 GiB of bindings (16 × 64 MiB): window allocation, a "
+      "device "
+      "synchronize, the copies, the IPC handle; every rank at once; median of %d per rank.\n\n",
+      kBindRepeats);
   std::printf("| N | per GiB, median rank | slowest rank |\n| ---: | ---: | ---: |\n");
   for (const NResult& n : results) {
     if (!n.ok) continue;
@@ -709,10 +783,12 @@ std::vector<int> parse_ranks(const char* list) {
   for (const char* p = list; *p != '\0';) {
     char* end = nullptr;
     const long n = std::strtol(p, &end, 10);
-    if (end == p || n < 1 || n > kMaxRanks) throw std::runtime_error("--ranks takes numbers 1 to 8, comma separated");
+    if (end == p || n < 1 || n > kMaxRanks)
+      throw std::runtime_error("--ranks takes numbers 1 to 8, comma separated");
     out.push_back(static_cast<int>(n));
     p = *end == ',' ? end + 1 : end;
-    if (*end != ',' && *end != '\0') throw std::runtime_error("--ranks takes numbers 1 to 8, comma separated");
+    if (*end != ',' && *end != '\0')
+      throw std::runtime_error("--ranks takes numbers 1 to 8, comma separated");
   }
   return out;
 }
@@ -723,14 +799,22 @@ Config parse(int argc, char** argv) {
     const std::string arg = argv[i];
     if (i + 1 >= argc) throw std::runtime_error("missing value after " + arg);
     const char* value = argv[++i];
-    if (arg == "--ranks") config.ranks = parse_ranks(value);
-    else if (arg == "--min-kib") config.min_shard = std::strtoull(value, nullptr, 10) * 1024;
-    else if (arg == "--max-mib") config.max_shard = std::strtoull(value, nullptr, 10) * kMiB;
-    else if (arg == "--reps") config.reps = std::clamp(std::atoi(value), 1, kMaxReps);
-    else if (arg == "--extras") config.extras = std::atoi(value) != 0;
-    else if (arg == "--diagnose") config.diagnose = std::atoi(value) != 0;
-    else if (arg == "--timeout") config.timeout_s = std::atof(value);
-    else throw std::runtime_error("unknown option " + arg);
+    if (arg == "--ranks")
+      config.ranks = parse_ranks(value);
+    else if (arg == "--min-kib")
+      config.min_shard = std::strtoull(value, nullptr, 10) * 1024;
+    else if (arg == "--max-mib")
+      config.max_shard = std::strtoull(value, nullptr, 10) * kMiB;
+    else if (arg == "--reps")
+      config.reps = std::clamp(std::atoi(value), 1, kMaxReps);
+    else if (arg == "--extras")
+      config.extras = std::atoi(value) != 0;
+    else if (arg == "--diagnose")
+      config.diagnose = std::atoi(value) != 0;
+    else if (arg == "--timeout")
+      config.timeout_s = std::atof(value);
+    else
+      throw std::runtime_error("unknown option " + arg);
   }
   if (config.min_shard < 8 || config.max_shard < config.min_shard)
     throw std::runtime_error("need 8 B <= --min-kib <= --max-mib");
@@ -738,7 +822,8 @@ Config parse(int argc, char** argv) {
 }
 
 Shared* map_shared() {
-  void* p = mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  void* p =
+      mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::runtime_error("mmap of the shared area failed");
   return ::new (p) Shared{};
 }

@@ -49,7 +49,9 @@ const char* work_name(Work w) {
   return "?";
 }
 
-bool starts_with(const char* s, const char* prefix) { return std::strncmp(s, prefix, std::strlen(prefix)) == 0; }
+bool starts_with(const char* s, const char* prefix) {
+  return std::strncmp(s, prefix, std::strlen(prefix)) == 0;
+}
 
 // What an API entry does, by its name; false for calls that put no work on a GPU.
 bool classify(const char* name, Work& work) {
@@ -60,7 +62,8 @@ bool classify(const char* name, Work& work) {
     return (work = Work::KernelLaunch), true;
   if (std::strstr(name, "Memcpy") != nullptr) return (work = Work::Memcpy), true;
   if (std::strstr(name, "Memset") != nullptr) return (work = Work::Memset), true;
-  if (std::strstr(name, "StreamBatchMemOp") != nullptr || std::strstr(name, "StreamWaitValue") != nullptr ||
+  if (std::strstr(name, "StreamBatchMemOp") != nullptr ||
+      std::strstr(name, "StreamWaitValue") != nullptr ||
       std::strstr(name, "StreamWriteValue") != nullptr)
     return (work = Work::StreamMemOp), true;
   return false;
@@ -109,8 +112,9 @@ std::string caller_module() {
     if (info.dli_fbase == self.dli_fbase) continue;
     const char* base = std::strrchr(info.dli_fname, '/');
     base = base != nullptr ? base + 1 : info.dli_fname;
-    if (starts_with(base, "libcuda.") || starts_with(base, "libcupti") || starts_with(base, "libc.") ||
-        starts_with(base, "libnvidia-") || starts_with(base, "libpthread"))
+    if (starts_with(base, "libcuda.") || starts_with(base, "libcupti") ||
+        starts_with(base, "libc.") || starts_with(base, "libnvidia-") ||
+        starts_with(base, "libpthread"))
       continue;
     return *base != '\0' ? base : "(main program)";
   }
@@ -124,7 +128,8 @@ void CUPTIAPI on_api(void*, CUpti_CallbackDomain domain, CUpti_CallbackId, const
   if (!classify(info->functionName, work)) return;
   std::string module = g_modules ? caller_module() : std::string("-");
   std::lock_guard<std::mutex> lock(g_mutex);
-  Tally& t = g_counts[Key{g_phase, std::move(module), domain == CUPTI_CB_DOMAIN_RUNTIME_API, info->functionName}];
+  Tally& t = g_counts[Key{g_phase, std::move(module), domain == CUPTI_CB_DOMAIN_RUNTIME_API,
+                          info->functionName}];
   t.work = work;
   ++t.calls;
 }
@@ -137,7 +142,8 @@ void CUPTIAPI activity_buffer_requested(uint8_t** buffer, size_t* size, size_t* 
   *max_records = 0;
 }
 
-void CUPTIAPI activity_buffer_completed(CUcontext, uint32_t stream_id, uint8_t* buffer, size_t, size_t valid) {
+void CUPTIAPI activity_buffer_completed(CUcontext, uint32_t stream_id, uint8_t* buffer, size_t,
+                                        size_t valid) {
   (void)stream_id;
   CUpti_Activity* record = nullptr;
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -157,14 +163,16 @@ void CUPTIAPI activity_buffer_completed(CUcontext, uint32_t stream_id, uint8_t* 
     }
   }
   size_t dropped = 0;
-  if (cuptiActivityGetNumDroppedRecords(nullptr, stream_id, &dropped) == CUPTI_SUCCESS) g_activity_dropped += dropped;
+  if (cuptiActivityGetNumDroppedRecords(nullptr, stream_id, &dropped) == CUPTI_SUCCESS)
+    g_activity_dropped += dropped;
   std::free(buffer);
 }
 
 void warn(const char* what, CUptiResult r) {
   const char* text = nullptr;
   cuptiGetResultString(r, &text);
-  std::fprintf(stderr, "count_kernels pid %d: %s failed: %s\n", getpid(), what, text != nullptr ? text : "?");
+  std::fprintf(stderr, "count_kernels pid %d: %s failed: %s\n", getpid(), what,
+               text != nullptr ? text : "?");
 }
 
 }  // namespace
@@ -194,23 +202,27 @@ __attribute__((visibility("default"))) void count_kernels_report() {
   char line[512];
   for (const auto& [key, tally] : g_counts) {
     if (!key.runtime) totals[static_cast<int>(tally.work)] += tally.calls;
-    std::snprintf(line, sizeof line, "count_kernels pid %d: phase %-16s module %-22s %-7s %-36s %-13s %llu\n", pid,
-                  key.phase.c_str(), key.module.c_str(), key.runtime ? "runtime" : "driver", key.api.c_str(),
-                  work_name(tally.work), tally.calls);
+    std::snprintf(line, sizeof line,
+                  "count_kernels pid %d: phase %-16s module %-22s %-7s %-36s %-13s %llu\n", pid,
+                  key.phase.c_str(), key.module.c_str(), key.runtime ? "runtime" : "driver",
+                  key.api.c_str(), work_name(tally.work), tally.calls);
     out += line;
   }
   std::snprintf(line, sizeof line,
-                "count_kernels pid %d: driver API totals: kernel launches %llu, graph launches %llu, memcpy %llu, "
+                "count_kernels pid %d: driver API totals: kernel launches %llu, graph launches "
+                "%llu, memcpy %llu, "
                 "memset %llu, stream mem ops %llu\n",
                 pid, totals[0], totals[1], totals[2], totals[3], totals[4]);
   out += line;
   if (g_activity) {
     std::snprintf(line, sizeof line,
-                  "count_kernels pid %d: GPU activity: kernels %llu, memcpys %llu, memsets %llu, records dropped %llu\n",
+                  "count_kernels pid %d: GPU activity: kernels %llu, memcpys %llu, memsets %llu, "
+                  "records dropped %llu\n",
                   pid, g_gpu_kernels, g_gpu_memcpys, g_gpu_memsets, g_activity_dropped);
     out += line;
     for (const auto& [name, n] : g_kernel_names) {
-      std::snprintf(line, sizeof line, "count_kernels pid %d: GPU kernel %.300s x %llu\n", pid, name.c_str(), n);
+      std::snprintf(line, sizeof line, "count_kernels pid %d: GPU kernel %.300s x %llu\n", pid,
+                    name.c_str(), n);
       out += line;
     }
   }
@@ -234,12 +246,14 @@ __attribute__((visibility("default"))) int InitializeInjection(void) {
     warn("cuptiEnableDomain (runtime)", r);
   if (env_on("COUNT_KERNELS_ACTIVITY", false)) {
     g_activity = true;
-    if ((r = cuptiActivityRegisterCallbacks(activity_buffer_requested, activity_buffer_completed)) != CUPTI_SUCCESS) {
+    if ((r = cuptiActivityRegisterCallbacks(activity_buffer_requested,
+                                            activity_buffer_completed)) != CUPTI_SUCCESS) {
       warn("cuptiActivityRegisterCallbacks", r);
       g_activity = false;
     }
-    for (CUpti_ActivityKind kind : {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
-                                    CUPTI_ACTIVITY_KIND_MEMCPY2, CUPTI_ACTIVITY_KIND_MEMSET}) {
+    for (CUpti_ActivityKind kind :
+         {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
+          CUPTI_ACTIVITY_KIND_MEMCPY2, CUPTI_ACTIVITY_KIND_MEMSET}) {
       if (!g_activity) break;
       if ((r = cuptiActivityEnable(kind)) != CUPTI_SUCCESS) warn("cuptiActivityEnable", r);
     }

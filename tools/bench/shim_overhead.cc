@@ -3,7 +3,8 @@
 // Google Benchmark. Options are read once per process, so run-bench.sh runs this once per
 // configuration (call sites off/on, tracing on).
 //
-//   magice-bench --standin build/tests/support/libnccl.so.2 --shim build/libmagice.so [benchmark flags]
+//   magice-bench --standin build/tests/support/libnccl.so.2 --shim build/libmagice.so [benchmark
+//   flags]
 #include <benchmark/benchmark.h>
 #include <dlfcn.h>
 #include <nccl.h>
@@ -41,10 +42,12 @@ Fn must_find(void* handle, const char* name) {
 }
 
 void BM_DirectAllReduce(benchmark::State& state) {
-  for (auto _ : state) benchmark::DoNotOptimize(g_direct(g_send, g_recv, 1, ncclFloat32, ncclSum, g_comm, nullptr));
+  for (auto _ : state)
+    benchmark::DoNotOptimize(g_direct(g_send, g_recv, 1, ncclFloat32, ncclSum, g_comm, nullptr));
 }
 void BM_ShimAllReduce(benchmark::State& state) {
-  for (auto _ : state) benchmark::DoNotOptimize(g_shim(g_send, g_recv, 1, ncclFloat32, ncclSum, g_comm, nullptr));
+  for (auto _ : state)
+    benchmark::DoNotOptimize(g_shim(g_send, g_recv, 1, ncclFloat32, ncclSum, g_comm, nullptr));
 }
 BENCHMARK(BM_DirectAllReduce);
 BENCHMARK(BM_ShimAllReduce);
@@ -55,13 +58,17 @@ int main(int argc, char** argv) {
   std::string standin, shim;
   int kept = 1;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--standin") == 0 && i + 1 < argc) standin = argv[++i];
-    else if (std::strcmp(argv[i], "--shim") == 0 && i + 1 < argc) shim = argv[++i];
-    else argv[kept++] = argv[i];
+    if (std::strcmp(argv[i], "--standin") == 0 && i + 1 < argc)
+      standin = argv[++i];
+    else if (std::strcmp(argv[i], "--shim") == 0 && i + 1 < argc)
+      shim = argv[++i];
+    else
+      argv[kept++] = argv[i];
   }
   argc = kept;
   if (standin.empty() || shim.empty()) {
-    std::fprintf(stderr, "usage: magice-bench --standin LIBNCCL --shim LIBMAGICE [benchmark flags]\n");
+    std::fprintf(stderr,
+                 "usage: magice-bench --standin LIBNCCL --shim LIBMAGICE [benchmark flags]\n");
     return 2;
   }
   // The stand-in goes in RTLD_LOCAL, as PyTorch loads NCCL; the shim then finds it by soname.

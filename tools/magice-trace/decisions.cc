@@ -258,8 +258,8 @@ void append_round(std::string& out, int32_t rank, const ReadRound& round) {
            ",\"count\":" + std::to_string(d.count) + ",\"bucket\":" + std::to_string(d.bucket) +
            ",\"callsite\":" + json_string(hex16(d.callsite)) + ",\"verdict\":" +
            json_string(trace::verdict_name(static_cast<trace::Verdict>(d.verdict))) +
-           ",\"reason\":" + json_reason(d.reason) + ",\"refused_by\":" +
-           (d.refused_by < 0 ? "null" : std::to_string(d.refused_by)) + "}";
+           ",\"reason\":" + json_reason(d.reason) +
+           ",\"refused_by\":" + (d.refused_by < 0 ? "null" : std::to_string(d.refused_by)) + "}";
   }
   out += "]}";
 }

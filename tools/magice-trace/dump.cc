@@ -125,10 +125,11 @@ class Dumper {
 
   void print_agreements() const {
     if (t_.agreements.empty()) return;
-    std::printf("agreement rounds\n"
-                "  %-12s  %5s  %5s  %-8s  %-11s  %10s  %-9s  %7s  %6s  %-16s  %s\n",
-                "comm", "rank", "round", "kind", "event", "collective", "mode", "moved", "period",
-                "digest", "reason");
+    std::printf(
+        "agreement rounds\n"
+        "  %-12s  %5s  %5s  %-8s  %-11s  %10s  %-9s  %7s  %6s  %-16s  %s\n",
+        "comm", "rank", "round", "kind", "event", "collective", "mode", "moved", "period", "digest",
+        "reason");
     for (const trace::AgreementRecord& a : t_.agreements) {
       if (!wanted(a.comm_id)) continue;
       const std::string moved = std::to_string(a.moved) + "/" + std::to_string(a.gathers);

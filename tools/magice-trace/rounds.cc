@@ -62,10 +62,9 @@ std::vector<ReadRound> read_rounds(const Collected& rank) {
   std::vector<uint64_t> starts;
   for (auto& [number, round] : by_round) {
     round.round = number;
-    std::stable_sort(round.decisions.begin(), round.decisions.end(),
-                     [](const DecisionRecord* a, const DecisionRecord* b) {
-                       return a->position < b->position;
-                     });
+    std::stable_sort(
+        round.decisions.begin(), round.decisions.end(),
+        [](const DecisionRecord* a, const DecisionRecord* b) { return a->position < b->position; });
     uint64_t start = starts.empty() ? 0 : starts.back();  // nothing known: with the one before
     if (round.read != nullptr) {
       start = round.read->seq;
@@ -80,10 +79,9 @@ std::vector<ReadRound> read_rounds(const Collected& rank) {
   for (const AgreementRecord* r : rank.agreements) {
     if (is_route_change(*r)) changes.push_back(r);
   }
-  std::stable_sort(changes.begin(), changes.end(),
-                   [](const AgreementRecord* a, const AgreementRecord* b) {
-                     return a->seq < b->seq;
-                   });
+  std::stable_sort(
+      changes.begin(), changes.end(),
+      [](const AgreementRecord* a, const AgreementRecord* b) { return a->seq < b->seq; });
   for (const AgreementRecord* change : changes) {
     // The latest round read at or before the change; none when the change predates every read.
     std::optional<size_t> owner;
@@ -109,8 +107,8 @@ uint32_t ReadRound::gathers() const {
 
 uint32_t ReadRound::moved() const {
   if (read != nullptr) return read->moved;
-  return static_cast<uint32_t>(std::count_if(
-      decisions.begin(), decisions.end(), [](const DecisionRecord* d) {
+  return static_cast<uint32_t>(
+      std::count_if(decisions.begin(), decisions.end(), [](const DecisionRecord* d) {
         return d->verdict == static_cast<uint8_t>(Verdict::Moved) ||
                d->verdict == static_cast<uint8_t>(Verdict::WouldMove);
       }));
@@ -149,8 +147,8 @@ std::vector<CommRounds> rounds_of(const std::vector<trace::Trace>& traces) {
     CommRounds& comm = comms.emplace_back();
     comm.comm_id = comm_id;
     for (const auto& [rank, collected] : ranks) {
-      comm.any_agreement = comm.any_agreement || !collected.agreements.empty() ||
-                           !collected.decisions.empty();
+      comm.any_agreement =
+          comm.any_agreement || !collected.agreements.empty() || !collected.decisions.empty();
       comm.ranks.push_back({rank, read_rounds(collected)});
     }
   }
@@ -165,8 +163,7 @@ std::string ranks_text(std::span<const int32_t> ranks) {
   return text;
 }
 
-std::vector<std::string> verdict_disagreements(uint64_t comm_id,
-                                               std::span<const RankRound> ranks) {
+std::vector<std::string> verdict_disagreements(uint64_t comm_id, std::span<const RankRound> ranks) {
   struct Held {
     std::vector<std::pair<int32_t, uint8_t>> verdicts;  // (rank, verdict), in rank order
     size_t ordinal = 0;  // the gather's index on the first rank that holds it

@@ -53,8 +53,7 @@ struct RankRound {
 // Where ranks that read the same round decided differently: one "ranks disagree on comm X
 // gather #N ..." line per gather position. Verdicts count, reasons do not (each rank words its
 // own). A gather only some ranks have disagrees only if one of them does not keep it on NCCL.
-std::vector<std::string> verdict_disagreements(uint64_t comm_id,
-                                               std::span<const RankRound> ranks);
+std::vector<std::string> verdict_disagreements(uint64_t comm_id, std::span<const RankRound> ranks);
 
 // "rank 3" or "ranks 0, 1, 5".
 std::string ranks_text(std::span<const int32_t> ranks);

@@ -31,24 +31,15 @@ STANDIN_ALIAS(ncclGetUniqueId)
 
 STANDIN_API const char* pncclGetErrorString(ncclResult_t result) {
   switch (result) {
-    case ncclSuccess:
-      return "no error";
-    case ncclUnhandledCudaError:
-      return "unhandled cuda error";
-    case ncclSystemError:
-      return "unhandled system error (see stderr)";
-    case ncclInternalError:
-      return "internal error";
-    case ncclInvalidArgument:
-      return "invalid argument (see ncclGetLastError)";
-    case ncclInvalidUsage:
-      return "invalid usage (see ncclGetLastError)";
-    case ncclRemoteError:
-      return "remote process exited or there was a network error";
-    case ncclInProgress:
-      return "NCCL operation in progress";
-    default:
-      return "unknown result code";
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error";
+    case ncclSystemError: return "unhandled system error (see stderr)";
+    case ncclInternalError: return "internal error";
+    case ncclInvalidArgument: return "invalid argument (see ncclGetLastError)";
+    case ncclInvalidUsage: return "invalid usage (see ncclGetLastError)";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+    default: return "unknown result code";
   }
 }
 STANDIN_ALIAS(ncclGetErrorString)

@@ -48,15 +48,10 @@ ncclResult_t collective(const char* entry_point, ncclComm_t comm, const Collecti
     bool receives = true;
     switch (a.kind) {
       case OpKind::Broadcast:
-      case OpKind::Scatter:
-        sends = is_root;
-        break;
+      case OpKind::Scatter: sends = is_root; break;
       case OpKind::Reduce:
-      case OpKind::Gather:
-        receives = is_root;
-        break;
-      default:
-        break;
+      case OpKind::Gather: receives = is_root; break;
+      default: break;
     }
     check_buffer(a.sendbuf, a.count, sends, "sendbuff");
     check_buffer(a.recvbuf, a.count, receives, "recvbuff");

@@ -82,9 +82,7 @@ class Collective final : public RoundOperation {
       case OpKind::AllGather:
       case OpKind::AllReduce:
       case OpKind::Reduce:
-      case OpKind::Gather:
-        std::memcpy(slot, send_at(first), bytes);
-        break;
+      case OpKind::Gather: std::memcpy(slot, send_at(first), bytes); break;
       case OpKind::Broadcast:
         if (me == args_.root) std::memcpy(slot, send_at(first), bytes);
         break;
@@ -97,8 +95,7 @@ class Collective final : public RoundOperation {
           std::memcpy(slot + j * chunk_ * element_, send_at(j * args_.count + first), bytes);
         }
         break;
-      default:
-        break;
+      default: break;
     }
   }
 
@@ -147,8 +144,7 @@ class Collective final : public RoundOperation {
       case OpKind::Scatter:
         std::memcpy(recv_at(first), slot_of(args_.root) + my_block, bytes);
         break;
-      default:
-        break;
+      default: break;
     }
   }
 
@@ -163,28 +159,17 @@ class Collective final : public RoundOperation {
 
 const char* op_kind_name(OpKind kind) {
   switch (kind) {
-    case OpKind::AllGather:
-      return "AllGather";
-    case OpKind::AllReduce:
-      return "AllReduce";
-    case OpKind::ReduceScatter:
-      return "ReduceScatter";
-    case OpKind::Broadcast:
-      return "Broadcast";
-    case OpKind::Reduce:
-      return "Reduce";
-    case OpKind::AlltoAll:
-      return "AlltoAll";
-    case OpKind::Gather:
-      return "Gather";
-    case OpKind::Scatter:
-      return "Scatter";
-    case OpKind::Send:
-      return "Send";
-    case OpKind::Recv:
-      return "Recv";
-    case OpKind::Split:
-      return "CommSplit";
+    case OpKind::AllGather: return "AllGather";
+    case OpKind::AllReduce: return "AllReduce";
+    case OpKind::ReduceScatter: return "ReduceScatter";
+    case OpKind::Broadcast: return "Broadcast";
+    case OpKind::Reduce: return "Reduce";
+    case OpKind::AlltoAll: return "AlltoAll";
+    case OpKind::Gather: return "Gather";
+    case OpKind::Scatter: return "Scatter";
+    case OpKind::Send: return "Send";
+    case OpKind::Recv: return "Recv";
+    case OpKind::Split: return "CommSplit";
   }
   return "unknown";
 }

@@ -37,30 +37,20 @@ V combine(ncclRedOp_t op, V a, V b) {
     // Through uint64_t: wrapping, never signed overflow; the narrowing is modular (C++20).
     switch (op) {
       case ncclSum:
-      case ncclAvg:
-        return static_cast<V>(static_cast<uint64_t>(a) + static_cast<uint64_t>(b));
-      case ncclProd:
-        return static_cast<V>(static_cast<uint64_t>(a) * static_cast<uint64_t>(b));
-      case ncclMax:
-        return b > a ? b : a;
-      case ncclMin:
-        return b < a ? b : a;
-      default:
-        return a;
+      case ncclAvg: return static_cast<V>(static_cast<uint64_t>(a) + static_cast<uint64_t>(b));
+      case ncclProd: return static_cast<V>(static_cast<uint64_t>(a) * static_cast<uint64_t>(b));
+      case ncclMax: return b > a ? b : a;
+      case ncclMin: return b < a ? b : a;
+      default: return a;
     }
   } else {
     switch (op) {
       case ncclSum:
-      case ncclAvg:
-        return a + b;
-      case ncclProd:
-        return a * b;
-      case ncclMax:
-        return b > a ? b : a;
-      case ncclMin:
-        return b < a ? b : a;
-      default:
-        return a;
+      case ncclAvg: return a + b;
+      case ncclProd: return a * b;
+      case ncclMax: return b > a ? b : a;
+      case ncclMin: return b < a ? b : a;
+      default: return a;
     }
   }
 }
@@ -101,21 +91,16 @@ size_t datatype_bytes(ncclDataType_t dtype) {
     case ncclInt8:
     case ncclUint8:
     case ncclFloat8e4m3:
-    case ncclFloat8e5m2:
-      return 1;
+    case ncclFloat8e5m2: return 1;
     case ncclFloat16:
-    case ncclBfloat16:
-      return 2;
+    case ncclBfloat16: return 2;
     case ncclInt32:
     case ncclUint32:
-    case ncclFloat32:
-      return 4;
+    case ncclFloat32: return 4;
     case ncclInt64:
     case ncclUint64:
-    case ncclFloat64:
-      return 8;
-    default:
-      return 0;
+    case ncclFloat64: return 8;
+    default: return 0;
   }
 }
 
@@ -134,32 +119,19 @@ const char* redop_name(int redop) {
 void reduce_elements(ncclDataType_t dtype, ncclRedOp_t op, void* out, const void* const* inputs,
                      int ninputs, size_t count) {
   switch (dtype) {
-    case ncclInt8:
-      return reduce_typed<Plain<int8_t>>(op, out, inputs, ninputs, count);
-    case ncclUint8:
-      return reduce_typed<Plain<uint8_t>>(op, out, inputs, ninputs, count);
-    case ncclInt32:
-      return reduce_typed<Plain<int32_t>>(op, out, inputs, ninputs, count);
-    case ncclUint32:
-      return reduce_typed<Plain<uint32_t>>(op, out, inputs, ninputs, count);
-    case ncclInt64:
-      return reduce_typed<Plain<int64_t>>(op, out, inputs, ninputs, count);
-    case ncclUint64:
-      return reduce_typed<Plain<uint64_t>>(op, out, inputs, ninputs, count);
-    case ncclFloat16:
-      return reduce_typed<Half>(op, out, inputs, ninputs, count);
-    case ncclFloat32:
-      return reduce_typed<Plain<float>>(op, out, inputs, ninputs, count);
-    case ncclFloat64:
-      return reduce_typed<Plain<double>>(op, out, inputs, ninputs, count);
-    case ncclBfloat16:
-      return reduce_typed<Bfloat16>(op, out, inputs, ninputs, count);
-    case ncclFloat8e4m3:
-      return reduce_typed<E4M3>(op, out, inputs, ninputs, count);
-    case ncclFloat8e5m2:
-      return reduce_typed<E5M2>(op, out, inputs, ninputs, count);
-    default:
-      return;
+    case ncclInt8: return reduce_typed<Plain<int8_t>>(op, out, inputs, ninputs, count);
+    case ncclUint8: return reduce_typed<Plain<uint8_t>>(op, out, inputs, ninputs, count);
+    case ncclInt32: return reduce_typed<Plain<int32_t>>(op, out, inputs, ninputs, count);
+    case ncclUint32: return reduce_typed<Plain<uint32_t>>(op, out, inputs, ninputs, count);
+    case ncclInt64: return reduce_typed<Plain<int64_t>>(op, out, inputs, ninputs, count);
+    case ncclUint64: return reduce_typed<Plain<uint64_t>>(op, out, inputs, ninputs, count);
+    case ncclFloat16: return reduce_typed<Half>(op, out, inputs, ninputs, count);
+    case ncclFloat32: return reduce_typed<Plain<float>>(op, out, inputs, ninputs, count);
+    case ncclFloat64: return reduce_typed<Plain<double>>(op, out, inputs, ninputs, count);
+    case ncclBfloat16: return reduce_typed<Bfloat16>(op, out, inputs, ninputs, count);
+    case ncclFloat8e4m3: return reduce_typed<E4M3>(op, out, inputs, ninputs, count);
+    case ncclFloat8e5m2: return reduce_typed<E5M2>(op, out, inputs, ninputs, count);
+    default: return;
   }
 }
 

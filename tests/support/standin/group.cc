@@ -24,7 +24,8 @@ thread_local GroupState t_group;
 ncclResult_t run(std::vector<std::unique_ptr<Operation>>& ops) {
   using Clock = std::chrono::steady_clock;
   constexpr auto kLivenessInterval = std::chrono::seconds(1);
-  if (Settings::get().delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(Settings::get().delay_us));
+  if (Settings::get().delay_us > 0)
+    std::this_thread::sleep_for(std::chrono::microseconds(Settings::get().delay_us));
   if (Settings::get().group_order_by_size && ops.size() > 1) {
     // The collectives trade places among themselves, largest first (stable among equals);
     // everything else keeps its place.
@@ -35,8 +36,9 @@ ncclResult_t run(std::vector<std::unique_ptr<Operation>>& ops) {
       slots.push_back(i);
       collectives.push_back(std::move(ops[i]));
     }
-    std::stable_sort(collectives.begin(), collectives.end(),
-                     [](const auto& a, const auto& b) { return a->traffic_bytes() > b->traffic_bytes(); });
+    std::stable_sort(collectives.begin(), collectives.end(), [](const auto& a, const auto& b) {
+      return a->traffic_bytes() > b->traffic_bytes();
+    });
     for (size_t k = 0; k < slots.size(); ++k) ops[slots[k]] = std::move(collectives[k]);
   }
   for (auto& op : ops) op->launch();
@@ -69,8 +71,8 @@ ncclResult_t run(std::vector<std::unique_ptr<Operation>>& ops) {
     const double waited_s = std::chrono::duration<double>(now - last_move).count();
     for (auto& op : ops) {
       if (op->done() || !op->awaited()->aborted_here()) continue;
-      const std::string message = format("rank %d: %s: the communicator was aborted", op->rank(),
-                                         op->describe().c_str());
+      const std::string message =
+          format("rank %d: %s: the communicator was aborted", op->rank(), op->describe().c_str());
       op->give_up(ncclSystemError, message);
     }
     if (now - last_liveness_check >= kLivenessInterval) {

@@ -69,12 +69,9 @@ class Transfer final : public Operation {
 
   std::string why_waiting() const override {
     switch (stage_) {
-      case Stage::AwaitTurn:
-        return "behind an earlier transfer with that peer";
-      case Stage::Blocked:
-        return "after a mismatch";
-      default:
-        return format("waiting for rank %d", peer_);
+      case Stage::AwaitTurn: return "behind an earlier transfer with that peer";
+      case Stage::Blocked: return "after a mismatch";
+      default: return format("waiting for rank %d", peer_);
     }
   }
 

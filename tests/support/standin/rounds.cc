@@ -85,8 +85,7 @@ bool RoundOperation::progress() {
         break;
       }
       case Stage::Blocked:
-      case Stage::Finished:
-        return moved;
+      case Stage::Finished: return moved;
     }
   }
 }
@@ -127,12 +126,9 @@ std::string RoundOperation::describe() const {
 
 std::string RoundOperation::why_waiting() const {
   switch (stage_) {
-    case Stage::AwaitTurn:
-      return "behind an earlier operation";
-    case Stage::Blocked:
-      return "after a mismatch";
-    default:
-      return format("waiting for rank %d", waiting_for_);
+    case Stage::AwaitTurn: return "behind an earlier operation";
+    case Stage::Blocked: return "after a mismatch";
+    default: return format("waiting for rank %d", waiting_for_);
   }
 }
 

@@ -212,9 +212,7 @@ class CallSlot {
           fill(out.data() + r * count_ * size_, call_.dtype, count_, key(r));
         }
         break;
-      case CallKind::Broadcast:
-        fill(out.data(), call_.dtype, count_, key(root()));
-        break;
+      case CallKind::Broadcast: fill(out.data(), call_.dtype, count_, key(root())); break;
       case CallKind::AllReduce:
       case CallKind::ReduceScatter: {
         // All-reduce sums element i of every rank; reduce-scatter this rank's block of them.

@@ -39,16 +39,16 @@
 //                      changes above apply to (default 1)
 #include <signal.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
-#include <thread>
-#include <sys/wait.h>
-#include <unistd.h>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/support/bootstrap.h"
@@ -117,8 +117,13 @@ class FsdpModel {
  public:
   FsdpModel(const Placement& placement, ncclComm_t comm, int rank, int nranks, int layers,
             Divergence divergence, Changes changes = {})
-      : placement_(placement), comm_(comm), rank_(rank), n_(nranks), layers_(layers),
-        divergence_(std::move(divergence)), changes_(changes) {
+      : placement_(placement),
+        comm_(comm),
+        rank_(rank),
+        n_(nranks),
+        layers_(layers),
+        divergence_(std::move(divergence)),
+        changes_(changes) {
     for (int l = 0; l < layers_; ++l) {
       const size_t shard = shard_elements(l);
       shards_.emplace_back(placement_, shard * sizeof(float));
@@ -150,7 +155,8 @@ class FsdpModel {
     }
     if (changes_.static_change_rank == rank_ && changes_.static_change_step == s) {
       const size_t shard = shard_elements(0);
-      for (size_t i = 0; i < shard; ++i) floats(shards_[0])[i] = weight(0, rank_ * shard + i, kChanged);
+      for (size_t i = 0; i < shard; ++i)
+        floats(shards_[0])[i] = weight(0, rank_ * shard + i, kChanged);
     }
     if (changes_.rewrite || (changes_.newbuf_rank == rank_ && changes_.newbuf_step == s)) {
       for (int l = 0; l < layers_; ++l) {
@@ -215,7 +221,8 @@ class FsdpModel {
 
   size_t gathered_count(int layer) const {
     const size_t shard = shard_elements(layer);
-    return layer == 0 && changes_.count_step >= 0 && step_ >= changes_.count_step ? shard - 1 : shard;
+    return layer == 0 && changes_.count_step >= 0 && step_ >= changes_.count_step ? shard - 1
+                                                                                  : shard;
   }
 
   // Writes the shard's current weights to what NCCL reads (device memory: a copy), then gathers.
@@ -250,14 +257,16 @@ class FsdpModel {
     for (int r = 0; r < n_; ++r) {
       for (size_t i = 0; i < count; ++i) {
         const size_t at = r * count + i;
-        const bool changed = layer == 0 && r == changes_.static_change_rank &&
-                             step_ >= changes_.static_change_step;
+        const bool changed =
+            layer == 0 && r == changes_.static_change_rank && step_ >= changes_.static_change_step;
         const float expected = weight(layer, r * shard + i, changed ? kChanged : version());
         const bool stale_allowed = changed && step_ < changes_.last_step &&
                                    w[at] == weight(layer, r * shard + i, version());
         if (w[at] != expected && !stale_allowed) {
-          throw ScenarioFailure(format("rank %d: step %d layer %d: gathered weight %zu is %g, "
-                                       "expected %g", rank_, step_, layer, at, w[at], expected));
+          throw ScenarioFailure(
+              format("rank %d: step %d layer %d: gathered weight %zu is %g, "
+                     "expected %g",
+                     rank_, step_, layer, at, w[at], expected));
         }
         w[at] = expected;  // a tolerated stale weight must not make this rank compute otherwise
       }
@@ -330,13 +339,17 @@ class Watchdog {
           break;
         }
       }
-      std::fprintf(stderr, "rank %d: watchdog: no step ended for %g s; aborting the communicators\n", rank, seconds);
+      std::fprintf(stderr,
+                   "rank %d: watchdog: no step ended for %g s; aborting the communicators\n", rank,
+                   seconds);
       fired_.store(true);
       for (ncclComm_t comm : comms) ncclCommAbort(comm);
       aborted_.store(true);
       std::fprintf(stderr, "rank %d: watchdog: communicators aborted\n", rank);
       std::this_thread::sleep_for(std::chrono::duration<double>(grace_s));
-      std::fprintf(stderr, "rank %d: watchdog: the main thread is still blocked %g s after the abort\n", rank, grace_s);
+      std::fprintf(stderr,
+                   "rank %d: watchdog: the main thread is still blocked %g s after the abort\n",
+                   rank, grace_s);
       std::fflush(nullptr);
       _exit(kStillBlockedExit);
     }).detach();
@@ -348,7 +361,8 @@ class Watchdog {
   void exit_if_fired(int rank) {
     if (!fired_.load()) return;
     while (!aborted_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    std::fprintf(stderr, "rank %d: watchdog: the main thread is free again after the abort\n", rank);
+    std::fprintf(stderr, "rank %d: watchdog: the main thread is free again after the abort\n",
+                 rank);
     std::fflush(nullptr);
     std::exit(kAbortedExit);
   }
@@ -465,7 +479,8 @@ int run_fsdp(const ScenarioOptions& options) {
     if (child == 0) std::exit(0);
     int status = 0;
     waitpid(child, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) throw ScenarioFailure("forked child failed");
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+      throw ScenarioFailure("forked child failed");
   }
   if (options.has("exit-without-destroy")) {
     std::fflush(nullptr);

@@ -31,14 +31,15 @@ int run_groupskew(const ScenarioOptions& options) {
   const bool grouped = boot.rank % 2 == 0;
   const bool simulate = options.number("simulate", 0) != 0;
   const bool p2p = options.number("p2p", 0) != 0;
-  const int next = (boot.rank + 1) % boot.nranks, prev = (boot.rank + boot.nranks - 1) % boot.nranks;
+  const int next = (boot.rank + 1) % boot.nranks,
+            prev = (boot.rank + boot.nranks - 1) % boot.nranks;
   Buffer to_next(placement, sizeof(uint32_t)), from_prev(placement, sizeof(uint32_t));
   Buffer tick(placement, 64 * sizeof(float));
   // The small all-gather of --simulate and --p2p, in place.
   constexpr size_t kSide = 128;
   Buffer side(placement, kSide * sizeof(float) * static_cast<size_t>(boot.nranks));
-  void* side_mine =
-      static_cast<unsigned char*>(side.nccl()) + kSide * sizeof(float) * static_cast<size_t>(boot.rank);
+  void* side_mine = static_cast<unsigned char*>(side.nccl()) +
+                    kSide * sizeof(float) * static_cast<size_t>(boot.rank);
   for (int c = 0; c < configs; ++c) {
     const size_t count = size_t{256} << (c % 8);  // 1 KiB to 128 KiB: below and above a round
     const bool in_place = c % 2 == 1;
@@ -47,8 +48,11 @@ int run_groupskew(const ScenarioOptions& options) {
     Buffer own(placement, shard);
     for (int s = 0; s < steps; ++s) {
       const uint32_t seed = static_cast<uint32_t>(c * 1000 + s);
-      auto value = [&](int rank, size_t i) { return seed * 2654435761u ^ static_cast<uint32_t>(rank * 40503 + i); };
-      unsigned char* into = in_place ? out.host() + shard * static_cast<size_t>(boot.rank) : own.host();
+      auto value = [&](int rank, size_t i) {
+        return seed * 2654435761u ^ static_cast<uint32_t>(rank * 40503 + i);
+      };
+      unsigned char* into =
+          in_place ? out.host() + shard * static_cast<size_t>(boot.rank) : own.host();
       for (size_t i = 0; i < count; ++i) {
         const uint32_t v = value(boot.rank, i);
         std::memcpy(into + i * sizeof v, &v, sizeof v);
@@ -60,8 +64,8 @@ int run_groupskew(const ScenarioOptions& options) {
       if (simulate) {
         WORKLOAD_CHECK(ncclGroupStart());
         for (int k = 0; k < 2; ++k)
-          WORKLOAD_CHECK(
-              ncclAllGather(side_mine, side.nccl(), kSide, ncclFloat32, comm.get(), placement.stream()));
+          WORKLOAD_CHECK(ncclAllGather(side_mine, side.nccl(), kSide, ncclFloat32, comm.get(),
+                                       placement.stream()));
         ncclSimInfo_t info = NCCL_SIM_INFO_INITIALIZER;
         WORKLOAD_CHECK(ncclGroupSimulateEnd(&info));
       }
@@ -70,39 +74,46 @@ int run_groupskew(const ScenarioOptions& options) {
         std::memcpy(to_next.host(), &token, sizeof token);
         to_next.upload(0, sizeof token);
         WORKLOAD_CHECK(ncclGroupStart());
-        WORKLOAD_CHECK(ncclSend(to_next.nccl(), 1, ncclUint32, next, comm.get(), placement.stream()));
-        WORKLOAD_CHECK(ncclRecv(from_prev.nccl(), 1, ncclUint32, prev, comm.get(), placement.stream()));
-        WORKLOAD_CHECK(ncclAllGather(side_mine, side.nccl(), kSide, ncclFloat32, comm.get(), placement.stream()));
+        WORKLOAD_CHECK(
+            ncclSend(to_next.nccl(), 1, ncclUint32, next, comm.get(), placement.stream()));
+        WORKLOAD_CHECK(
+            ncclRecv(from_prev.nccl(), 1, ncclUint32, prev, comm.get(), placement.stream()));
+        WORKLOAD_CHECK(ncclAllGather(side_mine, side.nccl(), kSide, ncclFloat32, comm.get(),
+                                     placement.stream()));
         WORKLOAD_CHECK(ncclGroupEnd());
         placement.synchronize();
         from_prev.download(0, sizeof token);
         uint32_t got = 0;
         std::memcpy(&got, from_prev.host(), sizeof got);
         if (got != seed * 31u + static_cast<uint32_t>(prev))
-          throw ScenarioFailure(format("rank %d: config %d step %d: received %u from rank %d", boot.rank,
-                                       c, s, got, prev));
+          throw ScenarioFailure(format("rank %d: config %d step %d: received %u from rank %d",
+                                       boot.rank, c, s, got, prev));
       }
       if (grouped) {
         WORKLOAD_CHECK(ncclGroupStart());
         WORKLOAD_CHECK(ncclGroupStart());
       }
-      WORKLOAD_CHECK(ncclAllGather(send, out.nccl(), count, ncclUint32, comm.get(), placement.stream()));
+      WORKLOAD_CHECK(
+          ncclAllGather(send, out.nccl(), count, ncclUint32, comm.get(), placement.stream()));
       if (grouped) {
         WORKLOAD_CHECK(ncclGroupEnd());
         WORKLOAD_CHECK(ncclGroupEnd());
       }
       // Its count changes with the configuration too, so each new step begins at the gather.
-      WORKLOAD_CHECK(ncclAllReduce(tick.nccl(), tick.nccl(), static_cast<size_t>(1 + c % 64), ncclFloat32,
-                                   ncclSum, comm.get(), placement.stream()));
+      WORKLOAD_CHECK(ncclAllReduce(tick.nccl(), tick.nccl(), static_cast<size_t>(1 + c % 64),
+                                   ncclFloat32, ncclSum, comm.get(), placement.stream()));
       placement.synchronize();
       out.download(0, out.bytes());
       for (int r = 0; r < boot.nranks; ++r) {
         for (size_t i = 0; i < count; ++i) {
           uint32_t got = 0;
-          std::memcpy(&got, out.host() + shard * static_cast<size_t>(r) + i * sizeof got, sizeof got);
+          std::memcpy(&got, out.host() + shard * static_cast<size_t>(r) + i * sizeof got,
+                      sizeof got);
           if (got != value(r, i)) {
-            throw ScenarioFailure(format("rank %d: config %d step %d: element %zu from rank %d is %u, "
-                                         "expected %u", boot.rank, c, s, i, r, got, value(r, i)));
+            throw ScenarioFailure(
+                format("rank %d: config %d step %d: element %zu from rank %d is %u, "
+                       "expected %u",
+                       boot.rank, c, s, i, r, got, value(r, i)));
           }
         }
       }

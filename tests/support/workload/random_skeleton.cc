@@ -24,16 +24,11 @@ bool SplitMix64::percent(int chance) { return below(100) < static_cast<uint64_t>
 
 const char* perturbation_text(PerturbationKind kind) {
   switch (kind) {
-    case PerturbationKind::Callsite:
-      return "callsite";
-    case PerturbationKind::Flap:
-      return "flap";
-    case PerturbationKind::Newbuf:
-      return "newbuf";
-    case PerturbationKind::Count:
-      return "count";
-    case PerturbationKind::Group:
-      return "group";
+    case PerturbationKind::Callsite: return "callsite";
+    case PerturbationKind::Flap: return "flap";
+    case PerturbationKind::Newbuf: return "newbuf";
+    case PerturbationKind::Count: return "count";
+    case PerturbationKind::Group: return "group";
   }
   return "?";
 }

@@ -56,30 +56,20 @@ V apply(ncclRedOp_t op, V a, V b) {
     using U = std::make_unsigned_t<V>;  // wrapping arithmetic without signed overflow
     switch (op) {
       case ncclSum:
-      case ncclAvg:
-        return static_cast<V>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
-      case ncclProd:
-        return static_cast<V>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
-      case ncclMax:
-        return b > a ? b : a;
-      case ncclMin:
-        return b < a ? b : a;
-      default:
-        break;
+      case ncclAvg: return static_cast<V>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+      case ncclProd: return static_cast<V>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+      case ncclMax: return b > a ? b : a;
+      case ncclMin: return b < a ? b : a;
+      default: break;
     }
   } else {
     switch (op) {
       case ncclSum:
-      case ncclAvg:
-        return a + b;
-      case ncclProd:
-        return a * b;
-      case ncclMax:
-        return b > a ? b : a;
-      case ncclMin:
-        return b < a ? b : a;
-      default:
-        break;
+      case ncclAvg: return a + b;
+      case ncclProd: return a * b;
+      case ncclMax: return b > a ? b : a;
+      case ncclMin: return b < a ? b : a;
+      default: break;
     }
   }
   return a;
@@ -150,17 +140,13 @@ size_t element_bytes(ncclDataType_t dtype) {
     case ncclInt8:
     case ncclUint8:
     case ncclFloat8e4m3:
-    case ncclFloat8e5m2:
-      return 1;
+    case ncclFloat8e5m2: return 1;
     case ncclFloat16:
-    case ncclBfloat16:
-      return 2;
+    case ncclBfloat16: return 2;
     case ncclInt32:
     case ncclUint32:
-    case ncclFloat32:
-      return 4;
-    default:
-      return 8;
+    case ncclFloat32: return 4;
+    default: return 8;
   }
 }
 
@@ -184,44 +170,19 @@ Bytes make_input(ncclDataType_t dtype, int rank, int case_id, size_t count, size
     const float real = std::ldexp(static_cast<float>(t) * 0.75f, float_exponent(rank, first + i));
     unsigned char* dst = out.data() + i * size;
     switch (dtype) {
-      case ncclInt8:
-        encode<PlainCodec<int8_t>>(static_cast<int8_t>(t), dst);
-        break;
-      case ncclUint8:
-        encode<PlainCodec<uint8_t>>(static_cast<uint8_t>(t), dst);
-        break;
-      case ncclInt32:
-        encode<PlainCodec<int32_t>>(t, dst);
-        break;
-      case ncclUint32:
-        encode<PlainCodec<uint32_t>>(static_cast<uint32_t>(t), dst);
-        break;
-      case ncclInt64:
-        encode<PlainCodec<int64_t>>(t, dst);
-        break;
-      case ncclUint64:
-        encode<PlainCodec<uint64_t>>(static_cast<uint64_t>(t), dst);
-        break;
-      case ncclFloat16:
-        encode<HalfCodec>(real, dst);
-        break;
-      case ncclFloat32:
-        encode<PlainCodec<float>>(real, dst);
-        break;
-      case ncclFloat64:
-        encode<PlainCodec<double>>(real, dst);
-        break;
-      case ncclBfloat16:
-        encode<Bfloat16Codec>(real, dst);
-        break;
-      case ncclFloat8e4m3:
-        encode<Fp8Codec<__NV_E4M3>>(real, dst);
-        break;
-      case ncclFloat8e5m2:
-        encode<Fp8Codec<__NV_E5M2>>(real, dst);
-        break;
-      default:
-        break;
+      case ncclInt8: encode<PlainCodec<int8_t>>(static_cast<int8_t>(t), dst); break;
+      case ncclUint8: encode<PlainCodec<uint8_t>>(static_cast<uint8_t>(t), dst); break;
+      case ncclInt32: encode<PlainCodec<int32_t>>(t, dst); break;
+      case ncclUint32: encode<PlainCodec<uint32_t>>(static_cast<uint32_t>(t), dst); break;
+      case ncclInt64: encode<PlainCodec<int64_t>>(t, dst); break;
+      case ncclUint64: encode<PlainCodec<uint64_t>>(static_cast<uint64_t>(t), dst); break;
+      case ncclFloat16: encode<HalfCodec>(real, dst); break;
+      case ncclFloat32: encode<PlainCodec<float>>(real, dst); break;
+      case ncclFloat64: encode<PlainCodec<double>>(real, dst); break;
+      case ncclBfloat16: encode<Bfloat16Codec>(real, dst); break;
+      case ncclFloat8e4m3: encode<Fp8Codec<__NV_E4M3>>(real, dst); break;
+      case ncclFloat8e5m2: encode<Fp8Codec<__NV_E5M2>>(real, dst); break;
+      default: break;
     }
   }
   return out;
@@ -231,44 +192,19 @@ Bytes reference_reduce(ncclDataType_t dtype, ncclRedOp_t op, const std::vector<B
                        size_t offset, size_t count) {
   Bytes out;
   switch (dtype) {
-    case ncclInt8:
-      fold<PlainCodec<int8_t>>(op, inputs, offset, count, out);
-      break;
-    case ncclUint8:
-      fold<PlainCodec<uint8_t>>(op, inputs, offset, count, out);
-      break;
-    case ncclInt32:
-      fold<PlainCodec<int32_t>>(op, inputs, offset, count, out);
-      break;
-    case ncclUint32:
-      fold<PlainCodec<uint32_t>>(op, inputs, offset, count, out);
-      break;
-    case ncclInt64:
-      fold<PlainCodec<int64_t>>(op, inputs, offset, count, out);
-      break;
-    case ncclUint64:
-      fold<PlainCodec<uint64_t>>(op, inputs, offset, count, out);
-      break;
-    case ncclFloat16:
-      fold<HalfCodec>(op, inputs, offset, count, out);
-      break;
-    case ncclFloat32:
-      fold<PlainCodec<float>>(op, inputs, offset, count, out);
-      break;
-    case ncclFloat64:
-      fold<PlainCodec<double>>(op, inputs, offset, count, out);
-      break;
-    case ncclBfloat16:
-      fold<Bfloat16Codec>(op, inputs, offset, count, out);
-      break;
-    case ncclFloat8e4m3:
-      fold<Fp8Codec<__NV_E4M3>>(op, inputs, offset, count, out);
-      break;
-    case ncclFloat8e5m2:
-      fold<Fp8Codec<__NV_E5M2>>(op, inputs, offset, count, out);
-      break;
-    default:
-      break;
+    case ncclInt8: fold<PlainCodec<int8_t>>(op, inputs, offset, count, out); break;
+    case ncclUint8: fold<PlainCodec<uint8_t>>(op, inputs, offset, count, out); break;
+    case ncclInt32: fold<PlainCodec<int32_t>>(op, inputs, offset, count, out); break;
+    case ncclUint32: fold<PlainCodec<uint32_t>>(op, inputs, offset, count, out); break;
+    case ncclInt64: fold<PlainCodec<int64_t>>(op, inputs, offset, count, out); break;
+    case ncclUint64: fold<PlainCodec<uint64_t>>(op, inputs, offset, count, out); break;
+    case ncclFloat16: fold<HalfCodec>(op, inputs, offset, count, out); break;
+    case ncclFloat32: fold<PlainCodec<float>>(op, inputs, offset, count, out); break;
+    case ncclFloat64: fold<PlainCodec<double>>(op, inputs, offset, count, out); break;
+    case ncclBfloat16: fold<Bfloat16Codec>(op, inputs, offset, count, out); break;
+    case ncclFloat8e4m3: fold<Fp8Codec<__NV_E4M3>>(op, inputs, offset, count, out); break;
+    case ncclFloat8e5m2: fold<Fp8Codec<__NV_E5M2>>(op, inputs, offset, count, out); break;
+    default: break;
   }
   return out;
 }
@@ -279,40 +215,19 @@ std::string element_text(ncclDataType_t dtype, const unsigned char* element) {
   for (size_t i = 0; i < size; ++i) bits |= static_cast<uint64_t>(element[i]) << (8 * i);
   double value = 0;
   switch (dtype) {
-    case ncclInt8:
-      value = static_cast<int8_t>(bits);
-      break;
+    case ncclInt8: value = static_cast<int8_t>(bits); break;
     case ncclUint8:
     case ncclUint32:
-    case ncclUint64:
-      value = static_cast<double>(bits);
-      break;
-    case ncclInt32:
-      value = static_cast<int32_t>(bits);
-      break;
-    case ncclInt64:
-      value = static_cast<double>(static_cast<int64_t>(bits));
-      break;
-    case ncclFloat16:
-      value = decode<HalfCodec>(element);
-      break;
-    case ncclFloat32:
-      value = decode<PlainCodec<float>>(element);
-      break;
-    case ncclFloat64:
-      value = decode<PlainCodec<double>>(element);
-      break;
-    case ncclBfloat16:
-      value = decode<Bfloat16Codec>(element);
-      break;
-    case ncclFloat8e4m3:
-      value = decode<Fp8Codec<__NV_E4M3>>(element);
-      break;
-    case ncclFloat8e5m2:
-      value = decode<Fp8Codec<__NV_E5M2>>(element);
-      break;
-    default:
-      break;
+    case ncclUint64: value = static_cast<double>(bits); break;
+    case ncclInt32: value = static_cast<int32_t>(bits); break;
+    case ncclInt64: value = static_cast<double>(static_cast<int64_t>(bits)); break;
+    case ncclFloat16: value = decode<HalfCodec>(element); break;
+    case ncclFloat32: value = decode<PlainCodec<float>>(element); break;
+    case ncclFloat64: value = decode<PlainCodec<double>>(element); break;
+    case ncclBfloat16: value = decode<Bfloat16Codec>(element); break;
+    case ncclFloat8e4m3: value = decode<Fp8Codec<__NV_E4M3>>(element); break;
+    case ncclFloat8e5m2: value = decode<Fp8Codec<__NV_E5M2>>(element); break;
+    default: break;
   }
   char text[64];
   std::snprintf(text, sizeof text, "0x%0*llx (%g)", static_cast<int>(size * 2),

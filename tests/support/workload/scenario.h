@@ -152,8 +152,8 @@ class Buffer {
   static size_t rounded(size_t bytes) { return bytes == 0 ? 64 : (bytes + 63) / 64 * 64; }
   void check_range(size_t offset, size_t n) const {
     if (offset > bytes_ || n > bytes_ - offset) {
-      throw ScenarioFailure(format("bytes %zu..%zu are outside a buffer of %zu", offset,
-                                   offset + n, bytes_));
+      throw ScenarioFailure(
+          format("bytes %zu..%zu are outside a buffer of %zu", offset, offset + n, bytes_));
     }
   }
 

@@ -33,18 +33,19 @@
 #include <vector>
 
 #if !defined(NCCL_CTA_POLICY_ZERO) || !defined(NCCL_WIN_COLL_SYMMETRIC)
-#error "this NCCL has no copy-engine collectives (NCCL_CTA_POLICY_ZERO, symmetric windows): 2.28 or later needed"
+#error \
+    "this NCCL has no copy-engine collectives (NCCL_CTA_POLICY_ZERO, symmetric windows): 2.28 or later needed"
 #endif
 
 namespace {
 
-#define CUDA_OK(call)                                                                         \
-  do {                                                                                        \
-    cudaError_t e_ = (call);                                                                  \
-    if (e_ != cudaSuccess) {                                                                  \
+#define CUDA_OK(call)                                                                          \
+  do {                                                                                         \
+    cudaError_t e_ = (call);                                                                   \
+    if (e_ != cudaSuccess) {                                                                   \
       std::fprintf(stderr, "rank %d: %s failed: %s\n", g_rank, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
+      std::exit(1);                                                                            \
+    }                                                                                          \
   } while (0)
 #define NCCL_OK(call)                                                                          \
   do {                                                                                         \
@@ -76,9 +77,15 @@ void publish_ids(const std::string& path, const ncclUniqueId* ids) {
   {
     std::ofstream out(temp, std::ios::binary | std::ios::trunc);
     out.write(reinterpret_cast<const char*>(ids), sizeof(ncclUniqueId) * kConfigs);
-    if (!out) { std::fprintf(stderr, "cannot write %s\n", temp.c_str()); std::exit(1); }
+    if (!out) {
+      std::fprintf(stderr, "cannot write %s\n", temp.c_str());
+      std::exit(1);
+    }
   }
-  if (std::rename(temp.c_str(), path.c_str()) != 0) { std::perror("rename"); std::exit(1); }
+  if (std::rename(temp.c_str(), path.c_str()) != 0) {
+    std::perror("rename");
+    std::exit(1);
+  }
 }
 
 void await_ids(const std::string& path, ncclUniqueId* ids) {
@@ -119,7 +126,8 @@ Buffers make_buffers(int config, ncclComm_t comm, size_t bytes, int ranks) {
     NCCL_OK(ncclMemAlloc(&b.send, bytes));
     NCCL_OK(ncclMemAlloc(&b.recv, bytes * ranks));
     NCCL_OK(ncclCommWindowRegister(comm, b.send, bytes, &b.send_win, NCCL_WIN_COLL_SYMMETRIC));
-    NCCL_OK(ncclCommWindowRegister(comm, b.recv, bytes * ranks, &b.recv_win, NCCL_WIN_COLL_SYMMETRIC));
+    NCCL_OK(
+        ncclCommWindowRegister(comm, b.recv, bytes * ranks, &b.recv_win, NCCL_WIN_COLL_SYMMETRIC));
     b.windows = true;
   }
   CUDA_OK(cudaMemset(b.send, g_rank + 1, bytes));
@@ -197,7 +205,8 @@ int run_rank(int rank, const Options& o, const std::string& id_file) {
     for (int rep = 0; rep < o.reps; ++rep) {
       for (int i = 0; i < kConfigs; ++i) {
         const int c = (rep + i) % kConfigs;  // rotate which goes first
-        times[(s * o.reps + rep) * kConfigs + c] = time_gathers(buffers[c], count, comms[c], stream, k);
+        times[(s * o.reps + rep) * kConfigs + c] =
+            time_gathers(buffers[c], count, comms[c], stream, k);
       }
     }
     for (int c = 0; c < kConfigs; ++c) free_buffers(buffers[c], comms[c]);
@@ -212,12 +221,16 @@ int run_rank(int rank, const Options& o, const std::string& id_file) {
   CUDA_OK(cudaFree(dev));
 
   if (rank == 0) {
-    struct stat st{};
+    struct stat st {};
     const bool fresh = ::stat(o.csv.c_str(), &st) != 0 || st.st_size == 0;
     FILE* out = std::fopen(o.csv.c_str(), "a");
-    if (out == nullptr) { std::perror(o.csv.c_str()); return 1; }
+    if (out == nullptr) {
+      std::perror(o.csv.c_str());
+      return 1;
+    }
     if (fresh) {
-      std::fprintf(out, "bench,config,rep,world,bytes_per_rank,time_us,algbw_GBps,busbw_GBps,status\n");
+      std::fprintf(out,
+                   "bench,config,rep,world,bytes_per_rank,time_us,algbw_GBps,busbw_GBps,status\n");
     }
     std::printf("nccl_ce_allgather: NCCL %d, %d rank(s); time per call (median of %d reps), us:\n",
                 version, o.ranks, o.reps);
@@ -248,18 +261,31 @@ Options parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
-      if (i + 1 >= argc) { std::fprintf(stderr, "%s needs a value\n", a.c_str()); std::exit(2); }
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
       return argv[++i];
     };
-    if (a == "-n") o.ranks = std::stoi(value());
-    else if (a == "--csv") o.csv = value();
-    else if (a == "--min-kib") o.min_kib = std::stoul(value());
-    else if (a == "--max-mib") o.max_mib = std::stoul(value());
-    else if (a == "--reps") o.reps = std::stoi(value());
-    else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); std::exit(2); }
+    if (a == "-n")
+      o.ranks = std::stoi(value());
+    else if (a == "--csv")
+      o.csv = value();
+    else if (a == "--min-kib")
+      o.min_kib = std::stoul(value());
+    else if (a == "--max-mib")
+      o.max_mib = std::stoul(value());
+    else if (a == "--reps")
+      o.reps = std::stoi(value());
+    else {
+      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
+      std::exit(2);
+    }
   }
   if (o.ranks < 1 || o.reps < 1 || o.csv.empty()) {
-    std::fprintf(stderr, "usage: nccl_ce_allgather -n RANKS --csv FILE [--min-kib K] [--max-mib M] [--reps R]\n");
+    std::fprintf(
+        stderr,
+        "usage: nccl_ce_allgather -n RANKS --csv FILE [--min-kib K] [--max-mib M] [--reps R]\n");
     std::exit(2);
   }
   return o;
@@ -270,7 +296,10 @@ Options parse(int argc, char** argv) {
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   char dir[] = "/tmp/nccl_ce.XXXXXX";
-  if (::mkdtemp(dir) == nullptr) { std::perror("mkdtemp"); return 1; }
+  if (::mkdtemp(dir) == nullptr) {
+    std::perror("mkdtemp");
+    return 1;
+  }
   const std::string id_file = std::string(dir) + "/ids";
   std::vector<pid_t> children;
   for (int r = 0; r < o.ranks; ++r) {
@@ -280,7 +309,10 @@ int main(int argc, char** argv) {
       std::fflush(nullptr);  // _Exit flushes nothing, and the table went to stdout
       std::_Exit(rc);
     }
-    if (pid < 0) { std::perror("fork"); return 1; }
+    if (pid < 0) {
+      std::perror("fork");
+      return 1;
+    }
     children.push_back(pid);
   }
   // A rank that fails or hangs must end the run, not stall it: the others are killed then.
