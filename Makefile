@@ -58,7 +58,7 @@ BENCH     := $(BUILD)/magice-bench
 
 DEPS_STAMP := $(BUILD)/.deps-ok
 
-.PHONY: all test demo bench gpu-test install clean deps format format-check
+.PHONY: all test demo bench gpu-test install clean deps format format-check layers-check
 all: $(LIB) $(TOOL)
 
 # Debian packages the build needs; installed when missing (CI runs as root on a clean machine).
@@ -171,7 +171,7 @@ $(TESTS): $(TEST_OBJS) $(filter-out $(BUILD)/obj/shim/exports.o,$(LIB_OBJS)) \
 
 # ---- user-facing targets ------------------------------------------------------------------
 test: all $(TEST_BINS) $(TESTS) $(GPU_FAULTS)
-	@$(MAKE) --no-print-directory format-check
+	@$(MAKE) --no-print-directory format-check layers-check
 	TEST_BUILD_DIR=$(abspath $(BUILD)) $(TESTS)
 	$(MAKE) --no-print-directory test-asan
 	$(MAKE) --no-print-directory test-tsan
@@ -309,6 +309,19 @@ format-check: | $(DEPS_STAMP)
 	@clang-format --dry-run --Werror $(FORMATTED)
 	@! LC_ALL=C.UTF-8 grep -nP '^.{101,}' $(LIBRARY_SOURCES) | sed 's/$$/  <- over 100 columns/' | grep .
 	@echo "format-check: $(words $(FORMATTED)) files follow .clang-format"
+
+# Data flows shim -> capture -> rewrite -> ce_transport, with base/ below them all: a folder may
+# include only folders below it. Each line: a folder, then the folders it must never include.
+LAYERS := base:shim,capture,rewrite,ce_transport capture:shim,rewrite,ce_transport \
+          rewrite:shim ce_transport:shim,capture,rewrite
+layers-check:
+	@status=0; for rule in $(LAYERS); do \
+	   folder=$${rule%%:*}; \
+	   for above in $$(echo $${rule#*:} | tr , ' '); do \
+	     if grep -Hn "#include \"$$above/" $$folder/*.h $$folder/*.cc; then \
+	       echo "  ^ $$folder/ includes $$above/, which is above it"; status=1; fi; \
+	   done; \
+	 done; [ $$status = 0 ] && echo "layers-check: no folder includes one above it"; exit $$status
 
 clean:
 	rm -rf $(BUILD)
