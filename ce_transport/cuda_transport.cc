@@ -452,7 +452,9 @@ class CudaTransport final : public Transport {
   }
 
   // The lines of `set` from `from` into `into`, packed: the full lines in one strided copy (one
-  // copy-engine operation), a short last line in a second.
+  // copy-engine operation), a short last line in a second. The source pitch, S, is about B / 256
+  // (B >= 64 KiB): under the devices' maximum pitch (cudaDevAttrMaxPitch, 2^31 - 1 on current GPUs)
+  // for any shard that fits in one.
   static void copy_lines(uint8_t* into, const uint8_t* from, const SampleSet& set,
                          cudaStream_t stream) {
     if (set.rows != 0)

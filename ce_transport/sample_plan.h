@@ -14,6 +14,8 @@
 //    kLine: any P consecutive checks compare every byte of the shard once. So a rewrite that
 //    touches an anchor line is caught at the next check, and any other rewrite (down to one byte)
 //    within P checks. At phase 0 the sweep is the anchor itself and is not compared twice.
+//    (The CUDA backend compares a check at a later call, once its copies have run: a change is
+//    reported there.)
 // Per check, anchor and sweep compare (the CUDA backend copies that many bytes of the shard, and
 // as many of the binding, to pinned host memory; half of it when the sweep is the anchor):
 //   shard        compared         P (checks that cover the shard)
