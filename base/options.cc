@@ -399,7 +399,8 @@ constexpr OptionSpec kTable[] = {
     int_option<&O::verify_every>("MAGI_VERIFY_EVERY", "64", "an integer from 0 to 1000000000", 0,
                                  1000000000, OptionUnit::Count,
                                  "Static weights: check a shard against its binding every this "
-                                 "many calls (0: only the first 3)."),
+                                 "many calls (0: only the first 3), on sampled lines (at most "
+                                 "128 KiB of the shard)."),
     int_option<&O::bind_max_bytes>("MAGI_BIND_MAX_MIB", "16384", "an integer from 0 to 1048576", 0,
                                    1048576, OptionUnit::MiB,
                                    "Static weights: most device memory (MiB) a communicator's "

@@ -80,7 +80,9 @@ struct BindOp {
 //    any peer can read: peers attach only after every rank published). Each gather then reads
 //    peers' regions directly. The rank checks its shard against its region on each of its first
 //    `verify_first` calls and then every `verify_every` calls (0: never after the first), never
-//    on a timed call (verify_schedule.h); a mismatch is re-bound and reported by
+//    on a timed call (verify_schedule.h), on sampled lines, never the whole shard (at most
+//    128 KiB a check; a rewrite touching an anchor line is caught at the next check, any other
+//    within stride / 256 checks: sample_plan.h); a mismatch is re-bound whole and reported by
 //    take_stale_bindings(). The CUDA backend's check does not wait for the stream: it compares
 //    once its copies have run, at a later call.
 struct WindowPlan {
@@ -146,6 +148,9 @@ class Transport {
   virtual size_t window_bytes() const = 0;
   // Bound windows: slot offsets of bindings found stale (the shard changed) since the last call.
   virtual std::vector<size_t> take_stale_bindings() { return {}; }
+  // Bound windows: bytes of this rank's shards that its checks have compared with their bindings
+  // since prepare (the CUDA backend copies as many of the binding too). What a check costs.
+  virtual uint64_t checked_bytes() const { return 0; }
 };
 
 // A waiting rank notices a dead peer (its pid is in its window) and throws instead of waiting

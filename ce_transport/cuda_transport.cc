@@ -44,6 +44,7 @@
 #include "ce_transport/backends.h"
 #include "ce_transport/process.h"
 #include "ce_transport/protocol.h"
+#include "ce_transport/sample_plan.h"
 #include "ce_transport/verify_schedule.h"
 
 namespace magi::ce {
@@ -52,6 +53,10 @@ namespace {
 constexpr size_t kFlagLine = 256;
 constexpr size_t kSlotAlign = 256;
 constexpr size_t kAllocationGranule = size_t{2} << 20;
+// A binding's check in pinned host memory: anchor and sweep sets (sample_plan.h), of the shard
+// and of the binding, one set's room each.
+constexpr size_t kCheckSet = SamplePlan::kMaxSetBytes;
+constexpr size_t kCheckBytes = 4 * kCheckSet;
 // What an abandoned wait is released with. Stream waits compare cyclically ((int64_t)(word -
 // target) >= 0): the value must be far ahead of any sequence number, yet not wrap past them.
 constexpr uint64_t kReleased = uint64_t{1} << 62;
@@ -130,6 +135,7 @@ class CudaTransport final : public Transport {
     cuda_check(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking),
                "cudaStreamCreateWithFlags");
     cuda_check(cudaMallocHost(&flags_host_, flag_bytes_), "cudaMallocHost (flags)");
+    if (bound_) cuda_check(cudaMallocHost(&host_check_, kCheckBytes), "cudaMallocHost (check)");
     cuda_check(cudaMalloc(&base_, bytes_), "cudaMalloc (window)");
     cuda_check(cudaMemsetAsync(flag(0), 0, flag_bytes_, own_stream_), "cudaMemsetAsync (flags)");
     if (bound_) {
@@ -259,14 +265,17 @@ class CudaTransport final : public Transport {
   size_t window_bytes() const override { return base_ != nullptr ? bytes_ : 0; }
 
   std::vector<size_t> take_stale_bindings() override { return std::exchange(stale_, {}); }
+  uint64_t checked_bytes() const override { return checked_bytes_; }
 
  private:
   void release_locked() {
     if (base_ == nullptr) {  // never prepared, or prepare failed part way
       if (own_stream_ != nullptr) cudaStreamDestroy(own_stream_);
       if (flags_host_ != nullptr) cudaFreeHost(flags_host_);
+      if (host_check_ != nullptr) cudaFreeHost(host_check_);
       own_stream_ = nullptr;
       flags_host_ = nullptr;
+      host_check_ = nullptr;
       cudaGetLastError();
       return;
     }
@@ -303,7 +312,7 @@ class CudaTransport final : public Transport {
     own_stream_ = nullptr;
     flags_host_ = nullptr;
     host_check_ = nullptr;
-    host_check_bytes_ = 0;
+    checked_bytes_ = 0;
     peers_.clear();
     attached_ = false;
     sequence_.store(0);
@@ -409,10 +418,11 @@ class CudaTransport final : public Transport {
   }
 
   // Static weights: the rank's shard against its binding, when verify_ says (never on a timed
-  // call). The program's stream is never waited for: the shard and the binding are copied to
-  // the host on it, stream-ordered (the shard as this call saw it, and never after the program
-  // freed it), and compared at a later call once those copies have run. One check at a time;
-  // another that falls due meanwhile is owed to a later call.
+  // call), on the lines sample_plan.h picks. The program's stream is never waited for: the lines
+  // of the shard and of the binding are copied to the host on it, stream-ordered (the shard as
+  // this call saw it, and never after the program freed it), and compared at a later call once
+  // those copies have run. One check at a time; another that falls due meanwhile is owed to a
+  // later call.
   void start_check(std::span<const GatherOp> bucket, cudaStream_t stream, Timing timing) {
     for (const GatherOp& op : bucket) {
       if (!verify_.on_call(op.slot_offset, timing) || op.bytes == 0) continue;
@@ -420,29 +430,44 @@ class CudaTransport final : public Transport {
         verify_.owe(op.slot_offset);
         continue;
       }
-      if (host_check_bytes_ < 2 * op.bytes) {
-        if (host_check_ != nullptr) cudaFreeHost(host_check_);  // no check in flight uses it
-        host_check_ = nullptr;
-        host_check_bytes_ = 0;
-        cuda_check(cudaMallocHost(&host_check_, 2 * op.bytes), "cudaMallocHost (verification)");
-        host_check_bytes_ = 2 * op.bytes;
-      }
       if (check_.copied == nullptr)
         cuda_check(cudaEventCreateWithFlags(&check_.copied, cudaEventDisableTiming),
                    "cudaEventCreate (verify)");
+      const SamplePlan plan(op.bytes);
+      check_.anchor = plan.anchor();
+      check_.sweep = plan.sweep(verify_.begin_check(op.slot_offset));
+      if (check_.sweep.first == 0) check_.sweep = {};  // the anchor itself: compared once
       auto* host = static_cast<uint8_t*>(host_check_);
-      cuda_check(cudaMemcpyAsync(host, op.sendbuf, op.bytes, cudaMemcpyDefault, stream),
-                 "cudaMemcpyAsync (verify)");
-      cuda_check(cudaMemcpyAsync(host + op.bytes, region() + op.slot_offset, op.bytes,
-                                 cudaMemcpyDefault, stream),
-                 "cudaMemcpyAsync (verify)");
+      const auto* shard = static_cast<const uint8_t*>(op.sendbuf);
+      const uint8_t* binding = region() + op.slot_offset;
+      copy_lines(host, shard, check_.anchor, stream);
+      copy_lines(host + kCheckSet, binding, check_.anchor, stream);
+      copy_lines(host + 2 * kCheckSet, shard, check_.sweep, stream);
+      copy_lines(host + 3 * kCheckSet, binding, check_.sweep, stream);
       cuda_check(cudaEventRecord(check_.copied, stream), "cudaEventRecord (verify)");
       check_.pending = true;
       check_.op = op;
+      checked_bytes_ += check_.anchor.bytes() + check_.sweep.bytes();
     }
   }
 
-  // The check in flight, if its copies have run: a shard that changed is re-bound on this
+  // The lines of `set` from `from` into `into`, packed: the full lines in one strided copy (one
+  // copy-engine operation), a short last line in a second. The source pitch, S, is about B / 256
+  // (B >= 64 KiB): under the devices' maximum pitch (cudaDevAttrMaxPitch, 2^31 - 1 on current GPUs)
+  // for any shard that fits in one.
+  static void copy_lines(uint8_t* into, const uint8_t* from, const SampleSet& set,
+                         cudaStream_t stream) {
+    if (set.rows != 0)
+      cuda_check(cudaMemcpy2DAsync(into, SampleSet::kLine, from + set.first, set.stride,
+                                   SampleSet::kLine, set.rows, cudaMemcpyDefault, stream),
+                 "cudaMemcpy2DAsync (verify)");
+    if (set.tail_bytes != 0)
+      cuda_check(cudaMemcpyAsync(into + set.rows * SampleSet::kLine, from + set.offset(set.rows),
+                                 set.tail_bytes, cudaMemcpyDefault, stream),
+                 "cudaMemcpyAsync (verify)");
+  }
+
+  // The check in flight, if its copies have run: a shard that changed is re-bound whole on this
   // call's stream (ahead of its reads) and reported by take_stale_bindings().
   void finish_check(cudaStream_t stream) {
     if (!check_.pending) return;
@@ -455,7 +480,8 @@ class CudaTransport final : public Transport {
     cuda_check(state, "cudaEventQuery (verify)");
     const GatherOp& op = check_.op;
     const auto* host = static_cast<const uint8_t*>(host_check_);
-    if (std::memcmp(host, host + op.bytes, op.bytes) != 0) {
+    if (std::memcmp(host, host + kCheckSet, check_.anchor.bytes()) != 0 ||
+        std::memcmp(host + 2 * kCheckSet, host + 3 * kCheckSet, check_.sweep.bytes()) != 0) {
       cuda_check(cudaMemcpyAsync(region() + op.slot_offset, op.sendbuf, op.bytes, cudaMemcpyDefault,
                                  stream),
                  "cudaMemcpyAsync (re-bind)");
@@ -575,6 +601,8 @@ class CudaTransport final : public Transport {
   struct Check {
     bool pending = false;  // its copies are queued; compared once `copied` has passed
     GatherOp op{};
+    SampleSet anchor;
+    SampleSet sweep;  // empty when it was the anchor
     cudaEvent_t copied = nullptr;
   } check_;
   cudaStream_t own_stream_ = nullptr;
@@ -594,8 +622,8 @@ class CudaTransport final : public Transport {
   std::vector<size_t> sizes_;
   std::vector<CUstreamBatchMemOpParams> mem_ops_;
   std::vector<size_t> stale_;
-  void* host_check_ = nullptr;
-  size_t host_check_bytes_ = 0;
+  void* host_check_ = nullptr;  // bound: kCheckBytes, pinned
+  uint64_t checked_bytes_ = 0;
 };
 
 }  // namespace

@@ -29,6 +29,7 @@
 #include "ce_transport/host_window.h"
 #include "ce_transport/process.h"
 #include "ce_transport/protocol.h"
+#include "ce_transport/sample_plan.h"
 #include "ce_transport/verify_schedule.h"
 
 namespace magi::ce {
@@ -246,15 +247,15 @@ class HostTransport final : public Transport {
 
   // Static weights: every peer's shard has been in its region since before the plan was
   // confirmed, so a call is only reads. The rank's own shard is checked against its region now
-  // and then (the user asserted it does not change; if it did, peers read stale bytes until the
-  // next agreement round takes the gather back to NCCL, and the region is re-bound meanwhile).
+  // and then, on the sampled lines of sample_plan.h (the user asserted it does not change; if it
+  // did, peers read stale bytes until the next agreement round takes the gather back to NCCL, and
+  // the whole region is re-bound meanwhile).
   void gather_bound(std::span<const GatherOp> bucket, Timing timing) {
     ++sequence_;
     for (const GatherOp& op : bucket) {
       auto* recv = static_cast<uint8_t*>(op.recvbuf);
       uint8_t* region = own_.data() + slots_at_ + op.slot_offset;
-      if (verify_.on_call(op.slot_offset, timing) &&
-          std::memcmp(region, op.sendbuf, op.bytes) != 0) {
+      if (verify_.on_call(op.slot_offset, timing) && !samples_match(op, region)) {
         std::memcpy(region, op.sendbuf, op.bytes);
         stale_.push_back(op.slot_offset);
       }
@@ -271,6 +272,7 @@ class HostTransport final : public Transport {
   }
 
   std::vector<size_t> take_stale_bindings() override { return std::exchange(stale_, {}); }
+  uint64_t checked_bytes() const override { return checked_bytes_; }
 
   // Only the flag: the mappings stay until release(), which comes after any call in flight.
   void abandon() override { abandoned_.store(true, std::memory_order_relaxed); }
@@ -284,6 +286,7 @@ class HostTransport final : public Transport {
     sequence_ = 0;
     bound_ = false;
     verify_.reset(0, 0);
+    checked_bytes_ = 0;
     stale_.clear();
     attached_ = broken_ = false;
     abandoned_.store(false, std::memory_order_relaxed);
@@ -292,6 +295,17 @@ class HostTransport final : public Transport {
   size_t window_bytes() const override { return own_.size(); }
 
  private:
+  // The check of `op`'s binding that verify_ asked for: its anchor and sweep lines.
+  bool samples_match(const GatherOp& op, const uint8_t* region) {
+    const SamplePlan plan(op.bytes);
+    const SampleSet anchor = plan.anchor();
+    const SampleSet sweep = plan.sweep(verify_.begin_check(op.slot_offset));
+    const auto* shard = static_cast<const uint8_t*>(op.sendbuf);
+    checked_bytes_ += anchor.bytes() + (sweep.first != 0 ? sweep.bytes() : 0);
+    return same_lines(shard, region, anchor) &&
+           (sweep.first == 0 || same_lines(shard, region, sweep));
+  }
+
   // Until every peer's word of a kind (`rank0_word`: rank 0's, e.g. flags_.done(0)) in this
   // rank's own window reaches `target`. The words of one kind lie one line apart, by rank.
   void wait_for_every_peer(size_t rank0_word, uint64_t target) const {
@@ -327,6 +341,7 @@ class HostTransport final : public Transport {
   bool bound_ = false;
   VerifySchedule verify_;  // bound: when each binding is checked
   std::vector<size_t> stale_;
+  uint64_t checked_bytes_ = 0;
   bool attached_ = false;
   bool broken_ = false;
   std::atomic<bool> abandoned_{false};

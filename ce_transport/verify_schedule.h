@@ -36,11 +36,15 @@ class VerifySchedule {
   }
   // The check on_call asked for could not start now: it runs at the binding's next untimed call.
   void owe(size_t slot_offset) { owe(bindings_[slot_offset]); }
+  // A check of the binding starts now: its ordinal among the binding's checks, from 0 (which
+  // sweep set it compares: sample_plan.h).
+  uint64_t begin_check(size_t slot_offset) { return bindings_[slot_offset].checks++; }
 
  private:
   struct Binding {
     uint64_t calls = 0;
     uint64_t owed = 0;
+    uint64_t checks = 0;
   };
   void owe(Binding& b) const {
     if (b.owed < (first_ > 1 ? first_ : 1)) ++b.owed;

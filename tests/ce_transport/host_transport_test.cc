@@ -30,6 +30,7 @@
 #include "ce_transport/backends.h"
 #include "ce_transport/ce_transport.h"
 #include "ce_transport/host_window.h"
+#include "ce_transport/sample_plan.h"
 
 namespace magi::ce {
 namespace {
@@ -463,6 +464,139 @@ TEST(HostTransport, BoundShardsAreReadWithoutHandshakeAndAChangeIsFoundAndReboun
     for (int r = 0; r < nranks; ++r)
       EXPECT_EQ(run.ranks[static_cast<size_t>(r)].exit_code, 0) << "rank " << r;
     EXPECT_EQ(window_names_of(pids_of(run)), std::vector<std::string>{});
+  }
+}
+
+// Static weights checked on sampled lines (ce_transport/sample_plan.h), in one process: two
+// ranks over bound windows (a bound gather has no handshake, so one thread runs both). Rank 0's
+// shard is checked on its first call and every `every` calls; rank 1 reads it from rank 0's
+// binding, so what rank 1 receives shows whether a change was re-bound.
+class BoundPair {
+ public:
+  BoundPair(size_t bytes, uint64_t every) : bytes_(bytes) {
+    for (int r = 0; r < 2; ++r) {
+      send_[r].resize(bytes);
+      for (size_t i = 0; i < bytes; ++i) send_[r][i] = static_cast<uint8_t>(i * 7 + i / 251 + r);
+      recv_[r].resize(2 * bytes);
+      transports_[r] = make_transport(Backend::Host, r, 2, kCommIdentity);
+      WindowPlan plan;
+      plan.slot_bytes = bytes;
+      plan.bound = true;
+      plan.bind = {{send_[r].data(), bytes, 0}};
+      plan.verify_first = 1;
+      plan.verify_every = every;
+      transports_[r]->prepare(plan, blobs_[r]);
+    }
+    for (auto& t : transports_) t->attach(blobs_);
+  }
+  ~BoundPair() {
+    for (auto& t : transports_) t->release();
+  }
+
+  // One call on both ranks, rank 0 first; whether rank 0 found its shard changed.
+  bool call() {
+    for (int r = 0; r < 2; ++r) {
+      const GatherOp op{send_[r].data(), recv_[r].data(), bytes_, 0};
+      transports_[r]->gather(std::span<const GatherOp>(&op, 1), nullptr);
+    }
+    const std::vector<size_t> stale = transports_[0]->take_stale_bindings();
+    return !stale.empty();
+  }
+  // Rank 1's last call received rank 0's shard as it is now.
+  bool peer_reads_current() const {
+    return std::memcmp(recv_[1].data(), send_[0].data(), bytes_) == 0;
+  }
+  std::vector<uint8_t>& shard() { return send_[0]; }
+  uint64_t checked_bytes() const { return transports_[0]->checked_bytes(); }
+
+ private:
+  size_t bytes_;
+  std::vector<uint8_t> send_[2], recv_[2];
+  std::unique_ptr<Transport> transports_[2];
+  HandleBlob blobs_[2];
+};
+
+// 1 MiB and a bit: 256 lines 4352 bytes apart, so P = 17 checks, and the sweep's last line is
+// short on some checks.
+constexpr size_t kSampledShard = (size_t{1} << 20) + 100;
+
+TEST(HostTransport, BoundShardRewrittenWholeIsFoundAtTheNextCheck) {
+  BoundPair pair(kSampledShard, 4);  // checks on calls 1, 4, 8, ...
+  ASSERT_FALSE(pair.call());
+  EXPECT_TRUE(pair.peer_reads_current());
+  const uint64_t before = pair.checked_bytes();
+  EXPECT_GT(before, 0u);
+  EXPECT_LE(before, 2 * SamplePlan::kMaxSetBytes);
+  for (uint8_t& b : pair.shard()) b = static_cast<uint8_t>(b ^ 0x5a);  // e.g. an optimizer step
+  EXPECT_FALSE(pair.call());                                           // call 2: no check
+  EXPECT_FALSE(pair.peer_reads_current());
+  EXPECT_FALSE(pair.call());  // call 3
+  EXPECT_TRUE(pair.call());   // call 4: the next check finds it and re-binds
+  EXPECT_TRUE(pair.peer_reads_current());
+  // A check compares the anchor and one sweep set, never the shard.
+  EXPECT_GT(pair.checked_bytes(), before);
+  EXPECT_LE(pair.checked_bytes() - before, 2 * SamplePlan::kMaxSetBytes);
+  EXPECT_FALSE(pair.call());
+  EXPECT_FALSE(pair.call());
+  EXPECT_FALSE(pair.call());
+  EXPECT_FALSE(pair.call());  // call 8 checks again: the re-bound shard matches
+}
+
+TEST(HostTransport, BoundShardWithOneLineRewrittenIsFoundWithinPChecks) {
+  const SamplePlan plan(kSampledShard);
+  const uint64_t p = plan.sweep_period();
+  const size_t s = plan.stride();
+  ASSERT_EQ(p, 17u);
+  // Where a 256-byte run is rewritten: on an anchor line, between anchor lines (unaligned too),
+  // just before the end, across the end of the stride, and the shard's last (short) line.
+  const size_t starts[] = {0,
+                           s + 256,
+                           100 * s + 1000,
+                           7 * s + s - 300,
+                           s - 128,
+                           kSampledShard - 256,
+                           kSampledShard - 60};
+  for (const size_t start : starts) {
+    for (const int checks_before : {1, 6}) {
+      BoundPair pair(kSampledShard, 1);  // a check on every call
+      for (int i = 0; i < checks_before; ++i) ASSERT_FALSE(pair.call()) << start;
+      const size_t end = std::min(start + SamplePlan::kLine, kSampledShard);
+      for (size_t i = start; i < end; ++i) pair.shard()[i] = static_cast<uint8_t>(~pair.shard()[i]);
+      uint64_t checks = 0;
+      bool found = false;
+      while (!found && checks < p) {
+        found = pair.call();
+        ++checks;
+        if (!found) {
+          EXPECT_FALSE(pair.peer_reads_current()) << start;  // still the old line
+        }
+      }
+      EXPECT_TRUE(found) << "a line rewritten at " << start << " not found within " << p
+                         << " checks";
+      EXPECT_TRUE(pair.peer_reads_current()) << start;
+      if (start == 0) {
+        EXPECT_EQ(checks, 1u);  // on the anchor: the next check
+      }
+    }
+  }
+}
+
+TEST(HostTransport, AnUnchangedBoundShardIsNeverReportedAndEveryByteIsLookedAt) {
+  BoundPair pair(kSampledShard, 1);
+  const SamplePlan plan(kSampledShard);
+  const uint64_t p = plan.sweep_period();
+  uint64_t last = 0;
+  for (uint64_t call = 1; call <= 5 * p; ++call) {
+    ASSERT_FALSE(pair.call()) << "call " << call;
+    ASSERT_TRUE(pair.peer_reads_current());
+    const uint64_t step = pair.checked_bytes() - last;
+    EXPECT_GT(step, 0u);
+    EXPECT_LE(step, 2 * SamplePlan::kMaxSetBytes);
+    last = pair.checked_bytes();
+    // The anchor at every check, and the sweeps of checks 1..P-1 the rest of the shard once.
+    if (call == p) {
+      EXPECT_EQ(last, (p - 1) * plan.anchor().bytes() + kSampledShard);
+    }
   }
 }
 

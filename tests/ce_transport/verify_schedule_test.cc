@@ -81,5 +81,17 @@ TEST(VerifySchedule, BindingsAreCountedApart) {
   EXPECT_TRUE(s.on_call(0, kUntimed));
 }
 
+TEST(VerifySchedule, ChecksAreNumberedPerBindingFromZero) {
+  // The ordinal picks the sweep's lines (sample_plan.h): each binding's own count.
+  VerifySchedule s;
+  s.reset(1, 1);
+  EXPECT_EQ(s.begin_check(0), 0u);
+  EXPECT_EQ(s.begin_check(0), 1u);
+  EXPECT_EQ(s.begin_check(512), 0u);
+  EXPECT_EQ(s.begin_check(0), 2u);
+  s.reset(1, 1);
+  EXPECT_EQ(s.begin_check(0), 0u);
+}
+
 }  // namespace
 }  // namespace magi::ce

@@ -14,6 +14,9 @@
 //  5. MAGI_INJECT_FAULT=gather:1: rank 1's gather throws before it queues anything, as a real
 //     CUDA error at the bucket's first step would; rank 0's stream waits for it (its peers cannot
 //     learn of it within the bucket: ce_transport.h) until abandon() frees it.
+//  6. Static weights, a 256 MiB shard: a check copies sampled lines, at most 128 KiB of the shard
+//     (and as much of the binding), never the shard; a rewrite of one anchor line is found at the
+//     next check, one of a line between anchors within stride / 256 checks (sample_plan.h).
 #include <cuda_runtime_api.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -35,6 +38,7 @@
 #include "base/base.h"
 #include "ce_transport/backends.h"
 #include "ce_transport/ce_transport.h"
+#include "ce_transport/sample_plan.h"
 
 namespace {
 
@@ -273,6 +277,79 @@ void changed_static_shard_is_found_without_waiting(int /*rank*/, Shared& /*share
   expect_usable_context();
 }
 
+void sampled_check_of_a_large_shard(int /*rank*/, Shared& /*shared*/) {
+  using magi::ce::SamplePlan;
+  constexpr size_t kLarge = size_t{256} << 20;
+  check(cudaSetDevice(0), "cudaSetDevice");
+  cudaStream_t stream = nullptr;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  void* shard = nullptr;
+  check(cudaMalloc(&shard, kLarge), "cudaMalloc");
+  check(cudaMemset(shard, 7, kLarge), "cudaMemset");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  auto transport = magi::ce::make_transport(Backend::Cuda, 0, 1, 6, 0);
+  WindowPlan plan;
+  plan.slot_bytes = kLarge;
+  plan.bound = true;
+  plan.bind = {{shard, kLarge, 0}};
+  plan.verify_first = 1;
+  plan.verify_every = 1;  // a check on every call: each compares the one before
+  HandleBlob blob;
+  transport->prepare(plan, blob);
+  transport->attach(std::span<const HandleBlob>(&blob, 1));
+  const GatherOp op{shard, shard, kLarge, 0};  // in place: the call itself copies nothing
+  const std::span<const GatherOp> bucket(&op, 1);
+  uint64_t calls = 0;
+  // One call; whether it found the shard changed. Each call's check copies at most two sets.
+  auto found = [&] {
+    const uint64_t before = transport->checked_bytes();
+    transport->gather(bucket, stream);
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    ++calls;
+    const uint64_t copied = transport->checked_bytes() - before;
+    if (copied == 0 || copied > 2 * SamplePlan::kMaxSetBytes)
+      throw std::runtime_error("call " + std::to_string(calls) + " checked " +
+                               std::to_string(copied) + " bytes of a 256 MiB shard");
+    return !transport->take_stale_bindings().empty();
+  };
+  // Calls until a change made now is found, at most `limit`.
+  auto calls_to_find = [&](uint64_t limit) {
+    for (uint64_t n = 1; n <= limit; ++n)
+      if (found()) return n;
+    return limit + 1;
+  };
+  for (int i = 0; i < 5; ++i)
+    if (found()) throw std::runtime_error("an unchanged shard was reported");
+  const SamplePlan lines(kLarge);
+  const uint64_t p = lines.sweep_period();
+  auto* bytes = static_cast<uint8_t*>(shard);
+  // An anchor line: the next check copies it, the call after compares.
+  check(cudaMemset(bytes + 37 * lines.stride(), 9, SamplePlan::kLine), "cudaMemset");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  const uint64_t anchor_calls = calls_to_find(2);
+  if (anchor_calls > 2) throw std::runtime_error("a rewritten anchor line was not found");
+  // A line between anchors: within P checks, and one call more to compare the last.
+  check(cudaMemset(bytes + 100 * lines.stride() + 12345, 11, SamplePlan::kLine), "cudaMemset");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  const uint64_t sweep_calls = calls_to_find(p + 1);
+  if (sweep_calls > p + 1)
+    throw std::runtime_error("a rewritten line was not found within " + std::to_string(p + 1) +
+                             " calls");
+  for (int i = 0; i < 5; ++i)
+    if (found()) throw std::runtime_error("a re-bound shard was reported again");
+  std::fprintf(stderr,
+               "  256 MiB shard: %.1f KiB checked a call; an anchor line found after %llu "
+               "call(s), a line between anchors after %llu (bound %llu)\n",
+               static_cast<double>(transport->checked_bytes()) / static_cast<double>(calls) / 1024,
+               static_cast<unsigned long long>(anchor_calls),
+               static_cast<unsigned long long>(sweep_calls),
+               static_cast<unsigned long long>(p + 1));
+  transport->release();
+  check(cudaFree(shard), "cudaFree");
+  check(cudaStreamDestroy(stream), "cudaStreamDestroy");
+  expect_usable_context();
+}
+
 void gather_fault_throws_before_queuing(int rank, Shared& shared) {
   auto transport = attached_pair(rank, shared, 5, {magi::Options::Fault::Where::Gather, 1});
   if (rank == 0) {
@@ -328,6 +405,9 @@ int main() {
        1, changed_static_shard_is_found_without_waiting},
       {"gather:1: rank 1 throws before queuing anything; rank 0's stream waits until abandon()", 2,
        gather_fault_throws_before_queuing},
+      {"a 256 MiB static shard: a check copies sampled lines; a rewritten line is found within "
+       "the bound",
+       1, sampled_check_of_a_large_shard},
   };
   int passed = 0, failed = 0;
   for (const Case& c : cases) {
