@@ -110,7 +110,7 @@ ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket,
 void CommAgreement::restart(const capture::StepView& view) {
   if (active_) deactivate(view.collective_index, Reason::Deviated);
   abandon_pending(view.collective_index);
-  seen_.reset(view.period);
+  seen_.reset(view.period, info_.rank);
   serving_.forget_stale();
   step_digest_ = view.digest;
   schedule_.restart();
@@ -350,6 +350,13 @@ void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
   if (active_ && d.hash == active_hash_ && d.dry_run == active_dry_) return;  // the plan stands
   if (active_) deactivate(seq, Reason::None);
   layout_ = lay_out_slots(seen_, d.gathers, d.bound);
+  if (d.transient_rank >= 0)
+    MAGI_INFO(Rewrite,
+              "comm %012llx round %u: static weights: gather at position %lld is transient on "
+              "rank %d (%s): the plan stages instead of binding",
+              short_id(info_.identity), decision_round_,
+              static_cast<long long>(d.transient_position), d.transient_rank,
+              d.transient_flags & kEntryBufferReused ? "buffer reused" : "in place");
   if (d.dry_run) {
     active_dry_ = true;
     activate(seq);

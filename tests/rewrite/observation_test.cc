@@ -36,6 +36,7 @@ struct Call {
   uintptr_t sendbuf = 0x10000;
   uint32_t group = 0;  // outermost group ordinal; 0: not in a group
   bool capturing = false;
+  uintptr_t recvbuf = 0;  // 0: sendbuf + 0x100000
 };
 
 void observe_step(StepObservation& seen, const std::vector<Call>& calls) {
@@ -47,11 +48,12 @@ void observe_step(StepObservation& seen, const std::vector<Call>& calls) {
     args.dtype = ncclFloat;
     args.count = c.count;
     args.sendbuf = reinterpret_cast<const void*>(c.sendbuf);
-    args.recvbuf = reinterpret_cast<void*>(c.sendbuf + 0x100000);
+    const uintptr_t recvbuf = c.recvbuf != 0 ? c.recvbuf : c.sendbuf + 0x100000;
+    args.recvbuf = reinterpret_cast<void*>(recvbuf);
     capture::CallRecord record{};
     record.callsite = c.callsite;
     record.sendbuf = c.sendbuf;
-    record.recvbuf = c.sendbuf + 0x100000;
+    record.recvbuf = recvbuf;
     if (c.group != 0) {
       record.flags |= trace::kCallInGroup;
       record.group = c.group;
@@ -65,6 +67,50 @@ std::vector<Reason> reasons(const std::vector<GatherEntry>& entries) {
   std::vector<Reason> out;
   for (const GatherEntry& e : entries) out.push_back(static_cast<Reason>(e.reason));
   return out;
+}
+
+std::vector<uint8_t> flags(const std::vector<GatherEntry>& entries) {
+  std::vector<uint8_t> out;
+  for (const GatherEntry& e : entries) out.push_back(static_cast<uint8_t>(e.flags));
+  return out;
+}
+
+TEST(StepObservation, ASendBufferSharedByGathersIsTransient) {
+  const Options options = options_with({});
+  StepObservation seen;
+  // 4000-byte shards: one buffer refilled for two layers (positions 0 and 2), a view inside
+  // another gather's send range (3 inside 1), and a gather of its own (4). An all-reduce
+  // reading the same memory does not count: only all-gathers are bound.
+  const std::vector<Call> step = {
+      {trace::Op::AllGather, 1000, 1, 0x10000}, {trace::Op::AllGather, 1000, 2, 0x20000},
+      {trace::Op::AllGather, 1000, 3, 0x10000}, {trace::Op::AllGather, 500, 4, 0x20000 + 2000},
+      {trace::Op::AllGather, 1000, 5, 0x30000}, {trace::Op::AllReduce, 1000, 6, 0x30000}};
+  seen.reset(6);
+  observe_step(seen, step);
+  EXPECT_EQ(flags(seen.entries(options, ce::Backend::Host)),
+            (std::vector<uint8_t>{kEntryBufferReused, kEntryBufferReused, kEntryBufferReused,
+                                  kEntryBufferReused, 0}));
+  // Adjacent ranges do not overlap.
+  const std::vector<Call> adjacent = {{trace::Op::AllGather, 1000, 1, 0x10000},
+                                      {trace::Op::AllGather, 1000, 2, 0x10000 + 4000}};
+  seen.reset(2);
+  observe_step(seen, adjacent);
+  EXPECT_EQ(flags(seen.entries(options, ce::Backend::Host)), (std::vector<uint8_t>{0, 0}));
+}
+
+TEST(StepObservation, AnInPlaceGatherIsTransient) {
+  const Options options = options_with({});
+  StepObservation seen;
+  seen.reset(2, 3);  // rank 3
+  Call in_place{trace::Op::AllGather, 1000, 1, 0x50000 + 3 * 4000};
+  in_place.recvbuf = 0x50000;
+  Call elsewhere{trace::Op::AllGather, 1000, 2, 0x90000 + 1 * 4000};  // rank 1's part: not ours
+  elsewhere.recvbuf = 0x90000;
+  observe_step(seen, {in_place, elsewhere});
+  EXPECT_TRUE(seen.at(0).in_place);
+  EXPECT_FALSE(seen.at(1).in_place);
+  EXPECT_EQ(flags(seen.entries(options, ce::Backend::Host)),
+            (std::vector<uint8_t>{kEntryInPlace, 0}));
 }
 
 TEST(StepObservation, GathersAreCandidatesOnceStableForTheWarmup) {
