@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "rewrite/observation.h"
+#include "rewrite/serving.h"
 
 namespace magi::rewrite {
 namespace {
@@ -111,6 +112,54 @@ TEST(StepObservation, AnInPlaceGatherIsTransient) {
   EXPECT_FALSE(seen.at(1).in_place);
   EXPECT_EQ(flags(seen.entries(options, ce::Backend::Host)),
             (std::vector<uint8_t>{kEntryInPlace, 0}));
+}
+
+TEST(BoundSources, ACallFindsTheBindingOfTheBufferItSends) {
+  // Three bound gathers of 4000 bytes and one of 2000, each from a buffer of its own.
+  StepObservation seen;
+  seen.reset(4);
+  const std::vector<Call> step = {{trace::Op::AllGather, 1000, 1, 0x10000},
+                                  {trace::Op::AllGather, 1000, 2, 0x20000},
+                                  {trace::Op::AllGather, 1000, 3, 0x30000},
+                                  {trace::Op::AllGather, 500, 4, 0x40000}};
+  observe_step(seen, step);
+  Decision d;
+  d.bound = true;
+  for (uint32_t p = 0; p < 4; ++p)
+    d.gathers.push_back({p, static_cast<uint16_t>(p), true, Reason::None, -1});
+  const SlotLayout layout = lay_out_slots(seen, d.gathers, true);
+  BoundSources sources;
+  sources.reset(d, seen, layout);
+  ASSERT_FALSE(sources.empty());
+  const auto at = [&](uint32_t p) { return layout.offset_by_position[p]; };
+
+  // Its own buffer: its own binding.
+  BoundSources::Found f = sources.find(1, 0x20000, 4000, at(1));
+  EXPECT_EQ(f.slot_offset, at(1));
+  EXPECT_FALSE(f.verify_now);
+  EXPECT_FALSE(f.other_source);
+  // Position 0 sends position 2's buffer (layers in another order): position 2's binding.
+  f = sources.find(0, 0x30000, 4000, at(0));
+  EXPECT_EQ(f.slot_offset, at(2));
+  EXPECT_FALSE(f.verify_now);
+  EXPECT_TRUE(f.other_source);
+  // The same buffer with another size is not that binding: none, checked now, once per buffer.
+  f = sources.find(0, 0x40000, 4000, at(0));
+  EXPECT_EQ(f.slot_offset, at(0));
+  EXPECT_TRUE(f.verify_now);
+  EXPECT_FALSE(f.other_source);
+  EXPECT_FALSE(sources.find(0, 0x40000, 4000, at(0)).verify_now);
+  // A re-homed buffer: its own position's binding, checked once; another one checked again,
+  // and so is the first after the position went back to a bound buffer in between.
+  EXPECT_TRUE(sources.find(3, 0x90000, 2000, at(3)).verify_now);
+  EXPECT_FALSE(sources.find(3, 0x90000, 2000, at(3)).verify_now);
+  EXPECT_TRUE(sources.find(3, 0xa0000, 2000, at(3)).verify_now);
+  EXPECT_FALSE(sources.find(3, 0x40000, 2000, at(3)).verify_now);
+  EXPECT_TRUE(sources.find(3, 0xa0000, 2000, at(3)).verify_now);
+  // Not bound (default mode): nothing to look up.
+  d.bound = false;
+  sources.reset(d, seen, layout);
+  EXPECT_TRUE(sources.empty());
 }
 
 TEST(StepObservation, GathersAreCandidatesOnceStableForTheWarmup) {
