@@ -96,12 +96,16 @@ struct WindowPlan {
 // One gather of a bucket. `bytes` is this rank's shard (sendcount × element size); the receive
 // buffer holds nranks × bytes, rank r's shard at r × bytes. In-place (sendbuf == recvbuf +
 // rank × bytes) is allowed. `slot_offset` is where this gather's shard lies inside a staging slot
-// (bound windows: inside the region): equal on every rank.
+// (bound windows: inside the region, where the peers' bindings are read AND where this rank's
+// binding, checked against `sendbuf`, is): equal on every rank. `verify_now` (bound windows):
+// the check of `sendbuf` against that binding is owed now (its next untimed call), whatever the
+// schedule says: the caller found the send buffer is not the one bound there.
 struct GatherOp {
   const void* sendbuf;
   void* recvbuf;
   size_t bytes;
   size_t slot_offset;
+  bool verify_now = false;
 };
 
 // A transport for one communicator. Every method may throw magi::Error; the caller (rewrite/)

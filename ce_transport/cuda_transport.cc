@@ -425,6 +425,7 @@ class CudaTransport final : public Transport {
   // later call.
   void start_check(std::span<const GatherOp> bucket, cudaStream_t stream, Timing timing) {
     for (const GatherOp& op : bucket) {
+      if (op.verify_now) verify_.owe(op.slot_offset);
       if (!verify_.on_call(op.slot_offset, timing) || op.bytes == 0) continue;
       if (check_.pending) {
         verify_.owe(op.slot_offset);

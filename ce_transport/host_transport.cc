@@ -255,6 +255,7 @@ class HostTransport final : public Transport {
     for (const GatherOp& op : bucket) {
       auto* recv = static_cast<uint8_t*>(op.recvbuf);
       uint8_t* region = own_.data() + slots_at_ + op.slot_offset;
+      if (op.verify_now) verify_.owe(op.slot_offset);
       if (verify_.on_call(op.slot_offset, timing) && !samples_match(op, region)) {
         std::memcpy(region, op.sendbuf, op.bytes);
         stale_.push_back(op.slot_offset);

@@ -34,7 +34,9 @@ class VerifySchedule {
     --b.owed;
     return true;
   }
-  // The check on_call asked for could not start now: it runs at the binding's next untimed call.
+  // A check owed now, before on_call: the one on_call asked for could not start, or the caller
+  // knows the binding's source changed (GatherOp::verify_now). It runs at the binding's next
+  // untimed call, this one if untimed.
   void owe(size_t slot_offset) { owe(bindings_[slot_offset]); }
   // A check of the binding starts now: its ordinal among the binding's checks, from 0 (which
   // sweep set it compares: sample_plan.h).

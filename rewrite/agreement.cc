@@ -94,7 +94,21 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
     if (offset != SIZE_MAX) {
       Route::Kind kind = active_dry_ ? Route::Kind::WouldMove : Route::Kind::Move;
       if (trial_.sends_to_nccl(schedule_.steps())) kind = Route::Kind::TrialNccl;
-      return {kind, offset, layout_.bucket_by_position[view.position]};
+      Route route{kind, offset, layout_.bucket_by_position[view.position]};
+      if (kind == Route::Kind::Move && !sources_.empty()) {
+        const BoundSources::Found found =
+            sources_.find(view.position, record.sendbuf,
+                          args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)), offset);
+        route.slot_offset = found.slot_offset;
+        route.verify_now = found.verify_now;
+        if (found.other_source && other_source_calls_++ == 0)
+          MAGI_INFO(Transport,
+                    "comm %012llx: static weights: the gather at position %u sends a buffer "
+                    "bound for another position; it reads that binding on every peer (exact "
+                    "when every rank made the same change; counted)",
+                    short_id(info_.identity), view.position);
+      }
+      return route;
     }
   }
   return {};
@@ -110,7 +124,7 @@ ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket,
 void CommAgreement::restart(const capture::StepView& view) {
   if (active_) deactivate(view.collective_index, Reason::Deviated);
   abandon_pending(view.collective_index);
-  seen_.reset(view.period);
+  seen_.reset(view.period, info_.rank);
   serving_.forget_stale();
   step_digest_ = view.digest;
   schedule_.restart();
@@ -350,6 +364,13 @@ void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
   if (active_ && d.hash == active_hash_ && d.dry_run == active_dry_) return;  // the plan stands
   if (active_) deactivate(seq, Reason::None);
   layout_ = lay_out_slots(seen_, d.gathers, d.bound);
+  if (d.transient_rank >= 0)
+    MAGI_INFO(Rewrite,
+              "comm %012llx round %u: static weights: gather at position %lld is transient on "
+              "rank %d (%s): the plan stages instead of binding",
+              short_id(info_.identity), decision_round_,
+              static_cast<long long>(d.transient_position), d.transient_rank,
+              d.transient_flags & kEntryBufferReused ? "buffer reused" : "in place");
   if (d.dry_run) {
     active_dry_ = true;
     activate(seq);
@@ -363,6 +384,8 @@ void CommAgreement::publish(uint64_t seq) {
   c.header.decision_hash = decision_.hash;
   try {
     const ce::WindowPlan plan = window_plan(decision_, seen_, layout_, options_);
+    sources_.reset(decision_, seen_, layout_);
+    other_source_calls_ = 0;
     serving_.open_window(plan, c.header.handle);
     c.header.flags |= kCanServe;
     const size_t window = serving_.window_bytes();
@@ -451,6 +474,13 @@ void CommAgreement::deactivate(uint64_t seq, Reason why) {
   active_dry_ = false;
   active_hash_ = 0;
   trial_.stop();
+  if (other_source_calls_ != 0)
+    MAGI_INFO(Transport,
+              "comm %012llx: static weights: %llu moved calls read another position's binding "
+              "(their send buffer's) during this plan",
+              short_id(info_.identity), static_cast<unsigned long long>(other_source_calls_));
+  other_source_calls_ = 0;
+  sources_.clear();
   record(RoundKind::Propose, trace::RoundEvent::Deactivated, seq, decision_.mode, why, 0);
   MAGI_INFO(Rewrite, "comm %012llx: gathers back on NCCL from collective #%llu (%s)",
             short_id(info_.identity), static_cast<unsigned long long>(seq),

@@ -68,6 +68,9 @@ struct Route {
   // Bucket of the plan. Usually one per ncclGroupStart/End; a group that straddles the step's
   // boundary is two buckets (each packed from offset 0), served one after the other.
   uint16_t bucket = 0;
+  // Static weights: this rank's send buffer is bound for no position; its check is owed now
+  // (BoundSources, serving.h).
+  bool verify_now = false;
 };
 
 // Coordinates the parts for one communicator: the round schedule, the rounds themselves (issued
@@ -150,6 +153,8 @@ class CommAgreement {
   Decision decision_;
   uint32_t decision_round_ = 0;
   SlotLayout layout_;
+  BoundSources sources_;             // static weights: the bindings' send buffers
+  uint64_t other_source_calls_ = 0;  // moved calls that read another position's binding
   Serving serving_;
   CostTrial trial_;
   uint64_t nccl_faster_hash_ = 0;  // a plan whose cost round kept no bucket: not tried again

@@ -177,6 +177,27 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
     }
   }
 
+  // Static weights bind each shard once, from its send buffer as it is at the anchor: exact only
+  // where that buffer holds its shard at every moment. A gather transient on any rank (buffer
+  // reused between positions, or in place) would bind another layer's bytes there, so the whole
+  // plan stages instead, as in the default mode, which is exact for any buffer reuse. Decided
+  // from every rank's flags, so alike everywhere; the hash covers `bound`.
+  if (d.bound) {
+    for (size_t g = 0; g < n && d.transient_rank < 0; ++g) {
+      if (!d.gathers[g].moves) continue;
+      for (int r = 0; r < nranks; ++r) {
+        const GatherEntry& e = c[static_cast<size_t>(r)].entries[g];
+        if (e.flags & kEntryTransient) {
+          d.transient_position = d.gathers[g].position;
+          d.transient_rank = r;
+          d.transient_flags = static_cast<uint8_t>(e.flags);
+          break;
+        }
+      }
+    }
+    if (d.transient_rank >= 0) d.bound = false;
+  }
+
   XXH3_state_t state;
   XXH3_64bits_reset(&state);
   XXH3_64bits_update(&state, &mine.header.step_digest, sizeof(mine.header.step_digest));

@@ -22,7 +22,7 @@ using trace::Reason;
 using trace::RoundKind;
 
 inline constexpr uint32_t kContributionMagic = 0x4147524d;  // "MRGA"
-inline constexpr uint32_t kContributionVersion = 1;
+inline constexpr uint32_t kContributionVersion = 2;
 inline constexpr uint32_t kMaxGathers = 1024;  // gathers per step a round can carry
 
 // Flags of a contribution.
@@ -56,12 +56,20 @@ struct ContributionHeader {
   ce::HandleBlob handle;   // publish: how to open this rank's window
 };
 
+// Flags of a GatherEntry: its send buffer is transient on this rank (it holds the shard only
+// around its own call), so a static binding taken at the anchor would hold other bytes.
+inline constexpr uint8_t kEntryBufferReused = 1u << 0;  // send range overlaps another gather's
+inline constexpr uint8_t kEntryInPlace = 1u << 1;       // sendbuf == recvbuf + rank × bytes
+inline constexpr uint8_t kEntryTransient = kEntryBufferReused | kEntryInPlace;
+inline constexpr uint32_t kMaxPosition = (1u << 24) - 1;  // MAGI_MAX_STEP_CALLS <= 2^20
+
 // One all-gather of the step as this rank saw it.
 struct GatherEntry {
   uint64_t callsite;
   uint64_t count;
-  uint32_t position;  // in the step
-  uint16_t bucket;    // bucket index in the step
+  uint32_t position : 24;  // in the step
+  uint32_t flags : 8;      // kEntry*
+  uint16_t bucket;         // bucket index in the step
   uint8_t dtype;
   uint8_t reason;  // Reason::None: eligible on this rank
 };
@@ -99,9 +107,14 @@ struct GatherDecision {
 
 struct Decision {
   AgreementMode mode = AgreementMode::None;
-  Reason reason = Reason::None;         // when nothing moves because of the whole communicator
-  bool dry_run = false;                 // some rank runs dry: everyone only reports
-  bool bound = false;                   // every rank asserted static weights: shards are bound once
+  Reason reason = Reason::None;  // when nothing moves because of the whole communicator
+  bool dry_run = false;          // some rank runs dry: everyone only reports
+  bool bound = false;            // every rank asserted static weights: shards are bound once
+  // Static weights asserted by every rank, but some moving gather is transient on some rank: the
+  // plan stages (default mode) instead. The first such gather, for the log; -1 when none.
+  int64_t transient_position = -1;
+  int32_t transient_rank = -1;
+  uint8_t transient_flags = 0;          // kEntry* of that entry on that rank
   std::vector<GatherDecision> gathers;  // in step order
   uint32_t moved = 0;
   uint64_t hash = 0;  // of step digest, mode and the moving positions; 0 if none move

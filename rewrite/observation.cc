@@ -13,8 +13,9 @@ namespace {
 size_t aligned(size_t bytes) { return round_up(bytes, kSlotAlignment); }
 }  // namespace
 
-void StepObservation::reset(uint32_t period) {
+void StepObservation::reset(uint32_t period, int rank) {
   positions_.assign(period, PositionSeen{});
+  rank_ = rank;
   complete_steps_ = 0;
   step_open_ = false;
   groups_in_step_ = 0;
@@ -66,6 +67,9 @@ void StepObservation::observe(uint32_t position, const capture::CallArgs& args,
   p.callsite = record.callsite;
   p.sendbuf = record.sendbuf;
   p.recvbuf = record.recvbuf;
+  p.send_bytes = gather ? args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)) : 0;
+  p.in_place = gather && p.send_bytes != 0 &&
+               p.sendbuf == p.recvbuf + static_cast<uint64_t>(rank_) * p.send_bytes;
   p.send = send;
   p.recv = gather ? ce::identify_buffer(backend, args.recvbuf) : ce::BufferIdentity{};
 }
@@ -79,6 +83,35 @@ uint64_t StepObservation::callsite_digest() const {
 }
 
 namespace {
+
+// Positions (all-gathers with a non-empty send range) whose send range overlaps another's.
+std::vector<bool> overlapping_sends(const std::vector<PositionSeen>& positions) {
+  std::vector<uint32_t> order;
+  for (uint32_t pos = 0; pos < positions.size(); ++pos) {
+    const PositionSeen& p = positions[pos];
+    if (p.op == static_cast<uint8_t>(trace::Op::AllGather) && p.send_bytes != 0)
+      order.push_back(pos);
+  }
+  std::sort(order.begin(), order.end(),
+            [&](uint32_t a, uint32_t b) { return positions[a].sendbuf < positions[b].sendbuf; });
+  std::vector<bool> out(positions.size(), false);
+  // Sorted by start: a range overlaps an earlier one iff it starts before the furthest end so
+  // far; the one holding that end overlaps it too.
+  uint64_t furthest_end = 0;
+  uint32_t furthest = 0;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const PositionSeen& p = positions[order[i]];
+    if (i > 0 && p.sendbuf < furthest_end) {
+      out[order[i]] = true;
+      out[furthest] = true;
+    }
+    if (i == 0 || p.sendbuf + p.send_bytes > furthest_end) {
+      furthest_end = p.sendbuf + p.send_bytes;
+      furthest = order[i];
+    }
+  }
+  return out;
+}
 
 Reason memory_refusal(const ce::BufferIdentity& id, ce::Backend backend) {
   if (backend == ce::Backend::Host)
@@ -99,6 +132,7 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
   std::vector<GatherEntry> out;
   // Buckets: the gathers of one group share one; an ungrouped gather is a bucket of its own.
   std::map<uint32_t, uint16_t> bucket_of_key;
+  const std::vector<bool> overlaps = overlapping_sends(positions_);
   for (uint32_t pos = 0; pos < positions_.size(); ++pos) {
     const PositionSeen& p = positions_[pos];
     if (p.op != static_cast<uint8_t>(trace::Op::AllGather)) continue;
@@ -111,6 +145,7 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
     e.position = pos;
     e.bucket = it->second;
     e.dtype = p.dtype;
+    e.flags = (overlaps[pos] ? kEntryBufferReused : 0u) | (p.in_place ? kEntryInPlace : 0u);
     Reason why = Reason::None;
     const uint64_t min_bytes = options.symm_min_shard_bytes;
     if (p.stable_steps < static_cast<uint64_t>(options.warmup_steps))

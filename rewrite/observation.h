@@ -26,6 +26,8 @@ struct PositionSeen {
   uint64_t callsite = 0;
   uint64_t sendbuf = 0;
   uint64_t recvbuf = 0;
+  uint64_t send_bytes = 0;  // the send range is [sendbuf, sendbuf + send_bytes)
+  bool in_place = false;    // sendbuf == recvbuf + rank × send_bytes
   ce::BufferIdentity send;
   ce::BufferIdentity recv;
   uint32_t stable_steps = 0;  // consecutive steps with the same count, type, call site, send buffer
@@ -33,8 +35,9 @@ struct PositionSeen {
 
 class StepObservation {
  public:
-  // Starts over for a step of `period` collectives (step found, lost or changed).
-  void reset(uint32_t period);
+  // Starts over for a step of `period` collectives (step found, lost or changed). `rank`: this
+  // rank in the communicator (what makes a gather in place).
+  void reset(uint32_t period, int rank = 0);
   // At position 0: the step that just ended becomes the one decisions are made from.
   void begin_step();
   void observe(uint32_t position, const capture::CallArgs& args, const capture::CallRecord& record,
@@ -51,11 +54,16 @@ class StepObservation {
   // This rank's entries for a propose round: every all-gather of the step, with its bucket and,
   // if it cannot move on this rank, why.
   // `stale`: positions whose static binding was found changed (they stay until the step changes).
+  // An entry is flagged transient (kEntryBufferReused, kEntryInPlace) when its send buffer holds
+  // its shard only around its own call: in place, or a send range that overlaps another
+  // all-gather's of the step (one buffer refilled for each layer, views of one scratch). A copy
+  // of it taken at any other moment (a static binding at the anchor) holds another layer's bytes.
   std::vector<GatherEntry> entries(const Options& options, ce::Backend backend,
                                    const std::vector<uint32_t>& stale = {}) const;
 
  private:
   std::vector<PositionSeen> positions_;
+  int rank_ = 0;
   uint64_t complete_steps_ = 0;
   bool step_open_ = false;
   uint32_t last_group_ordinal_ = 0;

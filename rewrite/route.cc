@@ -106,7 +106,7 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
   const bool done = guarded("rewrite", [&] {
     const ce::GatherOp op{args.sendbuf, args.recvbuf,
                           args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)),
-                          route.slot_offset};
+                          route.slot_offset, route.verify_now};
     const NcclGather call{args.sendbuf, args.recvbuf, args.count, args.dtype};
     if (agreement->world().group().depth > 0) {
       t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, op, call});

@@ -1,6 +1,8 @@
 #include "rewrite/serving.h"
 
+#include <algorithm>
 #include <exception>
+#include <tuple>
 
 namespace magi::rewrite {
 
@@ -18,6 +20,46 @@ ce::WindowPlan window_plan(const Decision& decision, const StepObservation& seen
                          p.count * datatype_bytes(p.dtype), layout.offset_by_position[g.position]});
   }
   return plan;
+}
+
+void BoundSources::reset(const Decision& decision, const StepObservation& seen,
+                         const SlotLayout& layout) {
+  clear();
+  if (!decision.bound) return;
+  for (const GatherDecision& g : decision.gathers) {
+    if (!g.moves) continue;
+    const PositionSeen& p = seen.at(g.position);
+    by_buffer_.push_back(
+        {p.sendbuf, p.count * datatype_bytes(p.dtype), layout.offset_by_position[g.position]});
+  }
+  std::sort(by_buffer_.begin(), by_buffer_.end(), [](const Source& a, const Source& b) {
+    return std::tie(a.sendbuf, a.bytes) < std::tie(b.sendbuf, b.bytes);
+  });
+  checked_since_.assign(seen.period(), 0);
+}
+
+void BoundSources::clear() {
+  by_buffer_.clear();
+  checked_since_.clear();
+}
+
+BoundSources::Found BoundSources::find(uint32_t position, uint64_t sendbuf, uint64_t bytes,
+                                       size_t slot_offset) {
+  const auto it =
+      std::lower_bound(by_buffer_.begin(), by_buffer_.end(), std::tie(sendbuf, bytes),
+                       [](const Source& s, const std::tuple<uint64_t&, uint64_t&>& key) {
+                         return std::tie(s.sendbuf, s.bytes) < key;
+                       });
+  if (it != by_buffer_.end() && it->sendbuf == sendbuf && it->bytes == bytes) {
+    if (position < checked_since_.size()) checked_since_[position] = 0;
+    return {it->slot_offset, false, it->slot_offset != slot_offset};
+  }
+  bool verify = false;
+  if (position < checked_since_.size() && checked_since_[position] != sendbuf) {
+    checked_since_[position] = sendbuf;
+    verify = true;
+  }
+  return {slot_offset, verify, false};
 }
 
 Serving::Serving(const AgreementWorld& world, const capture::CommInfo& info, ncclComm_t comm)

@@ -30,6 +30,51 @@ struct NcclGather {
 ce::WindowPlan window_plan(const Decision& decision, const StepObservation& seen,
                            const SlotLayout& layout, const Options& options);
 
+// Static weights: where each bound position's shard was copied from at the publish round, so
+// that a moved call finds the binding of the buffer it names rather than of its position.
+//
+// At a moved call at position p, this rank's send buffer (address and byte count) is looked up:
+//  - p's own source: p's binding, as agreed;
+//  - the source of another bound position q of the same size: the call reads q's binding on
+//    every peer (keyed by tensor, not position). Exact whenever every rank made the same change
+//    (layers gathered in another order on every rank: each rank finds the same q);
+//  - no source: this rank's part is its current buffer, the peers' parts their bindings of p,
+//    under the promise that the new buffer holds p's bytes; a check of it against p's binding is
+//    owed to this call (once per new buffer), and a mismatch is the stale path (WARN, NCCL at the
+//    next round).
+// What stays silent: a change made on ONE rank only that maps to another binding (that rank alone
+// swaps two layers, or re-homes a shard into a buffer bound for another position of the same
+// size). Each rank decides from its own buffers only; nothing at the call tells a reader what the
+// peer's buffer is, and the routes must not depend on it (rewrite/agreement.h), so that rank
+// reads q everywhere while its peers read p: wrong bytes on every rank until the next round, whose
+// propose sees the changed buffers (NotStable) and takes those gathers back to NCCL. Telling it
+// would take a per-call exchange of buffer identities between ranks. A one-rank re-home to a
+// buffer bound for nothing, by contrast, is checked (the third case).
+class BoundSources {
+ public:
+  // From the same facts window_plan() binds from. Allocates (plan time).
+  void reset(const Decision& decision, const StepObservation& seen, const SlotLayout& layout);
+  void clear();
+  bool empty() const { return by_buffer_.empty(); }
+
+  struct Found {
+    size_t slot_offset;
+    bool verify_now;    // no binding holds this buffer: check it against p's binding now
+    bool other_source;  // read another position's binding (keyed by tensor)
+  };
+  // Hot path: a binary search, no allocation. `slot_offset` is p's own.
+  Found find(uint32_t position, uint64_t sendbuf, uint64_t bytes, size_t slot_offset);
+
+ private:
+  struct Source {
+    uint64_t sendbuf;
+    uint64_t bytes;
+    size_t slot_offset;
+  };
+  std::vector<Source> by_buffer_;        // sorted by (sendbuf, bytes)
+  std::vector<uint64_t> checked_since_;  // per position: the unbound buffer last checked
+};
+
 class Serving {
  public:
   Serving(const AgreementWorld& world, const capture::CommInfo& info, ncclComm_t comm);

@@ -37,6 +37,20 @@ TEST(VerifySchedule, TimedCallsAreNeverCheckedAndWhatWasDueRunsAfter) {
   EXPECT_EQ(checked_calls(s, calls), (std::vector<int>{4, 5, 6, 9}));
 }
 
+TEST(VerifySchedule, ACheckOwedNowRunsOnThisCallOrTheNextUntimedOne) {
+  // Past the first calls, nothing is due until call 64; the caller owes one now (a send buffer
+  // that is not the bound one, GatherOp::verify_now) on call 10 (untimed: runs there) and on
+  // call 20 (timed: runs on call 21).
+  VerifySchedule s;
+  s.reset(1, 64);
+  std::vector<int> checked;
+  for (int call = 1; call <= 30; ++call) {
+    if (call == 10 || call == 20) s.owe(0);
+    if (s.on_call(0, call == 20 ? kTimed : kUntimed)) checked.push_back(call);
+  }
+  EXPECT_EQ(checked, (std::vector<int>{1, 10, 21}));
+}
+
 TEST(VerifySchedule, ACheckThatCouldNotStartIsOwedNotLost) {
   VerifySchedule s;
   s.reset(1, 0);

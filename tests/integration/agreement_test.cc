@@ -367,6 +367,80 @@ TEST(Agreement, StaticWeightsThatChangeAreCaughtAndGoBackToNcclOnEveryRank) {
   EXPECT_TRUE(followed);
 }
 
+// Static weights that never change, held the ways a program may hold them (the weights
+// scenario checks every received byte right after its call): one send buffer refilled for every
+// layer, layers gathered in another order on every rank from step 15 on or in alternating order,
+// and one rank re-homing one shard alone. Byte-exact at every call in both modes, on every rank
+// count; moved calls in every run.
+struct WeightsCase {
+  std::vector<std::string> program;
+  int steps;
+};
+
+const std::vector<WeightsCase> kWeightsCases = {
+    {{"--program", "reused"}, 24},
+    {{"--program", "swap", "--swap-step", "15"}, 40},
+    {{"--program", "alternate", "--swap-step", "10"}, 30},
+    {{"--program", "rehome", "--rehome-rank", "1", "--rehome-step", "15"}, 30},
+};
+
+AgreedRun run_weights(int n, const WeightsCase& c, bool static_weights) {
+  std::vector<std::string> args = {"weights", "--layers", "4", "--steps", std::to_string(c.steps)};
+  args.insert(args.end(), c.program.begin(), c.program.end());
+  std::vector<std::pair<std::string, std::string>> env;
+  if (static_weights) env.emplace_back("MAGI_STATIC_WEIGHTS", "1");
+  return run_agreed(n, args, env, 90);
+}
+
+class StaticWeightsPrograms : public ::testing::TestWithParam<int> {};
+
+TEST_P(StaticWeightsPrograms, AreByteExactAtEveryCallInBothModes) {
+  const int n = GetParam();
+  for (const WeightsCase& c : kWeightsCases) {
+    for (const bool static_weights : {false, true}) {
+      SCOPED_TRACE(c.program[1] + (static_weights ? " (static)" : " (default)") + " on " +
+                   std::to_string(n) + " ranks");
+      const AgreedRun r = run_weights(n, c, static_weights);
+      ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+      expect_ranks_agree(r);
+      ASSERT_EQ(r.comms.size(), 1u);
+      for (const auto& [rank, v] : r.comms.begin()->second)
+        EXPECT_GE(v.moved.size(), 4u * 4) << "rank " << rank << "\n" << transcript(r);
+      if (!static_weights) continue;
+      if (c.program[1] == "reused") {
+        // The shared buffer is transient: the plan stages, never binds.
+        EXPECT_NE(r.log.find("is transient on rank"), std::string::npos) << r.log;
+        EXPECT_NE(r.log.find("(buffer reused): the plan stages instead of binding"),
+                  std::string::npos)
+            << r.log;
+        EXPECT_EQ(r.log.find("gathers bound"), std::string::npos) << r.log;
+      } else {
+        EXPECT_NE(r.log.find("static weights: 4 gathers bound"), std::string::npos) << r.log;
+      }
+      if (c.program[1] == "swap" || c.program[1] == "alternate") {
+        EXPECT_NE(r.log.find("reads that binding on every peer"), std::string::npos) << r.log;
+      }
+      // The re-homed shard holds the same bytes: checked, and found equal.
+      EXPECT_EQ(r.log.find("changed after it was bound"), std::string::npos) << r.log;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, StaticWeightsPrograms, ::testing::Values(2, 4, 8));
+
+TEST(Agreement, StaticWeightsRehomedToOtherBytesAreCaught) {
+  // The check owed at a re-homed call is real: a re-homed shard with other bytes (a broken
+  // promise) is found at that call and the gather goes back to NCCL.
+  const AgreedRun r =
+      run_agreed(4,
+                 {"weights", "--layers", "4", "--steps", "30", "--program", "rehome",
+                  "--rehome-rank", "2", "--rehome-step", "12", "--rehome-other", "1"},
+                 {{"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_REAGREE_STEPS", "2"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  EXPECT_NE(r.log.find("changed after it was bound"), std::string::npos) << r.log;
+}
+
 // A transport that fails on one rank, where a CUDA error could: every rank ends up on NCCL, at
 // the same call, and the program never notices.
 TEST(Agreement, ATransportThatCannotPrepareOrAttachKeepsEveryRankOnNccl) {

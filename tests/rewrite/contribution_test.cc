@@ -209,6 +209,74 @@ Contribution commit(int rank, int n, RoundKind kind, uint64_t hash, bool can_ser
   return c;
 }
 
+std::vector<Contribution> static_ranks(int n, int gathers) {
+  std::vector<Contribution> all = ranks(n, gathers);
+  for (Contribution& c : all) c.header.flags |= kStaticWeights;
+  return all;
+}
+
+TEST(Ladder, StaticWeightsBindWhenNoGatherIsTransient) {
+  const Decision d = decide_everywhere(static_ranks(4, 3));
+  EXPECT_TRUE(d.bound);
+  EXPECT_EQ(d.moved, 3u);
+  EXPECT_EQ(d.transient_rank, -1);
+}
+
+TEST(Ladder, AGatherTransientOnOneRankMakesEveryRankStage) {
+  for (const uint8_t flag : {kEntryBufferReused, kEntryInPlace}) {
+    std::vector<Contribution> all = static_ranks(4, 3);
+    const uint64_t bound_hash = decide_everywhere(all).hash;
+    all[2].entries[1].flags = flag;
+    const std::vector<uint8_t> bytes = gather_all(all);
+    for (int r = 0; r < 4; ++r) {
+      const Decision d = decide(bytes, 4, r);
+      EXPECT_FALSE(d.bound) << "rank " << r;
+      EXPECT_EQ(d.moved, 3u) << "rank " << r;  // still moved, staged as in the default mode
+      EXPECT_EQ(d.transient_position, 1) << "rank " << r;
+      EXPECT_EQ(d.transient_rank, 2) << "rank " << r;
+      EXPECT_EQ(d.transient_flags, flag) << "rank " << r;
+    }
+    // A staged plan is another plan: no rank may serve it from bindings agreed before.
+    const Decision staged = decide_everywhere(all);
+    EXPECT_NE(staged.hash, bound_hash);
+    EXPECT_NE(staged.hash, 0u);
+  }
+}
+
+TEST(Ladder, ATransientGatherThatStaysOnNcclKeepsTheBinding) {
+  std::vector<Contribution> all = static_ranks(4, 3);
+  all[1].entries[0].flags = kEntryBufferReused;
+  all[3].entries[0].reason = static_cast<uint8_t>(Reason::NotStable);
+  const Decision d = decide_everywhere(all);
+  EXPECT_TRUE(d.bound);
+  EXPECT_EQ(d.moved, 2u);
+  EXPECT_FALSE(d.gathers[0].moves);
+}
+
+TEST(Ladder, TransientFlagsMatterOnlyForStaticWeights) {
+  std::vector<Contribution> all = ranks(2, 2);
+  const uint64_t plain = decide_everywhere(all).hash;
+  all[0].entries[0].flags = kEntryInPlace;
+  const Decision d = decide_everywhere(all);
+  EXPECT_FALSE(d.bound);
+  EXPECT_EQ(d.transient_rank, -1);
+  EXPECT_EQ(d.hash, plain);
+}
+
+TEST(Ladder, EntryFlagsSurviveTheWireAndKeepTheEntrySize) {
+  static_assert(sizeof(GatherEntry) == 24);
+  Contribution c = propose(0, 1, 2);
+  c.entries[1].flags = kEntryInPlace;
+  c.entries[1].position = kMaxPosition;
+  std::vector<uint8_t> bytes(kContributionBytes);
+  c.serialize(bytes);
+  Contribution back;
+  ASSERT_TRUE(Contribution::parse(bytes, back));
+  EXPECT_EQ(back.entries[0].flags, 0u);
+  EXPECT_EQ(back.entries[1].flags, kEntryInPlace);
+  EXPECT_EQ(back.entries[1].position, kMaxPosition);
+}
+
 TEST(Commit, AgreedOnlyWhenEveryRankCanServeTheSamePlan) {
   std::vector<Contribution> all;
   for (int r = 0; r < 3; ++r) all.push_back(commit(r, 3, RoundKind::Publish, 77, true));

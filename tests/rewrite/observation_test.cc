@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "rewrite/observation.h"
+#include "rewrite/serving.h"
 
 namespace magi::rewrite {
 namespace {
@@ -36,6 +37,7 @@ struct Call {
   uintptr_t sendbuf = 0x10000;
   uint32_t group = 0;  // outermost group ordinal; 0: not in a group
   bool capturing = false;
+  uintptr_t recvbuf = 0;  // 0: sendbuf + 0x100000
 };
 
 void observe_step(StepObservation& seen, const std::vector<Call>& calls) {
@@ -47,11 +49,12 @@ void observe_step(StepObservation& seen, const std::vector<Call>& calls) {
     args.dtype = ncclFloat;
     args.count = c.count;
     args.sendbuf = reinterpret_cast<const void*>(c.sendbuf);
-    args.recvbuf = reinterpret_cast<void*>(c.sendbuf + 0x100000);
+    const uintptr_t recvbuf = c.recvbuf != 0 ? c.recvbuf : c.sendbuf + 0x100000;
+    args.recvbuf = reinterpret_cast<void*>(recvbuf);
     capture::CallRecord record{};
     record.callsite = c.callsite;
     record.sendbuf = c.sendbuf;
-    record.recvbuf = c.sendbuf + 0x100000;
+    record.recvbuf = recvbuf;
     if (c.group != 0) {
       record.flags |= trace::kCallInGroup;
       record.group = c.group;
@@ -65,6 +68,98 @@ std::vector<Reason> reasons(const std::vector<GatherEntry>& entries) {
   std::vector<Reason> out;
   for (const GatherEntry& e : entries) out.push_back(static_cast<Reason>(e.reason));
   return out;
+}
+
+std::vector<uint8_t> flags(const std::vector<GatherEntry>& entries) {
+  std::vector<uint8_t> out;
+  for (const GatherEntry& e : entries) out.push_back(static_cast<uint8_t>(e.flags));
+  return out;
+}
+
+TEST(StepObservation, ASendBufferSharedByGathersIsTransient) {
+  const Options options = options_with({});
+  StepObservation seen;
+  // 4000-byte shards: one buffer refilled for two layers (positions 0 and 2), a view inside
+  // another gather's send range (3 inside 1), and a gather of its own (4). An all-reduce
+  // reading the same memory does not count: only all-gathers are bound.
+  const std::vector<Call> step = {
+      {trace::Op::AllGather, 1000, 1, 0x10000}, {trace::Op::AllGather, 1000, 2, 0x20000},
+      {trace::Op::AllGather, 1000, 3, 0x10000}, {trace::Op::AllGather, 500, 4, 0x20000 + 2000},
+      {trace::Op::AllGather, 1000, 5, 0x30000}, {trace::Op::AllReduce, 1000, 6, 0x30000}};
+  seen.reset(6);
+  observe_step(seen, step);
+  EXPECT_EQ(flags(seen.entries(options, ce::Backend::Host)),
+            (std::vector<uint8_t>{kEntryBufferReused, kEntryBufferReused, kEntryBufferReused,
+                                  kEntryBufferReused, 0}));
+  // Adjacent ranges do not overlap.
+  const std::vector<Call> adjacent = {{trace::Op::AllGather, 1000, 1, 0x10000},
+                                      {trace::Op::AllGather, 1000, 2, 0x10000 + 4000}};
+  seen.reset(2);
+  observe_step(seen, adjacent);
+  EXPECT_EQ(flags(seen.entries(options, ce::Backend::Host)), (std::vector<uint8_t>{0, 0}));
+}
+
+TEST(StepObservation, AnInPlaceGatherIsTransient) {
+  const Options options = options_with({});
+  StepObservation seen;
+  seen.reset(2, 3);  // rank 3
+  Call in_place{trace::Op::AllGather, 1000, 1, 0x50000 + 3 * 4000};
+  in_place.recvbuf = 0x50000;
+  Call elsewhere{trace::Op::AllGather, 1000, 2, 0x90000 + 1 * 4000};  // rank 1's part: not ours
+  elsewhere.recvbuf = 0x90000;
+  observe_step(seen, {in_place, elsewhere});
+  EXPECT_TRUE(seen.at(0).in_place);
+  EXPECT_FALSE(seen.at(1).in_place);
+  EXPECT_EQ(flags(seen.entries(options, ce::Backend::Host)),
+            (std::vector<uint8_t>{kEntryInPlace, 0}));
+}
+
+TEST(BoundSources, ACallFindsTheBindingOfTheBufferItSends) {
+  // Three bound gathers of 4000 bytes and one of 2000, each from a buffer of its own.
+  StepObservation seen;
+  seen.reset(4);
+  const std::vector<Call> step = {{trace::Op::AllGather, 1000, 1, 0x10000},
+                                  {trace::Op::AllGather, 1000, 2, 0x20000},
+                                  {trace::Op::AllGather, 1000, 3, 0x30000},
+                                  {trace::Op::AllGather, 500, 4, 0x40000}};
+  observe_step(seen, step);
+  Decision d;
+  d.bound = true;
+  for (uint32_t p = 0; p < 4; ++p)
+    d.gathers.push_back({p, static_cast<uint16_t>(p), true, Reason::None, -1});
+  const SlotLayout layout = lay_out_slots(seen, d.gathers, true);
+  BoundSources sources;
+  sources.reset(d, seen, layout);
+  ASSERT_FALSE(sources.empty());
+  const auto at = [&](uint32_t p) { return layout.offset_by_position[p]; };
+
+  // Its own buffer: its own binding.
+  BoundSources::Found f = sources.find(1, 0x20000, 4000, at(1));
+  EXPECT_EQ(f.slot_offset, at(1));
+  EXPECT_FALSE(f.verify_now);
+  EXPECT_FALSE(f.other_source);
+  // Position 0 sends position 2's buffer (layers in another order): position 2's binding.
+  f = sources.find(0, 0x30000, 4000, at(0));
+  EXPECT_EQ(f.slot_offset, at(2));
+  EXPECT_FALSE(f.verify_now);
+  EXPECT_TRUE(f.other_source);
+  // The same buffer with another size is not that binding: none, checked now, once per buffer.
+  f = sources.find(0, 0x40000, 4000, at(0));
+  EXPECT_EQ(f.slot_offset, at(0));
+  EXPECT_TRUE(f.verify_now);
+  EXPECT_FALSE(f.other_source);
+  EXPECT_FALSE(sources.find(0, 0x40000, 4000, at(0)).verify_now);
+  // A re-homed buffer: its own position's binding, checked once; another one checked again,
+  // and so is the first after the position went back to a bound buffer in between.
+  EXPECT_TRUE(sources.find(3, 0x90000, 2000, at(3)).verify_now);
+  EXPECT_FALSE(sources.find(3, 0x90000, 2000, at(3)).verify_now);
+  EXPECT_TRUE(sources.find(3, 0xa0000, 2000, at(3)).verify_now);
+  EXPECT_FALSE(sources.find(3, 0x40000, 2000, at(3)).verify_now);
+  EXPECT_TRUE(sources.find(3, 0xa0000, 2000, at(3)).verify_now);
+  // Not bound (default mode): nothing to look up.
+  d.bound = false;
+  sources.reset(d, seen, layout);
+  EXPECT_TRUE(sources.empty());
 }
 
 TEST(StepObservation, GathersAreCandidatesOnceStableForTheWarmup) {

@@ -1,6 +1,7 @@
 // libworkload.so: the test scenarios behind one entry point, so a program can link them
 // normally (magi-workload) or dlopen them RTLD_LOCAL (magi-workload-local).
-//   magi_workload_main(argc, argv): argv[0] is the scenario: ops | fsdp | split | initall | agree.
+//   magi_workload_main(argc, argv): argv[0] is the scenario: ops | fsdp | split | initall | agree |
+//   groupskew | weights.
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -56,8 +57,9 @@ void check(ncclResult_t result, const char* call) {
 
 extern "C" __attribute__((visibility("default"))) int magi_workload_main(int argc, char** argv) {
   if (argc < 1) {
-    std::fprintf(stderr,
-                 "usage: SCENARIO [--option value]...  (ops|fsdp|split|initall|agree|groupskew)\n");
+    std::fprintf(
+        stderr,
+        "usage: SCENARIO [--option value]...  (ops|fsdp|split|initall|agree|groupskew|weights)\n");
     return 2;
   }
   const std::string scenario = argv[0];
@@ -69,7 +71,8 @@ extern "C" __attribute__((visibility("default"))) int magi_workload_main(int arg
     if (scenario == "initall") return workload::run_initall(options);
     if (scenario == "agree") return workload::run_agree(options);
     if (scenario == "groupskew") return workload::run_groupskew(options);
-    std::fprintf(stderr, "unknown scenario %s (ops|fsdp|split|initall|agree|groupskew)\n",
+    if (scenario == "weights") return workload::run_weights(options);
+    std::fprintf(stderr, "unknown scenario %s (ops|fsdp|split|initall|agree|groupskew|weights)\n",
                  scenario.c_str());
     return 2;
   } catch (const std::exception& e) {

@@ -168,5 +168,6 @@ int run_split(const ScenarioOptions& options);
 int run_initall(const ScenarioOptions& options);
 int run_agree(const ScenarioOptions& options);
 int run_groupskew(const ScenarioOptions& options);
+int run_weights(const ScenarioOptions& options);
 
 }  // namespace workload

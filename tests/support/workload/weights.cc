@@ -1,0 +1,139 @@
+// weights --layers L --steps S --program reused|swap|alternate|rehome [--swap-step K]
+//         [--rehome-rank R --rehome-step K [--rehome-other 1]]
+//
+// Weights that never change after load, gathered every step in the ways a program may hold
+// them, for MAGI_STATIC_WEIGHTS=1 (whose promise each one keeps: the gathered contents never
+// change; which buffer holds them may). Each step gathers every layer's shard once (int32
+// elements, equal shapes for every layer, one call site), then all-reduces a counter. Every
+// received byte is checked right after its call, against the layer the call meant.
+//   reused     one send buffer for every layer: each layer's shard is copied into it just before
+//              its gather (a program with one staging buffer)
+//   swap       a buffer of its own per layer; from step K (default 15) on, every rank gathers
+//              layers 0 and 1 in the other order
+//   alternate  the same, swapping the order of layers 0 and 1 every other step from step K
+//   rehome     a buffer per layer; at step K rank R (default 1) copies its shard of layer 0 into a
+//              new buffer and gathers from there on (the old one stays allocated, unchanged);
+//              with --rehome-other 1 the new buffer holds other bytes (a broken promise: every
+//              rank accepts either the old or the new bytes of that part from step K on)
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tests/support/bootstrap.h"
+#include "tests/support/workload/scenario.h"
+
+namespace workload {
+namespace {
+
+constexpr size_t kShardElements = 1024;
+
+int32_t element(int layer, int rank, size_t index) {
+  const uint32_t h = static_cast<uint32_t>(index * 2654435761u) ^
+                     static_cast<uint32_t>((layer + 1) * 40503) ^
+                     static_cast<uint32_t>((rank + 1) * 0x9e3779b1u);
+  return static_cast<int32_t>(h);
+}
+
+using Shard = std::unique_ptr<int32_t[]>;
+
+Shard make_shard(int layer, int rank) {
+  Shard s(new int32_t[kShardElements]);
+  for (size_t i = 0; i < kShardElements; ++i) s[i] = element(layer, rank, i);
+  return s;
+}
+
+__attribute__((noinline)) ncclResult_t gather_layer(const void* shard, void* full, size_t count,
+                                                    ncclComm_t comm) {
+  const ncclResult_t result = ncclAllGather(shard, full, count, ncclInt32, comm, nullptr);
+  asm volatile("" ::: "memory");
+  return result;
+}
+
+constexpr int kOtherBytes = 100;  // the layer whose bytes a --rehome-other shard holds
+
+// `either_rank`: the rank whose part may be either `layer`'s or kOtherBytes' (-1: none).
+void expect_layer(const int32_t* full, int nranks, int layer, int me, int step, int position,
+                  int either_rank = -1) {
+  for (int r = 0; r < nranks; ++r) {
+    const int32_t* part = full + static_cast<size_t>(r) * kShardElements;
+    size_t wrong = 0;
+    size_t first = 0;
+    for (size_t i = 0; i < kShardElements; ++i) {
+      if (part[i] == element(layer, r, i)) continue;
+      if (r == either_rank && part[i] == element(kOtherBytes, r, i)) continue;
+      if (wrong++ == 0) first = i;
+    }
+    if (wrong == 0) continue;
+    int other = -1;  // which layer the bytes are, if any
+    for (int l = 0; l < 64 && other < 0; ++l)
+      if (part[first] == element(l, r, first)) other = l;
+    throw ScenarioFailure(
+        format("rank %d: step %d position %d (layer %d): %zu wrong elements of "
+               "rank %d's part, the first at %zu (bytes of layer %d)",
+               me, step, position, layer, wrong, r, first, other));
+  }
+}
+
+}  // namespace
+
+int run_weights(const ScenarioOptions& options) {
+  const int layers = static_cast<int>(options.number("layers", 4));
+  const int steps = static_cast<int>(options.number("steps", 40));
+  const std::string program = options.text("program", "reused");
+  const int swap_step = static_cast<int>(options.number("swap-step", 15));
+  const int rehome_rank = static_cast<int>(options.number("rehome-rank", 1));
+  const int rehome_step = static_cast<int>(options.number("rehome-step", 15));
+  const bool rehome_other = options.number("rehome-other", 0) != 0;
+  if (layers < 2) throw ScenarioFailure("--layers must be at least 2");
+  if (program != "reused" && program != "swap" && program != "alternate" && program != "rehome")
+    throw ScenarioFailure("unknown --program " + program);
+
+  const Bootstrap boot = bootstrap_from_env();
+  const int n = boot.nranks;
+  const int me = boot.rank;
+  OwnedComm owned;
+  WORKLOAD_CHECK(ncclCommInitRank(owned.out(), n, boot.id, me));
+  const ncclComm_t comm = owned.get();
+
+  std::vector<Shard> shards;  // this rank's part of every layer, loaded once
+  for (int l = 0; l < layers; ++l) shards.push_back(make_shard(l, me));
+  Shard staging(new int32_t[kShardElements]);  // reused: the one send buffer
+  Shard rehomed;
+  std::vector<std::unique_ptr<int32_t[]>> full;  // one receive buffer per position
+  for (int l = 0; l < layers; ++l)
+    full.emplace_back(new int32_t[kShardElements * static_cast<size_t>(n)]);
+
+  for (int step = 0; step < steps; ++step) {
+    if (program == "rehome" && me == rehome_rank && step == rehome_step) {
+      rehomed = make_shard(rehome_other ? kOtherBytes : 0, me);
+      shards[0].swap(rehomed);  // the old buffer stays allocated (in `rehomed`), unchanged
+    }
+    const bool swapped = (program == "swap" && step >= swap_step) ||
+                         (program == "alternate" && step >= swap_step && step % 2 == 1);
+    for (int position = 0; position < layers; ++position) {
+      int layer = position;
+      if (swapped && position < 2) layer = 1 - position;
+      const int32_t* send = shards[static_cast<size_t>(layer)].get();
+      if (program == "reused") {
+        std::memcpy(staging.get(), send, kShardElements * sizeof(int32_t));
+        send = staging.get();
+      }
+      int32_t* recv = full[static_cast<size_t>(position)].get();
+      std::memset(recv, 0xee, kShardElements * static_cast<size_t>(n) * sizeof(int32_t));
+      WORKLOAD_CHECK(gather_layer(send, recv, kShardElements, comm));
+      const bool either = rehome_other && layer == 0 && step >= rehome_step;
+      expect_layer(recv, n, layer, me, step, position, either ? rehome_rank : -1);
+    }
+    int32_t counter = 1;
+    WORKLOAD_CHECK(ncclAllReduce(&counter, &counter, 1, ncclInt32, ncclSum, comm, nullptr));
+    if (counter != n)
+      throw ScenarioFailure(
+          format("rank %d: step %d: counter %d, expected %d", me, step, counter, n));
+  }
+  owned.destroy();
+  return 0;
+}
+
+}  // namespace workload
