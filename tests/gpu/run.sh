@@ -82,6 +82,8 @@ else
   done
   # Weights that never change (MAGI_STATIC_WEIGHTS; a build without it only warns of the name).
   standin_run "fsdp-static-weights" 4 MAGI_STATIC_WEIGHTS=1 -- fsdp --device 1 --layers 6 --steps 24
+  # The static-weights programs (reused, swap, alternate, rehome) on device memory, both modes.
+  standin_weights_runs
   standin_groupskew_run
   standin_sanitized_run "fsdp-memcheck" 2 -- fsdp --device 1 --layers 6 --steps 8 --rewrite 1
   standin_profiled_run "fsdp-kernels" 2 -- fsdp --device 1 --layers 6 --steps 24 --rewrite 1

@@ -156,6 +156,63 @@ standin_groupskew_run() {
     --steps 16 --simulate 1
 }
 
+# standin_log_check NAME WHAT PATTERN [absent]: PASS when some line of run NAME's output matches
+# the extended regex PATTERN (with "absent": when none does).
+standin_log_check() {
+  local name=$1 what=$2 pattern=$3 want=${4:-present} log="$work/$1/log" found=absent
+  grep -qE -- "$pattern" "$log" 2>/dev/null && found=present
+  if [ "$found" = "$want" ]; then
+    pass "$name: $what"
+  else
+    fail "$name: $what (a line matching '$pattern' is $found)"
+    grep -E " MAGI (WARN|INFO) .*static weights" "$log" 2>/dev/null | head -n 6 | sed 's/^/  /'
+  fi
+}
+
+# The static-weights programs (tests/support/workload/weights.cc) with every buffer in device
+# memory, as the integration tests run them on host memory: each in the default mode and with
+# MAGI_STATIC_WEIGHTS=1. In static mode the plan stages the one reused send buffer (a transient
+# buffer cannot be bound) and binds every other program's 4 gathers, and no shard whose bytes
+# stayed the same is reported changed. A shard re-homed to other bytes (a broken promise) must
+# be reported by the rank that re-homed it: a WARN naming its position (layer 0 is gathered at
+# position 0), and that gather back on NCCL in the traces' verdict.
+standin_weights_runs() {
+  local cases=("reused --steps 24" "swap --steps 40 --swap-step 15"
+    "alternate --steps 30 --swap-step 10" "rehome --steps 30 --rehome-rank 1 --rehome-step 15")
+  local entry program args name
+  for entry in "${cases[@]}"; do
+    read -r program args <<<"$entry"
+    # shellcheck disable=SC2086  # args: the program's own options, word by word
+    standin_run "weights-$program" 4 MAGI_CE_FORCE=1 -- weights --device 1 --layers 4 \
+      --program "$program" $args
+    name=weights-$program-static
+    # shellcheck disable=SC2086
+    standin_run "$name" 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --layers 4 \
+      --program "$program" $args
+    if [ "$program" = reused ]; then
+      standin_log_check "$name" "the plan stages the reused buffer instead of binding" \
+        "\(buffer reused\): the plan stages instead of binding"
+      standin_log_check "$name" "no gather bound" "gathers bound" absent
+    else
+      standin_log_check "$name" "4 gathers bound" "static weights: 4 gathers bound"
+    fi
+    standin_log_check "$name" "no shard reported changed" "changed after it was bound" absent
+  done
+  name=weights-rehome-other-static
+  standin_run "$name" 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 MAGI_REAGREE_STEPS=2 -- weights \
+    --device 1 --layers 4 --steps 30 --program rehome --rehome-rank 2 --rehome-step 12 \
+    --rehome-other 1
+  standin_log_check "$name" "rank 2 reports its re-homed shard changed (WARN, position 0)" \
+    "\\[2\\] MAGI WARN .*position 0 changed after it was bound"
+  # The traces' last verdict keeps that gather on NCCL, for that reason, on the rank that owns it.
+  if grep -qE "rank 2 gather #0 \(pos 0, .*\): stays: static weights changed after binding" \
+    "$work/$name/decisions" 2>/dev/null; then
+    pass "$name: position 0 back on NCCL (magice-trace decisions)"
+  else
+    fail "$name: position 0 back on NCCL (magice-trace decisions)"
+  fi
+}
+
 standin_fault_runs() {
   local fsdp=(fsdp --device 1 --layers 6 --steps 24)
   # A rank hung (alive) with gathers moving: the others' streams wait on it, as they would in

@@ -1,11 +1,15 @@
 // weights --layers L --steps S --program reused|swap|alternate|rehome [--swap-step K]
-//         [--rehome-rank R --rehome-step K [--rehome-other 1]]
+//         [--rehome-rank R --rehome-step K [--rehome-other 1]] [--device 1]
 //
 // Weights that never change after load, gathered every step in the ways a program may hold
 // them, for MAGI_STATIC_WEIGHTS=1 (whose promise each one keeps: the gathered contents never
 // change; which buffer holds them may). Each step gathers every layer's shard once (int32
 // elements, equal shapes for every layer, one call site), then all-reduces a counter. Every
-// received byte is checked right after its call, against the layer the call meant.
+// received byte is checked right after its call, against the layer the call meant. With
+// --device 1 every buffer NCCL sees (the shards, the one reused buffer, the re-homed shard and
+// the receive buffers) is device memory on GPU 0 (Placement, scenario.h): the shards are
+// uploaded once at load, as weights are, and each received buffer is copied back and checked
+// right after its call, as on host memory.
 //   reused     one send buffer for every layer: each layer's shard is copied into it just before
 //              its gather (a program with one staging buffer)
 //   swap       a buffer of its own per layer; from step K (default 15) on, every rank gathers
@@ -17,8 +21,8 @@
 //              rank accepts either the old or the new bytes of that part from step K on)
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tests/support/bootstrap.h"
@@ -36,17 +40,19 @@ int32_t element(int layer, int rank, size_t index) {
   return static_cast<int32_t>(h);
 }
 
-using Shard = std::unique_ptr<int32_t[]>;
+int32_t* elements(const Buffer& buffer) { return reinterpret_cast<int32_t*>(buffer.host()); }
 
-Shard make_shard(int layer, int rank) {
-  Shard s(new int32_t[kShardElements]);
-  for (size_t i = 0; i < kShardElements; ++i) s[i] = element(layer, rank, i);
+// A shard of `layer`'s weights, written once where NCCL reads it (as a load does).
+Buffer make_shard(const Placement& placement, int layer, int rank) {
+  Buffer s(placement, kShardElements * sizeof(int32_t));
+  for (size_t i = 0; i < kShardElements; ++i) elements(s)[i] = element(layer, rank, i);
+  s.upload(0, s.bytes());
   return s;
 }
 
 __attribute__((noinline)) ncclResult_t gather_layer(const void* shard, void* full, size_t count,
-                                                    ncclComm_t comm) {
-  const ncclResult_t result = ncclAllGather(shard, full, count, ncclInt32, comm, nullptr);
+                                                    ncclComm_t comm, cudaStream_t stream) {
+  const ncclResult_t result = ncclAllGather(shard, full, count, ncclInt32, comm, stream);
   asm volatile("" ::: "memory");
   return result;
 }
@@ -90,47 +96,66 @@ int run_weights(const ScenarioOptions& options) {
   if (program != "reused" && program != "swap" && program != "alternate" && program != "rehome")
     throw ScenarioFailure("unknown --program " + program);
 
+  const Placement placement(options);  // before the communicator: NCCL takes the device then
   const Bootstrap boot = bootstrap_from_env();
   const int n = boot.nranks;
   const int me = boot.rank;
   OwnedComm owned;
   WORKLOAD_CHECK(ncclCommInitRank(owned.out(), n, boot.id, me));
   const ncclComm_t comm = owned.get();
+  const cudaStream_t stream = placement.stream();
+  const size_t shard_bytes = kShardElements * sizeof(int32_t);
 
-  std::vector<Shard> shards;  // this rank's part of every layer, loaded once
-  for (int l = 0; l < layers; ++l) shards.push_back(make_shard(l, me));
-  Shard staging(new int32_t[kShardElements]);  // reused: the one send buffer
-  Shard rehomed;
-  std::vector<std::unique_ptr<int32_t[]>> full;  // one receive buffer per position
-  for (int l = 0; l < layers; ++l)
-    full.emplace_back(new int32_t[kShardElements * static_cast<size_t>(n)]);
+  std::vector<Buffer> shards;  // this rank's part of every layer, loaded once
+  for (int l = 0; l < layers; ++l) shards.push_back(make_shard(placement, l, me));
+  const Buffer staging(placement, shard_bytes);  // reused: the one send buffer
+  std::vector<Buffer> retired;                   // rehome: the old buffer, kept unchanged
+  std::vector<Buffer> full;                      // one receive buffer per position
+  for (int l = 0; l < layers; ++l) full.emplace_back(placement, shard_bytes * n);
+  Buffer counter(placement, sizeof(int32_t));
 
   for (int step = 0; step < steps; ++step) {
     if (program == "rehome" && me == rehome_rank && step == rehome_step) {
-      rehomed = make_shard(rehome_other ? kOtherBytes : 0, me);
-      shards[0].swap(rehomed);  // the old buffer stays allocated (in `rehomed`), unchanged
+      retired.push_back(
+          std::exchange(shards[0], make_shard(placement, rehome_other ? kOtherBytes : 0, me)));
     }
     const bool swapped = (program == "swap" && step >= swap_step) ||
                          (program == "alternate" && step >= swap_step && step % 2 == 1);
     for (int position = 0; position < layers; ++position) {
       int layer = position;
       if (swapped && position < 2) layer = 1 - position;
-      const int32_t* send = shards[static_cast<size_t>(layer)].get();
+      const Buffer* send = &shards[static_cast<size_t>(layer)];
       if (program == "reused") {
-        std::memcpy(staging.get(), send, kShardElements * sizeof(int32_t));
-        send = staging.get();
+        // Refilled from the layer's shard where NCCL reads it: a device-to-device copy on the
+        // calls' stream, ordered before the gather as a program's own copy kernel would be.
+        if (placement.device()) {
+          Placement::cuda_check(cudaMemcpyAsync(staging.nccl(), send->nccl(), shard_bytes,
+                                                cudaMemcpyDeviceToDevice, stream),
+                                "cudaMemcpyAsync to the reused buffer");
+        } else {
+          std::memcpy(staging.host(), send->host(), shard_bytes);
+        }
+        send = &staging;
       }
-      int32_t* recv = full[static_cast<size_t>(position)].get();
-      std::memset(recv, 0xee, kShardElements * static_cast<size_t>(n) * sizeof(int32_t));
-      WORKLOAD_CHECK(gather_layer(send, recv, kShardElements, comm));
+      const Buffer& recv = full[static_cast<size_t>(position)];
+      // Poisoned before every call, so a byte the gather did not write cannot pass as right.
+      std::memset(recv.host(), 0xee, recv.bytes());
+      recv.upload(0, recv.bytes());
+      WORKLOAD_CHECK(gather_layer(send->nccl(), recv.nccl(), kShardElements, comm, stream));
+      placement.synchronize();
+      recv.download(0, recv.bytes());
       const bool either = rehome_other && layer == 0 && step >= rehome_step;
-      expect_layer(recv, n, layer, me, step, position, either ? rehome_rank : -1);
+      expect_layer(elements(recv), n, layer, me, step, position, either ? rehome_rank : -1);
     }
-    int32_t counter = 1;
-    WORKLOAD_CHECK(ncclAllReduce(&counter, &counter, 1, ncclInt32, ncclSum, comm, nullptr));
-    if (counter != n)
+    elements(counter)[0] = 1;
+    counter.upload(0, counter.bytes());
+    WORKLOAD_CHECK(
+        ncclAllReduce(counter.nccl(), counter.nccl(), 1, ncclInt32, ncclSum, comm, stream));
+    placement.synchronize();
+    counter.download(0, counter.bytes());
+    if (elements(counter)[0] != n)
       throw ScenarioFailure(
-          format("rank %d: step %d: counter %d, expected %d", me, step, counter, n));
+          format("rank %d: step %d: counter %d, expected %d", me, step, elements(counter)[0], n));
   }
   owned.destroy();
   return 0;
