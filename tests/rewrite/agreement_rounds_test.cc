@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "rewrite/agreement.h"
+#include "tests/support/options_env.h"
 
 namespace magi::rewrite {
 namespace {
@@ -144,17 +145,7 @@ Options options_with(std::map<std::string, std::string> env) {
   env.emplace("MAGI_BACKEND", "host");
   env.emplace("MAGI_WARMUP_STEPS", "2");
   env.emplace("MAGI_REAGREE_STEPS", "8");
-  std::vector<std::string> names;
-  for (const auto& [name, value] : env) names.push_back(name);
-  std::vector<std::string> complaints;
-  Options options = Options::parse(
-      [&](const char* name) -> std::optional<std::string> {
-        auto it = env.find(name);
-        return it == env.end() ? std::nullopt : std::optional<std::string>(it->second);
-      },
-      names, complaints);
-  EXPECT_TRUE(complaints.empty());
-  return options;
+  return test::options_from(env);
 }
 
 using Kind = Route::Kind;

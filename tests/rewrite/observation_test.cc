@@ -9,6 +9,7 @@
 
 #include "rewrite/observation.h"
 #include "rewrite/serving.h"
+#include "tests/support/options_env.h"
 
 namespace magi::rewrite {
 namespace {
@@ -16,17 +17,7 @@ namespace {
 Options options_with(std::map<std::string, std::string> env) {
   env.emplace("MAGI_BACKEND", "host");
   env.emplace("MAGI_WARMUP_STEPS", "2");
-  std::vector<std::string> names;
-  for (const auto& [name, value] : env) names.push_back(name);
-  std::vector<std::string> complaints;
-  Options options = Options::parse(
-      [&](const char* name) -> std::optional<std::string> {
-        auto it = env.find(name);
-        return it == env.end() ? std::nullopt : std::optional<std::string>(it->second);
-      },
-      names, complaints);
-  EXPECT_TRUE(complaints.empty());
-  return options;
+  return test::options_from(env);
 }
 
 // One call of a step as the observation takes it.
