@@ -42,6 +42,7 @@ enum class RecordType : uint16_t {
   Dropped = 7,    // records lost because the writer fell behind (never blocks the caller)
   Agreement = 8,  // an agreement round of a communicator was issued, read, or changed its routes
   Decision = 9,   // what one agreement round decided for one gather of the step, on this rank
+  Window = 10,    // the memory a plan's window took on this rank, once it opened its peers'
 };
 
 struct RecordHeader {
@@ -252,6 +253,24 @@ struct DecisionRecord {
   uint8_t reserved[2];
 };
 static_assert(sizeof(DecisionRecord) == 48);
+
+// Written when a plan's window is open on this rank (every peer's opened too): what it took.
+struct WindowRecord {
+  uint64_t comm_id;
+  uint64_t seq;              // collective index of the call at which the peers were opened
+  uint64_t window_bytes;     // allocated by the transport: flags, staging slots, bound shards
+  uint64_t bound_bytes;      // static weights: shards copied into the window
+  uint64_t exported_bytes;   // static weights: shards the peers read in this rank's own memory
+  uint32_t round;
+  int32_t rank;
+  uint32_t bound_shards;
+  uint32_t exported_shards;
+  uint32_t exported_allocations;  // this rank's allocations the peers opened
+  uint32_t peer_mappings;         // the peers' allocations this rank opened
+  uint8_t mode;                   // AgreementMode of the plan
+  uint8_t reserved[7];
+};
+static_assert(sizeof(WindowRecord) == 72);
 
 struct DroppedRecord {
   uint64_t records;

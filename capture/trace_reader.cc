@@ -167,6 +167,10 @@ class TraceParser {
         need(sizeof(DecisionRecord), "Decision");
         trace.decisions.push_back(load<DecisionRecord>(payload));
         break;
+      case RecordType::Window:
+        need(sizeof(WindowRecord), "Window");
+        trace.windows.push_back(load<WindowRecord>(payload));
+        break;
       case RecordType::Dropped:
         need(sizeof(DroppedRecord), "Dropped");
         trace.dropped += load<DroppedRecord>(payload).records;

@@ -37,6 +37,7 @@ struct Trace {
   std::vector<StepRecord> steps;
   std::vector<AgreementRecord> agreements;  // in file order
   std::vector<DecisionRecord> decisions;    // in file order
+  std::vector<WindowRecord> windows;        // in file order
   std::unordered_map<uint64_t, CallsiteFrames> callsites;
   std::unordered_map<uint64_t, std::string> modules;
   uint64_t dropped = 0;

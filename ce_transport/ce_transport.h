@@ -78,7 +78,13 @@ struct BindOp {
 //  - Bound (static weights): one region of `slot_bytes` holding every moved gather's shard at its
 //    own offset, filled from `bind` during prepare (complete before prepare returns, so before
 //    any peer can read: peers attach only after every rank published). Each gather then reads
-//    peers' regions directly. The rank checks its shard against its region on each of its first
+//    peers' regions directly.
+//  - Bound and `zero_copy` (static weights, the default there): each shard of `bind` that lies in
+//    memory its owner can export is read by the peers where the program keeps it (the owner
+//    exports each allocation once, the peers map it once: no copy, no second allocation); only
+//    the others are copied into the region, packed. Which is which differs by rank, so the
+//    owner publishes a SourceTable (sources()) and the peers take it at attach. The table must
+//    fit in `table_room` bytes (SourceTable::bytes()): past it, shards are bound. The rank checks its shard against its region on each of its first
 //    `verify_first` calls and then every `verify_every` calls (0: never after the first), never
 //    on a timed call (verify_schedule.h), on sampled lines, never the whole shard (at most
 //    128 KiB a check; a rewrite touching an anchor line is caught at the next check, any other
@@ -88,9 +94,52 @@ struct BindOp {
 struct WindowPlan {
   size_t slot_bytes = 0;
   bool bound = false;
+  bool zero_copy = false;  // bound only
+  size_t table_room = 0;   // zero_copy: the most bytes the SourceTable may take
   std::vector<BindOp> bind;
   uint64_t verify_first = 3;
   uint64_t verify_every = 64;
+};
+
+// Zero-copy static weights: where this rank's shard of each BindOp can be read by a peer.
+// `handle` is the backend's: the CUDA IPC handle of the allocation's base, or the host backend's
+// shared file. Fixed-size records, so a table's size is known before it is filled.
+struct ExportRecord {
+  uint8_t handle[64];
+  uint64_t bytes;  // the allocation's size: every source in it must lie inside
+};
+struct ShardSource {
+  static constexpr uint16_t kInWindow = 0xffff;  // copied into the owner's region, at `offset`
+  uint16_t allocation = kInWindow;               // else: index into the exports
+  uint64_t offset = 0;                           // in that allocation or region (< 2^48)
+};
+struct SourceTable {
+  static constexpr size_t kExportBytes = sizeof(ExportRecord);  // 72
+  static constexpr size_t kSourceBytes = 8;  // allocation (16 bits) and offset (48 bits)
+  static constexpr uint64_t kMaxOffset = (uint64_t{1} << 48) - 1;
+  std::vector<ExportRecord> exports;
+  std::vector<ShardSource> sources;  // one per BindOp, in the plan's order
+
+  size_t bytes() const { return exports.size() * kExportBytes + sources.size() * kSourceBytes; }
+  // Counts, then the records: what the publish round carries. `out` holds at least bytes() + 8.
+  void serialize(std::span<uint8_t> out) const;
+  // Throws Error(Usage) on a table that does not parse or whose sources name no export.
+  static SourceTable parse(std::span<const uint8_t> in);
+};
+
+// What a window took, for the log and the trace: device (or shared) memory the transport
+// allocated, and what it reads in place instead.
+struct WindowMemory {
+  size_t window_bytes = 0;   // allocated by the transport: flags, slots, bound shards
+  size_t bound_shards = 0;   // copied into the window
+  size_t bound_bytes = 0;
+  size_t exported_shards = 0;  // read by the peers in the program's own memory
+  size_t exported_bytes = 0;   // the shards' bytes (not the allocations')
+  size_t exported_allocations = 0;
+  size_t peer_mappings = 0;  // peers' allocations this rank mapped at attach
+  // The first shard that could not be exported, and why ("" when none).
+  int64_t first_refused = -1;  // its index in the plan's bind
+  std::string refusal;
 };
 
 // One gather of a bucket. `bytes` is this rank's shard (sendcount × element size); the receive
@@ -117,8 +166,12 @@ class Transport {
   // Allocates this rank's window for `plan` (binding its shards if bound) and fills `out` with
   // what peers need to open it. Called once per agreed plan.
   virtual void prepare(const WindowPlan& plan, HandleBlob& out) = 0;
-  // Opens every peer's window (blobs indexed by rank; this rank's own entry is ignored).
-  virtual void attach(std::span<const HandleBlob> blobs) = 0;
+  // Zero-copy plans: what the peers need besides the blob (empty otherwise). Valid after prepare.
+  virtual const SourceTable& sources() const = 0;
+  // Opens every peer's window (blobs indexed by rank; this rank's own entry is ignored) and, for
+  // a zero-copy plan, the allocations of every peer's table (`tables`, by rank, required then).
+  virtual void attach(std::span<const HandleBlob> blobs, std::span<const SourceTable> tables) = 0;
+  void attach(std::span<const HandleBlob> blobs) { attach(blobs, {}); }
   // Serves one bucket on the caller's stream (ignored by the host backend, which completes the
   // bucket before returning). Every rank calls this for the same buckets in the same order.
   // FallBack: some rank failed before moving anything, and every rank learned it within this
@@ -150,6 +203,9 @@ class Transport {
 
   // Bytes this rank's window holds (flags and slots, or the bound region); 0 before prepare.
   virtual size_t window_bytes() const = 0;
+  // The window's memory, and what it reads in place (exports after prepare, mappings after
+  // attach).
+  virtual WindowMemory memory() const = 0;
   // Bound windows: slot offsets of bindings found stale (the shard changed) since the last call.
   virtual std::vector<size_t> take_stale_bindings() { return {}; }
   // Bound windows: bytes of this rank's shards that its checks have compared with their bindings

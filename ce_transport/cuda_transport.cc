@@ -29,6 +29,7 @@
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -42,6 +43,7 @@
 #include "base/base.h"
 #include "base/cuda_driver.h"
 #include "ce_transport/backends.h"
+#include "ce_transport/exports.h"
 #include "ce_transport/process.h"
 #include "ce_transport/protocol.h"
 #include "ce_transport/sample_plan.h"
@@ -84,6 +86,88 @@ void check_bindable(const BindOp& b) {
     throw Error(ErrorKind::System, "binding a shard: its send buffer is no longer allocated");
 }
 
+// Zero-copy: the allocation that holds a shard, exported by the IPC handle of its base (a
+// handle names a whole allocation; a handle of an interior pointer would open at the base too).
+exports::Exportable find_cuda_export(const BindOp& b) {
+  exports::Exportable e;
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  const auto at = reinterpret_cast<CUdeviceptr>(b.sendbuf);
+  if (MAGI_CUDA_DRIVER_FN(cuMemGetAddressRange)(&base, &size, at) != CUDA_SUCCESS) {
+    e.refusal = "cuMemGetAddressRange refused its address";
+    return e;
+  }
+  if (at + b.bytes > base + size) {
+    e.refusal = "the shard runs past its allocation";
+    return e;
+  }
+  cudaIpcMemHandle_t handle{};
+  const cudaError_t got = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base));
+  if (got != cudaSuccess) {
+    cudaGetLastError();
+    e.refusal = std::string("cudaIpcGetMemHandle: ") + cudaGetErrorName(got) +
+                "; memory from cuMemCreate (PyTorch's expandable segments) or from a memory "
+                "pool cannot be shared this way";
+    return e;
+  }
+  static_assert(sizeof(handle) == sizeof(e.record.handle));
+  std::memcpy(e.record.handle, &handle, sizeof(handle));
+  e.record.bytes = size;
+  e.base = static_cast<uintptr_t>(base);
+  e.identity = identify_buffer(Backend::Cuda, reinterpret_cast<const void*>(base)).allocation_id;
+  e.ok = true;
+  return e;
+}
+
+// The peers' exported allocations this process has mapped. Process-wide: CUDA maps a handle at
+// most once per process ("already mapped" the second time), and two communicators may read the
+// same peer allocation. Counted; unmapped when the last reader lets go.
+class ImportedAllocations {
+ public:
+  static ImportedAllocations& get() {
+    static ImportedAllocations* imports = new ImportedAllocations;  // outlives atexit handlers
+    return *imports;
+  }
+  uint8_t* open(const ExportRecord& record) {
+    Key key;
+    std::memcpy(key.data(), record.handle, key.size());
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = open_.find(key);
+    if (it != open_.end()) {
+      ++it->second.readers;
+      return it->second.base;
+    }
+    cudaIpcMemHandle_t handle{};
+    std::memcpy(&handle, record.handle, sizeof(handle));
+    void* mapped = nullptr;
+    cuda_check(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess),
+               "cudaIpcOpenMemHandle (a peer's exported shards)");
+    open_.emplace(key, Entry{static_cast<uint8_t*>(mapped), 1});
+    return static_cast<uint8_t*>(mapped);
+  }
+  void close(uint8_t* base) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = open_.begin(); it != open_.end(); ++it) {
+      if (it->second.base != base) continue;
+      if (--it->second.readers == 0) {
+        cudaIpcCloseMemHandle(base);
+        cudaGetLastError();
+        open_.erase(it);
+      }
+      return;
+    }
+  }
+
+ private:
+  using Key = std::array<uint8_t, sizeof(ExportRecord::handle)>;
+  struct Entry {
+    uint8_t* base;
+    size_t readers;
+  };
+  std::mutex mutex_;
+  std::map<Key, Entry> open_;
+};
+
 CUstreamBatchMemOpParams write_op(const uint8_t* address, uint64_t value) {
   CUstreamBatchMemOpParams op{};
   op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
@@ -124,8 +208,17 @@ class CudaTransport final : public Transport {
     faults_.at_prepare();
     use_device();
     slot_bytes_ = plan.slot_bytes;
-    stride_ = round_up(std::max<size_t>(plan.slot_bytes, 1), kSlotAlign);
     bound_ = plan.bound;
+    zero_copy_ = plan.bound && plan.zero_copy;
+    if (bound_) {
+      sources_ = zero_copy_ ? exports::plan_sources(plan, find_cuda_export)
+                            : exports::symmetric_sources(plan);
+      bind_ = plan.bind;
+      bind_index_.reset(plan.bind);
+      references_.reset(plan.bind.size());
+    }
+    stride_ = round_up(std::max<size_t>(bound_ ? sources_.region_bytes : plan.slot_bytes, 1),
+                       kSlotAlign);
     verify_.reset(plan.verify_first, plan.verify_every);
     flags_at_ = (bound_ ? 1 : 2) * stride_;
     flag_bytes_ = flags_.bytes_through_own();
@@ -142,28 +235,38 @@ class CudaTransport final : public Transport {
       // The shards must hold what the program last wrote: wait for all its work once, here,
       // at the plan's start, never on the call path.
       cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (binding)");
-      for (const BindOp& b : plan.bind) {
+      for (size_t i = 0; i < plan.bind.size(); ++i) {
+        const BindOp& b = plan.bind[i];
         if (b.bytes > slot_bytes_ || b.slot_offset > slot_bytes_ - b.bytes)
           throw Error(ErrorKind::Usage, "a binding overflows the bound region");
-        if (b.bytes == 0) continue;
+        const ShardSource& source = sources_.table.sources[i];
+        if (b.bytes == 0 || source.allocation != ShardSource::kInWindow) continue;
         check_bindable(b);
-        cuda_check(cudaMemcpyAsync(region() + b.slot_offset, b.sendbuf, b.bytes, cudaMemcpyDefault,
-                                   own_stream_),
+        cuda_check(cudaMemcpyAsync(region() + source.offset, b.sendbuf, b.bytes,
+                                   cudaMemcpyDefault, own_stream_),
                    "cudaMemcpyAsync (binding)");
       }
     }
     cuda_check(cudaStreamSynchronize(own_stream_), "cudaStreamSynchronize (window)");
-    shape_ = {Backend::Cuda, identity_, nranks_, bytes_, slot_bytes_, bound_};
+    shape_ = {Backend::Cuda, identity_,  nranks_,   bytes_,
+              zero_copy_ ? sources_.region_bytes : slot_bytes_, bound_, zero_copy_};
     CudaMedium medium{};
     medium.device = device_;
     cuda_check(cudaIpcGetMemHandle(&medium.handle, base_), "cudaIpcGetMemHandle");
     protocol::write_blob(shape_, rank_, medium, out);
   }
 
-  void attach(std::span<const HandleBlob> blobs) override {
+  const SourceTable& sources() const override {
+    static const SourceTable kNone;
+    return zero_copy_ ? sources_.table : kNone;
+  }
+
+  void attach(std::span<const HandleBlob> blobs, std::span<const SourceTable> tables) override {
     if (base_ == nullptr) throw Error(ErrorKind::Usage, "attach before prepare");
     if (blobs.size() != static_cast<size_t>(nranks_))
       throw Error(ErrorKind::Usage, "one handle blob per rank");
+    if (zero_copy_ && tables.size() != static_cast<size_t>(nranks_))
+      throw Error(ErrorKind::Usage, "a zero-copy window needs every rank's source table");
     faults_.at_attach();
     std::lock_guard<std::mutex> lock(lifetime_);
     use_device();
@@ -171,6 +274,8 @@ class CudaTransport final : public Transport {
       MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp);  // refuse now, not on the first gather
     peers_.assign(static_cast<size_t>(nranks_), nullptr);
     peer_pids_.assign(static_cast<size_t>(nranks_), 0);
+    peer_flags_at_.assign(static_cast<size_t>(nranks_), flags_at_);
+    peer_window_bytes_.assign(static_cast<size_t>(nranks_), bytes_);
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
       protocol::BlobHeader header{};
@@ -181,7 +286,16 @@ class CudaTransport final : public Transport {
                  "cudaIpcOpenMemHandle");
       peers_[static_cast<size_t>(r)] = static_cast<uint8_t*>(mapped);
       peer_pids_[static_cast<size_t>(r)] = static_cast<pid_t>(header.pid);
+      if (zero_copy_) {  // its window holds its own region, then its flags (prepare's layout)
+        const size_t flags_at = round_up(std::max<size_t>(header.slot_bytes, 1), kSlotAlign);
+        if (flags_at + flag_bytes_ > header.window_bytes)
+          throw Error(ErrorKind::Usage,
+                      "rank " + std::to_string(r) + "'s window has no room for its flags");
+        peer_flags_at_[static_cast<size_t>(r)] = flags_at;
+        peer_window_bytes_[static_cast<size_t>(r)] = header.window_bytes;
+      }
     }
+    if (bound_) locate_peer_sources(tables);
     attached_ = true;
   }
 
@@ -201,7 +315,7 @@ class CudaTransport final : public Transport {
     copies_.clear();
     if (bound_) {
       finish_check(stream);
-      add_reads(bucket, [&](int r) { return peers_[static_cast<size_t>(r)]; });
+      add_bound_reads(bucket);
       issue_copies(stream);
       // After the reads, so the gather is not delayed by it; before the bucket's end marks, so a
       // release that sees this bucket finished knows the check's copies have run too.
@@ -264,6 +378,13 @@ class CudaTransport final : public Transport {
 
   size_t window_bytes() const override { return base_ != nullptr ? bytes_ : 0; }
 
+  WindowMemory memory() const override {
+    WindowMemory m = sources_.memory;
+    m.window_bytes = window_bytes();
+    m.peer_mappings = imports_.size();
+    return m;
+  }
+
   std::vector<size_t> take_stale_bindings() override { return std::exchange(stale_, {}); }
   uint64_t checked_bytes() const override { return checked_bytes_; }
 
@@ -296,6 +417,7 @@ class CudaTransport final : public Transport {
     if (settled == Settled::Finished) {
       for (uint8_t* p : peers_)
         if (p != nullptr) cudaIpcCloseMemHandle(p);
+      for (uint8_t* p : imports_) ImportedAllocations::get().close(p);
       cudaFree(base_);
       cudaFreeHost(flags_host_);
       if (host_check_ != nullptr) cudaFreeHost(host_check_);
@@ -303,8 +425,10 @@ class CudaTransport final : public Transport {
       // This rank's stream must not wait for ever on peers that will never come; freeing would
       // wait for the whole device (see the top of this file). The process's end returns it all.
       release_waits();
-      MAGI_WARN(Transport, "window of %zu bytes left allocated, with its %d peer mappings: %s",
-                bytes_, nranks_ - 1, settled_name(settled, unfinished).c_str());
+      MAGI_WARN(Transport,
+                "window of %zu bytes left allocated, with its %d peer mappings and %zu mapped "
+                "peer allocations: %s",
+                bytes_, nranks_ - 1, imports_.size(), settled_name(settled, unfinished).c_str());
     }
     cudaStreamDestroy(own_stream_);  // returns at once; the stream goes when its work has run
     cudaGetLastError();
@@ -314,6 +438,11 @@ class CudaTransport final : public Transport {
     host_check_ = nullptr;
     checked_bytes_ = 0;
     peers_.clear();
+    imports_.clear();
+    peer_sources_.clear();
+    sources_ = {};
+    bind_.clear();
+    zero_copy_ = false;
     attached_ = false;
     sequence_.store(0);
     verify_.reset(0, 0);
@@ -334,7 +463,72 @@ class CudaTransport final : public Transport {
   // peer r's.
   uint8_t* flag(size_t offset) const { return static_cast<uint8_t*>(base_) + flags_at_ + offset; }
   uint8_t* peer_flag(int r, size_t offset) const {
-    return peers_[static_cast<size_t>(r)] + flags_at_ + offset;
+    return peers_[static_cast<size_t>(r)] + peer_flags_at_[static_cast<size_t>(r)] + offset;
+  }
+
+  // Where each peer's shard of each binding is read: its window's region, or its exported
+  // allocation, mapped once per process (ImportedAllocations).
+  void locate_peer_sources(std::span<const SourceTable> tables) {
+    const size_t shards = bind_.size();
+    peer_sources_.assign(static_cast<size_t>(nranks_) * shards, nullptr);
+    for (int r = 0; r < nranks_; ++r) {
+      if (r == rank_) continue;
+      const SourceTable* table = zero_copy_ ? &tables[static_cast<size_t>(r)] : nullptr;
+      if (table != nullptr && table->sources.size() != shards)
+        throw Error(ErrorKind::Usage, "rank " + std::to_string(r) + "'s source table has " +
+                                          std::to_string(table->sources.size()) + " shards, " +
+                                          std::to_string(shards) + " expected");
+      std::vector<std::pair<const uint8_t*, size_t>> mapped;  // by export: base, bytes
+      if (table != nullptr)
+        for (const ExportRecord& record : table->exports) {
+          imports_.push_back(ImportedAllocations::get().open(record));
+          mapped.emplace_back(imports_.back(), record.bytes);
+        }
+      const size_t region = peer_flags_at_[static_cast<size_t>(r)];
+      for (size_t i = 0; i < shards; ++i) {
+        const size_t bytes = bind_[i].bytes;
+        const ShardSource source =
+            table != nullptr ? table->sources[i]
+                             : ShardSource{ShardSource::kInWindow, bind_[i].slot_offset};
+        const uint8_t* at = nullptr;
+        if (source.allocation == ShardSource::kInWindow) {
+          if (source.offset > region || bytes > region - source.offset)
+            throw Error(ErrorKind::Usage,
+                        "rank " + std::to_string(r) + "'s shard lies outside its window");
+          at = peers_[static_cast<size_t>(r)] + source.offset;
+        } else {
+          const auto [base, size] = mapped[source.allocation];
+          if (source.offset > size || bytes > size - source.offset)
+            throw Error(ErrorKind::Usage, "rank " + std::to_string(r) +
+                                              "'s shard lies outside its exported allocation");
+          at = base + source.offset;
+        }
+        peer_sources_[static_cast<size_t>(r) * shards + i] = at;
+      }
+    }
+  }
+
+  // A bound bucket's reads: every peer's shard where that peer keeps it, this rank's own from
+  // its send buffer.
+  void add_bound_reads(std::span<const GatherOp> bucket) {
+    const size_t shards = bind_.size();
+    for (const GatherOp& op : bucket) {
+      if (op.bytes == 0) continue;
+      const int64_t index = bind_index_.find(op.slot_offset);
+      if (index < 0)
+        throw Error(ErrorKind::Usage, "a gather at slot offset " + std::to_string(op.slot_offset) +
+                                          " that the plan did not bind");
+      auto* recv = static_cast<uint8_t*>(op.recvbuf);
+      for (int r = 0; r < nranks_; ++r) {
+        uint8_t* into = recv + static_cast<size_t>(r) * op.bytes;
+        if (r == rank_) {
+          if (into != op.sendbuf) add_copy(into, op.sendbuf, op.bytes);  // else in place
+          continue;
+        }
+        add_copy(into, peer_sources_[static_cast<size_t>(r) * shards + static_cast<size_t>(index)],
+                 op.bytes);
+      }
+    }
   }
 
   // Bucket n has run on this rank: its reads are done (peers may reuse what it read) and its
@@ -417,12 +611,15 @@ class CudaTransport final : public Transport {
                "cuStreamBatchMemOp");
   }
 
-  // Static weights: the rank's shard against its binding, when verify_ says (never on a timed
-  // call), on the lines sample_plan.h picks. The program's stream is never waited for: the lines
-  // of the shard and of the binding are copied to the host on it, stream-ordered (the shard as
-  // this call saw it, and never after the program freed it), and compared at a later call once
-  // those copies have run. One check at a time; another that falls due meanwhile is owed to a
-  // later call.
+  // Static weights: the rank's shard checked when verify_ says (never on a timed call), on the
+  // lines sample_plan.h picks. A bound shard is compared with its binding; an exported one has
+  // none, so the memory its peers read (the agreed source, while its allocation is the one
+  // exported: a freed one is pinned by the peers' mappings, exports.h) and the buffer this call
+  // sends (when another) are compared with what the first look at each set saw. The program's
+  // stream is never waited for: the lines are copied to the host on it, stream-ordered (the
+  // shard as this call saw it, and never after the program freed it), and compared at a later
+  // call once those copies have run. One check at a time; another that falls due meanwhile is
+  // owed to a later call.
   void start_check(std::span<const GatherOp> bucket, cudaStream_t stream, Timing timing) {
     for (const GatherOp& op : bucket) {
       if (op.verify_now) verify_.owe(op.slot_offset);
@@ -434,21 +631,44 @@ class CudaTransport final : public Transport {
       if (check_.copied == nullptr)
         cuda_check(cudaEventCreateWithFlags(&check_.copied, cudaEventDisableTiming),
                    "cudaEventCreate (verify)");
+      const auto index = static_cast<size_t>(bind_index_.find(op.slot_offset));  // add_bound_reads
+      const ShardSource& source = sources_.table.sources[index];
       const SamplePlan plan(op.bytes);
       check_.anchor = plan.anchor();
       check_.sweep = plan.sweep(verify_.begin_check(op.slot_offset));
       if (check_.sweep.first == 0) check_.sweep = {};  // the anchor itself: compared once
+      check_.index = index;
+      check_.in_place = source.allocation != ShardSource::kInWindow;
       auto* host = static_cast<uint8_t*>(host_check_);
       const auto* shard = static_cast<const uint8_t*>(op.sendbuf);
-      const uint8_t* binding = region() + op.slot_offset;
-      copy_lines(host, shard, check_.anchor, stream);
-      copy_lines(host + kCheckSet, binding, check_.anchor, stream);
-      copy_lines(host + 2 * kCheckSet, shard, check_.sweep, stream);
-      copy_lines(host + 3 * kCheckSet, binding, check_.sweep, stream);
+      // Sets 0 and 2 (anchor, sweep): the reference side; 1 and 3: the shard this call sends.
+      const uint8_t* reference = nullptr;
+      if (!check_.in_place) {
+        reference = region() + source.offset;
+      } else {
+        const auto* agreed = static_cast<const uint8_t*>(bind_[index].sendbuf);
+        const bool alive =
+            identify_buffer(Backend::Cuda, reinterpret_cast<const void*>(
+                                               sources_.export_bases[source.allocation]))
+                .allocation_id == sources_.identities[source.allocation];
+        if (alive) reference = agreed;
+        if (shard == agreed) shard = alive ? nullptr : agreed;  // one look is enough
+      }
+      check_.reference_copied = reference != nullptr;
+      check_.shard_copied = shard != nullptr;
+      if (reference != nullptr) {
+        copy_lines(host, reference, check_.anchor, stream);
+        copy_lines(host + 2 * kCheckSet, reference, check_.sweep, stream);
+      }
+      if (shard != nullptr) {
+        copy_lines(host + kCheckSet, shard, check_.anchor, stream);
+        copy_lines(host + 3 * kCheckSet, shard, check_.sweep, stream);
+      }
       cuda_check(cudaEventRecord(check_.copied, stream), "cudaEventRecord (verify)");
       check_.pending = true;
       check_.op = op;
-      checked_bytes_ += check_.anchor.bytes() + check_.sweep.bytes();
+      checked_bytes_ += (check_.anchor.bytes() + check_.sweep.bytes()) *
+                        ((reference != nullptr ? 1 : 0) + (shard != nullptr ? 1 : 0));
     }
   }
 
@@ -468,8 +688,8 @@ class CudaTransport final : public Transport {
                  "cudaMemcpyAsync (verify)");
   }
 
-  // The check in flight, if its copies have run: a shard that changed is re-bound whole on this
-  // call's stream (ahead of its reads) and reported by take_stale_bindings().
+  // The check in flight, if its copies have run: a bound shard that changed is re-bound whole
+  // on this call's stream (ahead of its reads); a change is reported by take_stale_bindings().
   void finish_check(cudaStream_t stream) {
     if (!check_.pending) return;
     const cudaError_t state = cudaEventQuery(check_.copied);
@@ -481,13 +701,32 @@ class CudaTransport final : public Transport {
     cuda_check(state, "cudaEventQuery (verify)");
     const GatherOp& op = check_.op;
     const auto* host = static_cast<const uint8_t*>(host_check_);
-    if (std::memcmp(host, host + kCheckSet, check_.anchor.bytes()) != 0 ||
-        std::memcmp(host + 2 * kCheckSet, host + 3 * kCheckSet, check_.sweep.bytes()) != 0) {
-      cuda_check(cudaMemcpyAsync(region() + op.slot_offset, op.sendbuf, op.bytes, cudaMemcpyDefault,
-                                 stream),
-                 "cudaMemcpyAsync (re-bind)");
-      stale_.push_back(op.slot_offset);
+    if (!check_.in_place) {
+      if (std::memcmp(host, host + kCheckSet, check_.anchor.bytes()) != 0 ||
+          std::memcmp(host + 2 * kCheckSet, host + 3 * kCheckSet, check_.sweep.bytes()) != 0) {
+        cuda_check(cudaMemcpyAsync(region() + sources_.table.sources[check_.index].offset,
+                                   op.sendbuf, op.bytes, cudaMemcpyDefault, stream),
+                   "cudaMemcpyAsync (re-bind)");
+        stale_.push_back(op.slot_offset);
+      }
+      return;
     }
+    bool same = true;
+    auto look = [&](const uint8_t* packed, const SampleSet& set, bool learn) {
+      if (set.lines() == 0 || (!learn && !references_.has(check_.index, set.first))) return;
+      if (!references_.matches(check_.index, set.first, exports::hash_packed(packed, set)))
+        same = false;
+    };
+    // The agreed source sets the references; a re-homed shard is only compared with them.
+    if (check_.reference_copied) {
+      look(host, check_.anchor, true);
+      look(host + 2 * kCheckSet, check_.sweep, true);
+    }
+    if (check_.shard_copied) {
+      look(host + kCheckSet, check_.anchor, false);
+      look(host + 3 * kCheckSet, check_.sweep, false);
+    }
+    if (!same) stale_.push_back(op.slot_offset);
   }
 
   // Why a window could not be freed; `ranks` names the peers concerned, where there are any.
@@ -590,6 +829,15 @@ class CudaTransport final : public Transport {
   const uint64_t identity_;
   const int device_;
   const protocol::FlagLayout flags_;  // where the flag words lie (after the slots)
+  bool zero_copy_ = false;
+  exports::SourcePlan sources_;          // bound: where each of this rank's shards is read
+  std::vector<BindOp> bind_;             // bound: the agreed sources, by bind index
+  exports::BindIndex bind_index_;        // slot offset -> bind index
+  std::vector<const uint8_t*> peer_sources_;  // [peer * shards + bind index]
+  std::vector<uint8_t*> imports_;             // opened through ImportedAllocations
+  exports::SampleReferences references_;      // exported shards: what the first looks saw
+  std::vector<size_t> peer_flags_at_;         // by rank: where its flags lie in its window
+  std::vector<size_t> peer_window_bytes_;
   void* base_ = nullptr;
   size_t bytes_ = 0;
   size_t flags_at_ = 0;  // offset of the flag words in the allocation
@@ -602,6 +850,10 @@ class CudaTransport final : public Transport {
   struct Check {
     bool pending = false;  // its copies are queued; compared once `copied` has passed
     GatherOp op{};
+    size_t index = 0;       // in the plan's bind
+    bool in_place = false;  // an exported shard: compared with references_, not a binding
+    bool reference_copied = false;
+    bool shard_copied = false;
     SampleSet anchor;
     SampleSet sweep;  // empty when it was the anchor
     cudaEvent_t copied = nullptr;

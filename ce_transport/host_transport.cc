@@ -26,6 +26,7 @@
 
 #include "base/base.h"
 #include "ce_transport/backends.h"
+#include "ce_transport/exports.h"
 #include "ce_transport/host_window.h"
 #include "ce_transport/process.h"
 #include "ce_transport/protocol.h"
@@ -127,34 +128,57 @@ class HostTransport final : public Transport {
     faults_.at_prepare();
     const size_t slot_bytes = plan.slot_bytes;
     const size_t stride = round_up(slot_bytes, kCacheLine);
+    bound_ = plan.bound;
+    zero_copy_ = plan.bound && plan.zero_copy;
+    if (bound_) {
+      sources_ = zero_copy_ ? exports::plan_sources(plan,
+                                                    [](const BindOp& b) {
+                                                      return exports::find_host_export(b.sendbuf,
+                                                                                       b.bytes);
+                                                    })
+                            : exports::symmetric_sources(plan);
+      bind_ = plan.bind;
+      bind_index_.reset(plan.bind);
+      references_.reset(plan.bind.size());
+    }
     // Slots start on cache lines, so packed 64-byte-aligned slot offsets stay aligned in memory.
     slots_at_ = sizeof(WindowHead) + flags_.bytes();
-    own_ =
-        HostWindow::create(slots_at_ + (plan.bound ? 1 : 2) * stride, flags_.bytes(), nranks_ - 1);
+    const size_t region = bound_ ? round_up(sources_.region_bytes, kCacheLine) : 2 * stride;
+    own_ = HostWindow::create(slots_at_ + region, flags_.bytes(), nranks_ - 1);
     slot_bytes_ = slot_bytes;
     slot_stride_ = stride;
-    bound_ = plan.bound;
     verify_.reset(plan.verify_first, plan.verify_every);
     if (bound_) {
-      for (const BindOp& b : plan.bind) {
+      for (size_t i = 0; i < plan.bind.size(); ++i) {
+        const BindOp& b = plan.bind[i];
         if (b.bytes > slot_bytes_ || b.slot_offset > slot_bytes_ - b.bytes)
           throw Error(ErrorKind::Usage, "a binding overflows the bound region");
-        copy_checked(own_.data() + slots_at_ + b.slot_offset, b.sendbuf, b.bytes);
+        const ShardSource& source = sources_.table.sources[i];
+        if (source.allocation == ShardSource::kInWindow)
+          copy_checked(own_.data() + slots_at_ + source.offset, b.sendbuf, b.bytes);
       }
     }
 
-    shape_ = {Backend::Host, identity_, nranks_, own_.size(), slot_bytes, bound_};
+    shape_ = {Backend::Host, identity_, nranks_, own_.size(),
+              zero_copy_ ? sources_.region_bytes : slot_bytes, bound_, zero_copy_};
     HostMedium medium{};
     std::snprintf(medium.name, sizeof(medium.name), "%s", own_.name().c_str());
     protocol::write_blob(shape_, rank_, medium, out);
   }
 
-  void attach(std::span<const HandleBlob> blobs) override {
+  const SourceTable& sources() const override {
+    static const SourceTable kNone;
+    return zero_copy_ ? sources_.table : kNone;
+  }
+
+  void attach(std::span<const HandleBlob> blobs, std::span<const SourceTable> tables) override {
     if (!own_.is_open()) throw Error(ErrorKind::Usage, "attach before prepare");
     if (attached_) throw Error(ErrorKind::Usage, "attach called twice for one window");
     if (blobs.size() != static_cast<size_t>(nranks_))
       throw Error(ErrorKind::Usage, std::to_string(blobs.size()) + " handle blobs for " +
                                         std::to_string(nranks_) + " ranks");
+    if (zero_copy_ && tables.size() != static_cast<size_t>(nranks_))
+      throw Error(ErrorKind::Usage, "a zero-copy window needs every rank's source table");
     faults_.at_attach();
     peers_.resize(static_cast<size_t>(nranks_));
     peer_pids_.assign(static_cast<size_t>(nranks_), 0);
@@ -179,7 +203,51 @@ class HostTransport final : public Transport {
       if (!process_alive(pid)) peer_gone(r, pid);
       peer_pids_[static_cast<size_t>(r)] = pid;
     }
+    if (bound_) locate_peer_sources(tables);
     attached_ = true;
+  }
+
+  // Where each peer's shard of each binding is read: its window's region, or its exported
+  // allocation, mapped here once per allocation.
+  void locate_peer_sources(std::span<const SourceTable> tables) {
+    const size_t shards = bind_.size();
+    peer_sources_.assign(static_cast<size_t>(nranks_) * shards, nullptr);
+    for (int r = 0; r < nranks_; ++r) {
+      if (r == rank_) continue;
+      const HostWindow& window = peers_[static_cast<size_t>(r)];
+      const SourceTable* table = zero_copy_ ? &tables[static_cast<size_t>(r)] : nullptr;
+      if (table != nullptr && table->sources.size() != shards)
+        throw Error(ErrorKind::Usage, "rank " + std::to_string(r) + "'s source table has " +
+                                          std::to_string(table->sources.size()) + " shards, " +
+                                          std::to_string(shards) + " expected");
+      std::vector<std::pair<const uint8_t*, size_t>> mapped;  // by export: base, bytes
+      if (table != nullptr)
+        for (const ExportRecord& record : table->exports) {
+          imports_.push_back(exports::HostImport::open(record));
+          mapped.emplace_back(imports_.back().data(), imports_.back().size());
+        }
+      for (size_t i = 0; i < shards; ++i) {
+        const size_t bytes = bind_[i].bytes;
+        const ShardSource source =
+            table != nullptr ? table->sources[i] : ShardSource{ShardSource::kInWindow,
+                                                               bind_[i].slot_offset};
+        const uint8_t* at = nullptr;
+        if (source.allocation == ShardSource::kInWindow) {
+          if (source.offset > window.size() - slots_at_ ||
+              bytes > window.size() - slots_at_ - source.offset)
+            throw Error(ErrorKind::Usage, "rank " + std::to_string(r) +
+                                              "'s shard lies outside its window");
+          at = window.data() + slots_at_ + source.offset;
+        } else {
+          const auto [base, size] = mapped[source.allocation];
+          if (source.offset > size || bytes > size - source.offset)
+            throw Error(ErrorKind::Usage, "rank " + std::to_string(r) +
+                                              "'s shard lies outside its exported allocation");
+          at = base + source.offset;
+        }
+        peer_sources_[static_cast<size_t>(r) * shards + i] = at;
+      }
+    }
   }
 
   Served gather(std::span<const GatherOp> bucket, void* /*stream*/,
@@ -245,29 +313,30 @@ class HostTransport final : public Transport {
     return Served::Moved;
   }
 
-  // Static weights: every peer's shard has been in its region since before the plan was
-  // confirmed, so a call is only reads. The rank's own shard is checked against its region now
-  // and then, on the sampled lines of sample_plan.h (the user asserted it does not change; if it
-  // did, peers read stale bytes until the next agreement round takes the gather back to NCCL, and
-  // the whole region is re-bound meanwhile).
+  // Static weights: every peer's shard has been where it is read since before the plan was
+  // confirmed (its region, or its own memory), so a call is only reads. The rank's own shard is
+  // checked now and then, on the sampled lines of sample_plan.h (the user asserted it does not
+  // change; if it did, the gather goes back to NCCL at the next agreement round): a bound shard
+  // against its binding (re-bound whole on a mismatch), an exported one as check_in_place says.
   void gather_bound(std::span<const GatherOp> bucket, Timing timing) {
     ++sequence_;
+    const size_t shards = bind_.size();
     for (const GatherOp& op : bucket) {
-      auto* recv = static_cast<uint8_t*>(op.recvbuf);
-      uint8_t* region = own_.data() + slots_at_ + op.slot_offset;
+      const int64_t index = bind_index_.find(op.slot_offset);
+      if (index < 0)
+        throw Error(ErrorKind::Usage, "a gather at slot offset " + std::to_string(op.slot_offset) +
+                                          " that the plan did not bind");
+      const auto i = static_cast<size_t>(index);
       if (op.verify_now) verify_.owe(op.slot_offset);
-      if (verify_.on_call(op.slot_offset, timing) && !samples_match(op, region)) {
-        std::memcpy(region, op.sendbuf, op.bytes);
-        stale_.push_back(op.slot_offset);
-      }
+      if (verify_.on_call(op.slot_offset, timing) && !check(op, i)) stale_.push_back(op.slot_offset);
+      auto* recv = static_cast<uint8_t*>(op.recvbuf);
       for (int r = 0; r < nranks_; ++r) {
         uint8_t* into = recv + static_cast<size_t>(r) * op.bytes;
         if (r == rank_) {
           if (into != op.sendbuf) std::memcpy(into, op.sendbuf, op.bytes);
           continue;
         }
-        std::memcpy(into, peers_[static_cast<size_t>(r)].data() + slots_at_ + op.slot_offset,
-                    op.bytes);
+        std::memcpy(into, peer_sources_[static_cast<size_t>(r) * shards + i], op.bytes);
       }
     }
   }
@@ -279,6 +348,11 @@ class HostTransport final : public Transport {
   void abandon() override { abandoned_.store(true, std::memory_order_relaxed); }
 
   void release() override {
+    peer_sources_.clear();
+    imports_.clear();  // unmaps the peers' exported allocations
+    sources_ = {};
+    bind_.clear();
+    zero_copy_ = false;
     peers_.clear();  // unmaps; their names were removed when the last peer opened them
     peer_pids_.clear();
     own_.close();
@@ -295,16 +369,61 @@ class HostTransport final : public Transport {
 
   size_t window_bytes() const override { return own_.size(); }
 
+  WindowMemory memory() const override {
+    WindowMemory m = sources_.memory;
+    m.window_bytes = own_.size();
+    m.peer_mappings = imports_.size();
+    return m;
+  }
+
  private:
-  // The check of `op`'s binding that verify_ asked for: its anchor and sweep lines.
-  bool samples_match(const GatherOp& op, const uint8_t* region) {
+  // The check verify_ asked for, of the shard of binding `i` that `op` sends: false when it
+  // found a change (anchor and sweep lines, sample_plan.h).
+  bool check(const GatherOp& op, size_t i) {
     const SamplePlan plan(op.bytes);
     const SampleSet anchor = plan.anchor();
     const SampleSet sweep = plan.sweep(verify_.begin_check(op.slot_offset));
+    const bool sweeps = sweep.first != 0;
+    checked_bytes_ += anchor.bytes() + (sweeps ? sweep.bytes() : 0);
     const auto* shard = static_cast<const uint8_t*>(op.sendbuf);
-    checked_bytes_ += anchor.bytes() + (sweep.first != 0 ? sweep.bytes() : 0);
-    return same_lines(shard, region, anchor) &&
-           (sweep.first == 0 || same_lines(shard, region, sweep));
+    const ShardSource& source = sources_.table.sources[i];
+    if (source.allocation == ShardSource::kInWindow) {
+      uint8_t* region = own_.data() + slots_at_ + source.offset;
+      if (same_lines(shard, region, anchor) && (!sweeps || same_lines(shard, region, sweep)))
+        return true;
+      std::memcpy(region, shard, op.bytes);
+      return false;
+    }
+    return check_in_place(i, shard, anchor, sweeps ? sweep : SampleSet{});
+  }
+
+  // An exported shard has no binding: the peers read the agreed source in place. It must still
+  // hold what the first check saw (a rewrite in place, or a caching allocator that gave its block
+  // to another tensor, fails this), unless its allocation is gone: then the peers' mappings keep
+  // the old pages (exports.h). A call that sends another buffer (a re-homed shard) must send the
+  // same bytes too. Each set is compared by its hash with the first look at it.
+  bool check_in_place(size_t i, const uint8_t* shard, const SampleSet& anchor,
+                      const SampleSet& sweep) {
+    const auto* agreed = static_cast<const uint8_t*>(bind_[i].sendbuf);
+    const uint16_t allocation = sources_.table.sources[i].allocation;
+    const bool alive = exports::host_export_alive(sources_.export_bases[allocation],
+                                                  sources_.identities[allocation]);
+    bool same = true;
+    auto look = [&](const uint8_t* at, const SampleSet& set) {
+      if (set.lines() != 0 &&
+          !references_.matches(i, set.first, exports::hash_lines(at, set, scratch_)))
+        same = false;
+    };
+    if (alive) {
+      look(agreed, anchor);
+      look(agreed, sweep);
+    }
+    if (shard != agreed || !alive) {
+      // Compared only with references the agreed source set: a re-homed shard is not its own.
+      if (references_.has(i, anchor.first)) look(shard, anchor);
+      if (sweep.lines() != 0 && references_.has(i, sweep.first)) look(shard, sweep);
+    }
+    return same;
   }
 
   // Until every peer's word of a kind (`rank0_word`: rank 0's, e.g. flags_.done(0)) in this
@@ -340,6 +459,14 @@ class HostTransport final : public Transport {
   size_t slot_stride_ = 0;
   uint64_t sequence_ = 0;  // the last bucket started
   bool bound_ = false;
+  bool zero_copy_ = false;
+  exports::SourcePlan sources_;        // bound: where each of this rank's shards is read
+  std::vector<BindOp> bind_;           // bound: the agreed sources, by bind index
+  exports::BindIndex bind_index_;      // slot offset -> bind index
+  std::vector<const uint8_t*> peer_sources_;  // [peer * shards + bind index]
+  std::vector<exports::HostImport> imports_;  // the peers' exported allocations, mapped
+  exports::SampleReferences references_;      // exported shards: what the first looks saw
+  std::vector<uint8_t> scratch_;
   VerifySchedule verify_;  // bound: when each binding is checked
   std::vector<size_t> stale_;
   uint64_t checked_bytes_ = 0;

@@ -25,6 +25,7 @@ void write_header(const WindowShape& shape, int rank, HandleBlob& out) {
   header.version = kBlobVersion;
   header.backend = static_cast<uint8_t>(shape.backend);
   header.bound = shape.bound ? 1 : 0;
+  header.zero_copy = shape.zero_copy ? 1 : 0;
   header.comm_identity = shape.comm_identity;
   header.window_bytes = shape.window_bytes;
   header.slot_bytes = shape.slot_bytes;
@@ -51,10 +52,13 @@ BlobHeader check_header(const HandleBlob& blob, int rank, const WindowShape& sha
     refuse("is rank " + std::to_string(h.rank) + " of " + std::to_string(h.nranks) + ", expected " +
            std::to_string(rank) + " of " + std::to_string(shape.nranks));
   if (h.comm_identity != shape.comm_identity) refuse("belongs to another communicator");
-  if (h.slot_bytes != shape.slot_bytes)
+  if (h.zero_copy > 1 || (h.zero_copy != 0) != shape.zero_copy)
+    refuse(std::string(h.zero_copy != 0 ? "reads shards in place" : "binds every shard") +
+           ", this rank " + (shape.zero_copy ? "reads them in place" : "binds them"));
+  if (!shape.zero_copy && h.slot_bytes != shape.slot_bytes)
     refuse("has slots of " + std::to_string(h.slot_bytes) + " bytes, this rank " +
            std::to_string(shape.slot_bytes));
-  if (h.window_bytes != shape.window_bytes)
+  if (!shape.zero_copy && h.window_bytes != shape.window_bytes)
     refuse("has a window of " + std::to_string(h.window_bytes) + " bytes, this rank " +
            std::to_string(shape.window_bytes));
   if (h.bound > 1 || (h.bound != 0) != shape.bound)

@@ -22,14 +22,15 @@ namespace magi::ce::protocol {
 
 inline constexpr uint64_t kBlobMagic = 0x42574543'4947414d;  // "MAGICEWB" in memory order
 // Raised whenever the header or a medium changes its layout: ranks built apart refuse each other.
-inline constexpr uint32_t kBlobVersion = 2;
+inline constexpr uint32_t kBlobVersion = 3;
 
 struct BlobHeader {
   uint64_t magic;
   uint32_t version;
   uint8_t backend;  // Backend
   uint8_t bound;    // 0 or 1
-  uint16_t reserved;
+  uint8_t zero_copy;  // 0 or 1: window and slot bytes are this rank's own (not compared)
+  uint8_t reserved;
   uint64_t comm_identity;
   uint64_t window_bytes;
   uint64_t slot_bytes;
@@ -49,15 +50,16 @@ struct WindowShape {
   uint64_t comm_identity = 0;
   int nranks = 0;
   uint64_t window_bytes = 0;
-  uint64_t slot_bytes = 0;
+  uint64_t slot_bytes = 0;  // zero-copy: this rank's bound region, which differs by rank
   bool bound = false;
+  bool zero_copy = false;  // bound only: each rank's window holds only what it could not export
 };
 
 // This rank's blob: the header (its shape, its rank, this process's pid), then `medium`.
 void write_header(const WindowShape& shape, int rank, HandleBlob& out);
 // Peer `rank`'s header, once it matches `shape` in every field; throws Error(Usage) naming the
-// first that differs (magic, version, backend, rank, nranks, communicator, window or slot bytes,
-// bound, pid).
+// first that differs (magic, version, backend, rank, nranks, communicator, window or slot bytes
+// (not for zero-copy windows, whose sizes are each rank's own), bound, zero-copy, pid).
 BlobHeader check_header(const HandleBlob& blob, int rank, const WindowShape& shape);
 
 template <class Medium>

@@ -322,8 +322,17 @@ void CommAgreement::read_publish(std::span<const uint8_t> all, const Round& roun
   Contribution confirm = header_for(RoundKind::Confirm);
   confirm.header.decision_hash = round.decision_hash;
   try {
-    serving_.attach(c.handles);
+    serving_.attach(c.handles, c.tables);
     confirm.header.flags |= kCanServe;
+    const ce::WindowMemory m = serving_.memory();
+    if (m.peer_mappings != 0)
+      MAGI_INFO(Transport, "comm %012llx: static weights: mapped %zu allocations of the peers",
+                short_id(info_.identity), m.peer_mappings);
+    RoundStamp stamp;
+    stamp.comm_id = info_.identity;
+    stamp.rank = info_.rank;
+    stamp.round = decision_round_;
+    record_window(world_.trace, stamp, seq, decision_.mode, m);
   } catch (const Error& e) {
     MAGI_WARN(Transport,
               "comm %012llx: cannot open the peers' windows: %s; everything stays on "
@@ -389,14 +398,28 @@ void CommAgreement::publish(uint64_t seq) {
     serving_.open_window(plan, c.header.handle);
     c.header.flags |= kCanServe;
     const size_t window = serving_.window_bytes();
-    if (plan.bound)
+    if (plan.zero_copy) {
+      const ce::SourceTable& table = serving_.sources();
+      c.table.resize(table.bytes() + 8);
+      table.serialize(c.table);
+      c.header.table_bytes = static_cast<uint32_t>(c.table.size());
+    }
+    if (plan.bound) {
+      const ce::WindowMemory m = serving_.memory();
       MAGI_INFO(Transport,
-                "comm %012llx: static weights: %u gathers bound in a window of %zu "
-                "bytes (%.1f MiB; MAGI_BIND_MAX_MIB=%s)",
-                short_id(info_.identity), decision_.moved, window,
-                static_cast<double>(window) / (1 << 20),
-                options_.value_text("MAGI_BIND_MAX_MIB").c_str());
-    else
+                "comm %012llx: static weights: %u gathers: %zu shards exported in place (%zu "
+                "bytes in %zu allocations, 0 copied), %zu bound (%zu bytes copied); window %zu "
+                "bytes (%.1f MiB)",
+                short_id(info_.identity), decision_.moved, m.exported_shards, m.exported_bytes,
+                m.exported_allocations, m.bound_shards, m.bound_bytes, window,
+                static_cast<double>(window) / (1 << 20));
+      if (m.first_refused >= 0)
+        MAGI_INFO(Transport,
+                  "comm %012llx: static weights: %zu shards (the first: gather %lld of the "
+                  "plan) cannot be read in place (%s); bound instead",
+                  short_id(info_.identity), m.bound_shards,
+                  static_cast<long long>(m.first_refused), m.refusal.c_str());
+    } else
       MAGI_INFO(Transport,
                 "comm %012llx: window of %zu bytes (two staging slots of %zu) for %u "
                 "gathers",

@@ -1,5 +1,7 @@
 #include "rewrite/contribution.h"
 
+#include "base/base.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -11,6 +13,11 @@ namespace magi::rewrite {
 void Contribution::serialize(std::span<uint8_t> out) const {
   std::fill(out.begin(), out.end(), uint8_t{0});
   std::memcpy(out.data(), &header, sizeof(header));
+  if (!table.empty()) {
+    std::memcpy(out.data() + sizeof(header), table.data(),
+                std::min(table.size(), out.size() - sizeof(header)));
+    return;
+  }
   if (!costs.empty()) {
     const size_t n = std::min<size_t>(costs.size(), kMaxGathers);
     std::memcpy(out.data() + sizeof(header), costs.data(), n * sizeof(BucketCost));
@@ -25,6 +32,15 @@ bool Contribution::parse(std::span<const uint8_t> in, Contribution& out) {
   std::memcpy(&out.header, in.data(), sizeof(out.header));
   if (out.header.magic != kContributionMagic || out.header.version != kContributionVersion)
     return false;
+  out.table.clear();
+  if (out.header.kind == static_cast<uint8_t>(RoundKind::Publish)) {
+    out.entries.clear();
+    out.costs.clear();
+    if (out.header.table_bytes > kPublishTableRoom) return false;
+    const uint8_t* at = in.data() + sizeof(out.header);
+    out.table.assign(at, at + out.header.table_bytes);
+    return true;
+  }
   const size_t n = std::min<size_t>(out.header.gathers, kMaxGathers);
   if (out.header.kind == static_cast<uint8_t>(RoundKind::Cost)) {
     out.costs.resize(n);
@@ -253,8 +269,21 @@ CommitOutcome decide_commit(std::span<const uint8_t> all, int nranks, RoundKind 
       return out;
     }
   }
-  if (kind == RoundKind::Publish)
-    for (const Contribution& x : c) out.handles.push_back(x.header.handle);
+  if (kind == RoundKind::Publish) {
+    for (const Contribution& x : c) {
+      out.handles.push_back(x.header.handle);
+      out.tables.emplace_back();
+      if (x.table.empty()) continue;
+      try {
+        out.tables.back() = ce::SourceTable::parse(x.table);
+      } catch (const Error&) {  // every rank parses the same bytes: all refuse alike
+        out.handles.clear();
+        out.tables.clear();
+        out.reason = Reason::CommitRefused;
+        return out;
+      }
+    }
+  }
   out.agreed = true;
   return out;
 }

@@ -22,7 +22,7 @@ using trace::Reason;
 using trace::RoundKind;
 
 inline constexpr uint32_t kContributionMagic = 0x4147524d;  // "MRGA"
-inline constexpr uint32_t kContributionVersion = 2;
+inline constexpr uint32_t kContributionVersion = 3;
 inline constexpr uint32_t kMaxGathers = 1024;  // gathers per step a round can carry
 
 // Flags of a contribution.
@@ -50,7 +50,7 @@ struct ContributionHeader {
   uint32_t gathers;  // all-gathers in the step
   uint64_t host;     // ce::Locality
   int32_t device;
-  uint32_t reserved1;
+  uint32_t table_bytes;  // publish: bytes of the source table in the entry area
   uint64_t peer_access_mask;
   uint64_t decision_hash;  // publish/confirm: the decision being served
   ce::HandleBlob handle;   // publish: how to open this rank's window
@@ -85,12 +85,16 @@ static_assert(sizeof(BucketCost) <= sizeof(GatherEntry));
 
 inline constexpr size_t kContributionBytes =
     (sizeof(ContributionHeader) + kMaxGathers * sizeof(GatherEntry) + 63) / 64 * 64;
+// A publish round carries the rank's zero-copy source table (ce::SourceTable, its counts
+// included) where a propose carries its entries.
+inline constexpr size_t kPublishTableRoom = kContributionBytes - sizeof(ContributionHeader);
 
 // A contribution being built or read: header, then entries.
 struct Contribution {
   ContributionHeader header{};
   std::vector<GatherEntry> entries;  // header.gathers of them, at most kMaxGathers
   std::vector<BucketCost> costs;     // cost rounds instead of entries: header.gathers of them
+  std::vector<uint8_t> table;        // publish rounds: a serialized ce::SourceTable, or empty
 
   void serialize(std::span<uint8_t> out) const;  // out.size() == kContributionBytes
   // Parses one rank's slice; false when it is not a contribution of this version.
@@ -130,6 +134,7 @@ struct CommitOutcome {
   bool agreed = false;
   Reason reason = Reason::None;
   std::vector<ce::HandleBlob> handles;  // publish: by rank
+  std::vector<ce::SourceTable> tables;  // publish: by rank (empty tables but for zero-copy)
 };
 // Cost rounds: for each bucket, whether it keeps moving. A bucket moves on when the slowest rank's
 // moved time is no worse than the slowest rank's NCCL time (every rank waits for the slowest), or

@@ -62,4 +62,22 @@ void record_decision(const TraceSink& trace, const capture::CommInfo& info,
             why.empty() ? "" : "; stay: ", why.c_str());
 }
 
+void record_window(const TraceSink& trace, const RoundStamp& stamp, uint64_t seq,
+                   AgreementMode mode, const ce::WindowMemory& memory) {
+  trace::WindowRecord r{};
+  r.comm_id = stamp.comm_id;
+  r.seq = seq;
+  r.window_bytes = memory.window_bytes;
+  r.bound_bytes = memory.bound_bytes;
+  r.exported_bytes = memory.exported_bytes;
+  r.round = stamp.round;
+  r.rank = stamp.rank;
+  r.bound_shards = static_cast<uint32_t>(memory.bound_shards);
+  r.exported_shards = static_cast<uint32_t>(memory.exported_shards);
+  r.exported_allocations = static_cast<uint32_t>(memory.exported_allocations);
+  r.peer_mappings = static_cast<uint32_t>(memory.peer_mappings);
+  r.mode = static_cast<uint8_t>(mode);
+  trace(trace::RecordType::Window, &r, sizeof(r));
+}
+
 }  // namespace magi::rewrite

@@ -28,4 +28,8 @@ void record_round(const TraceSink& trace, const RoundStamp& stamp, RoundKind kin
 void record_decision(const TraceSink& trace, const capture::CommInfo& info,
                      const StepObservation& seen, const Decision& decision, uint32_t round);
 
+// The Window record of a plan whose peers this rank opened.
+void record_window(const TraceSink& trace, const RoundStamp& stamp, uint64_t seq,
+                   AgreementMode mode, const ce::WindowMemory& memory);
+
 }  // namespace magi::rewrite

@@ -11,6 +11,9 @@ ce::WindowPlan window_plan(const Decision& decision, const StepObservation& seen
   ce::WindowPlan plan;
   plan.slot_bytes = layout.slot_bytes;
   plan.bound = decision.bound;
+  // Static weights read each shard where the program keeps it when its owner can export it.
+  plan.zero_copy = decision.bound;
+  plan.table_room = kPublishTableRoom;
   plan.verify_every = static_cast<uint64_t>(options.verify_every);
   if (!plan.bound) return plan;
   for (const GatherDecision& g : decision.gathers) {
@@ -98,8 +101,8 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<cons
         if (layout.offset_by_position[p] != offset) continue;
         MAGI_WARN(Transport,
                   "comm %012llx: MAGI_STATIC_WEIGHTS=1, but the shard of the gather at "
-                  "position %u changed after it was bound; peers may have read stale bytes. It "
-                  "goes back to NCCL at the next agreement round",
+                  "position %u changed after it was bound; peers may have read stale or "
+                  "half-written bytes. It goes back to NCCL at the next agreement round",
                   short_id(info_.identity), p);
         stale_positions_.push_back(p);
       }

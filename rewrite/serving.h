@@ -93,9 +93,14 @@ class Serving {
 
   // A window for a new plan, replacing any other; fills `handle` for the peers. Throws Error.
   void open_window(const ce::WindowPlan& plan, ce::HandleBlob& handle);
-  // Opens the peers' windows (indexed by rank). Throws Error.
-  void attach(std::span<const ce::HandleBlob> handles) { transport_->attach(handles); }
+  // Zero-copy plans: the table the peers need (after open_window).
+  const ce::SourceTable& sources() const { return transport_->sources(); }
+  // Opens the peers' windows and exported allocations (indexed by rank). Throws Error.
+  void attach(std::span<const ce::HandleBlob> handles, std::span<const ce::SourceTable> tables) {
+    transport_->attach(handles, tables);
+  }
   size_t window_bytes() const { return transport_ ? transport_->window_bytes() : 0; }
+  ce::WindowMemory memory() const { return transport_ ? transport_->memory() : ce::WindowMemory{}; }
   void drop();
   // See CommAgreement::abandon.
   void abandon();

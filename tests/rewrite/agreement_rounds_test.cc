@@ -109,7 +109,8 @@ class FakeTransport : public ce::Transport {
     bytes_ = 2 * plan.slot_bytes;
     out.bytes[0] = 0x5a;
   }
-  void attach(std::span<const ce::HandleBlob> blobs) override {
+  const ce::SourceTable& sources() const override { return sources_; }
+  void attach(std::span<const ce::HandleBlob> blobs, std::span<const ce::SourceTable>) override {
     EXPECT_EQ(blobs.size(), static_cast<size_t>(kRanks));
   }
   Served gather(std::span<const ce::GatherOp>, void*, Timing) override {
@@ -122,9 +123,11 @@ class FakeTransport : public ce::Transport {
   void release() override {}
   void abandon() override {}
   size_t window_bytes() const override { return bytes_; }
+  ce::WindowMemory memory() const override { return {}; }
 
  private:
   size_t bytes_ = 0;
+  ce::SourceTable sources_;
 };
 
 class FakeTimer : public ce::CompletionTimer {

@@ -17,8 +17,9 @@ namespace {
 constexpr std::string_view kUsage =
     "usage: magice-trace dump [--comm ID] [--frames] FILE...\n"
     "  Prints each trace file as tables: its header, communicators, calls, step events,\n"
-    "  agreement rounds, the decisions of each round, ends. A call that left NCCL is marked\n"
-    "  \"moved\" (\"would move\" under MAGI_DRY_RUN).\n"
+    "  agreement rounds, the decisions of each round, the memory of each plan's window\n"
+    "  (static weights: bytes read in place and bytes copied), ends. A call that left NCCL\n"
+    "  is marked \"moved\" (\"would move\" under MAGI_DRY_RUN).\n"
     "  --comm ID   only communicators whose hex id starts with ID\n"
     "  --frames    also print each call site's frames once, as module+0xoffset\n";
 
@@ -58,6 +59,7 @@ class Dumper {
     print_steps();
     print_agreements();
     print_decisions();
+    print_windows();
     print_ends();
     if (o_.frames) print_frames();
     if (t_.dropped != 0) {
@@ -159,6 +161,26 @@ class Dumper {
                   d.count, callsite_label(d.callsite).c_str(),
                   name(trace::mode_name(static_cast<trace::AgreementMode>(d.mode))).c_str(),
                   verdict.c_str());
+    }
+  }
+
+  // What each plan's window took, and what it reads in place (static weights).
+  void print_windows() const {
+    if (t_.windows.empty()) return;
+    std::printf("windows\n  %-12s  %5s  %5s  %10s  %-9s  %12s  %22s  %18s  %8s\n", "comm", "rank",
+                "round", "collective", "mode", "window bytes", "exported bytes (shards)",
+                "bound bytes (shards)", "mappings");
+    for (const trace::WindowRecord& w : t_.windows) {
+      if (!wanted(w.comm_id)) continue;
+      const std::string exported = std::to_string(w.exported_bytes) + " (" +
+                                   std::to_string(w.exported_shards) + " in " +
+                                   std::to_string(w.exported_allocations) + ")";
+      const std::string bound =
+          std::to_string(w.bound_bytes) + " (" + std::to_string(w.bound_shards) + ")";
+      std::printf("  %-12s  %5d  %5u  %10" PRIu64 "  %-9s  %12" PRIu64 "  %22s  %18s  %8u\n",
+                  comm_label(w.comm_id).c_str(), w.rank, w.round, w.seq,
+                  name(trace::mode_name(static_cast<trace::AgreementMode>(w.mode))).c_str(),
+                  w.window_bytes, exported.c_str(), bound.c_str(), w.peer_mappings);
     }
   }
 

@@ -1,0 +1,167 @@
+#include "ce_transport/exports.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "base/base.h"
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace magi::ce {
+
+void SourceTable::serialize(std::span<uint8_t> out) const {
+  if (out.size() < bytes() + 8) throw Error(ErrorKind::Internal, "a source table overflows");
+  const auto exports_count = static_cast<uint32_t>(exports.size());
+  const auto sources_count = static_cast<uint32_t>(sources.size());
+  uint8_t* at = out.data();
+  std::memcpy(at, &exports_count, 4);
+  std::memcpy(at + 4, &sources_count, 4);
+  at += 8;
+  for (const ExportRecord& e : exports) {
+    std::memcpy(at, &e, kExportBytes);
+    at += kExportBytes;
+  }
+  for (const ShardSource& s : sources) {
+    const uint64_t word = uint64_t{s.allocation} << 48 | (s.offset & kMaxOffset);
+    std::memcpy(at, &word, kSourceBytes);
+    at += kSourceBytes;
+  }
+}
+
+SourceTable SourceTable::parse(std::span<const uint8_t> in) {
+  uint32_t exports_count = 0, sources_count = 0;
+  if (in.size() < 8) throw Error(ErrorKind::Usage, "a source table without its counts");
+  std::memcpy(&exports_count, in.data(), 4);
+  std::memcpy(&sources_count, in.data() + 4, 4);
+  const uint64_t need = 8 + uint64_t{exports_count} * kExportBytes +
+                        uint64_t{sources_count} * kSourceBytes;
+  if (need > in.size() || exports_count >= ShardSource::kInWindow)
+    throw Error(ErrorKind::Usage, "a source table of " + std::to_string(exports_count) +
+                                      " exports and " + std::to_string(sources_count) +
+                                      " sources overflows its " + std::to_string(in.size()) +
+                                      " bytes");
+  SourceTable table;
+  const uint8_t* at = in.data() + 8;
+  table.exports.resize(exports_count);
+  for (ExportRecord& e : table.exports) {
+    std::memcpy(&e, at, kExportBytes);
+    at += kExportBytes;
+  }
+  table.sources.resize(sources_count);
+  for (ShardSource& s : table.sources) {
+    uint64_t word = 0;
+    std::memcpy(&word, at, kSourceBytes);
+    at += kSourceBytes;
+    s.allocation = static_cast<uint16_t>(word >> 48);
+    s.offset = word & kMaxOffset;
+    if (s.allocation != ShardSource::kInWindow && s.allocation >= exports_count)
+      throw Error(ErrorKind::Usage, "a source names export " + std::to_string(s.allocation) +
+                                        " of " + std::to_string(exports_count));
+  }
+  return table;
+}
+
+namespace exports {
+
+constexpr size_t kRegionAlign = 256;
+
+SourcePlan plan_sources(const WindowPlan& plan,
+                        const std::function<Exportable(const BindOp&)>& find_export) {
+  SourcePlan out;
+  const size_t fixed = 8 + plan.bind.size() * SourceTable::kSourceBytes;
+  if (fixed > plan.table_room)
+    throw Error(ErrorKind::Usage, std::to_string(plan.bind.size()) +
+                                      " shards do not fit the source table's " +
+                                      std::to_string(plan.table_room) + " bytes");
+  size_t room = plan.table_room - fixed;
+  std::map<uintptr_t, uint16_t> by_base;
+  out.table.sources.resize(plan.bind.size());
+  for (size_t i = 0; i < plan.bind.size(); ++i) {
+    const BindOp& b = plan.bind[i];
+    ShardSource& source = out.table.sources[i];
+    std::string refusal;
+    if (b.bytes != 0) {
+      Exportable e = find_export(b);
+      if (e.ok) {
+        auto it = by_base.find(e.base);
+        if (it == by_base.end() && room >= SourceTable::kExportBytes &&
+            out.table.exports.size() + 1 < ShardSource::kInWindow) {
+          room -= SourceTable::kExportBytes;
+          it = by_base.emplace(e.base, static_cast<uint16_t>(out.table.exports.size())).first;
+          out.table.exports.push_back(e.record);
+          out.identities.push_back(e.identity);
+          out.export_bases.push_back(e.base);
+        }
+        if (it != by_base.end()) {
+          source.allocation = it->second;
+          source.offset = reinterpret_cast<uintptr_t>(b.sendbuf) - e.base;
+          ++out.memory.exported_shards;
+          out.memory.exported_bytes += b.bytes;
+          continue;
+        }
+        refusal = "the publish round has no room for another allocation";
+      } else {
+        refusal = e.refusal;
+      }
+    }
+    source.allocation = ShardSource::kInWindow;
+    source.offset = out.region_bytes;
+    out.region_bytes += round_up(b.bytes, kRegionAlign);
+    if (b.bytes == 0) continue;
+    ++out.memory.bound_shards;
+    out.memory.bound_bytes += b.bytes;
+    if (out.memory.first_refused < 0) {
+      out.memory.first_refused = static_cast<int64_t>(i);
+      out.memory.refusal = refusal;
+    }
+  }
+  out.memory.exported_allocations = out.table.exports.size();
+  return out;
+}
+
+SourcePlan symmetric_sources(const WindowPlan& plan) {
+  SourcePlan out;
+  out.region_bytes = plan.slot_bytes;
+  out.table.sources.resize(plan.bind.size());
+  for (size_t i = 0; i < plan.bind.size(); ++i) {
+    out.table.sources[i].offset = plan.bind[i].slot_offset;
+    if (plan.bind[i].bytes == 0) continue;
+    ++out.memory.bound_shards;
+    out.memory.bound_bytes += plan.bind[i].bytes;
+  }
+  return out;
+}
+
+void BindIndex::reset(const std::vector<BindOp>& bind) {
+  sorted_.clear();
+  for (size_t i = 0; i < bind.size(); ++i)
+    sorted_.emplace_back(bind[i].slot_offset, static_cast<uint32_t>(i));
+  std::sort(sorted_.begin(), sorted_.end());
+  count_ = bind.size();
+}
+
+int64_t BindIndex::find(size_t slot_offset) const {
+  const auto it = std::lower_bound(sorted_.begin(), sorted_.end(),
+                                   std::pair<size_t, uint32_t>{slot_offset, 0});
+  if (it == sorted_.end() || it->first != slot_offset) return -1;
+  return it->second;
+}
+
+uint64_t hash_packed(const uint8_t* packed, const SampleSet& set) {
+  return XXH3_64bits(packed, set.bytes());
+}
+
+uint64_t hash_lines(const uint8_t* shard, const SampleSet& set, std::vector<uint8_t>& scratch) {
+  scratch.resize(set.bytes());
+  size_t at = 0;
+  for (size_t i = 0; i < set.lines(); ++i) {
+    std::memcpy(scratch.data() + at, shard + set.offset(i), set.line_bytes(i));
+    at += set.line_bytes(i);
+  }
+  return hash_packed(scratch.data(), set);
+}
+
+}  // namespace exports
+}  // namespace magi::ce

@@ -1,0 +1,119 @@
+// Zero-copy static weights: which shards the peers read where the program keeps them, and the
+// checks that stand in for a binding. Private to ce_transport/.
+//
+// What a peer's mapping of an exported allocation sees when the owner lets go of the memory
+// (measured on an H200 for CUDA IPC, and the same for a shared file mapping): after the owner
+// frees the allocation, the peer's mapping keeps the old pages (they are freed when the peer
+// unmaps), so it reads the old bytes, which the static-weights promise says are the right ones,
+// even when the owner's allocator hands the same address out again. What a mapping cannot survive
+// is reuse inside a live allocation: a caching allocator (PyTorch's) gives a freed block of a
+// segment to another tensor without freeing the segment, and the peers then read that tensor.
+// The owner's checks look for it (ZeroCopyCheck): the memory its peers read must still hold what
+// its first check saw.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "ce_transport/ce_transport.h"
+#include "ce_transport/sample_plan.h"
+
+namespace magi::ce::exports {
+
+// One shard's allocation, as its backend found it.
+struct Exportable {
+  bool ok = false;
+  uintptr_t base = 0;  // the allocation's start; the shard lies at sendbuf - base
+  ExportRecord record{};
+  uint64_t identity = 0;  // what tells this allocation from a later one at the same address
+  std::string refusal;    // !ok: why the peers cannot read it in place
+};
+
+// Which shards of a zero-copy plan are exported and which are copied into the region, packed at
+// 256-byte offsets; every allocation exported once. Sources past the table's room are bound.
+struct SourcePlan {
+  SourceTable table;
+  size_t region_bytes = 0;                // the bound shards, packed
+  std::vector<uint64_t> identities;       // by export: Exportable::identity
+  std::vector<uintptr_t> export_bases;    // by export
+  WindowMemory memory;                    // everything but window_bytes and peer_mappings
+};
+SourcePlan plan_sources(const WindowPlan& plan,
+                        const std::function<Exportable(const BindOp&)>& find_export);
+
+// The symmetric layout of a plan that is not zero-copy: every shard at its slot offset.
+SourcePlan symmetric_sources(const WindowPlan& plan);
+
+// Hot-path lookup: the bind index of the gather at `slot_offset` (binary search; -1: none).
+class BindIndex {
+ public:
+  void reset(const std::vector<BindOp>& bind);
+  int64_t find(size_t slot_offset) const;
+  size_t size() const { return count_; }
+
+ private:
+  std::vector<std::pair<size_t, uint32_t>> sorted_;
+  size_t count_ = 0;
+};
+
+// The sample sets' hashes a zero-copy shard's first check saw: there is no binding to compare a
+// later check with, so the reference is what the memory the peers read held then (the anchor at
+// the shard's first check, each sweep set at its first visit). A rewrite is caught when it lands
+// between two looks at a set; one made before the shard's first check is what the peers read
+// too, so it is not a wrong byte.
+class SampleReferences {
+ public:
+  void reset(size_t shards) {
+    references_.assign(shards, {});
+  }
+  // True when `hash` is the reference of shard `index`'s set at `first`, or it had none yet.
+  // `hash` becomes the reference either way: a change is reported once, not at every check.
+  bool matches(size_t index, size_t first, uint64_t hash) {
+    auto [it, inserted] = references_[index].emplace(first, hash);
+    return inserted || std::exchange(it->second, hash) == hash;
+  }
+  // Whether a reference of the set at `first` exists (so a re-homed shard can be compared).
+  bool has(size_t index, size_t first) const { return references_[index].count(first) != 0; }
+
+ private:
+  std::vector<std::unordered_map<size_t, uint64_t>> references_;
+};
+
+// XXH3 of the lines of `set`, packed one after the other as the CUDA backend copies them.
+uint64_t hash_packed(const uint8_t* packed, const SampleSet& set);
+// The same hash, of the lines read in place from a shard.
+uint64_t hash_lines(const uint8_t* shard, const SampleSet& set, std::vector<uint8_t>& scratch);
+
+}  // namespace magi::ce::exports
+
+namespace magi::ce::exports {
+
+// ---- the host backend's exports: a shard in a shared mapping of a named file in /dev/shm ----
+// The peers open the file by name (the inode must still be the owner's) and map the same file
+// range. Memory from malloc, anonymous mappings and files elsewhere are not exportable.
+Exportable find_host_export(const void* ptr, size_t bytes);
+// Whether the mapping that holds `base` is still the exported one (`identity`: its inode).
+bool host_export_alive(uintptr_t base, uint64_t identity);
+
+// A peer's exported allocation, mapped read-only into this process; unmapped when destroyed.
+class HostImport {
+ public:
+  static HostImport open(const ExportRecord& record);
+  HostImport() = default;
+  HostImport(HostImport&& other) noexcept;
+  HostImport& operator=(HostImport&& other) noexcept;
+  ~HostImport();
+  const uint8_t* data() const { return static_cast<const uint8_t*>(base_); }
+  size_t size() const { return bytes_; }
+
+ private:
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+}  // namespace magi::ce::exports
