@@ -255,7 +255,7 @@ standin_weights_memory_run() {
       /^device memory free before: [0-9]+$/ { if (before == "" || $5 > before) before = $5 }
       /^device memory free after: [0-9]+$/ { if (after == "" || $5 < after) after = $5 }
       END { if (before == "" || after == "") exit 1; d = before - after; if (d < 0) d = 0
-            printf "%d\n", d / n }' "$work/$name/log") || {
+            printf "%.0f\n", int(d / n) }' "$work/$name/log") || {
       fail "$name: every rank reports the device's free memory"
       continue
     }
