@@ -172,31 +172,45 @@ standin_log_check() {
 # The static-weights programs (tests/support/workload/weights.cc) with every buffer in device
 # memory, as the integration tests run them on host memory: each in the default mode and with
 # MAGI_STATIC_WEIGHTS=1. In static mode the plan stages the one reused send buffer (a transient
-# buffer cannot be bound) and binds every other program's 4 gathers, and no shard whose bytes
-# stayed the same is reported changed. A shard re-homed to other bytes (a broken promise) must
-# be reported by the rank that re-homed it: a WARN naming its position (layer 0 is gathered at
-# position 0), and that gather back on NCCL in the traces' verdict.
+# buffer is neither read in place nor bound). Every other program's 4 shards are read by the
+# peers where they lie: each its own cudaMalloc (4 allocations), or with --arena 1 all in one
+# (1 allocation); nothing is bound, and no shard whose bytes stayed the same is reported
+# changed. A shard re-homed to other bytes (a broken promise) must be reported by the rank that
+# re-homed it: a WARN naming its position (layer 0 is gathered at position 0), and that gather
+# back on NCCL in the traces' verdict. Shards in one cuMemCreate mapping (--vmm 1, PyTorch's
+# expandable segments) cannot be exported with legacy IPC: bound instead, and the log says so.
 standin_weights_runs() {
   local cases=("reused --steps 24" "swap --steps 40 --swap-step 15"
     "alternate --steps 30 --swap-step 10" "rehome --steps 30 --rehome-rank 1 --rehome-step 15")
-  local entry program args name
+  local entry program args name arena allocations
   for entry in "${cases[@]}"; do
     read -r program args <<<"$entry"
     # shellcheck disable=SC2086  # args: the program's own options, word by word
     standin_run "weights-$program" 4 MAGI_CE_FORCE=1 -- weights --device 1 --layers 4 \
       --program "$program" $args
-    name=weights-$program-static
-    # shellcheck disable=SC2086
-    standin_run "$name" 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --layers 4 \
-      --program "$program" $args
-    if [ "$program" = reused ]; then
-      standin_log_check "$name" "the plan stages the reused buffer instead of binding" \
-        "\(buffer reused\): the plan stages instead of binding"
-      standin_log_check "$name" "no gather bound" "gathers bound" absent
-    else
-      standin_log_check "$name" "4 gathers bound" "static weights: 4 gathers bound"
-    fi
-    standin_log_check "$name" "no shard reported changed" "changed after it was bound" absent
+    for arena in 0 1; do
+      name=weights-$program-static
+      allocations=4
+      if [ "$arena" = 1 ]; then
+        name=weights-$program-arena-static
+        allocations=1
+      fi
+      # shellcheck disable=SC2086
+      standin_run "$name" 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 \
+        --arena "$arena" --layers 4 --program "$program" $args
+      if [ "$program" = reused ]; then
+        standin_log_check "$name" "the plan stages the reused buffer instead of binding" \
+          "\(buffer reused\): the plan stages instead of binding"
+        standin_log_check "$name" "no shard exported in place" \
+          "[1-9][0-9]* shards exported in place" absent
+        standin_log_check "$name" "no shard bound" "static weights: .*, [1-9][0-9]* bound \(" absent
+      else
+        standin_log_check "$name" "4 shards exported in place in $allocations allocations" \
+          "static weights: 4 gathers: 4 shards exported in place .* in $allocations allocations"
+        standin_log_check "$name" "0 bound" "static weights: 4 gathers: .*, 0 bound \("
+      fi
+      standin_log_check "$name" "no shard reported changed" "changed after it was bound" absent
+    done
   done
   name=weights-rehome-other-static
   standin_run "$name" 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 MAGI_REAGREE_STEPS=2 -- weights \
@@ -211,6 +225,48 @@ standin_weights_runs() {
   else
     fail "$name: position 0 back on NCCL (magice-trace decisions)"
   fi
+  # Every received byte is checked by the program (exit 0): bound shards are read right too.
+  name=weights-swap-vmm-static
+  standin_run "$name" 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --vmm 1 \
+    --layers 4 --steps 40 --program swap --swap-step 15
+  standin_log_check "$name" "cuMemCreate shards cannot be read in place: bound instead" \
+    "cannot be read in place \(.*\); bound instead"
+  standin_log_check "$name" "0 shards exported in place, 4 bound" \
+    "static weights: 4 gathers: 0 shards exported in place .*, 4 bound \("
+  standin_weights_memory_run
+}
+
+# The device memory a static-weights run takes on top of the program's own: every rank reports
+# the device's free memory once all have loaded and joined and again after the last step
+# (weights --report-memory 1); all ranks share the GPU, so the largest drop any pair of reports
+# shows is the whole job's, divided by the rank count per rank. Read in place (--arena 1), a rank
+# takes only the flags (2 MiB rounded) and a little more: checked. The shards each in a cudaMalloc
+# of their own (also read in place) and in one cuMemCreate mapping (bound: the shards' copy,
+# rounded to 2 MiB, on top) are printed only.
+standin_weights_memory_run() {
+  local n=4 limit=$((2 * 1024 * 1024 + 64 * 1024)) entry kind memory name per_rank
+  for entry in "arena --arena 1" "cudamalloc --arena 0" "vmm --vmm 1"; do
+    read -r kind memory <<<"$entry"
+    name=weights-memory-$kind
+    # shellcheck disable=SC2086  # memory: the option and its value
+    standin_run "$name" "$n" MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 \
+      $memory --report-memory 1 --layers 4 --steps 40 --program swap --swap-step 15
+    per_rank=$(awk -v n="$n" '
+      /^device memory free before: [0-9]+$/ { if (before == "" || $5 > before) before = $5 }
+      /^device memory free after: [0-9]+$/ { if (after == "" || $5 < after) after = $5 }
+      END { if (before == "" || after == "") exit 1; d = before - after; if (d < 0) d = 0
+            printf "%.0f\n", int(d / n) }' "$work/$name/log") || {
+      fail "$name: every rank reports the device's free memory"
+      continue
+    }
+    echo "  $name: $per_rank bytes of device memory per rank ($((per_rank / 1024)) KiB)"
+    [ "$kind" = arena ] || continue
+    if [ "$per_rank" -le "$limit" ]; then
+      pass "$name: $per_rank bytes of device memory per rank, at most 2 MiB + 64 KiB"
+    else
+      fail "$name: $per_rank bytes of device memory per rank, over 2 MiB + 64 KiB ($limit)"
+    fi
+  done
 }
 
 standin_fault_runs() {

@@ -12,7 +12,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <regex>
 #include <set>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -131,6 +133,15 @@ AgreedRun run_agreed(int n, std::vector<std::string> args,
 }
 
 std::string transcript(const AgreedRun& r) { return r.result.summary() + "\n" + r.log; }
+
+// Whether some line of `log` matches the regular expression `pattern` (anywhere in the line).
+bool has_line(const std::string& log, const std::string& pattern) {
+  const std::regex re(pattern);
+  std::istringstream lines(log);
+  for (std::string line; std::getline(lines, line);)
+    if (std::regex_search(line, re)) return true;
+  return false;
+}
 
 // The heart of it: for every communicator, every rank took the same route for every call, went
 // through the same rounds at the same calls, and reached the same verdict for every gather.
@@ -340,11 +351,11 @@ TEST(Agreement, StaticWeightsAreBoundOnceAndReadWithoutHandshake) {
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   for (const auto& [rank, v] : r.comms.begin()->second) EXPECT_GE(v.moved.size(), 5u * 4);
-  // The stand-in's buffers are heap memory, which no peer can map: every shard is bound.
-  EXPECT_NE(r.log.find("static weights: 5 gathers: 0 shards exported in place (0 bytes in 0 "
-                       "allocations, 0 copied), 5 bound (9216 bytes copied)"),
-            std::string::npos)
+  // The shards are Buffers of their own (aligned_alloc): no peer can read them in place.
+  EXPECT_TRUE(has_line(r.log, R"(static weights: 5 gathers: 0 shards exported in place \(.*\), )"
+                              R"(5 bound \()"))
       << r.log;
+  EXPECT_TRUE(has_line(r.log, R"(cannot be read in place \(.*\); bound instead)")) << r.log;
 }
 
 TEST(Agreement, StaticWeightsThatChangeAreCaughtAndGoBackToNcclOnEveryRank) {
@@ -375,7 +386,8 @@ TEST(Agreement, StaticWeightsThatChangeAreCaughtAndGoBackToNcclOnEveryRank) {
 // scenario checks every received byte right after its call): one send buffer refilled for every
 // layer, layers gathered in another order on every rank from step 15 on or in alternating order,
 // and one rank re-homing one shard alone. Byte-exact at every call in both modes, on every rank
-// count; moved calls in every run.
+// count; moved calls in every run. With --arena 1 every shard of a rank lies in one file in
+// /dev/shm, mapped shared, that peers can map too: read in place, nothing copied.
 struct WeightsCase {
   std::vector<std::string> program;
   int steps;
@@ -388,12 +400,23 @@ const std::vector<WeightsCase> kWeightsCases = {
     {{"--program", "rehome", "--rehome-rank", "1", "--rehome-step", "15"}, 30},
 };
 
-AgreedRun run_weights(int n, const WeightsCase& c, bool static_weights) {
+AgreedRun run_weights(int n, const WeightsCase& c, bool static_weights, bool arena = false) {
   std::vector<std::string> args = {"weights", "--layers", "4", "--steps", std::to_string(c.steps)};
   args.insert(args.end(), c.program.begin(), c.program.end());
+  if (arena) args.insert(args.end(), {"--arena", "1"});
   std::vector<std::pair<std::string, std::string>> env;
   if (static_weights) env.emplace_back("MAGI_STATIC_WEIGHTS", "1");
   return run_agreed(n, args, env, 90);
+}
+
+// The reused program sends from its one staging buffer, transient on every rank: the plan
+// stages it, and neither reads a shard in place nor binds one.
+void expect_reused_buffer_staged(const AgreedRun& r) {
+  EXPECT_NE(r.log.find("is transient on rank"), std::string::npos) << r.log;
+  EXPECT_NE(r.log.find("(buffer reused): the plan stages instead of binding"), std::string::npos)
+      << r.log;
+  EXPECT_FALSE(has_line(r.log, R"([1-9][0-9]* shards exported in place)")) << r.log;
+  EXPECT_FALSE(has_line(r.log, R"(static weights: .*, [1-9][0-9]* bound \()")) << r.log;
 }
 
 class StaticWeightsPrograms : public ::testing::TestWithParam<int> {};
@@ -412,22 +435,50 @@ TEST_P(StaticWeightsPrograms, AreByteExactAtEveryCallInBothModes) {
         EXPECT_GE(v.moved.size(), 4u * 4) << "rank " << rank << "\n" << transcript(r);
       if (!static_weights) continue;
       if (c.program[1] == "reused") {
-        // The shared buffer is transient: the plan stages, never binds.
-        EXPECT_NE(r.log.find("is transient on rank"), std::string::npos) << r.log;
-        EXPECT_NE(r.log.find("(buffer reused): the plan stages instead of binding"),
-                  std::string::npos)
-            << r.log;
-        EXPECT_EQ(r.log.find("static weights: 4 gathers:"), std::string::npos) << r.log;
+        expect_reused_buffer_staged(r);
       } else {
-        EXPECT_NE(r.log.find("static weights: 4 gathers: 0 shards exported in place"),
-                  std::string::npos)
+        // Each shard is a Buffer of its own (aligned_alloc): not exportable, so bound.
+        EXPECT_TRUE(has_line(r.log, R"(static weights: 4 gathers: 0 shards exported in place )"
+                                    R"(\(.*\), 4 bound \()"))
             << r.log;
+        EXPECT_TRUE(has_line(r.log, R"(cannot be read in place \(.*\); bound instead)")) << r.log;
       }
       if (c.program[1] == "swap" || c.program[1] == "alternate") {
         EXPECT_NE(r.log.find("reads that binding on every peer"), std::string::npos) << r.log;
       }
       // The re-homed shard holds the same bytes: checked, and found equal.
       EXPECT_EQ(r.log.find("changed after it was bound"), std::string::npos) << r.log;
+    }
+  }
+}
+
+TEST_P(StaticWeightsPrograms, InOneSharedFileAreReadInPlaceByteExactAndLeaveNoFile) {
+  const int n = GetParam();
+  for (const WeightsCase& c : kWeightsCases) {
+    SCOPED_TRACE(c.program[1] + " (static, arena) on " + std::to_string(n) + " ranks");
+    const AgreedRun r = run_weights(n, c, true, true);
+    ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+    expect_ranks_agree(r);
+    ASSERT_EQ(r.comms.size(), 1u);
+    for (const auto& [rank, v] : r.comms.begin()->second)
+      EXPECT_GE(v.moved.size(), 4u * 4) << "rank " << rank << "\n" << transcript(r);
+    if (c.program[1] == "reused") {
+      expect_reused_buffer_staged(r);
+    } else {
+      // The 4 shards of 4096 bytes lie in one file of 16384 bytes (4 pages).
+      EXPECT_TRUE(has_line(r.log, R"(static weights: 4 gathers: 4 shards exported in place )"
+                                  R"(\(16384 bytes in 1 allocations, 0 copied\), 0 bound \()"))
+          << r.log;
+    }
+    // (A re-homed shard is a Buffer of its own: a later plan may bind it, and say so.)
+    if (c.program[1] == "swap" || c.program[1] == "alternate") {
+      EXPECT_EQ(r.log.find("cannot be read in place"), std::string::npos) << r.log;
+    }
+    EXPECT_EQ(r.log.find("changed after it was bound"), std::string::npos) << r.log;
+    // The file is the scenario's (shm_open "/magi-arena-<pid>"), unlinked when it ends.
+    for (const auto& rank : r.result.ranks) {
+      const std::string file = "/dev/shm/magi-arena-" + std::to_string(rank.pid);
+      EXPECT_FALSE(fs::exists(file)) << file << " is left behind";
     }
   }
 }

@@ -170,7 +170,40 @@ TEST_P(StandInRanks, CallsiteDivergenceKeepsTheSameShapeSoNcclSeesNothing) {
   for (const auto& rank : r.ranks) EXPECT_EQ(rank.stderr_text, "");
 }
 
+// The file "/magi-arena-<pid>" the weights scenario keeps its shards in with --arena 1.
+bool arena_file_left(const RankResult& rank) {
+  return ::access(("/dev/shm/magi-arena-" + std::to_string(rank.pid)).c_str(), F_OK) == 0;
+}
+
+TEST_P(StandInRanks, WeightsProgramsWithShardsInOneSharedFileAreByteExactAndRemoveTheFile) {
+  for (const std::vector<std::string>& program :
+       {std::vector<std::string>{"--program", "reused"},
+        {"--program", "swap", "--swap-step", "4"},
+        {"--program", "alternate", "--swap-step", "3"},
+        {"--program", "rehome", "--rehome-step", "4"},
+        {"--program", "rehome", "--rehome-step", "4", "--rehome-other", "1"}}) {
+    std::vector<std::string> args = {"weights", "--layers", "4", "--steps", "8", "--arena", "1"};
+    args.insert(args.end(), program.begin(), program.end());
+    const LaunchResult r = run_workload(GetParam(), args);
+    ASSERT_TRUE(r.all_ok()) << program[1] << "\n" << transcript(r);
+    for (const auto& rank : r.ranks) EXPECT_FALSE(arena_file_left(rank)) << program[1];
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, StandInRanks, ::testing::Values(2, 3, 4, 8));
+
+TEST_F(StandInTest, WeightsArenaFileIsRemovedWhenTheScenarioFails) {
+  // The only rank of a communicator of 2 gives up waiting for the other, after its shards are
+  // in the file: the scenario fails, and the file goes with it.
+  const LaunchResult r =
+      run_workload(1, {"weights", "--layers", "4", "--steps", "2", "--arena", "1"},
+                   {{"STANDIN_NRANKS", "2"}, {"STANDIN_TIMEOUT_S", "1"}}, 30.0);
+  ASSERT_FALSE(r.timed_out) << transcript(r);
+  EXPECT_EQ(r.ranks.at(0).exit_code, 1) << transcript(r);
+  EXPECT_NE(r.ranks[0].stderr_text.find("giving up (STANDIN_TIMEOUT_S)"), std::string::npos)
+      << transcript(r);
+  EXPECT_FALSE(arena_file_left(r.ranks[0]));
+}
 
 TEST_F(StandInTest, ChunkedTransfersGiveTheSameBytesAsWholeOnes) {
   ScratchDir whole, chunked;

@@ -99,32 +99,46 @@ class Placement {
 
 // Memory a call reads or writes. The scenario writes and checks host(); NCCL gets nccl(): the
 // same bytes in host memory, or a device allocation of the same size that upload() and
-// download() copy to and from. Both sides are 64-byte aligned, as device allocations are.
+// download() copy to and from. Both sides are 64-byte aligned, as device allocations are (memory
+// a caller lends must be too).
 class Buffer {
  public:
-  Buffer(const Placement& placement, size_t bytes)
-      : bytes_(bytes), host_(static_cast<unsigned char*>(std::aligned_alloc(64, rounded(bytes)))) {
-    if (host_ == nullptr) throw ScenarioFailure(format("cannot allocate %zu bytes", bytes));
-    std::memset(host_, 0, rounded(bytes));
+  Buffer(const Placement& placement, size_t bytes) : bytes_(bytes), host_(allocate_host(bytes)) {
     if (placement.device()) {
       const cudaError_t err = cudaMalloc(&device_, rounded(bytes));
       if (err != cudaSuccess) std::free(host_);
       Placement::cuda_check(err, "cudaMalloc");
     }
   }
+  // The same over `memory`, which the caller owns and frees after this buffer is gone (a shard
+  // inside a larger allocation, arena.h): the device side with --device 1, else the host side.
+  Buffer(const Placement& placement, size_t bytes, void* memory) : bytes_(bytes) {
+    if (placement.device()) {
+      host_ = allocate_host(bytes);
+      device_ = memory;
+      owns_device_ = false;
+    } else {
+      host_ = static_cast<unsigned char*>(memory);
+      owns_host_ = false;
+    }
+  }
   Buffer(Buffer&& other) noexcept
       : bytes_(other.bytes_),
         host_(std::exchange(other.host_, nullptr)),
-        device_(std::exchange(other.device_, nullptr)) {}
+        device_(std::exchange(other.device_, nullptr)),
+        owns_host_(other.owns_host_),
+        owns_device_(other.owns_device_) {}
   Buffer& operator=(Buffer&& other) noexcept {
     std::swap(bytes_, other.bytes_);
     std::swap(host_, other.host_);
     std::swap(device_, other.device_);
+    std::swap(owns_host_, other.owns_host_);
+    std::swap(owns_device_, other.owns_device_);
     return *this;
   }
   ~Buffer() {
-    std::free(host_);
-    if (device_ != nullptr) cudaFree(device_);
+    if (owns_host_) std::free(host_);
+    if (owns_device_ && device_ != nullptr) cudaFree(device_);
   }
 
   unsigned char* host() const { return host_; }
@@ -150,6 +164,12 @@ class Buffer {
 
  private:
   static size_t rounded(size_t bytes) { return bytes == 0 ? 64 : (bytes + 63) / 64 * 64; }
+  static unsigned char* allocate_host(size_t bytes) {
+    auto* host = static_cast<unsigned char*>(std::aligned_alloc(64, rounded(bytes)));
+    if (host == nullptr) throw ScenarioFailure(format("cannot allocate %zu bytes", bytes));
+    std::memset(host, 0, rounded(bytes));
+    return host;
+  }
   void check_range(size_t offset, size_t n) const {
     if (offset > bytes_ || n > bytes_ - offset) {
       throw ScenarioFailure(
@@ -158,8 +178,10 @@ class Buffer {
   }
 
   size_t bytes_;
-  unsigned char* host_;
+  unsigned char* host_ = nullptr;
   void* device_ = nullptr;
+  bool owns_host_ = true;
+  bool owns_device_ = true;
 };
 
 int run_ops(const ScenarioOptions& options);

@@ -1,5 +1,6 @@
 // weights --layers L --steps S --program reused|swap|alternate|rehome [--swap-step K]
 //         [--rehome-rank R --rehome-step K [--rehome-other 1]] [--device 1]
+//         [--arena 1] [--vmm 1] [--report-memory 1]
 //
 // Weights that never change after load, gathered every step in the ways a program may hold
 // them, for MAGI_STATIC_WEIGHTS=1 (whose promise each one keeps: the gathered contents never
@@ -19,13 +20,28 @@
 //              new buffer and gathers from there on (the old one stays allocated, unchanged);
 //              with --rehome-other 1 the new buffer holds other bytes (a broken promise: every
 //              rank accepts either the old or the new bytes of that part from step K on)
+// Where the shards live (the other buffers are always Buffers of their own, re-homed shards too):
+//   default         a Buffer of its own each (aligned_alloc, or cudaMalloc with --device 1)
+//   --arena 1       all carved out of one allocation (arena.h), as a caching allocator does: a
+//                   file in /dev/shm mapped MAP_SHARED on host memory, one cudaMalloc on device
+//   --vmm 1         (with --device 1) all in one cuMemCreate allocation, as PyTorch's expandable
+//                   segments are
+// The shards are loaded before the communicator is made, as a program loads its model first.
+// --report-memory 1 (with --device 1) prints the device's free memory to stderr once every rank
+// has loaded and joined ("device memory free before: <bytes>") and after the last step, before
+// the communicator goes ("device memory free after: <bytes>"), between all-reduces that keep
+// every rank from allocating or freeing while another reads it. All ranks share the GPU: the
+// difference is what the whole job allocated on the way, for every rank together.
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "tests/support/bootstrap.h"
+#include "tests/support/workload/arena.h"
 #include "tests/support/workload/scenario.h"
 
 namespace workload {
@@ -42,12 +58,27 @@ int32_t element(int layer, int rank, size_t index) {
 
 int32_t* elements(const Buffer& buffer) { return reinterpret_cast<int32_t*>(buffer.host()); }
 
-// A shard of `layer`'s weights, written once where NCCL reads it (as a load does).
-Buffer make_shard(const Placement& placement, int layer, int rank) {
-  Buffer s(placement, kShardElements * sizeof(int32_t));
+// `s` filled with a shard of `layer`'s weights, written once where NCCL reads it (as a load does).
+Buffer load_shard(Buffer s, int layer, int rank) {
   for (size_t i = 0; i < kShardElements; ++i) elements(s)[i] = element(layer, rank, i);
   s.upload(0, s.bytes());
   return s;
+}
+
+// The arena the shards are carved out of, if the options ask for one.
+std::optional<Arena::Kind> arena_kind(const ScenarioOptions& options, const Placement& placement) {
+  const bool vmm = options.number("vmm", 0) != 0;
+  if (vmm && !placement.device()) throw ScenarioFailure("--vmm 1 needs --device 1");
+  if (vmm) return Arena::Kind::CudaVmm;
+  if (options.number("arena", 0) == 0) return std::nullopt;
+  return placement.device() ? Arena::Kind::CudaMalloc : Arena::Kind::SharedFile;
+}
+
+size_t free_device_memory() {
+  size_t free = 0;
+  size_t total = 0;
+  Placement::cuda_check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return free;
 }
 
 __attribute__((noinline)) ncclResult_t gather_layer(const void* shard, void* full, size_t count,
@@ -92,32 +123,59 @@ int run_weights(const ScenarioOptions& options) {
   const int rehome_rank = static_cast<int>(options.number("rehome-rank", 1));
   const int rehome_step = static_cast<int>(options.number("rehome-step", 15));
   const bool rehome_other = options.number("rehome-other", 0) != 0;
+  const bool report_memory = options.number("report-memory", 0) != 0;
   if (layers < 2) throw ScenarioFailure("--layers must be at least 2");
   if (program != "reused" && program != "swap" && program != "alternate" && program != "rehome")
     throw ScenarioFailure("unknown --program " + program);
 
   const Placement placement(options);  // before the communicator: NCCL takes the device then
+  if (report_memory && !placement.device())
+    throw ScenarioFailure("--report-memory 1 needs --device 1");
+  const size_t shard_bytes = kShardElements * sizeof(int32_t);
   const Bootstrap boot = bootstrap_from_env();
   const int n = boot.nranks;
   const int me = boot.rank;
+
+  std::optional<Arena> arena;  // before the shards it lends memory to: it goes after them
+  if (const auto kind = arena_kind(options, placement))
+    arena.emplace(placement, *kind, static_cast<size_t>(layers) * Arena::aligned(shard_bytes));
+  std::vector<Buffer> shards;  // this rank's part of every layer, loaded once
+  for (int l = 0; l < layers; ++l) {
+    shards.push_back(
+        load_shard(arena ? arena->carve(shard_bytes) : Buffer(placement, shard_bytes), l, me));
+  }
+
   OwnedComm owned;
   WORKLOAD_CHECK(ncclCommInitRank(owned.out(), n, boot.id, me));
   const ncclComm_t comm = owned.get();
   const cudaStream_t stream = placement.stream();
-  const size_t shard_bytes = kShardElements * sizeof(int32_t);
 
-  std::vector<Buffer> shards;  // this rank's part of every layer, loaded once
-  for (int l = 0; l < layers; ++l) shards.push_back(make_shard(placement, l, me));
   const Buffer staging(placement, shard_bytes);  // reused: the one send buffer
   std::vector<Buffer> retired;                   // rehome: the old buffer, kept unchanged
   std::vector<Buffer> full;                      // one receive buffer per position
   for (int l = 0; l < layers; ++l) full.emplace_back(placement, shard_bytes * n);
   Buffer counter(placement, sizeof(int32_t));
+  // Every rank adds 1: the sum says every rank got here (and a step's calls are all done).
+  const auto count_ranks = [&](int step) {
+    elements(counter)[0] = 1;
+    counter.upload(0, counter.bytes());
+    WORKLOAD_CHECK(
+        ncclAllReduce(counter.nccl(), counter.nccl(), 1, ncclInt32, ncclSum, comm, stream));
+    placement.synchronize();
+    counter.download(0, counter.bytes());
+    if (elements(counter)[0] != n)
+      throw ScenarioFailure(
+          format("rank %d: step %d: counter %d, expected %d", me, step, elements(counter)[0], n));
+  };
 
+  if (report_memory) {
+    count_ranks(-1);
+    std::fprintf(stderr, "device memory free before: %zu\n", free_device_memory());
+  }
   for (int step = 0; step < steps; ++step) {
     if (program == "rehome" && me == rehome_rank && step == rehome_step) {
-      retired.push_back(
-          std::exchange(shards[0], make_shard(placement, rehome_other ? kOtherBytes : 0, me)));
+      retired.push_back(std::exchange(shards[0], load_shard(Buffer(placement, shard_bytes),
+                                                            rehome_other ? kOtherBytes : 0, me)));
     }
     const bool swapped = (program == "swap" && step >= swap_step) ||
                          (program == "alternate" && step >= swap_step && step % 2 == 1);
@@ -147,15 +205,12 @@ int run_weights(const ScenarioOptions& options) {
       const bool either = rehome_other && layer == 0 && step >= rehome_step;
       expect_layer(elements(recv), n, layer, me, step, position, either ? rehome_rank : -1);
     }
-    elements(counter)[0] = 1;
-    counter.upload(0, counter.bytes());
-    WORKLOAD_CHECK(
-        ncclAllReduce(counter.nccl(), counter.nccl(), 1, ncclInt32, ncclSum, comm, stream));
-    placement.synchronize();
-    counter.download(0, counter.bytes());
-    if (elements(counter)[0] != n)
-      throw ScenarioFailure(
-          format("rank %d: step %d: counter %d, expected %d", me, step, elements(counter)[0], n));
+    count_ranks(step);
+  }
+  if (report_memory) {
+    count_ranks(steps);
+    std::fprintf(stderr, "device memory free after: %zu\n", free_device_memory());
+    count_ranks(steps);  // no rank frees anything (destroy) before every rank has read it
   }
   owned.destroy();
   return 0;

@@ -1,0 +1,166 @@
+#include "tests/support/workload/arena.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace workload {
+namespace {
+
+[[noreturn]] void fail_errno(const std::string& what) {
+  throw ScenarioFailure(what + ": " + std::strerror(errno));
+}
+
+void driver_check(CUresult result, const char* call) {
+  if (result != CUDA_SUCCESS) throw ScenarioFailure(format("%s: CUresult %d", call, result));
+}
+
+// A driver entry point through the runtime, so the workload links no libcuda (the runtime has
+// loaded the driver by the time Placement has set the device).
+template <class Fn>
+Fn driver_entry_point(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  const cudaError_t err =
+      cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found);
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    throw ScenarioFailure(format("the CUDA driver offers no %s (%s)", name, cudaGetErrorName(err)));
+  }
+  return reinterpret_cast<Fn>(fn);
+}
+
+// The driver's virtual memory calls, looked up once.
+struct VmmCalls {
+  PFN_cuMemGetAllocationGranularity_v10020 granularity =
+      driver_entry_point<PFN_cuMemGetAllocationGranularity_v10020>("cuMemGetAllocationGranularity");
+  PFN_cuMemCreate_v10020 create = driver_entry_point<PFN_cuMemCreate_v10020>("cuMemCreate");
+  PFN_cuMemAddressReserve_v10020 reserve =
+      driver_entry_point<PFN_cuMemAddressReserve_v10020>("cuMemAddressReserve");
+  PFN_cuMemMap_v10020 map = driver_entry_point<PFN_cuMemMap_v10020>("cuMemMap");
+  PFN_cuMemSetAccess_v10020 set_access =
+      driver_entry_point<PFN_cuMemSetAccess_v10020>("cuMemSetAccess");
+  PFN_cuMemUnmap_v10020 unmap = driver_entry_point<PFN_cuMemUnmap_v10020>("cuMemUnmap");
+  PFN_cuMemAddressFree_v10020 address_free =
+      driver_entry_point<PFN_cuMemAddressFree_v10020>("cuMemAddressFree");
+  PFN_cuMemRelease_v10020 release = driver_entry_point<PFN_cuMemRelease_v10020>("cuMemRelease");
+
+  static const VmmCalls& get() {
+    static const VmmCalls calls;
+    return calls;
+  }
+};
+
+size_t round_up(size_t bytes, size_t unit) { return (bytes + unit - 1) / unit * unit; }
+
+}  // namespace
+
+Arena::Arena(const Placement& placement, Kind kind, size_t bytes)
+    : placement_(placement), kind_(kind) {
+  if ((kind == Kind::SharedFile) == placement.device()) {
+    throw ScenarioFailure("an arena in /dev/shm is host memory; the CUDA ones need --device 1");
+  }
+  bytes = bytes == 0 ? kAlignment : bytes;
+  try {
+    switch (kind) {
+      case Kind::SharedFile: {
+        const std::string name = format("/magi-arena-%d", static_cast<int>(::getpid()));
+        // O_EXCL: a file of that name is someone else's, never to be unlinked here.
+        const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd < 0) fail_errno("shm_open " + name);
+        file_name_ = name;
+        capacity_ = round_up(bytes, static_cast<size_t>(::sysconf(_SC_PAGESIZE)));
+        if (::ftruncate(fd, static_cast<off_t>(capacity_)) != 0) {
+          const int err = errno;
+          ::close(fd);
+          errno = err;
+          fail_errno("ftruncate " + name);
+        }
+        void* mapped = ::mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        const int err = errno;
+        ::close(fd);  // the mapping keeps the file's pages; its name keeps it for peers
+        errno = err;
+        if (mapped == MAP_FAILED) fail_errno("mmap " + name);
+        base_ = mapped;
+        break;
+      }
+      case Kind::CudaMalloc:
+        capacity_ = aligned(bytes);
+        Placement::cuda_check(cudaMalloc(&base_, capacity_), "cudaMalloc of the arena");
+        break;
+      case Kind::CudaVmm: {
+        const VmmCalls& vmm = VmmCalls::get();
+        int device = 0;
+        Placement::cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+        CUmemAllocationProp prop{};
+        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = device;
+        size_t granularity = 0;
+        driver_check(vmm.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                     "cuMemGetAllocationGranularity");
+        const size_t size = round_up(bytes, granularity);
+        CUmemGenericAllocationHandle allocation = 0;
+        driver_check(vmm.create(&allocation, size, &prop, 0), "cuMemCreate");
+        vmm_allocation_ = allocation;
+        CUdeviceptr address = 0;
+        driver_check(vmm.reserve(&address, size, 0, 0, 0), "cuMemAddressReserve");
+        base_ = reinterpret_cast<void*>(address);
+        capacity_ = size;
+        driver_check(vmm.map(address, size, 0, allocation, 0), "cuMemMap");
+        vmm_mapped_ = true;
+        CUmemAccessDesc access{};
+        access.location = prop.location;
+        access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        driver_check(vmm.set_access(address, size, &access, 1), "cuMemSetAccess");
+        break;
+      }
+    }
+  } catch (...) {
+    release();  // the destructor does not run for an arena that was never made
+    throw;
+  }
+}
+
+Arena::~Arena() { release(); }
+
+void Arena::release() noexcept {
+  switch (kind_) {
+    case Kind::SharedFile:
+      if (base_ != nullptr) ::munmap(base_, capacity_);
+      if (!file_name_.empty()) ::shm_unlink(file_name_.c_str());
+      break;
+    case Kind::CudaMalloc:
+      if (base_ != nullptr) cudaFree(base_);
+      break;
+    case Kind::CudaVmm: {
+      if (vmm_allocation_ == 0) break;  // nothing made (perhaps not even the calls looked up)
+      const VmmCalls& vmm = VmmCalls::get();
+      const auto address = reinterpret_cast<CUdeviceptr>(base_);
+      if (vmm_mapped_) vmm.unmap(address, capacity_);
+      if (base_ != nullptr) vmm.address_free(address, capacity_);
+      vmm.release(vmm_allocation_);
+      break;
+    }
+  }
+  base_ = nullptr;
+  file_name_.clear();
+  vmm_mapped_ = false;
+  vmm_allocation_ = 0;
+}
+
+Buffer Arena::carve(size_t bytes) {
+  const size_t offset = aligned(used_);
+  if (offset > capacity_ || bytes > capacity_ - offset) {
+    throw ScenarioFailure(
+        format("an arena of %zu bytes has no room for %zu more at %zu", capacity_, bytes, offset));
+  }
+  used_ = offset + bytes;
+  return Buffer(placement_, bytes, static_cast<unsigned char*>(base_) + offset);
+}
+
+}  // namespace workload
