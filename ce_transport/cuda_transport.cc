@@ -667,8 +667,11 @@ class CudaTransport final : public Transport {
       cuda_check(cudaEventRecord(check_.copied, stream), "cudaEventRecord (verify)");
       check_.pending = true;
       check_.op = op;
-      checked_bytes_ += (check_.anchor.bytes() + check_.sweep.bytes()) *
-                        ((reference != nullptr ? 1 : 0) + (shard != nullptr ? 1 : 0));
+      // The shard's bytes looked at: a binding's copy is not counted (checked_bytes()); an
+      // exported shard's agreed source and re-homed buffer are both the shard.
+      const size_t looks =
+          check_.in_place ? (reference != nullptr ? 1 : 0) + (shard != nullptr ? 1 : 0) : 1;
+      checked_bytes_ += (check_.anchor.bytes() + check_.sweep.bytes()) * looks;
     }
   }
 

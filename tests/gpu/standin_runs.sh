@@ -239,18 +239,21 @@ standin_weights_runs() {
 # The device memory a static-weights run takes on top of the program's own: every rank reports
 # the device's free memory once all have loaded and joined and again after the last step
 # (weights --report-memory 1); all ranks share the GPU, so the largest drop any pair of reports
-# shows is the whole job's, divided by the rank count per rank. Read in place (--arena 1), a rank
-# takes only the flags (2 MiB rounded) and a little more: checked. The shards each in a cudaMalloc
-# of their own (also read in place) and in one cuMemCreate mapping (bound: the shards' copy,
-# rounded to 2 MiB, on top) are printed only.
+# shows is the whole job's, divided by the rank count per rank. Each rank holds 4 shards of 4 MiB.
+# Read in place (--arena 1: one cudaMalloc; --arena 0: one each), a rank takes its window (the
+# flags: 2 MiB, rounded) and the agreement's exchange buffers (2 MiB): at most 4 MiB + 64 KiB,
+# whatever the shards' size. In one cuMemCreate mapping the shards are bound: the window holds
+# their copy too, at least the 16 MiB of shards.
 standin_weights_memory_run() {
-  local n=4 limit=$((2 * 1024 * 1024 + 64 * 1024)) entry kind memory name per_rank
+  local n=4 shard_elements=$((1024 * 1024)) entry kind memory name per_rank
+  local read_in_place=$((4 * 1024 * 1024 + 64 * 1024)) shards=$((4 * 4 * 1024 * 1024))
   for entry in "arena --arena 1" "cudamalloc --arena 0" "vmm --vmm 1"; do
     read -r kind memory <<<"$entry"
     name=weights-memory-$kind
     # shellcheck disable=SC2086  # memory: the option and its value
     standin_run "$name" "$n" MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 \
-      $memory --report-memory 1 --layers 4 --steps 40 --program swap --swap-step 15
+      $memory --report-memory 1 --layers 4 --steps 24 --program swap --swap-step 15 \
+      --shard-elements "$shard_elements"
     per_rank=$(awk -v n="$n" '
       /^device memory free before: [0-9]+$/ { if (before == "" || $5 > before) before = $5 }
       /^device memory free after: [0-9]+$/ { if (after == "" || $5 < after) after = $5 }
@@ -260,11 +263,16 @@ standin_weights_memory_run() {
       continue
     }
     echo "  $name: $per_rank bytes of device memory per rank ($((per_rank / 1024)) KiB)"
-    [ "$kind" = arena ] || continue
-    if [ "$per_rank" -le "$limit" ]; then
-      pass "$name: $per_rank bytes of device memory per rank, at most 2 MiB + 64 KiB"
+    if [ "$kind" = vmm ]; then
+      if [ "$per_rank" -ge "$shards" ]; then
+        pass "$name: bound shards take their copy ($per_rank bytes per rank, >= $shards)"
+      else
+        fail "$name: bound shards take their copy ($per_rank bytes per rank, < $shards)"
+      fi
+    elif [ "$per_rank" -le "$read_in_place" ]; then
+      pass "$name: $per_rank bytes of device memory per rank, at most 4 MiB + 64 KiB"
     else
-      fail "$name: $per_rank bytes of device memory per rank, over 2 MiB + 64 KiB ($limit)"
+      fail "$name: $per_rank bytes of device memory per rank, over 4 MiB + 64 KiB"
     fi
   done
 }

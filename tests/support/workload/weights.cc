@@ -1,6 +1,6 @@
 // weights --layers L --steps S --program reused|swap|alternate|rehome [--swap-step K]
 //         [--rehome-rank R --rehome-step K [--rehome-other 1]] [--device 1]
-//         [--arena 1] [--vmm 1] [--report-memory 1]
+//         [--arena 1] [--vmm 1] [--report-memory 1] [--shard-elements N]
 //
 // Weights that never change after load, gathered every step in the ways a program may hold
 // them, for MAGI_STATIC_WEIGHTS=1 (whose promise each one keeps: the gathered contents never
@@ -27,6 +27,7 @@
 //   --vmm 1         (with --device 1) all in one cuMemCreate allocation, as PyTorch's expandable
 //                   segments are
 // The shards are loaded before the communicator is made, as a program loads its model first.
+// --shard-elements N: int32 elements of every shard (default 1024).
 // --report-memory 1 (with --device 1) prints the device's free memory to stderr once every rank
 // has loaded and joined ("device memory free before: <bytes>") and after the last step, before
 // the communicator goes ("device memory free after: <bytes>"), between all-reduces that keep
@@ -47,7 +48,8 @@
 namespace workload {
 namespace {
 
-constexpr size_t kShardElements = 1024;
+// Elements of every shard (--shard-elements, default 1024), set once before anything runs.
+size_t shard_elements = 1024;
 
 int32_t element(int layer, int rank, size_t index) {
   const uint32_t h = static_cast<uint32_t>(index * 2654435761u) ^
@@ -60,7 +62,7 @@ int32_t* elements(const Buffer& buffer) { return reinterpret_cast<int32_t*>(buff
 
 // `s` filled with a shard of `layer`'s weights, written once where NCCL reads it (as a load does).
 Buffer load_shard(Buffer s, int layer, int rank) {
-  for (size_t i = 0; i < kShardElements; ++i) elements(s)[i] = element(layer, rank, i);
+  for (size_t i = 0; i < shard_elements; ++i) elements(s)[i] = element(layer, rank, i);
   s.upload(0, s.bytes());
   return s;
 }
@@ -94,10 +96,10 @@ constexpr int kOtherBytes = 100;  // the layer whose bytes a --rehome-other shar
 void expect_layer(const int32_t* full, int nranks, int layer, int me, int step, int position,
                   int either_rank = -1) {
   for (int r = 0; r < nranks; ++r) {
-    const int32_t* part = full + static_cast<size_t>(r) * kShardElements;
+    const int32_t* part = full + static_cast<size_t>(r) * shard_elements;
     size_t wrong = 0;
     size_t first = 0;
-    for (size_t i = 0; i < kShardElements; ++i) {
+    for (size_t i = 0; i < shard_elements; ++i) {
       if (part[i] == element(layer, r, i)) continue;
       if (r == either_rank && part[i] == element(kOtherBytes, r, i)) continue;
       if (wrong++ == 0) first = i;
@@ -117,6 +119,8 @@ void expect_layer(const int32_t* full, int nranks, int layer, int me, int step, 
 
 int run_weights(const ScenarioOptions& options) {
   const int layers = static_cast<int>(options.number("layers", 4));
+  shard_elements = static_cast<size_t>(options.number("shard-elements", 1024));
+  if (shard_elements == 0) throw ScenarioFailure("--shard-elements must be at least 1");
   const int steps = static_cast<int>(options.number("steps", 40));
   const std::string program = options.text("program", "reused");
   const int swap_step = static_cast<int>(options.number("swap-step", 15));
@@ -131,7 +135,7 @@ int run_weights(const ScenarioOptions& options) {
   const Placement placement(options);  // before the communicator: NCCL takes the device then
   if (report_memory && !placement.device())
     throw ScenarioFailure("--report-memory 1 needs --device 1");
-  const size_t shard_bytes = kShardElements * sizeof(int32_t);
+  const size_t shard_bytes = shard_elements * sizeof(int32_t);
   const Bootstrap boot = bootstrap_from_env();
   const int n = boot.nranks;
   const int me = boot.rank;
@@ -199,7 +203,7 @@ int run_weights(const ScenarioOptions& options) {
       // Poisoned before every call, so a byte the gather did not write cannot pass as right.
       std::memset(recv.host(), 0xee, recv.bytes());
       recv.upload(0, recv.bytes());
-      WORKLOAD_CHECK(gather_layer(send->nccl(), recv.nccl(), kShardElements, comm, stream));
+      WORKLOAD_CHECK(gather_layer(send->nccl(), recv.nccl(), shard_elements, comm, stream));
       placement.synchronize();
       recv.download(0, recv.bytes());
       const bool either = rehome_other && layer == 0 && step >= rehome_step;
