@@ -1,5 +1,5 @@
 // The CUDA copy-engine transport against plain cudaMemcpyAsync: N processes on one GPU, each a
-// rank, gather shards of one size, and the same bytes are moved four ways in the same process,
+// rank, gather shards of one size, and the same bytes are moved five ways in the same process,
 // on the same stream, repetitions interleaved (the order rotates each repetition, so drift and a
 // noisy neighbour hit every way alike):
 //   reference  N cudaMemcpyAsync per gather: the N-1 peers' send buffers (opened by CUDA IPC)
@@ -7,7 +7,14 @@
 //   batch      the same N copies as one cudaMemcpyBatchAsync with the transport's attributes
 //              (tells the cost of the copy API apart from the transport's own);
 //   default    Transport::gather: stage the shard, the handshake, read the peers' slots;
-//   bound      Transport::gather on a bound window (static weights): peer reads only.
+//   bound      Transport::gather on a bound window (static weights): peer reads only, from the
+//              peers' windows, where prepare copied their shards;
+//   zero-copy  Transport::gather on a zero-copy bound window: peer reads only, from the peers'
+//              own cudaMalloc allocations, exported at prepare (0 bytes copied). Its send buffer
+//              holds the same bytes as the others' but is an allocation of its own: a process
+//              can map a peer's allocation once only, and the reference maps the send buffers.
+// The bound and zero-copy windows bind the whole send buffer at slot offset 0 (a gather of a
+// smaller shard reads its start) and 1 MiB pieces at i MiB (the host-cost buckets' gathers).
 // With --diagnose 1, four more, each one of the transport's differences from the batch alone:
 //   window-like  the batch from buffers shaped like a window: sources 512 bytes into an
 //                allocation 512 bytes larger than the data (the flag lines come first);
@@ -18,14 +25,18 @@
 // repetition's is the slowest rank's), and by the wall clock from the first rank's start to the
 // last rank's finish (the collective's time: N processes on one GPU take turns on it, which
 // events on one stream do not see). Tables give medians over repetitions.
-// Also: the host cost of one gather() call by bucket size (1, 4, 16, 64 gathers of 1 MiB), the
-// latency of a 1-byte gather (the handshake and the copies' fixed cost), and the cost of binding
-// 1 GiB (prepare of a bound window, all ranks at once). Every way that moves bytes is checked
-// once per size: sampled words of every rank's shard must arrive.
+// Also: the latency of a 1-byte gather (the handshake and the copies' fixed cost), the device
+// memory the bound and zero-copy windows of the largest shard took, and with --extras 1 the host
+// cost of one gather() call by bucket size (1, 4, 16, 64 gathers of 1 MiB) and the set-up cost
+// of static weights over 1 GiB of shards, all ranks at once (bound: prepare, 1 GiB copied;
+// zero-copy: prepare + attach, with the shards held as 16 allocations of 64 MiB, one of 1 GiB, or
+// 256 of 4 MiB). Every way that moves bytes is checked once per size: sampled words of every
+// rank's shard must arrive. Zero-copy source tables travel through the memory the ranks share, as
+// the handle blobs do (at most kTableBytes per rank).
 //
 //   magice-ce-bench [--ranks 1,2,4,8] [--min-kib 64] [--max-mib 256] [--reps 9] [--extras 1]
-//   [--diagnose 0]
-//                   [--timeout 240]
+//                   [--diagnose 0] [--timeout 240]
+// (kUsage below says what each does; --help prints it.)
 //
 // Prints markdown on stdout, progress on stderr. Under tools/bench/count_kernels.cc
 // (CUDA_INJECTION64_PATH) it names its phases, so the counts of the gathers stand apart.
@@ -64,7 +75,9 @@ using magi::ce::Backend;
 using magi::ce::BindOp;
 using magi::ce::GatherOp;
 using magi::ce::HandleBlob;
+using magi::ce::SourceTable;
 using magi::ce::Transport;
+using magi::ce::WindowMemory;
 using magi::ce::WindowPlan;
 
 constexpr int kMaxRanks = 8;
@@ -80,6 +93,19 @@ constexpr size_t kBindBytes = kGiB;
 constexpr size_t kBindPiece = 64 * kMiB;
 constexpr int kBindRepeats = 3;
 constexpr uint64_t kIdentity = 0xce'be'4c'00'00'00'00'00;
+// A zero-copy window's source table, serialized, as the ranks share it: 256 allocations of one
+// shard each take 8 + 256 × (72 + 8) = 20,488 bytes.
+constexpr size_t kTableBytes = 24 * 1024;
+// The zero-copy set-up measurement: 1 GiB of shards (kBindBytes) held three ways.
+struct SetupLayout {
+  size_t allocations;
+  size_t shards;
+  const char* name;
+};
+constexpr SetupLayout kSetupLayouts[] = {{16, 16, "16 allocations of 64 MiB"},
+                                         {1, 16, "1 allocation of 1 GiB, 16 shards"},
+                                         {256, 256, "256 allocations of 4 MiB"}};
+constexpr int kLayouts = static_cast<int>(std::size(kSetupLayouts));
 constexpr size_t kFlagBytes = 512;
 using BatchMemOp = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
 
@@ -88,6 +114,7 @@ enum Way {
   kBatch,
   kDefault,
   kBound,
+  kZeroCopy,
   kWindowLike,
   kPadded,
   kBatchWrite,
@@ -95,16 +122,12 @@ enum Way {
   kMaxWays
 };
 constexpr int kMainWays = kWindowLike;  // the rest only with --diagnose 1
-const char* const kWayName[kMaxWays] = {"cudaMemcpyAsync",
-                                        "cudaMemcpyBatchAsync",
-                                        "moved, default",
-                                        "moved, bound",
-                                        "batch, window-like sources",
-                                        "batch, padded sources",
-                                        "batch + flag write",
-                                        "flags only"};
+const char* const kWayName[kMaxWays] = {
+    "cudaMemcpyAsync",       "cudaMemcpyBatchAsync", "moved, default",
+    "moved, bound",          "moved, zero-copy",     "batch, window-like sources",
+    "batch, padded sources", "batch + flag write",   "flags only"};
 const char* const kWayPhase[kMaxWays] = {
-    "memcpy reference",  "batch reference", "gather default", "gather bound",
+    "memcpy reference",  "batch reference", "gather default", "gather bound", "gather zero-copy",
     "batch window-like", "batch padded",    "batch write",    "flags"};
 constexpr size_t kWindowHead =
     512;  // where a window's region starts (ce_transport/cuda_transport.cc)
@@ -139,6 +162,24 @@ int iterations(double slowest_ms_per_gather) {
 
 // ---- what the ranks share (mapped before the fork) -------------------------------------------
 
+// WindowMemory without its string, for the shared area.
+struct WindowFacts {
+  size_t window_bytes = 0;
+  size_t bound_shards = 0;
+  size_t bound_bytes = 0;
+  size_t exported_shards = 0;
+  size_t exported_allocations = 0;
+  size_t peer_mappings = 0;
+  WindowFacts() = default;
+  explicit WindowFacts(const WindowMemory& m)
+      : window_bytes(m.window_bytes),
+        bound_shards(m.bound_shards),
+        bound_bytes(m.bound_bytes),
+        exported_shards(m.exported_shards),
+        exported_allocations(m.exported_allocations),
+        peer_mappings(m.peer_mappings) {}
+};
+
 struct Shared {
   std::atomic<uint32_t> arrived{0};
   std::atomic<uint32_t> generation{0};
@@ -152,6 +193,19 @@ struct Shared {
   int batch_iterations[kMaxSizes];
   double submit_us[kBuckets][kMainWays][kMaxRanks];  // median of kSubmitCalls calls
   double bind_s[kMaxRanks];                          // median of kBindRepeats prepares of 1 GiB
+  int64_t bind_wall_ns[kBindRepeats][kMaxRanks][2];  // steady clock: prepare's start, its end
+  WindowFacts bind_facts[kMaxRanks];
+  // The sweep's zero-copy window: each rank's serialized SourceTable (kZeroCopy's blobs above).
+  uint8_t tables[kMaxRanks][kTableBytes];
+  // The zero-copy set-up measurement, by layout: blobs and tables of the window being set up,
+  // each rank's prepare + attach (seconds, median of kBindRepeats; steady clock of each repeat),
+  // and what its window took.
+  HandleBlob setup_blobs[kMaxRanks];
+  uint8_t setup_tables[kMaxRanks][kTableBytes];
+  double setup_s[kLayouts][kMaxRanks];
+  int64_t setup_wall_ns[kLayouts][kBindRepeats][kMaxRanks][2];
+  WindowFacts setup_facts[kLayouts][kMaxRanks];
+  WindowFacts window_facts[kMainWays][kMaxRanks];  // the sweep's windows, after attach
 };
 
 // A rank that fails marks it, so the others leave their barrier instead of waiting for ever.
@@ -229,6 +283,7 @@ class Rank {
     if (config_.extras) {
       submission_cost();
       bind_cost();
+      zero_copy_setup_cost();
     }
     barrier(shared_, nranks_);  // every rank done with every window before any is freed
     counter_.mark("release");
@@ -241,6 +296,7 @@ class Rank {
     barrier(shared_, nranks_);
     counter_.mark("bench");
     cudaFree(send_);
+    cudaFree(exported_);
     cudaFree(recv_);
     cudaFree(flags_);
     cudaFree(window_like_);
@@ -263,6 +319,8 @@ class Rank {
       check(cudaMemcpy(send_, host.data(), buffer_bytes_, cudaMemcpyHostToDevice),
             "cudaMemcpy (pattern)");
     }
+    check(cudaMalloc(&exported_, buffer_bytes_), "cudaMalloc (exported send)");
+    check(cudaMemcpy(exported_, send_, buffer_bytes_, cudaMemcpyDeviceToDevice), "cudaMemcpy");
     // The reference reads the peers' send buffers as the transport reads their windows: mapped.
     cudaIpcMemHandle_t handle{};
     check(cudaIpcGetMemHandle(&handle, send_), "cudaIpcGetMemHandle");
@@ -292,22 +350,33 @@ class Rank {
     counter_.mark("prepare+attach");
     WindowPlan staging;
     staging.slot_bytes = buffer_bytes_;
-    WindowPlan bound;
-    bound.slot_bytes = buffer_bytes_;
-    bound.bound = true;
-    bound.bind = {BindOp{send_, buffer_bytes_, 0}};
-    bound.verify_first = 0;  // pure peer reads: verification (a host round trip) is not timed here
-    bound.verify_every = 0;
+    const WindowPlan bound = bound_plan(send_, false);
+    const WindowPlan zero_copy = bound_plan(exported_, true);
     transports_[kDefault] =
         magi::ce::make_transport(Backend::Cuda, rank_, nranks_, kIdentity + 1, 0);
     transports_[kBound] = magi::ce::make_transport(Backend::Cuda, rank_, nranks_, kIdentity + 2, 0);
+    transports_[kZeroCopy] =
+        magi::ce::make_transport(Backend::Cuda, rank_, nranks_, kIdentity + 3, 0);
     transports_[kDefault]->prepare(staging, shared_.blobs[kDefault][rank_]);
     transports_[kBound]->prepare(bound, shared_.blobs[kBound][rank_]);
+    transports_[kZeroCopy]->prepare(zero_copy, shared_.blobs[kZeroCopy][rank_]);
+    publish_table(*transports_[kZeroCopy], shared_.tables[rank_]);
     barrier(shared_, nranks_);
     transports_[kDefault]->attach(
         std::span<const HandleBlob>(shared_.blobs[kDefault], static_cast<size_t>(nranks_)));
     transports_[kBound]->attach(
         std::span<const HandleBlob>(shared_.blobs[kBound], static_cast<size_t>(nranks_)));
+    transports_[kZeroCopy]->attach(
+        std::span<const HandleBlob>(shared_.blobs[kZeroCopy], static_cast<size_t>(nranks_)),
+        read_tables(shared_.tables));
+    for (const Way w : {kDefault, kBound, kZeroCopy}) {
+      const WindowMemory memory = transports_[w]->memory();
+      shared_.window_facts[w][rank_] = WindowFacts(memory);
+      if (w == kZeroCopy && memory.bound_shards != 0)  // the way would not be what it says
+        std::fprintf(stderr, "rank %d: zero-copy window copied %zu shards (shard %lld: %s)\n",
+                     rank_, memory.bound_shards, static_cast<long long>(memory.first_refused),
+                     memory.refusal.c_str());
+    }
     peer_send_ = open_peers(kReference);
     peer_flags_ = open_peers(kFlags);
     if (ways_ > kMainWays) {
@@ -316,6 +385,37 @@ class Rank {
     }
     counter_.mark("bench");
     barrier(shared_, nranks_);
+  }
+
+  // A bound window over `source` (one cudaMalloc allocation of buffer_bytes_), zero-copy or not:
+  // the whole buffer at slot offset 0, which a gather of any shard of the sweep reads the start
+  // of, and 1 MiB pieces at 1 MiB … 63 MiB, the offsets of the host-cost buckets' gathers (a
+  // bound gather must name a bound slot offset). Verification off: pure peer reads (a check is a
+  // host round trip, and never runs on a timed call anyway).
+  WindowPlan bound_plan(uint8_t* source, bool zero_copy) const {
+    WindowPlan plan;
+    plan.slot_bytes = buffer_bytes_;
+    plan.bound = true;
+    plan.zero_copy = zero_copy;
+    plan.table_room = zero_copy ? kTableBytes : 0;
+    plan.bind = {BindOp{source, buffer_bytes_, 0}};
+    for (size_t i = 1; i < kBucketGathers[kBuckets - 1]; ++i)
+      plan.bind.push_back(BindOp{source + i * kBucketShard, kBucketShard, i * kBucketShard});
+    plan.verify_first = 0;
+    plan.verify_every = 0;
+    return plan;
+  }
+
+  // This rank's source table into its place in the shared area (zero-copy windows, after
+  // prepare), and every rank's back out of it (after the barrier that follows).
+  static void publish_table(const Transport& transport, uint8_t (&out)[kTableBytes]) {
+    transport.sources().serialize(std::span<uint8_t>(out, kTableBytes));
+  }
+  std::vector<SourceTable> read_tables(const uint8_t (&tables)[kMaxRanks][kTableBytes]) const {
+    std::vector<SourceTable> parsed;
+    for (int r = 0; r < nranks_; ++r)
+      parsed.push_back(SourceTable::parse(std::span<const uint8_t>(tables[r], kTableBytes)));
+    return parsed;
   }
 
   std::vector<uint8_t*> open_peers(Way blobs) {
@@ -339,7 +439,7 @@ class Rank {
   }
 
   // One gather of `count` shards of `shard` bytes (gather i: send + i × shard, received at
-  // recv + i × nranks × shard, slot offset i × shard), one of the three ways.
+  // recv + i × nranks × shard, slot offset i × shard), one of the ways.
   void gather(Way way, size_t shard, size_t count = 1) {
     if (way == kReference) {
       for (size_t i = 0; i < count; ++i) {
@@ -412,9 +512,10 @@ class Rank {
       }
       return;
     }
+    uint8_t* const send = way == kZeroCopy ? exported_ : send_;  // the window's agreed sources
     ops_.clear();
     for (size_t i = 0; i < count; ++i)
-      ops_.push_back(GatherOp{send_ + i * shard, recv_ + i * shard * static_cast<size_t>(nranks_),
+      ops_.push_back(GatherOp{send + i * shard, recv_ + i * shard * static_cast<size_t>(nranks_),
                               shard, i * shard});
     transports_[way]->gather(ops_, stream_);
   }
@@ -533,7 +634,7 @@ class Rank {
     std::vector<double> seconds;
     for (int i = 0; i < kBindRepeats; ++i) {
       auto t = magi::ce::make_transport(Backend::Cuda, rank_, nranks_,
-                                        kIdentity + 3 + static_cast<uint64_t>(i), 0);
+                                        kIdentity + 8 + static_cast<uint64_t>(i), 0);
       HandleBlob blob;
       barrier(shared_, nranks_);
       counter_.mark("bind prepare");
@@ -542,10 +643,68 @@ class Rank {
       const auto t1 = std::chrono::steady_clock::now();
       counter_.mark("bench");
       seconds.push_back(std::chrono::duration<double>(t1 - t0).count());
+      stamp(t0, t1, shared_.bind_wall_ns[i][rank_]);
+      shared_.bind_facts[rank_] = WindowFacts(t->memory());
       t->release();
     }
     shared_.bind_s[rank_] = median(seconds);
     cudaFree(source);
+  }
+
+  // prepare() + attach() of a zero-copy window over 1 GiB of shards, every rank at once, for
+  // each of kSetupLayouts: what exporting costs by allocation (an address-range query and an IPC
+  // handle per shard, a mapping per peer allocation), with the table exchange in between.
+  void zero_copy_setup_cost() {
+    for (int l = 0; l < kLayouts; ++l) {
+      const SetupLayout& layout = kSetupLayouts[l];
+      const size_t allocation_bytes = kBindBytes / layout.allocations;
+      const size_t shard_bytes = kBindBytes / layout.shards;
+      const size_t per_allocation = layout.shards / layout.allocations;
+      std::vector<uint8_t*> allocations(layout.allocations, nullptr);
+      for (uint8_t*& a : allocations)
+        check(cudaMalloc(&a, allocation_bytes), "cudaMalloc (zero-copy set-up)");
+      WindowPlan plan;
+      plan.slot_bytes = kBindBytes;
+      plan.bound = true;
+      plan.zero_copy = true;
+      plan.table_room = kTableBytes;
+      plan.verify_first = 0;
+      plan.verify_every = 0;
+      for (size_t j = 0; j < layout.shards; ++j)
+        plan.bind.push_back(
+            BindOp{allocations[j / per_allocation] + j % per_allocation * shard_bytes, shard_bytes,
+                   j * shard_bytes});
+      std::vector<double> seconds;
+      for (int i = 0; i < kBindRepeats; ++i) {
+        auto t = magi::ce::make_transport(
+            Backend::Cuda, rank_, nranks_,
+            kIdentity + 16 + static_cast<uint64_t>(l * kBindRepeats + i), 0);
+        barrier(shared_, nranks_);
+        counter_.mark("zero-copy set-up");
+        const auto t0 = std::chrono::steady_clock::now();
+        t->prepare(plan, shared_.setup_blobs[rank_]);
+        publish_table(*t, shared_.setup_tables[rank_]);
+        barrier(shared_, nranks_);
+        t->attach(std::span<const HandleBlob>(shared_.setup_blobs, static_cast<size_t>(nranks_)),
+                  read_tables(shared_.setup_tables));
+        const auto t1 = std::chrono::steady_clock::now();
+        counter_.mark("bench");
+        seconds.push_back(std::chrono::duration<double>(t1 - t0).count());
+        stamp(t0, t1, shared_.setup_wall_ns[l][i][rank_]);
+        shared_.setup_facts[l][rank_] = WindowFacts(t->memory());
+        barrier(shared_, nranks_);  // every peer has opened this window and read the tables
+        t->release();
+      }
+      shared_.setup_s[l][rank_] = median(seconds);
+      barrier(shared_, nranks_);  // every peer has let go of these allocations
+      for (uint8_t* a : allocations) cudaFree(a);
+    }
+  }
+
+  static void stamp(std::chrono::steady_clock::time_point t0,
+                    std::chrono::steady_clock::time_point t1, int64_t (&wall)[2]) {
+    wall[0] = std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
+    wall[1] = std::chrono::duration_cast<std::chrono::nanoseconds>(t1.time_since_epoch()).count();
   }
 
   const int rank_;
@@ -558,6 +717,7 @@ class Rank {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   uint8_t* send_ = nullptr;
+  uint8_t* exported_ = nullptr;  // kZeroCopy's send buffer: send_'s bytes, exported to the peers
   uint8_t* recv_ = nullptr;
   std::vector<uint8_t*> peer_send_;
   std::unique_ptr<Transport> transports_[kMainWays];
@@ -634,7 +794,9 @@ bool run_ranks(int nranks, const Config& config, Shared& shared) {
 
 std::string size_name(size_t bytes) {
   char out[32];
-  if (bytes >= kMiB)
+  if (bytes >= kMiB && bytes % kMiB != 0)  // a window: its flag lines past the region
+    std::snprintf(out, sizeof out, "%.3f MiB", static_cast<double>(bytes) / kMiB);
+  else if (bytes >= kMiB)
     std::snprintf(out, sizeof out, "%zu MiB", bytes / kMiB);
   else if (bytes >= 1024)
     std::snprintf(out, sizeof out, "%zu KiB", bytes / 1024);
@@ -673,6 +835,20 @@ WayTimes way_times(const Shared& shared, int s, int way, int nranks, int reps) {
   }
   return {median(events), median(wall), *std::min_element(wall.begin(), wall.end()),
           *std::max_element(wall.begin(), wall.end())};
+}
+
+// First rank's start to last rank's end of each repeat (steady clock); the median, in seconds.
+double collective_s(const int64_t (*wall)[kMaxRanks][2], int nranks) {
+  std::vector<double> repeats;
+  for (int i = 0; i < kBindRepeats; ++i) {
+    int64_t first = INT64_MAX, last = INT64_MIN;
+    for (int r = 0; r < nranks; ++r) {
+      first = std::min(first, wall[i][r][0]);
+      last = std::max(last, wall[i][r][1]);
+    }
+    repeats.push_back(static_cast<double>(last - first) / 1e9);
+  }
+  return median(repeats);
 }
 
 struct NResult {
@@ -740,6 +916,40 @@ void print_tables(const Config& config, const std::vector<NResult>& results) {
     }
     std::printf(" |\n");
   }
+  std::printf("\n### Device memory of the static-weights windows\n\n");
+  std::printf(
+      "The bound and zero-copy windows of the gathers above, sized for the largest shard (%s, "
+      "bound at slot offset 0; the 63 pieces of 1 MiB for the host-cost buckets lie inside it, "
+      "and rank 0's counts of shards and copied bytes count them again): the device memory each "
+      "rank's window took (WindowMemory::window_bytes: the flag lines and the region of copied "
+      "shards), the median rank's and the largest, each divided by the shard bytes.\n\n",
+      size_name(std::max(config.max_shard, kBucketGathers[kBuckets - 1] * kBucketShard)).c_str());
+  std::printf(
+      "| N | window | window per rank, median | ÷ shard bytes | largest rank | ÷ shard bytes | "
+      "copied into it | read in place | peer allocations mapped |\n");
+  std::printf("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+  const size_t shard_bytes =
+      std::max(config.max_shard, kBucketGathers[kBuckets - 1] * kBucketShard);
+  for (const NResult& n : results) {
+    if (!n.ok) continue;
+    for (const Way w : {kBound, kZeroCopy}) {
+      const WindowFacts* facts = n.shared->window_facts[w];
+      std::vector<double> window;
+      for (int r = 0; r < n.nranks; ++r)
+        window.push_back(static_cast<double>(facts[r].window_bytes));
+      const double middle = median(window);
+      const double largest = *std::max_element(window.begin(), window.end());
+      std::printf(
+          "| %d | %s | %s | %.4f | %s | %.4f | %zu shards, %s | %zu shards, %zu allocations | %zu "
+          "|\n",
+          n.nranks, kWayName[w], size_name(static_cast<size_t>(middle)).c_str(),
+          middle / static_cast<double>(shard_bytes),
+          size_name(static_cast<size_t>(largest)).c_str(),
+          largest / static_cast<double>(shard_bytes), facts[0].bound_shards,
+          size_name(facts[0].bound_bytes).c_str(), facts[0].exported_shards,
+          facts[0].exported_allocations, facts[0].peer_mappings);
+    }
+  }
   if (!config.extras) return;
   std::printf("\n### Host cost of one gather call\n\n");
   std::printf(
@@ -763,18 +973,47 @@ void print_tables(const Config& config, const std::vector<NResult>& results) {
       std::printf(" |\n");
     }
   }
-  std::printf("\n### Binding cost (static weights)\n\n");
   std::printf(
-      "prepare() of a bound window holding 1 GiB of bindings (16 × 64 MiB): window allocation, a "
-      "device "
-      "synchronize, the copies, the IPC handle; every rank at once; median of %d per rank.\n\n",
+      "\n### Binding cost (static weights): bound and zero-copy set-up, 1 GiB of shards\n\n");
+  std::printf(
+      "Every rank at once, median of %d. *bound*: prepare() of a bound window holding 1 GiB of "
+      "bindings (16 × 64 MiB): the window's allocation, a device synchronize, the copies, the IPC "
+      "handle. *zero-copy*: prepare() + attach() of a zero-copy window over 1 GiB of shards held "
+      "as shown: an address-range query and an IPC handle per shard, the source tables' exchange "
+      "(through shared host memory), every peer's window and allocations mapped. Per rank: that "
+      "rank's own time (the median rank's, the slowest rank's); collective: the wall clock from "
+      "the first rank's start to the last rank's end, and that divided by the allocations. "
+      "Window: the device memory each rank's window took (WindowMemory::window_bytes, median "
+      "rank); then what each rank copied into it and what its peers read in place.\n\n",
       kBindRepeats);
-  std::printf("| N | per GiB, median rank | slowest rank |\n| ---: | ---: | ---: |\n");
+  std::printf(
+      "| N | window | 1 GiB held as | per GiB, median rank | slowest rank | collective per GiB | "
+      "collective per allocation | window per rank | copied per rank | read in place per rank "
+      "|\n");
+  std::printf("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   for (const NResult& n : results) {
     if (!n.ok) continue;
-    std::vector<double> ranks(n.shared->bind_s, n.shared->bind_s + n.nranks);
-    std::printf("| %d | %.1f ms | %.1f ms |\n", n.nranks, median(ranks) * 1e3,
-                *std::max_element(ranks.begin(), ranks.end()) * 1e3);
+    const Shared& sh = *n.shared;
+    auto row = [&](const char* window, const char* held_as, size_t allocations, const double* own_s,
+                   const int64_t(*wall)[kMaxRanks][2], const WindowFacts* facts) {
+      std::vector<double> ranks(own_s, own_s + n.nranks);
+      const double collective_ms = collective_s(wall, n.nranks) * 1e3;
+      std::vector<double> taken;
+      for (int r = 0; r < n.nranks; ++r)
+        taken.push_back(static_cast<double>(facts[r].window_bytes));
+      std::printf("| %d | %s | %s | %s | %s | %s | %s | %s | %s | %zu shards, %zu allocations |\n",
+                  n.nranks, window, held_as, time_name(median(ranks) * 1e3).c_str(),
+                  time_name(*std::max_element(ranks.begin(), ranks.end()) * 1e3).c_str(),
+                  time_name(collective_ms).c_str(),
+                  time_name(collective_ms / static_cast<double>(allocations)).c_str(),
+                  size_name(static_cast<size_t>(median(taken))).c_str(),
+                  size_name(facts[0].bound_bytes).c_str(), facts[0].exported_shards,
+                  facts[0].exported_allocations);
+    };
+    row("bound", "1 allocation of 1 GiB, 16 shards", 1, sh.bind_s, sh.bind_wall_ns, sh.bind_facts);
+    for (int l = 0; l < kLayouts; ++l)
+      row("zero-copy", kSetupLayouts[l].name, kSetupLayouts[l].allocations, sh.setup_s[l],
+          sh.setup_wall_ns[l], sh.setup_facts[l]);
   }
 }
 
@@ -792,6 +1031,19 @@ std::vector<int> parse_ranks(const char* list) {
   }
   return out;
 }
+
+constexpr const char* kUsage =
+    "usage: magice-ce-bench [--ranks 1,2,4,8] [--min-kib 64] [--max-mib 256] [--reps 9]\n"
+    "                       [--extras 1] [--diagnose 0] [--timeout 240]\n"
+    "  --ranks     the numbers of ranks to run, each its own set of processes on GPU 0 (1 to 8)\n"
+    "  --min-kib   the smallest shard after the 1-byte row; sizes grow by 4 up to --max-mib\n"
+    "  --max-mib   the largest shard (and the bound and zero-copy windows' size, at least 64)\n"
+    "  --reps      interleaved repetitions per size and way (1 to 32)\n"
+    "  --extras    1: also the host cost of a gather call and the set-up cost of static\n"
+    "              weights (bound and zero-copy, 1 GiB of shards)\n"
+    "  --diagnose  1: four more ways that each isolate one difference from the batch\n"
+    "  --timeout   seconds each N may take before its ranks are killed\n"
+    "Markdown on stdout, progress on stderr; exit 1 if a rank failed or a word arrived wrong.\n";
 
 Config parse(int argc, char** argv) {
   Config config;
@@ -831,6 +1083,11 @@ Shared* map_shared() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i)
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
   try {
     const Config config = parse(argc, argv);
     std::vector<NResult> results;
@@ -853,7 +1110,7 @@ int main(int argc, char** argv) {
     std::printf("\nEvery way, every size: sampled words of every rank's shard arrived right.\n");
     return 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "magice-ce-bench: %s\n", e.what());
+    std::fprintf(stderr, "magice-ce-bench: %s\n%s", e.what(), kUsage);
     return 2;
   }
 }
