@@ -24,7 +24,8 @@
 // Each batch of K gathers is timed twice: by cudaEvents on each rank's stream (device time; a
 // repetition's is the slowest rank's), and by the wall clock from the first rank's start to the
 // last rank's finish (the collective's time: N processes on one GPU take turns on it, which
-// events on one stream do not see). Tables give medians over repetitions.
+// events on one stream do not see). Tables give medians over repetitions; one of them puts the
+// ways side by side: cudaMemcpyAsync's collective time ÷ each way's, by N and shard.
 // Also: the latency of a 1-byte gather (the handshake and the copies' fixed cost), the device
 // memory the bound and zero-copy windows of the largest shard took, and with --extras 1 the host
 // cost of one gather() call by bucket size (1, 4, 16, 64 gathers of 1 MiB) and the set-up cost
@@ -894,6 +895,26 @@ void print_tables(const Config& config, const std::vector<NResult>& results) {
                     time_name(t.wall_ms).c_str(), 100 * (t.wall_max_ms - t.wall_min_ms) / t.wall_ms,
                     per_rank, per_rank * n.nranks, 100 * ref.wall_ms / t.wall_ms);
       }
+    }
+  }
+  std::printf("\n### Against cudaMemcpyAsync\n\n");
+  std::printf(
+      "Collective time of cudaMemcpyAsync ÷ that of each way (the *vs memcpy* column above, the "
+      "last one), by N and shard.\n\n| N | shard |");
+  for (int w = kBatch; w < kMainWays; ++w) std::printf(" %s |", kWayName[w]);
+  std::printf("\n| ---: | ---: |");
+  for (int w = kBatch; w < kMainWays; ++w) std::printf(" ---: |");
+  std::printf("\n");
+  for (const NResult& n : results) {
+    if (!n.ok) continue;
+    for (size_t s = 1; s < sizes.size(); ++s) {
+      const int size = static_cast<int>(s);
+      const double ref = way_times(*n.shared, size, kReference, n.nranks, config.reps).wall_ms;
+      std::printf("| %d | %s |", n.nranks, size_name(sizes[s]).c_str());
+      for (int w = kBatch; w < kMainWays; ++w)
+        std::printf(" %.0f%% |",
+                    100 * ref / way_times(*n.shared, size, w, n.nranks, config.reps).wall_ms);
+      std::printf("\n");
     }
   }
   std::printf("\n### Latency of a 1-byte gather\n\n");
