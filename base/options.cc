@@ -394,17 +394,20 @@ constexpr OptionSpec kTable[] = {
                              "Agree and decide as usual, move nothing: decisions show as 'would "
                              "move' in log and trace."),
     bool_option<&O::static_weights>("MAGI_STATIC_WEIGHTS", "0",
-                                    "You assert weights do not change after warmup: shards are "
-                                    "bound once, calls are pure peer reads."),
+                                    "You assert weights do not change after warmup: peers read "
+                                    "each shard where the program keeps it (or a copy bound once "
+                                    "where that memory cannot be shared), calls are pure peer "
+                                    "reads."),
     int_option<&O::verify_every>("MAGI_VERIFY_EVERY", "64", "an integer from 0 to 1000000000", 0,
                                  1000000000, OptionUnit::Count,
-                                 "Static weights: check a shard against its binding every this "
-                                 "many calls (0: only the first 3), on sampled lines (at most "
-                                 "128 KiB of the shard)."),
+                                 "Static weights: check a shard (against its binding, or what "
+                                 "its peers read in place) every this many calls (0: only the "
+                                 "first 3), on sampled lines (at most 128 KiB of the shard)."),
     int_option<&O::bind_max_bytes>("MAGI_BIND_MAX_MIB", "16384", "an integer from 0 to 1048576", 0,
                                    1048576, OptionUnit::MiB,
                                    "Static weights: most device memory (MiB) a communicator's "
-                                   "bindings may take; gathers beyond stay on NCCL."),
+                                   "bound shards may take (shards read in place take none); "
+                                   "gathers beyond stay on NCCL."),
     bool_option<&O::ce_force>("MAGI_CE_FORCE", "0",
                               "Skip the trial that times each moved bucket both ways: agreed "
                               "gathers always move."),

@@ -257,10 +257,10 @@ static_assert(sizeof(DecisionRecord) == 48);
 // Written when a plan's window is open on this rank (every peer's opened too): what it took.
 struct WindowRecord {
   uint64_t comm_id;
-  uint64_t seq;              // collective index of the call at which the peers were opened
-  uint64_t window_bytes;     // allocated by the transport: flags, staging slots, bound shards
-  uint64_t bound_bytes;      // static weights: shards copied into the window
-  uint64_t exported_bytes;   // static weights: shards the peers read in this rank's own memory
+  uint64_t seq;             // collective index of the call at which the peers were opened
+  uint64_t window_bytes;    // allocated by the transport: flags, staging slots, bound shards
+  uint64_t bound_bytes;     // static weights: shards copied into the window
+  uint64_t exported_bytes;  // static weights: shards the peers read in this rank's own memory
   uint32_t round;
   int32_t rank;
   uint32_t bound_shards;

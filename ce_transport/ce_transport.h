@@ -50,6 +50,10 @@ struct BufferIdentity {
 // Cuda backend: asks the driver (only if the program already loaded it); Unknown otherwise.
 BufferIdentity identify_buffer(Backend backend, const void* ptr);
 
+// Static weights: whether peers could read `bytes` at `ptr` where they lie (zero-copy), i.e.
+// whether the memory can be exported (exports.h). Asked at plan time, never on the call path.
+bool exportable(Backend backend, const void* ptr, size_t bytes);
+
 // Where this process runs, for "every peer is on this node and can reach my memory".
 struct Locality {
   uint64_t host = 0;    // XXH3 of hostname and boot id
@@ -61,7 +65,7 @@ Locality local_locality(Backend backend, int cuda_device);
 
 // Opaque, fixed size: what a rank publishes so that peers can open its window.
 struct HandleBlob {
-  static constexpr size_t kBytes = 160;
+  static constexpr size_t kBytes = 192;
   uint8_t bytes[kBytes] = {};
 };
 
@@ -84,13 +88,16 @@ struct BindOp {
 //    exports each allocation once, the peers map it once: no copy, no second allocation); only
 //    the others are copied into the region, packed. Which is which differs by rank, so the
 //    owner publishes a SourceTable (sources()) and the peers take it at attach. The table must
-//    fit in `table_room` bytes (SourceTable::bytes()): past it, shards are bound. The rank checks its shard against its region on each of its first
-//    `verify_first` calls and then every `verify_every` calls (0: never after the first), never
-//    on a timed call (verify_schedule.h), on sampled lines, never the whole shard (at most
-//    128 KiB a check; a rewrite touching an anchor line is caught at the next check, any other
-//    within stride / 256 checks: sample_plan.h); a mismatch is re-bound whole and reported by
-//    take_stale_bindings(). The CUDA backend's check does not wait for the stream: it compares
-//    once its copies have run, at a later call.
+//    fit in `table_room` bytes (SourceTable::bytes()): past it, shards are bound.
+//  The rank checks its shard on each of its first `verify_first` calls and then every
+//  `verify_every` calls (0: never after the first), never on a timed call (verify_schedule.h),
+//  on sampled lines, never the whole shard (at most 128 KiB a check; a rewrite touching an
+//  anchor line is caught at the next check, any other within stride / 256 checks:
+//  sample_plan.h): a bound shard against its binding (a mismatch is re-bound whole), one read
+//  in place against what the first look at each set saw (exports.h); a change is reported by
+//  take_stale_bindings(). What the ranks read is compared across ranks without waiting
+//  (source_log.h, take_disagreement()). The CUDA backend's check does not wait for the stream:
+//  it compares once its copies have run, at a later call.
 struct WindowPlan {
   size_t slot_bytes = 0;
   bool bound = false;
@@ -130,8 +137,8 @@ struct SourceTable {
 // What a window took, for the log and the trace: device (or shared) memory the transport
 // allocated, and what it reads in place instead.
 struct WindowMemory {
-  size_t window_bytes = 0;   // allocated by the transport: flags, slots, bound shards
-  size_t bound_shards = 0;   // copied into the window
+  size_t window_bytes = 0;  // allocated by the transport: flags, slots, bound shards
+  size_t bound_shards = 0;  // copied into the window
   size_t bound_bytes = 0;
   size_t exported_shards = 0;  // read by the peers in the program's own memory
   size_t exported_bytes = 0;   // the shards' bytes (not the allocations')
@@ -149,12 +156,17 @@ struct WindowMemory {
 // binding, checked against `sendbuf`, is): equal on every rank. `verify_now` (bound windows):
 // the check of `sendbuf` against that binding is owed now (its next untimed call), whatever the
 // schedule says: the caller found the send buffer is not the one bound there.
+// `own_offset` (bound windows): the slot offset of the gather's own position, when the caller
+// reads another position's sources (slot_offset) because that is the buffer it sends; kOwn:
+// the same. Such a call is a deviation, which the peers compare (source_log.h).
 struct GatherOp {
+  static constexpr size_t kOwn = ~size_t{0};
   const void* sendbuf;
   void* recvbuf;
   size_t bytes;
   size_t slot_offset;
   bool verify_now = false;
+  size_t own_offset = kOwn;
 };
 
 // A transport for one communicator. Every method may throw magi::Error; the caller (rewrite/)
@@ -211,6 +223,10 @@ class Transport {
   // Bound windows: bytes of this rank's shards that its checks have compared with their bindings
   // since prepare (the CUDA backend copies as many of the binding too). What a check costs.
   virtual uint64_t checked_bytes() const { return 0; }
+  // Bound windows: the first disagreement between what the ranks read, once it is visible here
+  // (source_log.h), described, once; "" otherwise. Never waits; may be called from any thread
+  // until release().
+  virtual std::string take_disagreement() { return {}; }
 };
 
 // A waiting rank notices a dead peer (its pid is in its window) and throws instead of waiting

@@ -47,6 +47,7 @@
 #include "ce_transport/process.h"
 #include "ce_transport/protocol.h"
 #include "ce_transport/sample_plan.h"
+#include "ce_transport/source_log.h"
 #include "ce_transport/verify_schedule.h"
 
 namespace magi::ce {
@@ -84,39 +85,6 @@ void check_bindable(const BindOp& b) {
   const auto at = reinterpret_cast<CUdeviceptr>(b.sendbuf);
   if (range(&base, &size, at) != CUDA_SUCCESS || at + b.bytes > base + size)
     throw Error(ErrorKind::System, "binding a shard: its send buffer is no longer allocated");
-}
-
-// Zero-copy: the allocation that holds a shard, exported by the IPC handle of its base (a
-// handle names a whole allocation; a handle of an interior pointer would open at the base too).
-exports::Exportable find_cuda_export(const BindOp& b) {
-  exports::Exportable e;
-  CUdeviceptr base = 0;
-  size_t size = 0;
-  const auto at = reinterpret_cast<CUdeviceptr>(b.sendbuf);
-  if (MAGI_CUDA_DRIVER_FN(cuMemGetAddressRange)(&base, &size, at) != CUDA_SUCCESS) {
-    e.refusal = "cuMemGetAddressRange refused its address";
-    return e;
-  }
-  if (at + b.bytes > base + size) {
-    e.refusal = "the shard runs past its allocation";
-    return e;
-  }
-  cudaIpcMemHandle_t handle{};
-  const cudaError_t got = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base));
-  if (got != cudaSuccess) {
-    cudaGetLastError();
-    e.refusal = std::string("cudaIpcGetMemHandle: ") + cudaGetErrorName(got) +
-                "; memory from cuMemCreate (PyTorch's expandable segments) or from a memory "
-                "pool cannot be shared this way";
-    return e;
-  }
-  static_assert(sizeof(handle) == sizeof(e.record.handle));
-  std::memcpy(e.record.handle, &handle, sizeof(handle));
-  e.record.bytes = size;
-  e.base = static_cast<uintptr_t>(base);
-  e.identity = identify_buffer(Backend::Cuda, reinterpret_cast<const void*>(base)).allocation_id;
-  e.ok = true;
-  return e;
 }
 
 // The peers' exported allocations this process has mapped. Process-wide: CUDA maps a handle at
@@ -211,14 +179,18 @@ class CudaTransport final : public Transport {
     bound_ = plan.bound;
     zero_copy_ = plan.bound && plan.zero_copy;
     if (bound_) {
-      sources_ = zero_copy_ ? exports::plan_sources(plan, find_cuda_export)
-                            : exports::symmetric_sources(plan);
+      sources_ = zero_copy_
+                     ? exports::plan_sources(plan,
+                                             [](const BindOp& b) {
+                                               return exports::find_cuda_export(b.sendbuf, b.bytes);
+                                             })
+                     : exports::symmetric_sources(plan);
       bind_ = plan.bind;
       bind_index_.reset(plan.bind);
       references_.reset(plan.bind.size());
     }
-    stride_ = round_up(std::max<size_t>(bound_ ? sources_.region_bytes : plan.slot_bytes, 1),
-                       kSlotAlign);
+    stride_ =
+        round_up(std::max<size_t>(bound_ ? sources_.region_bytes : plan.slot_bytes, 1), kSlotAlign);
     verify_.reset(plan.verify_first, plan.verify_every);
     flags_at_ = (bound_ ? 1 : 2) * stride_;
     flag_bytes_ = flags_.bytes_through_own();
@@ -242,18 +214,20 @@ class CudaTransport final : public Transport {
         const ShardSource& source = sources_.table.sources[i];
         if (b.bytes == 0 || source.allocation != ShardSource::kInWindow) continue;
         check_bindable(b);
-        cuda_check(cudaMemcpyAsync(region() + source.offset, b.sendbuf, b.bytes,
-                                   cudaMemcpyDefault, own_stream_),
+        cuda_check(cudaMemcpyAsync(region() + source.offset, b.sendbuf, b.bytes, cudaMemcpyDefault,
+                                   own_stream_),
                    "cudaMemcpyAsync (binding)");
       }
     }
     cuda_check(cudaStreamSynchronize(own_stream_), "cudaStreamSynchronize (window)");
-    shape_ = {Backend::Cuda, identity_,  nranks_,   bytes_,
-              zero_copy_ ? sources_.region_bytes : slot_bytes_, bound_, zero_copy_};
+    shape_ = {
+        Backend::Cuda, identity_, nranks_, bytes_, zero_copy_ ? sources_.region_bytes : slot_bytes_,
+        bound_,        zero_copy_};
     CudaMedium medium{};
     medium.device = device_;
     cuda_check(cudaIpcGetMemHandle(&medium.handle, base_), "cudaIpcGetMemHandle");
-    protocol::write_blob(shape_, rank_, medium, out);
+    if (bound_) log_.create(rank_, nranks_);
+    protocol::write_blob(shape_, rank_, bound_ ? log_.name() : std::string(), medium, out);
   }
 
   const SourceTable& sources() const override {
@@ -276,6 +250,7 @@ class CudaTransport final : public Transport {
     peer_pids_.assign(static_cast<size_t>(nranks_), 0);
     peer_flags_at_.assign(static_cast<size_t>(nranks_), flags_at_);
     peer_window_bytes_.assign(static_cast<size_t>(nranks_), bytes_);
+    std::vector<std::string> logs(static_cast<size_t>(nranks_));
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
       protocol::BlobHeader header{};
@@ -286,6 +261,7 @@ class CudaTransport final : public Transport {
                  "cudaIpcOpenMemHandle");
       peers_[static_cast<size_t>(r)] = static_cast<uint8_t*>(mapped);
       peer_pids_[static_cast<size_t>(r)] = static_cast<pid_t>(header.pid);
+      logs[static_cast<size_t>(r)] = protocol::source_log_of(header);
       if (zero_copy_) {  // its window holds its own region, then its flags (prepare's layout)
         const size_t flags_at = round_up(std::max<size_t>(header.slot_bytes, 1), kSlotAlign);
         if (flags_at + flag_bytes_ > header.window_bytes)
@@ -295,7 +271,10 @@ class CudaTransport final : public Transport {
         peer_window_bytes_[static_cast<size_t>(r)] = header.window_bytes;
       }
     }
-    if (bound_) locate_peer_sources(tables);
+    if (bound_) {
+      locate_peer_sources(tables);
+      log_.open_peers(logs);
+    }
     attached_ = true;
   }
 
@@ -317,6 +296,10 @@ class CudaTransport final : public Transport {
       finish_check(stream);
       add_bound_reads(bucket);
       issue_copies(stream);
+      for (const GatherOp& op : bucket)
+        if (op.own_offset != GatherOp::kOwn && op.own_offset != op.slot_offset)
+          log_.deviate(n, op.own_offset, op.slot_offset);
+      log_.publish(n);
       // After the reads, so the gather is not delayed by it; before the bucket's end marks, so a
       // release that sees this bucket finished knows the check's copies have run too.
       start_check(bucket, stream, timing);
@@ -387,6 +370,7 @@ class CudaTransport final : public Transport {
 
   std::vector<size_t> take_stale_bindings() override { return std::exchange(stale_, {}); }
   uint64_t checked_bytes() const override { return checked_bytes_; }
+  std::string take_disagreement() override { return log_.check(); }
 
  private:
   void release_locked() {
@@ -437,6 +421,7 @@ class CudaTransport final : public Transport {
     flags_host_ = nullptr;
     host_check_ = nullptr;
     checked_bytes_ = 0;
+    log_.close();
     peers_.clear();
     imports_.clear();
     peer_sources_.clear();
@@ -487,9 +472,9 @@ class CudaTransport final : public Transport {
       const size_t region = peer_flags_at_[static_cast<size_t>(r)];
       for (size_t i = 0; i < shards; ++i) {
         const size_t bytes = bind_[i].bytes;
-        const ShardSource source =
-            table != nullptr ? table->sources[i]
-                             : ShardSource{ShardSource::kInWindow, bind_[i].slot_offset};
+        const ShardSource source = table != nullptr
+                                       ? table->sources[i]
+                                       : ShardSource{ShardSource::kInWindow, bind_[i].slot_offset};
         const uint8_t* at = nullptr;
         if (source.allocation == ShardSource::kInWindow) {
           if (source.offset > region || bytes > region - source.offset)
@@ -648,8 +633,8 @@ class CudaTransport final : public Transport {
       } else {
         const auto* agreed = static_cast<const uint8_t*>(bind_[index].sendbuf);
         const bool alive =
-            identify_buffer(Backend::Cuda, reinterpret_cast<const void*>(
-                                               sources_.export_bases[source.allocation]))
+            identify_buffer(Backend::Cuda,
+                            reinterpret_cast<const void*>(sources_.export_bases[source.allocation]))
                 .allocation_id == sources_.identities[source.allocation];
         if (alive) reference = agreed;
         if (shard == agreed) shard = alive ? nullptr : agreed;  // one look is enough
@@ -724,6 +709,9 @@ class CudaTransport final : public Transport {
     if (check_.reference_copied) {
       look(host, check_.anchor, true);
       look(host + 2 * kCheckSet, check_.sweep, true);
+      // Sent from elsewhere, and what the peers read changed under them: the allocator gave the
+      // block to another tensor. The promise held; the peers must still hear of it.
+      if (!same && check_.shard_copied) log_.mark_broken(sequence_.load(), op.slot_offset);
     }
     if (check_.shard_copied) {
       look(host + kCheckSet, check_.anchor, false);
@@ -833,12 +821,13 @@ class CudaTransport final : public Transport {
   const int device_;
   const protocol::FlagLayout flags_;  // where the flag words lie (after the slots)
   bool zero_copy_ = false;
-  exports::SourcePlan sources_;          // bound: where each of this rank's shards is read
-  std::vector<BindOp> bind_;             // bound: the agreed sources, by bind index
-  exports::BindIndex bind_index_;        // slot offset -> bind index
+  exports::SourcePlan sources_;               // bound: where each of this rank's shards is read
+  std::vector<BindOp> bind_;                  // bound: the agreed sources, by bind index
+  exports::BindIndex bind_index_;             // slot offset -> bind index
   std::vector<const uint8_t*> peer_sources_;  // [peer * shards + bind index]
   std::vector<uint8_t*> imports_;             // opened through ImportedAllocations
   exports::SampleReferences references_;      // exported shards: what the first looks saw
+  SourceLog log_;                             // bound: what this rank read, for its peers
   std::vector<size_t> peer_flags_at_;         // by rank: where its flags lie in its window
   std::vector<size_t> peer_window_bytes_;
   void* base_ = nullptr;

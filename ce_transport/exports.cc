@@ -35,8 +35,8 @@ SourceTable SourceTable::parse(std::span<const uint8_t> in) {
   if (in.size() < 8) throw Error(ErrorKind::Usage, "a source table without its counts");
   std::memcpy(&exports_count, in.data(), 4);
   std::memcpy(&sources_count, in.data() + 4, 4);
-  const uint64_t need = 8 + uint64_t{exports_count} * kExportBytes +
-                        uint64_t{sources_count} * kSourceBytes;
+  const uint64_t need =
+      8 + uint64_t{exports_count} * kExportBytes + uint64_t{sources_count} * kSourceBytes;
   if (need > in.size() || exports_count >= ShardSource::kInWindow)
     throw Error(ErrorKind::Usage, "a source table of " + std::to_string(exports_count) +
                                       " exports and " + std::to_string(sources_count) +
@@ -61,6 +61,15 @@ SourceTable SourceTable::parse(std::span<const uint8_t> in) {
                                         " of " + std::to_string(exports_count));
   }
   return table;
+}
+
+bool exportable(Backend backend, const void* ptr, size_t bytes) {
+  try {
+    return backend == Backend::Host ? exports::find_host_export(ptr, bytes).ok
+                                    : exports::find_cuda_export(ptr, bytes).ok;
+  } catch (const Error&) {  // no driver: nothing is exportable
+    return false;
+  }
 }
 
 namespace exports {
@@ -143,8 +152,8 @@ void BindIndex::reset(const std::vector<BindOp>& bind) {
 }
 
 int64_t BindIndex::find(size_t slot_offset) const {
-  const auto it = std::lower_bound(sorted_.begin(), sorted_.end(),
-                                   std::pair<size_t, uint32_t>{slot_offset, 0});
+  const auto it =
+      std::lower_bound(sorted_.begin(), sorted_.end(), std::pair<size_t, uint32_t>{slot_offset, 0});
   if (it == sorted_.end() || it->first != slot_offset) return -1;
   return it->second;
 }

@@ -38,10 +38,10 @@ struct Exportable {
 // 256-byte offsets; every allocation exported once. Sources past the table's room are bound.
 struct SourcePlan {
   SourceTable table;
-  size_t region_bytes = 0;                // the bound shards, packed
-  std::vector<uint64_t> identities;       // by export: Exportable::identity
-  std::vector<uintptr_t> export_bases;    // by export
-  WindowMemory memory;                    // everything but window_bytes and peer_mappings
+  size_t region_bytes = 0;              // the bound shards, packed
+  std::vector<uint64_t> identities;     // by export: Exportable::identity
+  std::vector<uintptr_t> export_bases;  // by export
+  WindowMemory memory;                  // everything but window_bytes and peer_mappings
 };
 SourcePlan plan_sources(const WindowPlan& plan,
                         const std::function<Exportable(const BindOp&)>& find_export);
@@ -68,9 +68,7 @@ class BindIndex {
 // too, so it is not a wrong byte.
 class SampleReferences {
  public:
-  void reset(size_t shards) {
-    references_.assign(shards, {});
-  }
+  void reset(size_t shards) { references_.assign(shards, {}); }
   // True when `hash` is the reference of shard `index`'s set at `first`, or it had none yet.
   // `hash` becomes the reference either way: a change is reported once, not at every check.
   bool matches(size_t index, size_t first, uint64_t hash) {
@@ -99,6 +97,11 @@ namespace magi::ce::exports {
 Exportable find_host_export(const void* ptr, size_t bytes);
 // Whether the mapping that holds `base` is still the exported one (`identity`: its inode).
 bool host_export_alive(uintptr_t base, uint64_t identity);
+
+// ---- the CUDA backend's exports: a cudaMalloc allocation, by the IPC handle of its base ----
+// Memory from cuMemCreate (PyTorch's expandable segments), pools and managed memory is refused.
+// Only once the program has loaded the driver.
+Exportable find_cuda_export(const void* sendbuf, size_t bytes);
 
 // A peer's exported allocation, mapped read-only into this process; unmapped when destroyed.
 class HostImport {

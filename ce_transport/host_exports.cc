@@ -127,7 +127,7 @@ HostImport HostImport::open(const ExportRecord& record) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0)
     throw Error(ErrorKind::System, "opening a peer's export " + path + ": " + std::strerror(errno));
-  struct stat st{};
+  struct stat st {};
   if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_ino) != handle.inode ||
       static_cast<uint64_t>(st.st_dev) != handle.device ||
       static_cast<uint64_t>(st.st_size) < handle.file_offset + record.bytes) {
@@ -139,8 +139,8 @@ HostImport HostImport::open(const ExportRecord& record) {
   const int mapped_errno = errno;
   ::close(fd);
   if (base == MAP_FAILED)
-    throw Error(ErrorKind::System, "mapping a peer's export " + path + ": " +
-                                       std::strerror(mapped_errno));
+    throw Error(ErrorKind::System,
+                "mapping a peer's export " + path + ": " + std::strerror(mapped_errno));
   HostImport import;
   import.base_ = base;
   import.bytes_ = record.bytes;

@@ -31,6 +31,7 @@
 #include "ce_transport/process.h"
 #include "ce_transport/protocol.h"
 #include "ce_transport/sample_plan.h"
+#include "ce_transport/source_log.h"
 #include "ce_transport/verify_schedule.h"
 
 namespace magi::ce {
@@ -131,12 +132,12 @@ class HostTransport final : public Transport {
     bound_ = plan.bound;
     zero_copy_ = plan.bound && plan.zero_copy;
     if (bound_) {
-      sources_ = zero_copy_ ? exports::plan_sources(plan,
-                                                    [](const BindOp& b) {
-                                                      return exports::find_host_export(b.sendbuf,
-                                                                                       b.bytes);
-                                                    })
-                            : exports::symmetric_sources(plan);
+      sources_ = zero_copy_
+                     ? exports::plan_sources(plan,
+                                             [](const BindOp& b) {
+                                               return exports::find_host_export(b.sendbuf, b.bytes);
+                                             })
+                     : exports::symmetric_sources(plan);
       bind_ = plan.bind;
       bind_index_.reset(plan.bind);
       references_.reset(plan.bind.size());
@@ -159,11 +160,17 @@ class HostTransport final : public Transport {
       }
     }
 
-    shape_ = {Backend::Host, identity_, nranks_, own_.size(),
-              zero_copy_ ? sources_.region_bytes : slot_bytes, bound_, zero_copy_};
+    shape_ = {Backend::Host,
+              identity_,
+              nranks_,
+              own_.size(),
+              zero_copy_ ? sources_.region_bytes : slot_bytes,
+              bound_,
+              zero_copy_};
+    if (bound_) log_.create(rank_, nranks_);
     HostMedium medium{};
     std::snprintf(medium.name, sizeof(medium.name), "%s", own_.name().c_str());
-    protocol::write_blob(shape_, rank_, medium, out);
+    protocol::write_blob(shape_, rank_, bound_ ? log_.name() : std::string(), medium, out);
   }
 
   const SourceTable& sources() const override {
@@ -182,11 +189,13 @@ class HostTransport final : public Transport {
     faults_.at_attach();
     peers_.resize(static_cast<size_t>(nranks_));
     peer_pids_.assign(static_cast<size_t>(nranks_), 0);
+    std::vector<std::string> logs(static_cast<size_t>(nranks_));
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
       protocol::BlobHeader header{};
       const auto medium =
           protocol::read_blob<HostMedium>(blobs[static_cast<size_t>(r)], r, shape_, header);
+      logs[static_cast<size_t>(r)] = protocol::source_log_of(header);
       if (strnlen(medium.name, sizeof(medium.name)) == sizeof(medium.name))
         throw Error(ErrorKind::Usage,
                     "rank " + std::to_string(r) + "'s handle blob has no window name");
@@ -203,7 +212,10 @@ class HostTransport final : public Transport {
       if (!process_alive(pid)) peer_gone(r, pid);
       peer_pids_[static_cast<size_t>(r)] = pid;
     }
-    if (bound_) locate_peer_sources(tables);
+    if (bound_) {
+      locate_peer_sources(tables);
+      log_.open_peers(logs);
+    }
     attached_ = true;
   }
 
@@ -228,15 +240,15 @@ class HostTransport final : public Transport {
         }
       for (size_t i = 0; i < shards; ++i) {
         const size_t bytes = bind_[i].bytes;
-        const ShardSource source =
-            table != nullptr ? table->sources[i] : ShardSource{ShardSource::kInWindow,
-                                                               bind_[i].slot_offset};
+        const ShardSource source = table != nullptr
+                                       ? table->sources[i]
+                                       : ShardSource{ShardSource::kInWindow, bind_[i].slot_offset};
         const uint8_t* at = nullptr;
         if (source.allocation == ShardSource::kInWindow) {
           if (source.offset > window.size() - slots_at_ ||
               bytes > window.size() - slots_at_ - source.offset)
-            throw Error(ErrorKind::Usage, "rank " + std::to_string(r) +
-                                              "'s shard lies outside its window");
+            throw Error(ErrorKind::Usage,
+                        "rank " + std::to_string(r) + "'s shard lies outside its window");
           at = window.data() + slots_at_ + source.offset;
         } else {
           const auto [base, size] = mapped[source.allocation];
@@ -319,7 +331,7 @@ class HostTransport final : public Transport {
   // change; if it did, the gather goes back to NCCL at the next agreement round): a bound shard
   // against its binding (re-bound whole on a mismatch), an exported one as check_in_place says.
   void gather_bound(std::span<const GatherOp> bucket, Timing timing) {
-    ++sequence_;
+    const uint64_t n = ++sequence_;
     const size_t shards = bind_.size();
     for (const GatherOp& op : bucket) {
       const int64_t index = bind_index_.find(op.slot_offset);
@@ -327,8 +339,11 @@ class HostTransport final : public Transport {
         throw Error(ErrorKind::Usage, "a gather at slot offset " + std::to_string(op.slot_offset) +
                                           " that the plan did not bind");
       const auto i = static_cast<size_t>(index);
+      if (op.own_offset != GatherOp::kOwn && op.own_offset != op.slot_offset)
+        log_.deviate(n, op.own_offset, op.slot_offset);
       if (op.verify_now) verify_.owe(op.slot_offset);
-      if (verify_.on_call(op.slot_offset, timing) && !check(op, i)) stale_.push_back(op.slot_offset);
+      if (verify_.on_call(op.slot_offset, timing) && !check(op, i))
+        stale_.push_back(op.slot_offset);
       auto* recv = static_cast<uint8_t*>(op.recvbuf);
       for (int r = 0; r < nranks_; ++r) {
         uint8_t* into = recv + static_cast<size_t>(r) * op.bytes;
@@ -339,15 +354,18 @@ class HostTransport final : public Transport {
         std::memcpy(into, peer_sources_[static_cast<size_t>(r) * shards + i], op.bytes);
       }
     }
+    log_.publish(n);
   }
 
   std::vector<size_t> take_stale_bindings() override { return std::exchange(stale_, {}); }
   uint64_t checked_bytes() const override { return checked_bytes_; }
+  std::string take_disagreement() override { return log_.check(); }
 
   // Only the flag: the mappings stay until release(), which comes after any call in flight.
   void abandon() override { abandoned_.store(true, std::memory_order_relaxed); }
 
   void release() override {
+    log_.close();
     peer_sources_.clear();
     imports_.clear();  // unmaps the peers' exported allocations
     sources_ = {};
@@ -417,6 +435,10 @@ class HostTransport final : public Transport {
     if (alive) {
       look(agreed, anchor);
       look(agreed, sweep);
+      // The program sends from elsewhere now, and what the peers read changed under them: the
+      // allocator gave the block to another tensor. The promise held; this rank's peers still
+      // read wrong bytes, and must hear of it (source_log.h).
+      if (!same && shard != agreed) log_.mark_broken(sequence_, bind_[i].slot_offset);
     }
     if (shard != agreed || !alive) {
       // Compared only with references the agreed source set: a re-homed shard is not its own.
@@ -460,13 +482,14 @@ class HostTransport final : public Transport {
   uint64_t sequence_ = 0;  // the last bucket started
   bool bound_ = false;
   bool zero_copy_ = false;
-  exports::SourcePlan sources_;        // bound: where each of this rank's shards is read
-  std::vector<BindOp> bind_;           // bound: the agreed sources, by bind index
-  exports::BindIndex bind_index_;      // slot offset -> bind index
+  exports::SourcePlan sources_;               // bound: where each of this rank's shards is read
+  std::vector<BindOp> bind_;                  // bound: the agreed sources, by bind index
+  exports::BindIndex bind_index_;             // slot offset -> bind index
   std::vector<const uint8_t*> peer_sources_;  // [peer * shards + bind index]
   std::vector<exports::HostImport> imports_;  // the peers' exported allocations, mapped
   exports::SampleReferences references_;      // exported shards: what the first looks saw
   std::vector<uint8_t> scratch_;
+  SourceLog log_;          // bound: what this rank read, for its peers to compare
   VerifySchedule verify_;  // bound: when each binding is checked
   std::vector<size_t> stale_;
   uint64_t checked_bytes_ = 0;

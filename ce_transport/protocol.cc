@@ -19,8 +19,12 @@ const char* backend_name(uint8_t backend) {
 
 }  // namespace
 
-void write_header(const WindowShape& shape, int rank, HandleBlob& out) {
+void write_header(const WindowShape& shape, int rank, const std::string& source_log,
+                  HandleBlob& out) {
   BlobHeader header{};
+  if (source_log.size() >= sizeof(header.source_log))
+    throw Error(ErrorKind::Internal, "a source log's name is too long: " + source_log);
+  std::memcpy(header.source_log, source_log.data(), source_log.size());
   header.magic = kBlobMagic;
   header.version = kBlobVersion;
   header.backend = static_cast<uint8_t>(shape.backend);
@@ -65,7 +69,15 @@ BlobHeader check_header(const HandleBlob& blob, int rank, const WindowShape& sha
     refuse(std::string("has ") + (h.bound != 0 ? "a bound" : "a staging") + " window, this rank " +
            (shape.bound ? "a bound one" : "a staging one"));
   if (h.pid <= 0) refuse("names no process");
+  if (strnlen(h.source_log, sizeof(h.source_log)) == sizeof(h.source_log))
+    refuse("has an unterminated source log name");
+  if ((h.source_log[0] != '\0') != shape.bound)
+    refuse(std::string(shape.bound ? "names no" : "names a") + " source log");
   return h;
+}
+
+std::string source_log_of(const BlobHeader& header) {
+  return std::string(header.source_log, strnlen(header.source_log, sizeof(header.source_log)));
 }
 
 void FaultPoints::at_prepare() const {

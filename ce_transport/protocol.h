@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #include "base/base.h"
@@ -27,8 +28,8 @@ inline constexpr uint32_t kBlobVersion = 3;
 struct BlobHeader {
   uint64_t magic;
   uint32_t version;
-  uint8_t backend;  // Backend
-  uint8_t bound;    // 0 or 1
+  uint8_t backend;    // Backend
+  uint8_t bound;      // 0 or 1
   uint8_t zero_copy;  // 0 or 1: window and slot bytes are this rank's own (not compared)
   uint8_t reserved;
   uint64_t comm_identity;
@@ -37,8 +38,9 @@ struct BlobHeader {
   int32_t rank;
   int32_t nranks;
   int64_t pid;
+  char source_log[40];  // bound windows: the name of this rank's SourceLog, NUL-terminated
 };
-static_assert(std::is_trivially_copyable_v<BlobHeader> && sizeof(BlobHeader) == 56);
+static_assert(std::is_trivially_copyable_v<BlobHeader> && sizeof(BlobHeader) == 96);
 
 // What a backend may append to the header.
 inline constexpr size_t kMediumBytes = HandleBlob::kBytes - sizeof(BlobHeader);
@@ -55,17 +57,22 @@ struct WindowShape {
   bool zero_copy = false;  // bound only: each rank's window holds only what it could not export
 };
 
-// This rank's blob: the header (its shape, its rank, this process's pid), then `medium`.
-void write_header(const WindowShape& shape, int rank, HandleBlob& out);
+// This rank's blob: the header (its shape, its rank, this process's pid, its source log's name),
+// then `medium`.
+void write_header(const WindowShape& shape, int rank, const std::string& source_log,
+                  HandleBlob& out);
+// The source log a checked header names ("" when none).
+std::string source_log_of(const BlobHeader& header);
 // Peer `rank`'s header, once it matches `shape` in every field; throws Error(Usage) naming the
 // first that differs (magic, version, backend, rank, nranks, communicator, window or slot bytes
 // (not for zero-copy windows, whose sizes are each rank's own), bound, zero-copy, pid).
 BlobHeader check_header(const HandleBlob& blob, int rank, const WindowShape& shape);
 
 template <class Medium>
-void write_blob(const WindowShape& shape, int rank, const Medium& medium, HandleBlob& out) {
+void write_blob(const WindowShape& shape, int rank, const std::string& source_log,
+                const Medium& medium, HandleBlob& out) {
   static_assert(std::is_trivially_copyable_v<Medium> && sizeof(Medium) <= kMediumBytes);
-  write_header(shape, rank, out);
+  write_header(shape, rank, source_log, out);
   std::memcpy(out.bytes + sizeof(BlobHeader), &medium, sizeof(medium));
 }
 

@@ -101,6 +101,7 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
                           args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)), offset);
         route.slot_offset = found.slot_offset;
         route.verify_now = found.verify_now;
+        if (found.other_source) route.own_offset = offset;
         if (found.other_source && other_source_calls_++ == 0)
           MAGI_INFO(Transport,
                     "comm %012llx: static weights: the gather at position %u sends a buffer "
@@ -417,8 +418,8 @@ void CommAgreement::publish(uint64_t seq) {
         MAGI_INFO(Transport,
                   "comm %012llx: static weights: %zu shards (the first: gather %lld of the "
                   "plan) cannot be read in place (%s); bound instead",
-                  short_id(info_.identity), m.bound_shards,
-                  static_cast<long long>(m.first_refused), m.refusal.c_str());
+                  short_id(info_.identity), m.bound_shards, static_cast<long long>(m.first_refused),
+                  m.refusal.c_str());
     } else
       MAGI_INFO(Transport,
                 "comm %012llx: window of %zu bytes (two staging slots of %zu) for %u "

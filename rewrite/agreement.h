@@ -71,6 +71,9 @@ struct Route {
   // Static weights: this rank's send buffer is bound for no position; its check is owed now
   // (BoundSources, serving.h).
   bool verify_now = false;
+  // Static weights: the position's own slot offset, where slot_offset is another position's (the
+  // call sends that position's buffer: BoundSources).
+  size_t own_offset = ce::GatherOp::kOwn;
 };
 
 // Coordinates the parts for one communicator: the round schedule, the rounds themselves (issued
@@ -99,6 +102,8 @@ class CommAgreement {
   // The communicator is being aborted, maybe from another thread while a call of this one is
   // blocked: the transport stops waiting on peers now, and no window is made after this.
   void abandon() { serving_.abandon(); }
+  // Ours, for ncclCommGetAsyncError (Serving::async_error). Any thread.
+  ncclResult_t async_error() { return serving_.async_error(); }
   // A moved gather failed outside the transport (`why`, said once): the communicator refuses
   // every gather at its next propose, as after a transport error.
   void fail_transport(const char* why) noexcept { serving_.fail(why); }

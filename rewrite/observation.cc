@@ -173,12 +173,16 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
       if (e.position == p) e.reason = static_cast<uint8_t>(Reason::BindingChanged);
   }
   // Static weights: bindings take memory for good; past the cap (in step order) gathers stay.
+  // Shards the peers can read in place (exportable memory) take none, and do not count.
   if (options.static_weights) {
     const uint64_t cap = std::min(options.bind_max_bytes, options.window_max_bytes);
     uint64_t bound = 0;
     for (GatherEntry& e : out) {
       if (e.reason != static_cast<uint8_t>(Reason::None)) continue;
       const uint64_t bytes = aligned(e.count * datatype_bytes(e.dtype));
+      if (ce::exportable(backend, reinterpret_cast<const void*>(at(e.position).sendbuf),
+                         e.count * datatype_bytes(e.dtype)))
+        continue;
       if (bound + bytes > cap)
         e.reason = static_cast<uint8_t>(Reason::BindTooLarge);
       else

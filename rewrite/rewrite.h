@@ -39,6 +39,9 @@ std::shared_ptr<CommAgreement> join(ncclComm_t comm, const capture::CommInfo& in
 // At ncclCommAbort or ncclCommRevoke, before the real one: this rank's waits on its peers give
 // up now, since another thread may be blocked on one, as NCCL's abort stops its kernels.
 void abandon(CommAgreement& agreement) noexcept;
+// At ncclCommGetAsyncError, once NCCL itself reports no error: ours (ncclRemoteError when the
+// ranks' static-weights reads were found to disagree), else ncclSuccess. Any thread.
+ncclResult_t async_error(CommAgreement& agreement) noexcept;
 // The communicator ends: the calling thread's open group forgets the gathers it queued for it.
 void forget_queued(const CommAgreement& agreement) noexcept;
 // In a child after fork(): the calling thread's queued gathers are the parent's; dropped.

@@ -75,6 +75,12 @@ void abandon(CommAgreement& agreement) noexcept {
   guarded("abandoning a communicator's windows", [&] { agreement.abandon(); });
 }
 
+ncclResult_t async_error(CommAgreement& agreement) noexcept {
+  ncclResult_t result = ncclSuccess;
+  guarded("reading a communicator's asynchronous error", [&] { result = agreement.async_error(); });
+  return result;
+}
+
 void forget_queued(const CommAgreement& agreement) noexcept {
   std::erase_if(t_queued, [&](const Queued& q) { return q.agreement.get() == &agreement; });
 }
@@ -104,9 +110,12 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
   // transport at its next round. Served (and marked moved) only once it was; inside a group,
   // queued is as good as served: group_ended serves it, or settles it if that fails.
   const bool done = guarded("rewrite", [&] {
-    const ce::GatherOp op{args.sendbuf, args.recvbuf,
+    const ce::GatherOp op{args.sendbuf,
+                          args.recvbuf,
                           args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)),
-                          route.slot_offset, route.verify_now};
+                          route.slot_offset,
+                          route.verify_now,
+                          route.own_offset};
     const NcclGather call{args.sendbuf, args.recvbuf, args.count, args.dtype};
     if (agreement->world().group().depth > 0) {
       t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, op, call});
@@ -117,7 +126,9 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
   });
   if (done) {
     outcome.served = true;
-    if (!via_nccl && outcome.result == ncclSuccess) record.flags |= trace::kCallMoved;
+    // ncclRemoteError: served, but the ranks' static reads were found to disagree (serving.h).
+    const bool served = outcome.result == ncclSuccess || outcome.result == ncclRemoteError;
+    if (!via_nccl && served) record.flags |= trace::kCallMoved;
   } else if (!via_nccl) {
     agreement->fail_transport("a moved gather could not be served");
     outcome.served = true;

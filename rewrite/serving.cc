@@ -96,6 +96,7 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<cons
       failed_ = true;
       return forward_to_nccl(calls, stream);
     }
+    if (std::string what = transport_->take_disagreement(); !what.empty()) disagreement(what);
     for (const size_t offset : transport_->take_stale_bindings()) {
       for (uint32_t p = 0; p < layout.offset_by_position.size(); ++p) {
         if (layout.offset_by_position[p] != offset) continue;
@@ -107,7 +108,9 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<cons
         stale_positions_.push_back(p);
       }
     }
-    return ncclSuccess;
+    // Bytes this plan served may be wrong on some rank: every moved call says so until the
+    // communicator is back on NCCL.
+    return async_error_.load(std::memory_order_relaxed);
   } catch (const Error& e) {
     fail(e.what());
     return e.result();
@@ -115,6 +118,26 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<cons
     fail(e.what());
     return ncclInternalError;
   }
+}
+
+void Serving::disagreement(const std::string& what) {
+  if (async_error_.exchange(ncclRemoteError) == ncclSuccess)
+    MAGI_WARN(Transport,
+              "comm %012llx: MAGI_STATIC_WEIGHTS=1: %s. The communicator reports ncclRemoteError "
+              "(its moved gathers and ncclCommGetAsyncError) and goes back to NCCL at its next "
+              "agreement round",
+              short_id(info_.identity), what.c_str());
+  failed_ = true;
+}
+
+ncclResult_t Serving::async_error() {
+  std::string what;
+  {
+    std::lock_guard<std::mutex> lock(transport_mutex_);
+    if (transport_) what = transport_->take_disagreement();
+  }
+  if (!what.empty()) disagreement(what);
+  return async_error_.load();
 }
 
 void Serving::fail(const char* why) noexcept {

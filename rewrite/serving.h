@@ -4,10 +4,12 @@
 
 #include <nccl.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "rewrite/cost_trial.h"
@@ -110,6 +112,10 @@ class Serving {
   bool failed() const { return failed_; }
   // Marks it failed for a reason outside the transport (one WARN, the first time).
   void fail(const char* why) noexcept;
+  // The communicator's asynchronous error of ours: ncclRemoteError once the ranks' static
+  // reads were found to disagree (ce_transport's take_disagreement), sticky; else ncclSuccess.
+  // Polls the transport first. Any thread.
+  ncclResult_t async_error();
   // Positions whose static binding was found changed; they stay until the step changes.
   const std::vector<uint32_t>& stale_positions() const { return stale_positions_; }
   void forget_stale() { stale_positions_.clear(); }
@@ -124,6 +130,9 @@ class Serving {
   std::mutex transport_mutex_;
   bool aborted_ = false;  // under transport_mutex_
   bool failed_ = false;
+  std::atomic<ncclResult_t> async_error_{ncclSuccess};
+  // The ranks' reads disagree: WARN (once), the sticky error, NCCL at the next round.
+  void disagreement(const std::string& what);
   std::vector<uint32_t> stale_positions_;
 };
 

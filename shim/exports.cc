@@ -275,6 +275,24 @@ MAGI_EXPORT ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
   return r;
 }
 
+// NCCL's own error first; where it has none, ours: a static-weights plan whose ranks were found
+// to have read different shards (rewrite/serving.h) reports ncclRemoteError, as a peer's failure
+// does, so that a watchdog polling this (PyTorch's) ends the job instead of training on wrong
+// bytes.
+MAGI_EXPORT ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
+  const ncclResult_t r = MAGI_FORWARD(CommGetAsyncError, comm, asyncError);
+  if (r != ncclSuccess || asyncError == nullptr || *asyncError != ncclSuccess || inside_real_nccl())
+    return r;
+  guarded("ncclCommGetAsyncError", [&] {
+    const CommRef record = find_comm(comm);
+    if (record != nullptr && record->agreement != nullptr) {
+      const ncclResult_t ours = magi::rewrite::async_error(*record->agreement);
+      if (ours != ncclSuccess) *asyncError = ours;
+    }
+  });
+  return r;
+}
+
 // ---------------------------------------------------------------- groups
 
 // Group depth is tracked for the program's own groups only (thread-local counters: cannot fail).

@@ -34,6 +34,7 @@ namespace magi::shim {
   X(ncclResult_t, CommDestroy, (ncclComm_t comm))                                                 \
   X(ncclResult_t, CommAbort, (ncclComm_t comm))                                                   \
   X(ncclResult_t, CommRevoke, (ncclComm_t comm, int flags))                                       \
+  X(ncclResult_t, CommGetAsyncError, (ncclComm_t comm, ncclResult_t * async_error))               \
   X(ncclResult_t, CommCount, (const ncclComm_t comm, int* count))                                 \
   X(ncclResult_t, CommUserRank, (const ncclComm_t comm, int* rank))                               \
   X(ncclResult_t, CommCuDevice, (const ncclComm_t comm, int* device))                             \

@@ -30,8 +30,7 @@ class SharedFile {
     const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     EXPECT_GE(fd, 0);
     EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
-    base_ = static_cast<uint8_t*>(
-        mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    base_ = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
     close(fd);
   }
   ~SharedFile() {
@@ -225,8 +224,7 @@ TEST(SourceTable, RoundTripsAndRefusesWhatDoesNotParse) {
   const uint64_t word = uint64_t{3} << 48;
   std::memcpy(bad.data() + 8 + 72, &word, 8);
   EXPECT_THROW(SourceTable::parse(bad), Error);
-  EXPECT_THROW(SourceTable::parse(std::span<const uint8_t>(bytes.data(), bytes.size() - 1)),
-               Error);
+  EXPECT_THROW(SourceTable::parse(std::span<const uint8_t>(bytes.data(), bytes.size() - 1)), Error);
 }
 
 TEST(SourceTable, ShardsPastTheTablesRoomAreBound) {

@@ -233,7 +233,33 @@ standin_weights_runs() {
     "cannot be read in place \(.*\); bound instead"
   standin_log_check "$name" "0 shards exported in place, 4 bound" \
     "static weights: 4 gathers: 0 shards exported in place .*, 4 bound \("
+  standin_weights_one_rank_runs
   standin_weights_memory_run
+}
+
+# Changes on one rank that no reader can see at its call (tests/integration/agreement_test.cc,
+# OneRankChanges...): rank 1 alone gathers layers 0 and 1 in the other order, or re-homes a
+# shard read in place and refills the old block, as a caching allocator gives it to another
+# tensor. The program accepts wrong bytes only where it hears of an error, from a gather or from
+# ncclCommGetAsyncError (--errors-expected 1: exit 1 on a silent one): every rank must exit 0
+# and report the asynchronous error.
+standin_weights_one_rank_runs() {
+  local entry name args
+  for entry in "swap --program swap --swap-rank 1 --swap-step 15" \
+    "rehome-reuse --program rehome --rehome-rank 1 --rehome-step 15 --rehome-reuse 1"; do
+    read -r name args <<<"$entry"
+    name=weights-one-rank-$name-static
+    # shellcheck disable=SC2086  # args: the program's own options, word by word
+    standin_run "$name" 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --arena 1 \
+      --layers 4 --steps 30 --errors-expected 1 $args
+    standin_log_check "$name" "ncclRemoteError reported (WARN)" \
+      "MAGI WARN .*The communicator reports ncclRemoteError"
+    local rank
+    for rank in 0 1 2 3; do
+      standin_log_check "$name" "rank $rank hears of it" "rank $rank: [0-9]+ gathers received \
+wrong bytes, [1-9][0-9]* returned an error; asynchronous error: remote"
+    done
+  done
 }
 
 # The device memory a static-weights run takes on top of the program's own: every rank reports

@@ -483,6 +483,71 @@ TEST_P(StaticWeightsPrograms, InOneSharedFileAreReadInPlaceByteExactAndLeaveNoFi
   }
 }
 
+// Changes on one rank that no reader can see at its call: that rank alone gathers layers 0 and 1
+// in the other order (every rank reads by the buffer it sends, so both sides read the wrong
+// positions), or re-homes a shard and its allocator gives the old block, which the peers read in
+// place, to another tensor. Never silent (the scenario fails a rank that received a wrong byte
+// and heard of no error, from a gather or from ncclCommGetAsyncError once every rank passed its
+// last gather); and where the bytes can stay right (a re-homed shard whose old bytes stay bound,
+// the default mode), no error at all.
+struct OneRankCase {
+  std::vector<std::string> program;
+  bool arena;
+  bool static_weights;
+  bool reported;  // an error is expected: the bytes cannot be right
+};
+const std::vector<OneRankCase> kOneRankCases = {
+    {{"--program", "swap", "--swap-rank", "1", "--swap-step", "15"}, true, true, true},
+    {{"--program", "swap", "--swap-rank", "1", "--swap-step", "15"}, false, true, true},
+    {{"--program", "alternate", "--swap-rank", "1", "--swap-step", "10"}, true, true, true},
+    {{"--program", "swap", "--swap-rank", "1", "--swap-step", "15"}, true, false, false},
+    {{"--program", "rehome", "--rehome-rank", "1", "--rehome-step", "15", "--rehome-reuse", "1"},
+     true,
+     true,
+     true},
+    {{"--program", "rehome", "--rehome-rank", "1", "--rehome-step", "15", "--rehome-reuse", "1"},
+     false,
+     true,
+     false},
+};
+
+TEST_P(StaticWeightsPrograms, OneRankChangesAreExactOrReportedOnEveryRankNeverSilent) {
+  const int n = GetParam();
+  for (const OneRankCase& c : kOneRankCases) {
+    SCOPED_TRACE(c.program[1] + (c.arena ? " arena" : " heap") +
+                 (c.static_weights ? " (static)" : " (default)") + " on " + std::to_string(n) +
+                 " ranks, " + c.program[3]);
+    std::vector<std::string> args = {"weights", "--layers", "4",
+                                     "--steps", "30",       "--errors-expected",
+                                     "1",       "--arena",  c.arena ? "1" : "0"};
+    args.insert(args.end(), c.program.begin(), c.program.end());
+    std::vector<std::pair<std::string, std::string>> env;
+    if (c.static_weights) env.emplace_back("MAGI_STATIC_WEIGHTS", "1");
+    const AgreedRun r = run_agreed(n, args, env, 90);
+    ASSERT_TRUE(r.result.all_ok()) << transcript(r);  // nothing silent, on any rank
+    expect_ranks_agree(r);
+    for (int rank = 0; rank < n; ++rank) {
+      const std::string none = "rank " + std::to_string(rank) +
+                               ": 0 gathers received wrong bytes, 0 returned an error; "
+                               "asynchronous error: no error";
+      if (!c.reported) {
+        EXPECT_NE(r.log.find(none), std::string::npos) << r.log;
+        continue;
+      }
+      // Every rank hears of it, the ones whose bytes were right too.
+      EXPECT_TRUE(has_line(r.log, "rank " + std::to_string(rank) +
+                                      R"(: [0-9]+ gathers received wrong bytes, [1-9][0-9]* )"
+                                      R"(returned an error; asynchronous error: remote process)"))
+          << r.log;
+    }
+    if (c.reported) {
+      EXPECT_NE(r.log.find("The communicator reports ncclRemoteError"), std::string::npos) << r.log;
+    } else {
+      EXPECT_EQ(r.log.find("ncclRemoteError"), std::string::npos) << r.log;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, StaticWeightsPrograms, ::testing::Values(2, 4, 8));
 
 TEST(Agreement, StaticWeightsRehomedToOtherBytesAreCaught) {

@@ -1,6 +1,7 @@
 // weights --layers L --steps S --program reused|swap|alternate|rehome [--swap-step K]
-//         [--rehome-rank R --rehome-step K [--rehome-other 1]] [--device 1]
-//         [--arena 1] [--vmm 1] [--report-memory 1] [--shard-elements N]
+//         [--rehome-rank R --rehome-step K [--rehome-other 1] [--rehome-reuse 1]] [--device 1]
+//         [--arena 1] [--vmm 1] [--report-memory 1] [--shard-elements N] [--swap-rank R]
+//         [--errors-expected 1]
 //
 // Weights that never change after load, gathered every step in the ways a program may hold
 // them, for MAGI_STATIC_WEIGHTS=1 (whose promise each one keeps: the gathered contents never
@@ -16,10 +17,15 @@
 //   swap       a buffer of its own per layer; from step K (default 15) on, every rank gathers
 //              layers 0 and 1 in the other order
 //   alternate  the same, swapping the order of layers 0 and 1 every other step from step K
+//              (swap and alternate: with --swap-rank R only rank R changes its order; every
+//              rank's part is checked against the layer that rank sent, as NCCL gathers it)
 //   rehome     a buffer per layer; at step K rank R (default 1) copies its shard of layer 0 into a
 //              new buffer and gathers from there on (the old one stays allocated, unchanged);
 //              with --rehome-other 1 the new buffer holds other bytes (a broken promise: every
-//              rank accepts either the old or the new bytes of that part from step K on)
+//              rank accepts either the old or the new bytes of that part from step K on);
+//              with --rehome-reuse 1 the old buffer is then refilled with other bytes, as a
+//              caching allocator hands a freed block to another tensor (the promise holds: the
+//              new buffer holds the shard)
 // Where the shards live (the other buffers are always Buffers of their own, re-homed shards too):
 //   default         a Buffer of its own each (aligned_alloc, or cudaMalloc with --device 1)
 //   --arena 1       all carved out of one allocation (arena.h), as a caching allocator does: a
@@ -28,6 +34,9 @@
 //                   segments are
 // The shards are loaded before the communicator is made, as a program loads its model first.
 // --shard-elements N: int32 elements of every shard (default 1024).
+// --errors-expected 1: a gather may return an error and receive wrong bytes, as long as the
+// rank learns of it: at the end, every rank with a wrong byte must have had an error from a
+// gather or from ncclCommGetAsyncError, else the run fails ("silent").
 // --report-memory 1 (with --device 1) prints the device's free memory to stderr once every rank
 // has loaded and joined ("device memory free before: <bytes>") and after the last step, before
 // the communicator goes ("device memory free after: <bytes>"), between all-reduces that keep
@@ -90,12 +99,16 @@ __attribute__((noinline)) ncclResult_t gather_layer(const void* shard, void* ful
   return result;
 }
 
-constexpr int kOtherBytes = 100;  // the layer whose bytes a --rehome-other shard holds
+constexpr int kOtherBytes = 100;   // the layer whose bytes a --rehome-other shard holds
+constexpr int kReusedBytes = 101;  // what --rehome-reuse writes into the old block
 
-// `either_rank`: the rank whose part may be either `layer`'s or kOtherBytes' (-1: none).
-void expect_layer(const int32_t* full, int nranks, int layer, int me, int step, int position,
-                  int either_rank = -1) {
+// What a gather should have received: rank r's part is `layer_of(r)`'s shard of r, or, for
+// `either_rank`, possibly kOtherBytes'. "" when it did, else what was wrong.
+template <class LayerOf>
+std::string wrong_parts(const int32_t* full, int nranks, LayerOf layer_of, int me, int step,
+                        int position, int either_rank = -1) {
   for (int r = 0; r < nranks; ++r) {
+    const int layer = layer_of(r);
     const int32_t* part = full + static_cast<size_t>(r) * shard_elements;
     size_t wrong = 0;
     size_t first = 0;
@@ -108,11 +121,12 @@ void expect_layer(const int32_t* full, int nranks, int layer, int me, int step, 
     int other = -1;  // which layer the bytes are, if any
     for (int l = 0; l < 64 && other < 0; ++l)
       if (part[first] == element(l, r, first)) other = l;
-    throw ScenarioFailure(
-        format("rank %d: step %d position %d (layer %d): %zu wrong elements of "
-               "rank %d's part, the first at %zu (bytes of layer %d)",
-               me, step, position, layer, wrong, r, first, other));
+    return format(
+        "rank %d: step %d position %d (layer %d): %zu wrong elements of "
+        "rank %d's part, the first at %zu (bytes of layer %d)",
+        me, step, position, layer, wrong, r, first, other);
   }
+  return {};
 }
 
 }  // namespace
@@ -124,9 +138,12 @@ int run_weights(const ScenarioOptions& options) {
   const int steps = static_cast<int>(options.number("steps", 40));
   const std::string program = options.text("program", "reused");
   const int swap_step = static_cast<int>(options.number("swap-step", 15));
+  const int swap_rank = static_cast<int>(options.number("swap-rank", -1));
+  const bool errors_expected = options.number("errors-expected", 0) != 0;
   const int rehome_rank = static_cast<int>(options.number("rehome-rank", 1));
   const int rehome_step = static_cast<int>(options.number("rehome-step", 15));
   const bool rehome_other = options.number("rehome-other", 0) != 0;
+  const bool rehome_reuse = options.number("rehome-reuse", 0) != 0;
   const bool report_memory = options.number("report-memory", 0) != 0;
   if (layers < 2) throw ScenarioFailure("--layers must be at least 2");
   if (program != "reused" && program != "swap" && program != "alternate" && program != "rehome")
@@ -176,16 +193,24 @@ int run_weights(const ScenarioOptions& options) {
     count_ranks(-1);
     std::fprintf(stderr, "device memory free before: %zu\n", free_device_memory());
   }
+  int wrong_gathers = 0;   // --errors-expected: gathers that received a wrong byte
+  int failed_gathers = 0;  // and that returned an error
   for (int step = 0; step < steps; ++step) {
     if (program == "rehome" && me == rehome_rank && step == rehome_step) {
       retired.push_back(std::exchange(shards[0], load_shard(Buffer(placement, shard_bytes),
                                                             rehome_other ? kOtherBytes : 0, me)));
+      // As a caching allocator does: the old block goes to another tensor, which fills it.
+      if (rehome_reuse) retired.back() = load_shard(std::move(retired.back()), kReusedBytes, me);
     }
-    const bool swapped = (program == "swap" && step >= swap_step) ||
-                         (program == "alternate" && step >= swap_step && step % 2 == 1);
+    const bool swapping = (program == "swap" && step >= swap_step) ||
+                          (program == "alternate" && step >= swap_step && step % 2 == 1);
+    // The layer rank r gathers at `position`: swapped on every rank, or on --swap-rank only.
+    const auto layer_at = [&](int r, int position) {
+      const bool swapped = swapping && (swap_rank < 0 || r == swap_rank);
+      return swapped && position < 2 ? 1 - position : position;
+    };
     for (int position = 0; position < layers; ++position) {
-      int layer = position;
-      if (swapped && position < 2) layer = 1 - position;
+      const int layer = layer_at(me, position);
       const Buffer* send = &shards[static_cast<size_t>(layer)];
       if (program == "reused") {
         // Refilled from the layer's shard where NCCL reads it: a device-to-device copy on the
@@ -203,11 +228,21 @@ int run_weights(const ScenarioOptions& options) {
       // Poisoned before every call, so a byte the gather did not write cannot pass as right.
       std::memset(recv.host(), 0xee, recv.bytes());
       recv.upload(0, recv.bytes());
-      WORKLOAD_CHECK(gather_layer(send->nccl(), recv.nccl(), shard_elements, comm, stream));
+      const ncclResult_t gathered =
+          gather_layer(send->nccl(), recv.nccl(), shard_elements, comm, stream);
+      if (!errors_expected) check(gathered, "ncclAllGather");
+      if (gathered != ncclSuccess && failed_gathers++ == 0)
+        std::fprintf(stderr, "rank %d: step %d position %d: ncclAllGather returned %s\n", me, step,
+                     position, ncclGetErrorString(gathered));
       placement.synchronize();
       recv.download(0, recv.bytes());
       const bool either = rehome_other && layer == 0 && step >= rehome_step;
-      expect_layer(elements(recv), n, layer, me, step, position, either ? rehome_rank : -1);
+      const std::string wrong = wrong_parts(
+          elements(recv), n, [&](int r) { return layer_at(r, position); }, me, step, position,
+          either ? rehome_rank : -1);
+      if (wrong.empty()) continue;
+      if (!errors_expected) throw ScenarioFailure(wrong);
+      if (wrong_gathers++ == 0) std::fprintf(stderr, "%s\n", wrong.c_str());
     }
     count_ranks(step);
   }
@@ -215,6 +250,19 @@ int run_weights(const ScenarioOptions& options) {
     count_ranks(steps);
     std::fprintf(stderr, "device memory free after: %zu\n", free_device_memory());
     count_ranks(steps);  // no rank frees anything (destroy) before every rank has read it
+  }
+  if (errors_expected) {
+    // Wrong bytes are allowed only where NCCL reports an error: at a gather, or afterwards as the
+    // communicator's asynchronous error (read once every rank is past its last gather).
+    count_ranks(steps);
+    ncclResult_t async = ncclSuccess;
+    WORKLOAD_CHECK(ncclCommGetAsyncError(comm, &async));
+    std::fprintf(stderr,
+                 "rank %d: %d gathers received wrong bytes, %d returned an error; asynchronous "
+                 "error: %s\n",
+                 me, wrong_gathers, failed_gathers, ncclGetErrorString(async));
+    if (wrong_gathers != 0 && failed_gathers == 0 && async == ncclSuccess)
+      throw ScenarioFailure(format("rank %d: wrong bytes and no error: silent", me));
   }
   owned.destroy();
   return 0;
