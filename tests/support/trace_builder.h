@@ -177,6 +177,7 @@ class TraceBuilder {
   TraceBuilder& step(const StepRecord& r) { return typed(RecordType::Step, r); }
   TraceBuilder& agreement(const AgreementRecord& r) { return typed(RecordType::Agreement, r); }
   TraceBuilder& decision(const DecisionRecord& r) { return typed(RecordType::Decision, r); }
+  TraceBuilder& window(const WindowRecord& r) { return typed(RecordType::Window, r); }
   TraceBuilder& dropped(uint64_t records) {
     return typed(RecordType::Dropped, DroppedRecord{records});
   }

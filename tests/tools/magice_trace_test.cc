@@ -709,6 +709,39 @@ TEST_F(MagiceTraceDecisions, DumpShowsAgreementRecordsAndMovedCalls) {
       << decisions.out;
 }
 
+TEST_F(MagiceTraceDecisions, DumpShowsWhatEachPlansWindowTook) {
+  TraceBuilder b(make_file_header(4242, "node9", "serve"));
+  b.comm(make_comm(kWorld, 1, 4));
+  WindowRecord w{};
+  w.comm_id = kWorld;
+  w.seq = 57;
+  w.window_bytes = 2097152;
+  w.bound_bytes = 4096;
+  w.exported_bytes = 12288;
+  w.round = 3;
+  w.rank = 1;
+  w.bound_shards = 1;
+  w.exported_shards = 3;
+  w.exported_allocations = 2;
+  w.peer_mappings = 6;
+  w.mode = static_cast<uint8_t>(AgreementMode::Identical);
+  b.window(w);
+  const std::string file = dir_ + "/windows.trace";
+  b.write(file);
+
+  const ToolRun run = tool({"dump", file});
+  EXPECT_EQ(run.status, 0) << run.err;
+  EXPECT_TRUE(contains(run.out, "windows\n")) << run.out;
+  // One row: rank, round, collective, mode, window bytes, exported (shards in allocations),
+  // bound (shards), mappings.
+  std::istringstream lines(run.out);
+  std::string line, row;
+  while (std::getline(lines, line))
+    if (contains(line, "2097152")) row = line;
+  for (const char* field : {" 1 ", " 3 ", " 57 ", "identical", "12288 (3 in 2)", "4096 (1)", " 6"})
+    EXPECT_TRUE(contains(row, field)) << field << " missing from: " << row;
+}
+
 TEST_F(MagiceTraceDecisions, TruncatedDecisionRecordExitsTwo) {
   const std::string file = write_agreeing_rank(0, 1);
   std::string bytes = slurp(file);
