@@ -179,12 +179,7 @@ class CudaTransport final : public Transport {
     bound_ = plan.bound;
     zero_copy_ = plan.bound && plan.zero_copy;
     if (bound_) {
-      sources_ = zero_copy_
-                     ? exports::plan_sources(plan,
-                                             [](const BindOp& b) {
-                                               return exports::find_cuda_export(b.sendbuf, b.bytes);
-                                             })
-                     : exports::symmetric_sources(plan);
+      sources_ = exports::bound_sources(plan, Backend::Cuda);
       bind_ = plan.bind;
       bind_index_.reset(plan.bind);
       references_.reset(plan.bind.size());
@@ -272,7 +267,19 @@ class CudaTransport final : public Transport {
       }
     }
     if (bound_) {
-      locate_peer_sources(tables);
+      // Each peer's shards: in its window's region (before its flags), or in its exported
+      // allocations, mapped once per process (ImportedAllocations).
+      std::vector<exports::Span> regions(static_cast<size_t>(nranks_));
+      for (int r = 0; r < nranks_; ++r)
+        if (r != rank_)
+          regions[static_cast<size_t>(r)] = {peers_[static_cast<size_t>(r)],
+                                             peer_flags_at_[static_cast<size_t>(r)]};
+      peer_sources_ = exports::locate_peer_sources(
+          rank_, bind_, zero_copy_ ? tables : std::span<const SourceTable>{}, regions,
+          [&](const ExportRecord& record) {
+            imports_.push_back(ImportedAllocations::get().open(record));
+            return exports::Span{imports_.back(), record.bytes};
+          });
       log_.open_peers(logs);
     }
     attached_ = true;
@@ -294,7 +301,9 @@ class CudaTransport final : public Transport {
     copies_.clear();
     if (bound_) {
       finish_check(stream);
-      add_bound_reads(bucket);
+      add_reads(bucket, [&](int r, const GatherOp& op) {  // where that peer keeps its shard
+        return peer_sources_[static_cast<size_t>(r) * bind_.size() + bound_index(op)];
+      });
       issue_copies(stream);
       for (const GatherOp& op : bucket)
         if (op.own_offset != GatherOp::kOwn && op.own_offset != op.slot_offset)
@@ -331,7 +340,9 @@ class CudaTransport final : public Transport {
     issue_mem_ops(stream);
     // 4. Read every peer's slot, and this rank's shard from its send buffer.
     copies_.clear();
-    add_reads(bucket, [&](int r) { return peers_[static_cast<size_t>(r)] + slot; });
+    add_reads(bucket, [&](int r, const GatherOp& op) {
+      return peers_[static_cast<size_t>(r)] + slot + op.slot_offset;
+    });
     issue_copies(stream);
     // 5. Done reading: peers may reuse their slot n % 2 (in bucket n + 2).
     finish_bucket(n, stream);
@@ -451,69 +462,13 @@ class CudaTransport final : public Transport {
     return peers_[static_cast<size_t>(r)] + peer_flags_at_[static_cast<size_t>(r)] + offset;
   }
 
-  // Where each peer's shard of each binding is read: its window's region, or its exported
-  // allocation, mapped once per process (ImportedAllocations).
-  void locate_peer_sources(std::span<const SourceTable> tables) {
-    const size_t shards = bind_.size();
-    peer_sources_.assign(static_cast<size_t>(nranks_) * shards, nullptr);
-    for (int r = 0; r < nranks_; ++r) {
-      if (r == rank_) continue;
-      const SourceTable* table = zero_copy_ ? &tables[static_cast<size_t>(r)] : nullptr;
-      if (table != nullptr && table->sources.size() != shards)
-        throw Error(ErrorKind::Usage, "rank " + std::to_string(r) + "'s source table has " +
-                                          std::to_string(table->sources.size()) + " shards, " +
-                                          std::to_string(shards) + " expected");
-      std::vector<std::pair<const uint8_t*, size_t>> mapped;  // by export: base, bytes
-      if (table != nullptr)
-        for (const ExportRecord& record : table->exports) {
-          imports_.push_back(ImportedAllocations::get().open(record));
-          mapped.emplace_back(imports_.back(), record.bytes);
-        }
-      const size_t region = peer_flags_at_[static_cast<size_t>(r)];
-      for (size_t i = 0; i < shards; ++i) {
-        const size_t bytes = bind_[i].bytes;
-        const ShardSource source = table != nullptr
-                                       ? table->sources[i]
-                                       : ShardSource{ShardSource::kInWindow, bind_[i].slot_offset};
-        const uint8_t* at = nullptr;
-        if (source.allocation == ShardSource::kInWindow) {
-          if (source.offset > region || bytes > region - source.offset)
-            throw Error(ErrorKind::Usage,
-                        "rank " + std::to_string(r) + "'s shard lies outside its window");
-          at = peers_[static_cast<size_t>(r)] + source.offset;
-        } else {
-          const auto [base, size] = mapped[source.allocation];
-          if (source.offset > size || bytes > size - source.offset)
-            throw Error(ErrorKind::Usage, "rank " + std::to_string(r) +
-                                              "'s shard lies outside its exported allocation");
-          at = base + source.offset;
-        }
-        peer_sources_[static_cast<size_t>(r) * shards + i] = at;
-      }
-    }
-  }
-
-  // A bound bucket's reads: every peer's shard where that peer keeps it, this rank's own from
-  // its send buffer.
-  void add_bound_reads(std::span<const GatherOp> bucket) {
-    const size_t shards = bind_.size();
-    for (const GatherOp& op : bucket) {
-      if (op.bytes == 0) continue;
-      const int64_t index = bind_index_.find(op.slot_offset);
-      if (index < 0)
-        throw Error(ErrorKind::Usage, "a gather at slot offset " + std::to_string(op.slot_offset) +
-                                          " that the plan did not bind");
-      auto* recv = static_cast<uint8_t*>(op.recvbuf);
-      for (int r = 0; r < nranks_; ++r) {
-        uint8_t* into = recv + static_cast<size_t>(r) * op.bytes;
-        if (r == rank_) {
-          if (into != op.sendbuf) add_copy(into, op.sendbuf, op.bytes);  // else in place
-          continue;
-        }
-        add_copy(into, peer_sources_[static_cast<size_t>(r) * shards + static_cast<size_t>(index)],
-                 op.bytes);
-      }
-    }
+  // The bind index of a bound gather (its slot offset must be one the plan bound).
+  size_t bound_index(const GatherOp& op) const {
+    const int64_t index = bind_index_.find(op.slot_offset);
+    if (index < 0)
+      throw Error(ErrorKind::Usage, "a gather at slot offset " + std::to_string(op.slot_offset) +
+                                        " that the plan did not bind");
+    return static_cast<size_t>(index);
   }
 
   // Bucket n has run on this rank: its reads are done (peers may reuse what it read) and its
@@ -534,8 +489,10 @@ class CudaTransport final : public Transport {
 
   void add_copy(void* dst, const void* src, size_t bytes) { copies_.push_back({dst, src, bytes}); }
 
-  template <class PeerBase>
-  void add_reads(std::span<const GatherOp> bucket, PeerBase peer_base) {
+  // A bucket's reads: every peer's part of each gather from `peer_part(r, op)`, this rank's own
+  // from its send buffer.
+  template <class PeerPart>
+  void add_reads(std::span<const GatherOp> bucket, PeerPart peer_part) {
     for (const GatherOp& op : bucket) {
       if (op.bytes == 0) continue;
       auto* recv = static_cast<uint8_t*>(op.recvbuf);
@@ -545,7 +502,7 @@ class CudaTransport final : public Transport {
           if (into != op.sendbuf) add_copy(into, op.sendbuf, op.bytes);  // else in place
           continue;
         }
-        add_copy(into, peer_base(r) + op.slot_offset, op.bytes);
+        add_copy(into, peer_part(r, op), op.bytes);
       }
     }
   }
@@ -616,7 +573,7 @@ class CudaTransport final : public Transport {
       if (check_.copied == nullptr)
         cuda_check(cudaEventCreateWithFlags(&check_.copied, cudaEventDisableTiming),
                    "cudaEventCreate (verify)");
-      const auto index = static_cast<size_t>(bind_index_.find(op.slot_offset));  // add_bound_reads
+      const size_t index = bound_index(op);
       const ShardSource& source = sources_.table.sources[index];
       const SamplePlan plan(op.bytes);
       check_.anchor = plan.anchor();

@@ -143,6 +143,48 @@ SourcePlan symmetric_sources(const WindowPlan& plan) {
   return out;
 }
 
+SourcePlan bound_sources(const WindowPlan& plan, Backend backend) {
+  if (!plan.zero_copy) return symmetric_sources(plan);
+  return plan_sources(plan, [backend](const BindOp& b) {
+    return backend == Backend::Host ? find_host_export(b.sendbuf, b.bytes)
+                                    : find_cuda_export(b.sendbuf, b.bytes);
+  });
+}
+
+std::vector<const uint8_t*> locate_peer_sources(
+    int rank, const std::vector<BindOp>& bind, std::span<const SourceTable> tables,
+    const std::vector<Span>& regions, const std::function<Span(const ExportRecord&)>& map) {
+  const size_t shards = bind.size();
+  const int nranks = static_cast<int>(regions.size());
+  std::vector<const uint8_t*> sources(regions.size() * shards, nullptr);
+  for (int r = 0; r < nranks; ++r) {
+    if (r == rank) continue;
+    const std::string who = "rank " + std::to_string(r) + "'s ";
+    const SourceTable* table = tables.empty() ? nullptr : &tables[static_cast<size_t>(r)];
+    if (table != nullptr && table->sources.size() != shards)
+      throw Error(ErrorKind::Usage, who + "source table has " +
+                                        std::to_string(table->sources.size()) + " shards, " +
+                                        std::to_string(shards) + " expected");
+    std::vector<Span> mapped;  // by export
+    if (table != nullptr)
+      for (const ExportRecord& record : table->exports) mapped.push_back(map(record));
+    for (size_t i = 0; i < shards; ++i) {
+      const ShardSource source = table != nullptr
+                                     ? table->sources[i]
+                                     : ShardSource{ShardSource::kInWindow, bind[i].slot_offset};
+      const Span in = source.allocation == ShardSource::kInWindow ? regions[static_cast<size_t>(r)]
+                                                                  : mapped[source.allocation];
+      if (source.offset > in.bytes || bind[i].bytes > in.bytes - source.offset)
+        throw Error(
+            ErrorKind::Usage,
+            who + "shard lies outside its " +
+                (source.allocation == ShardSource::kInWindow ? "window" : "exported allocation"));
+      sources[static_cast<size_t>(r) * shards + i] = in.base + source.offset;
+    }
+  }
+  return sources;
+}
+
 void BindIndex::reset(const std::vector<BindOp>& bind) {
   sorted_.clear();
   for (size_t i = 0; i < bind.size(); ++i)

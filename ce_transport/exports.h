@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -48,6 +49,20 @@ SourcePlan plan_sources(const WindowPlan& plan,
 
 // The symmetric layout of a plan that is not zero-copy: every shard at its slot offset.
 SourcePlan symmetric_sources(const WindowPlan& plan);
+// A bound plan's sources on this rank: plan_sources with `backend`'s exports when the plan is
+// zero-copy, else symmetric_sources.
+SourcePlan bound_sources(const WindowPlan& plan, Backend backend);
+
+// Where every peer's shard of each binding is read, found at attach: in the peer's window
+// region, or in one of its exported allocations, mapped once through `map` (which returns its
+// base and size). `tables` by rank (empty: the plan is symmetric). [peer * shards + bind index].
+struct Span {
+  const uint8_t* base;
+  size_t bytes;
+};
+std::vector<const uint8_t*> locate_peer_sources(
+    int rank, const std::vector<BindOp>& bind, std::span<const SourceTable> tables,
+    const std::vector<Span>& regions, const std::function<Span(const ExportRecord&)>& map);
 
 // Hot-path lookup: the bind index of the gather at `slot_offset` (binary search; -1: none).
 class BindIndex {

@@ -132,12 +132,7 @@ class HostTransport final : public Transport {
     bound_ = plan.bound;
     zero_copy_ = plan.bound && plan.zero_copy;
     if (bound_) {
-      sources_ = zero_copy_
-                     ? exports::plan_sources(plan,
-                                             [](const BindOp& b) {
-                                               return exports::find_host_export(b.sendbuf, b.bytes);
-                                             })
-                     : exports::symmetric_sources(plan);
+      sources_ = exports::bound_sources(plan, Backend::Host);
       bind_ = plan.bind;
       bind_index_.reset(plan.bind);
       references_.reset(plan.bind.size());
@@ -213,53 +208,21 @@ class HostTransport final : public Transport {
       peer_pids_[static_cast<size_t>(r)] = pid;
     }
     if (bound_) {
-      locate_peer_sources(tables);
+      // Each peer's shards: in its window's region, or in its exported allocations, mapped here.
+      std::vector<exports::Span> regions(static_cast<size_t>(nranks_));
+      for (int r = 0; r < nranks_; ++r)
+        if (r != rank_)
+          regions[static_cast<size_t>(r)] = {peers_[static_cast<size_t>(r)].data() + slots_at_,
+                                             peers_[static_cast<size_t>(r)].size() - slots_at_};
+      peer_sources_ = exports::locate_peer_sources(
+          rank_, bind_, zero_copy_ ? tables : std::span<const SourceTable>{}, regions,
+          [&](const ExportRecord& record) {
+            imports_.push_back(exports::HostImport::open(record));
+            return exports::Span{imports_.back().data(), imports_.back().size()};
+          });
       log_.open_peers(logs);
     }
     attached_ = true;
-  }
-
-  // Where each peer's shard of each binding is read: its window's region, or its exported
-  // allocation, mapped here once per allocation.
-  void locate_peer_sources(std::span<const SourceTable> tables) {
-    const size_t shards = bind_.size();
-    peer_sources_.assign(static_cast<size_t>(nranks_) * shards, nullptr);
-    for (int r = 0; r < nranks_; ++r) {
-      if (r == rank_) continue;
-      const HostWindow& window = peers_[static_cast<size_t>(r)];
-      const SourceTable* table = zero_copy_ ? &tables[static_cast<size_t>(r)] : nullptr;
-      if (table != nullptr && table->sources.size() != shards)
-        throw Error(ErrorKind::Usage, "rank " + std::to_string(r) + "'s source table has " +
-                                          std::to_string(table->sources.size()) + " shards, " +
-                                          std::to_string(shards) + " expected");
-      std::vector<std::pair<const uint8_t*, size_t>> mapped;  // by export: base, bytes
-      if (table != nullptr)
-        for (const ExportRecord& record : table->exports) {
-          imports_.push_back(exports::HostImport::open(record));
-          mapped.emplace_back(imports_.back().data(), imports_.back().size());
-        }
-      for (size_t i = 0; i < shards; ++i) {
-        const size_t bytes = bind_[i].bytes;
-        const ShardSource source = table != nullptr
-                                       ? table->sources[i]
-                                       : ShardSource{ShardSource::kInWindow, bind_[i].slot_offset};
-        const uint8_t* at = nullptr;
-        if (source.allocation == ShardSource::kInWindow) {
-          if (source.offset > window.size() - slots_at_ ||
-              bytes > window.size() - slots_at_ - source.offset)
-            throw Error(ErrorKind::Usage,
-                        "rank " + std::to_string(r) + "'s shard lies outside its window");
-          at = window.data() + slots_at_ + source.offset;
-        } else {
-          const auto [base, size] = mapped[source.allocation];
-          if (source.offset > size || bytes > size - source.offset)
-            throw Error(ErrorKind::Usage, "rank " + std::to_string(r) +
-                                              "'s shard lies outside its exported allocation");
-          at = base + source.offset;
-        }
-        peer_sources_[static_cast<size_t>(r) * shards + i] = at;
-      }
-    }
   }
 
   Served gather(std::span<const GatherOp> bucket, void* /*stream*/,
