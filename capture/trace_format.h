@@ -84,6 +84,8 @@ inline constexpr uint8_t kCallCaptureUnknown =
 inline constexpr uint8_t kCallInGroup = 1u << 2;    // issued between ncclGroupStart and End
 inline constexpr uint8_t kCallMoved = 1u << 3;      // served by the copy-engine transport, not NCCL
 inline constexpr uint8_t kCallWouldMove = 1u << 4;  // MAGI_DRY_RUN: would have been moved
+// Routed to the transport, whose bucket fell back: NCCL served it (every rank alike).
+inline constexpr uint8_t kCallFellBack = 1u << 5;
 
 struct CommRecord {
   uint64_t comm_id;    // equal on every rank of the communicator

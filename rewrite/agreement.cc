@@ -53,6 +53,19 @@ CommAgreement::CommAgreement(ncclComm_t comm, const capture::CommInfo& info, Agr
 }
 
 CommAgreement::~CommAgreement() {
+  if (coverage_.gathers != 0) {
+    const Coverage& c = coverage_;
+    const std::string first =
+        c.moved != 0 ? "; the first at collective #" + std::to_string(c.first_moved) : "";
+    MAGI_INFO(Rewrite,
+              "comm %012llx: %llu of %llu all-gathers (%llu of %llu bytes sent) served off NCCL, "
+              "%llu fell back to NCCL%s",
+              short_id(info_.identity), static_cast<unsigned long long>(c.moved),
+              static_cast<unsigned long long>(c.gathers),
+              static_cast<unsigned long long>(c.moved_bytes),
+              static_cast<unsigned long long>(c.bytes),
+              static_cast<unsigned long long>(c.fell_back), first.c_str());
+  }
   serving_.drop();
   // A round still in flight belongs to NCCL until it completes; a finished one is freed here.
   // One that never launched (a group left open at destroy) is left, not waited for.
@@ -71,6 +84,11 @@ CommAgreement::~CommAgreement() {
 Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallRecord& record,
                                    const capture::StepView& view) {
   if (!agreeable_ || !view.collective) return {};
+  last_seq_ = view.collective_index;
+  if (args.op == trace::Op::AllGather) {
+    ++coverage_.gathers;
+    coverage_.bytes += args.count * datatype_bytes(static_cast<uint8_t>(args.dtype));
+  }
   if (view.event == capture::StepDetector::Event::Lost) on_lost(view.collective_index);
   if (!view.found) return {};
   if (view.event == capture::StepDetector::Event::Found || view.digest != step_digest_)
@@ -117,8 +135,21 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
 
 ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket,
                                   std::span<const NcclGather> calls, cudaStream_t stream,
-                                  uint16_t bucket_id, bool via_nccl) {
-  return serving_.serve(bucket, calls, stream, bucket_id, via_nccl, trial_, layout_);
+                                  uint16_t bucket_id, bool via_nccl, bool* moved) {
+  bool by_transport = false;
+  const ncclResult_t r =
+      serving_.serve(bucket, calls, stream, bucket_id, via_nccl, trial_, layout_, by_transport);
+  if (moved != nullptr) *moved = by_transport;
+  for (const NcclGather& g : calls) {
+    if (by_transport) {
+      ++coverage_.moved;
+      coverage_.moved_bytes += g.count * datatype_bytes(static_cast<uint8_t>(g.dtype));
+      coverage_.first_moved = std::min(coverage_.first_moved, last_seq_);
+    } else if (!via_nccl) {
+      ++coverage_.fell_back;
+    }
+  }
+  return r;
 }
 
 // The step was found, or changed: whatever was agreed for the old one ends here.

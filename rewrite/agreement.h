@@ -92,8 +92,9 @@ class CommAgreement {
   // Serves moved gathers (one bucket) on the caller's stream. Returns what the program gets.
   // `calls` are the same gathers as NCCL would take them, for a bucket every rank falls back on.
   // `via_nccl`: a trial bucket, served by NCCL and timed.
+  // `moved` (if given): whether the transport served it, rather than NCCL.
   ncclResult_t serve(std::span<const ce::GatherOp> bucket, std::span<const NcclGather> calls,
-                     cudaStream_t stream, uint16_t bucket_id, bool via_nccl);
+                     cudaStream_t stream, uint16_t bucket_id, bool via_nccl, bool* moved = nullptr);
 
   uint64_t identity() const { return info_.identity; }
   ncclComm_t comm() const { return comm_; }
@@ -160,6 +161,15 @@ class CommAgreement {
   SlotLayout layout_;
   BoundSources sources_;             // static weights: the bindings' send buffers
   uint64_t other_source_calls_ = 0;  // moved calls that read another position's binding
+  // What the program got, said once at the communicator's end: its all-gathers, and those the
+  // transport served or that fell back to NCCL.
+  struct Coverage {
+    uint64_t gathers = 0, bytes = 0;
+    uint64_t moved = 0, moved_bytes = 0;
+    uint64_t fell_back = 0;
+    uint64_t first_moved = UINT64_MAX;  // collective index (the call that served it)
+  } coverage_;
+  uint64_t last_seq_ = 0;  // the latest call's collective index
   Serving serving_;
   CostTrial trial_;
   uint64_t nccl_faster_hash_ = 0;  // a plan whose cost round kept no bucket: not tried again

@@ -109,6 +109,7 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
   // would split, and the ranks hang): a throw fails it, and the communicator leaves the
   // transport at its next round. Served (and marked moved) only once it was; inside a group,
   // queued is as good as served: group_ended serves it, or settles it if that fails.
+  bool moved = true;  // a queued call counts as moved; a served one says
   const bool done = guarded("rewrite", [&] {
     const ce::GatherOp op{args.sendbuf,
                           args.recvbuf,
@@ -121,14 +122,16 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
       t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, op, call});
       outcome.result = ncclSuccess;
     } else {
-      outcome.result = agreement->serve({&op, 1}, {&call, 1}, args.stream, route.bucket, via_nccl);
+      outcome.result =
+          agreement->serve({&op, 1}, {&call, 1}, args.stream, route.bucket, via_nccl, &moved);
     }
   });
   if (done) {
     outcome.served = true;
     // ncclRemoteError: served, but the ranks' static reads were found to disagree (serving.h).
     const bool served = outcome.result == ncclSuccess || outcome.result == ncclRemoteError;
-    if (!via_nccl && served) record.flags |= trace::kCallMoved;
+    // Queued in a group: marked when queued (the record is written before the group ends).
+    if (!via_nccl && served) record.flags |= moved ? trace::kCallMoved : trace::kCallFellBack;
   } else if (!via_nccl) {
     agreement->fail_transport("a moved gather could not be served");
     outcome.served = true;

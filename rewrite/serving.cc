@@ -72,7 +72,8 @@ Serving::~Serving() { drop(); }
 
 ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<const NcclGather> calls,
                             cudaStream_t stream, uint16_t bucket_id, bool via_nccl,
-                            CostTrial& trial, const SlotLayout& layout) {
+                            CostTrial& trial, const SlotLayout& layout, bool& moved) {
+  moved = false;
   if (!transport_) return ncclInternalError;  // routes say Move only with a transport
   struct Timed {  // stops the timer once the bucket is served, whichever way it leaves
     CostTrial& trial;
@@ -96,6 +97,7 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<cons
       failed_ = true;
       return forward_to_nccl(calls, stream);
     }
+    moved = true;
     if (std::string what = transport_->take_disagreement(); !what.empty()) disagreement(what);
     for (const size_t offset : transport_->take_stale_bindings()) {
       for (uint32_t p = 0; p < layout.offset_by_position.size(); ++p) {

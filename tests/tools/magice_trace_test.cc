@@ -742,6 +742,31 @@ TEST_F(MagiceTraceDecisions, DumpShowsWhatEachPlansWindowTook) {
     EXPECT_TRUE(contains(row, field)) << field << " missing from: " << row;
 }
 
+TEST_F(MagiceTraceDecisions, SaysPerRankHowManyGathersLeftNcclAndHowManyFellBack) {
+  TraceBuilder b(make_file_header(4242, "node9", "serve"));
+  b.comm(make_comm(kWorld, 1, 2));
+  // 4 all-gathers of 8 float32 (32 bytes each): #3 and #5 moved, #4 fell back; one all-reduce.
+  for (uint64_t seq = 2; seq < 6; ++seq) {
+    CallRecord call = make_call(kWorld, 1, seq, {Op::AllGather, 7, 8, -1, -1, 0});
+    if (seq == 3 || seq == 5) call.flags = kCallMoved;
+    if (seq == 4) call.flags = kCallFellBack;
+    b.call(call);
+  }
+  b.call(make_call(kWorld, 1, 6, {Op::AllReduce, 7, 8, -1, 0, 0}));
+  const std::string file = dir_ + "/coverage.trace";
+  b.write(file);
+  const ToolRun run = tool({"decisions", file});
+  EXPECT_EQ(run.status, 0) << run.err;
+  EXPECT_TRUE(contains(run.out,
+                       "comm 3f2a0c1d9e7b rank 1: 2 of 4 all-gathers (64 of 128 bytes sent) "
+                       "served off NCCL, 1 fell back to NCCL; the first at collective #3\n"))
+      << run.out;
+  const ToolRun dump = tool({"dump", file});
+  EXPECT_EQ(dump.status, 0) << dump.err;
+  EXPECT_TRUE(contains(dump.out, "  fell back\n")) << dump.out;
+  EXPECT_TRUE(contains(dump.out, "  moved\n")) << dump.out;
+}
+
 TEST_F(MagiceTraceDecisions, TruncatedDecisionRecordExitsTwo) {
   const std::string file = write_agreeing_rank(0, 1);
   std::string bytes = slurp(file);

@@ -4,6 +4,7 @@
 // is reported and exits 1.
 #include <algorithm>
 #include <cinttypes>
+#include <climits>
 #include <cstdio>
 #include <map>
 #include <optional>
@@ -12,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "base/sizes.h"
 #include "tools/magice-trace/cli.h"
 #include "tools/magice-trace/json_writer.h"
 #include "tools/magice-trace/members.h"
@@ -30,7 +32,8 @@ constexpr std::string_view kUsage =
     "  its mode and how many gathers move, and the route changes after it; then one line per\n"
     "  gather and rank, by position in the step: moved, would move (MAGI_DRY_RUN), or stays and\n"
     "  why. Checks that the ranks of each communicator read the same round and decided the same\n"
-    "  verdict for every gather.\n"
+    "  verdict for every gather. Last, per communicator and rank, what it got: its all-gathers\n"
+    "  (and bytes) served off NCCL, those that fell back to NCCL, and the first moved.\n"
     "  --all   every round read, not only the last\n"
     "  --json  the same as JSON on stdout\n"
     "  Exit status: 0 the ranks agree, 1 they do not (\"ranks disagree on comm ...\"), 2 bad\n"
@@ -213,16 +216,65 @@ void print_block(const Block& block) {
   for (const std::string& line : block.disagreements) std::printf("%s\n", line.c_str());
 }
 
-void print_text(const std::vector<CommRounds>& comms,
-                const std::vector<std::vector<Block>>& blocks) {
+// What each rank of a communicator got: its all-gathers, those the transport served (moved),
+// and those routed to it whose bucket fell back to NCCL, from the call records.
+struct Coverage {
+  uint64_t gathers = 0, bytes = 0, moved = 0, moved_bytes = 0, fell_back = 0;
+  uint64_t first_moved = UINT64_MAX;
+};
+using CoverageMap = std::map<std::pair<uint64_t, int32_t>, Coverage>;  // (comm, rank)
+
+CoverageMap coverage_of(const std::vector<trace::Trace>& traces) {
+  CoverageMap out;
+  for (const trace::Trace& t : traces) {
+    for (const trace::CallRecord& call : t.calls) {
+      if (call.op != static_cast<uint8_t>(trace::Op::AllGather)) continue;
+      Coverage& c = out[{call.comm_id, call.rank}];
+      const uint64_t bytes = call.count * datatype_bytes(call.dtype);
+      ++c.gathers;
+      c.bytes += bytes;
+      if (call.flags & trace::kCallMoved) {
+        ++c.moved;
+        c.moved_bytes += bytes;
+        c.first_moved = std::min(c.first_moved, call.seq);
+      }
+      if (call.flags & trace::kCallFellBack) ++c.fell_back;
+    }
+  }
+  return out;
+}
+
+// Where the communicator agreed on anything or moved anything (else "no agreement rounds" said
+// it all).
+void print_coverage(uint64_t comm_id, const CoverageMap& coverage, bool agreed) {
+  bool any = agreed;
+  for (auto it = coverage.lower_bound({comm_id, INT32_MIN});
+       it != coverage.end() && it->first.first == comm_id; ++it)
+    any = any || it->second.moved != 0 || it->second.fell_back != 0;
+  if (!any) return;
+  for (auto it = coverage.lower_bound({comm_id, INT32_MIN});
+       it != coverage.end() && it->first.first == comm_id; ++it) {
+    const Coverage& c = it->second;
+    std::string first;
+    if (c.moved != 0) first = "; the first at collective #" + std::to_string(c.first_moved);
+    std::printf("comm %s rank %d: %" PRIu64 " of %" PRIu64 " all-gathers (%" PRIu64 " of %" PRIu64
+                " bytes sent) served off NCCL, %" PRIu64 " fell back to NCCL%s\n",
+                comm_label(comm_id).c_str(), it->first.second, c.moved, c.gathers, c.moved_bytes,
+                c.bytes, c.fell_back, first.c_str());
+  }
+}
+
+void print_text(const std::vector<CommRounds>& comms, const std::vector<std::vector<Block>>& blocks,
+                const CoverageMap& coverage) {
   if (comms.empty()) std::printf("no communicators in these traces\n");
   for (size_t c = 0; c < comms.size(); ++c) {
     if (!comms[c].any_read()) {
       std::printf("comm %s: no agreement rounds%s\n", comm_label(comms[c].comm_id).c_str(),
                   comms[c].any_agreement ? " read" : "");
-      continue;
+    } else {
+      for (const Block& block : blocks[c]) print_block(block);
     }
-    for (const Block& block : blocks[c]) print_block(block);
+    print_coverage(comms[c].comm_id, coverage, comms[c].any_read());
   }
 }
 
@@ -322,7 +374,7 @@ int decisions_main(std::span<const std::string> args) {
     if (json) {
       print_json(comms, blocks, agree);
     } else {
-      print_text(comms, blocks);
+      print_text(comms, blocks, coverage_of(traces));
     }
     return agree ? 0 : 1;
   });

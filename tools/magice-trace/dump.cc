@@ -19,7 +19,8 @@ constexpr std::string_view kUsage =
     "  Prints each trace file as tables: its header, communicators, calls, step events,\n"
     "  agreement rounds, the decisions of each round, the memory of each plan's window\n"
     "  (static weights: bytes read in place and bytes copied), ends. A call that left NCCL\n"
-    "  is marked \"moved\" (\"would move\" under MAGI_DRY_RUN).\n"
+    "  is marked \"moved\" (\"would move\" under MAGI_DRY_RUN); one routed off NCCL whose bucket\n"
+    "  fell back to NCCL, \"fell back\".\n"
     "  --comm ID   only communicators whose hex id starts with ID\n"
     "  --frames    also print each call site's frames once, as module+0xoffset\n";
 
@@ -106,6 +107,7 @@ class Dumper {
       if (c.result != 0) std::printf("  result %d", c.result);
       if (c.flags & trace::kCallMoved) std::printf("  moved");
       if (c.flags & trace::kCallWouldMove) std::printf("  would move");
+      if (c.flags & trace::kCallFellBack) std::printf("  fell back");
       std::putchar('\n');
     }
   }
