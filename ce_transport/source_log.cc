@@ -38,13 +38,16 @@ void SourceLog::deviate(uint64_t call, size_t own_offset, size_t read_offset) {
   hash_ = XXH3_64bits(fact, sizeof(fact));
 }
 
+// The ring entry is a sequence lock made of sequentially consistent operations only (no fences:
+// ThreadSanitizer does not model them): a reader that sees the same call number before and after
+// reading the hash read that call's hash, since a later writer's zeroing of the number precedes
+// its hash in the single total order of these operations.
 void SourceLog::publish(uint64_t call) {
   const size_t slot = kRingAt + (call % kRing) * 2 * sizeof(uint64_t);
   std::atomic<uint64_t>& number = own_.flag(slot);
-  number.store(0, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
-  own_.flag(slot + sizeof(uint64_t)).store(hash_, std::memory_order_relaxed);
-  number.store(call, std::memory_order_release);
+  number.store(0);
+  own_.flag(slot + sizeof(uint64_t)).store(hash_);
+  number.store(call);
   own_.flag(kProgress).store(call, std::memory_order_release);
 }
 
@@ -57,10 +60,9 @@ void SourceLog::mark_broken(uint64_t call, size_t slot_offset) {
 bool SourceLog::hash_at(const HostWindow& window, uint64_t call, uint64_t& hash) {
   const size_t slot = kRingAt + (call % kRing) * 2 * sizeof(uint64_t);
   const std::atomic<uint64_t>& number = window.flag(slot);
-  if (number.load(std::memory_order_acquire) != call) return false;
-  hash = window.flag(slot + sizeof(uint64_t)).load(std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_acquire);
-  return number.load(std::memory_order_relaxed) == call;
+  if (number.load() != call) return false;
+  hash = window.flag(slot + sizeof(uint64_t)).load();
+  return number.load() == call;
 }
 
 std::string SourceLog::check() {
