@@ -174,10 +174,17 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
   }
   // Static weights: bindings take memory for good; past the cap (in step order) gathers stay.
   // Shards the peers can read in place (exportable memory) take none, and do not count.
+  // Asking which memory is exportable costs driver calls (or a read of /proc/self/maps) per
+  // shard, and this runs at a program's call: only when the candidates would not all fit anyway.
   if (options.static_weights) {
     const uint64_t cap = std::min(options.bind_max_bytes, options.window_max_bytes);
+    uint64_t total = 0;
+    for (const GatherEntry& e : out)
+      if (e.reason == static_cast<uint8_t>(Reason::None))
+        total += aligned(e.count * datatype_bytes(e.dtype));
     uint64_t bound = 0;
     for (GatherEntry& e : out) {
+      if (total <= cap) break;
       if (e.reason != static_cast<uint8_t>(Reason::None)) continue;
       const uint64_t bytes = aligned(e.count * datatype_bytes(e.dtype));
       if (ce::exportable(backend, reinterpret_cast<const void*>(at(e.position).sendbuf),
