@@ -381,8 +381,11 @@ constexpr OptionSpec kTable[] = {
                                  "call site, send buffer) to be a candidate."),
     int_option<&O::reagree_steps>("MAGI_REAGREE_STEPS", "256", "an integer from 0 to 1000000000", 0,
                                   1000000000, OptionUnit::Count,
-                                  "Steps between agreement rounds while routes are agreed (0: "
-                                  "only after the step changes)."),
+                                  "Steps to the next agreement round after one that moved all "
+                                  "it could; after one that could move more later, the next "
+                                  "comes sooner (every other step while the step is young, then "
+                                  "backing off 1, 2, 4 ... up to this). 0: no re-agreement once "
+                                  "all moved, no bound on the back-off."),
     int_option<&O::symm_min_shard_bytes>(
         "MAGI_SYMM_MIN_SHARD_MIB", "0", "an integer from 0 to 1048576", 0, 1048576, OptionUnit::MiB,
         "Smallest per-rank shard (MiB) a gather needs to leave NCCL; 0: any size."),

@@ -260,6 +260,7 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
       view->period = s.period();
       view->digest = s.digest();
       view->repeats = s.repeats();
+      view->origin = s.found() ? s.origin() : 0;
       view->collective_index = state.collectives - 1;
     }
     state.steps_lock.clear(std::memory_order_release);

@@ -80,6 +80,7 @@ struct StepView {
   uint32_t period = 0;
   uint64_t digest = 0;            // of the step's shapes
   uint64_t repeats = 0;           // complete steps since the run began
+  uint64_t origin = 0;            // found only: collective index of the run's first call
   uint64_t collective_index = 0;  // of this call among the communicator's collectives
 };
 

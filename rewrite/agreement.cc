@@ -85,6 +85,8 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
                                    const capture::StepView& view) {
   if (!agreeable_ || !view.collective) return {};
   last_seq_ = view.collective_index;
+  const CallFacts facts = CallFacts::of(args, record);
+  recent_.add(view.collective_index, facts);
   if (args.op == trace::Op::AllGather) {
     ++coverage_.gathers;
     coverage_.bytes += args.count * datatype_bytes(static_cast<uint8_t>(args.dtype));
@@ -104,7 +106,7 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
     schedule_.pass_anchor();
     if (!capturing) at_anchor(view);
   }
-  seen_.observe(view.position, args, record, backend_);
+  seen_.observe(view.position, facts, backend_);
 
   if (active_ && !capturing && view.digest == active_digest_ && args.op == trace::Op::AllGather &&
       view.position < layout_.offset_by_position.size()) {
@@ -157,9 +159,10 @@ void CommAgreement::restart(const capture::StepView& view) {
   if (active_) deactivate(view.collective_index, Reason::Deviated);
   abandon_pending(view.collective_index);
   seen_.reset(view.period, info_.rank);
+  recent_.seed(seen_, view.origin, view.period, view.collective_index, backend_);
   serving_.forget_stale();
   step_digest_ = view.digest;
-  schedule_.restart();
+  schedule_.restart(view.position);
 }
 
 void CommAgreement::on_lost(uint64_t seq) {
@@ -233,8 +236,10 @@ void CommAgreement::propose(uint64_t seq) {
 }
 
 void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
+  // A round that cannot launch now (it sits in a group holding Send/Recv until that group ends)
+  // is never waited for: this rank votes no, and knows the answer without reading it.
   const GroupView group = world_.group();
-  const bool in_group = group.depth > 0;
+  const bool in_group = !GroupFlush::launches_now(group);
   if (in_group) {
     c.header.flags |= kIssuedInGroup;
     c.header.flags &= ~kCanServe;
@@ -324,7 +329,7 @@ void CommAgreement::read_voted_no(Round& round, uint64_t seq) {
       record(round.kind, trace::RoundEvent::Read, seq, AgreementMode::None, Reason::AnchorInGroup,
              0);
       serving_.drop();
-      schedule_.reagree_later();
+      schedule_.retry_soon();
       break;
   }
 }
@@ -348,7 +353,7 @@ void CommAgreement::read_publish(std::span<const uint8_t> all, const Round& roun
               short_id(info_.identity), round.number,
               std::string(trace::reason_name(c.reason)).c_str());
     serving_.drop();
-    schedule_.reagree_later();
+    schedule_.retry_soon();
     return;
   }
   Contribution confirm = header_for(RoundKind::Confirm);
@@ -389,11 +394,22 @@ void CommAgreement::read_confirm(std::span<const uint8_t> all, const Round& roun
               std::string(trace::reason_name(c.reason)).c_str());
     serving_.drop();
   }
-  schedule_.reagree_later();
+  schedule_after(!c.agreed || decision_.retry_soon);
+}
+
+// After a round, the next propose: soon while the agreement could still move more, else after
+// MAGI_REAGREE_STEPS.
+void CommAgreement::schedule_after(bool short_of_what_could_move) {
+  if (short_of_what_could_move)
+    schedule_.retry_soon();
+  else
+    schedule_.reagree_later();
 }
 
 void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
-  schedule_.reagree_later();
+  // Where a publish follows, its read or its confirm's sets when the next propose comes.
+  const bool stands = active_ && d.hash == active_hash_ && d.dry_run == active_dry_;
+  if (!d.moves_anything() || d.dry_run || stands) schedule_after(d.retry_soon);
   if (d.reason == Reason::AnchorInGroup && seen_.period() > 1)
     schedule_.move_anchor(seen_.period());
   if (!d.moves_anything()) {
@@ -402,7 +418,7 @@ void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
     return;
   }
 
-  if (active_ && d.hash == active_hash_ && d.dry_run == active_dry_) return;  // the plan stands
+  if (stands) return;
   if (active_) deactivate(seq, Reason::None);
   layout_ = lay_out_slots(seen_, d.gathers, d.bound);
   if (d.transient_rank >= 0)

@@ -1,7 +1,8 @@
 // Agreement for one communicator: the rounds, the plan, and the route of each collective.
 //
 // When rounds happen. Only at the anchor, one position of the communicator's step (as capture's
-// step detector reports it; 0 when the step is found), counted in steps since the step was found.
+// step detector reports it; the position of the call where the step was found), counted in steps
+// since the step was found.
 // The detector sees only shapes (op, type, count, root, reduction), which every rank of a correct
 // NCCL program issues alike, so every rank finds, loses and positions the step at the same call,
 // and so issues each round at the same place in the communicator's call sequence: our all-gather
@@ -12,16 +13,24 @@
 //                with this rank's window handle if something moves
 //   next step:   read publish -> open peers' windows; issue confirm (opened, or not)
 //   next step:   read confirm -> every rank opened every window: routes change here
-// and a new propose every MAGI_REAGREE_STEPS steps after. A round is read one step after it was
-// issued: the host waits there only if the round is somehow still in flight.
+// A round is read one step after it was issued: the host waits there only if the round is
+// somehow still in flight. The observation is seeded, when the step is found, with the step's
+// calls the detector already saw repeat (RecentCalls), so the W steps may be complete at once.
+// The next propose comes MAGI_REAGREE_STEPS steps after a round that moved all it could (or
+// that NCCL won by measurement), and 1, 2, 4 … steps after one that moved less than it could (a
+// candidate not yet stable on some rank, groups not settled, a publish or confirm refused): the
+// decision says which (Decision::retry_soon), from bytes every rank read alike.
 //
 // Why a round never hangs. A round's all-gather is issued before the anchor call, on every rank,
-// and is launched at once unless the program has a group open; in that case this rank votes "no"
-// (kIssuedInGroup) and, knowing the answer without reading, never waits on it: the others read
-// its vote and reach the same answer (decide() puts that vote before everything else). So a rank
-// only ever waits for an all-gather every rank has launched. After such a void round every rank
-// moves the anchor one position on, and the next propose comes one step later, until a position
-// outside the program's groups is found.
+// and launched at once: outside a group, or alone out of the program's open group (GroupFlush
+// launches the group so far, issues the round, and reopens the group; the ranks group alike, so
+// the round runs between the same collectives everywhere). Only a group holding Send/Recv cannot
+// be launched in two parts: the round then waits in it until the group ends, so this rank votes
+// "no" (kIssuedInGroup) and, knowing the answer without reading, never waits on it; the others
+// read its vote and reach the same answer (decide() puts that vote before everything else). So a
+// rank only ever waits for an all-gather every rank has launched. After such a void round every
+// rank moves the anchor one position on, and the next propose comes one step later, until a
+// position where a round can launch is found.
 //
 // Why routes never split. The route of a call is a function of the agreed plan (equal on every
 // rank, read from the same bytes) and the call's step position and step digest (shapes alone).
@@ -52,6 +61,7 @@
 #include "rewrite/cost_trial.h"
 #include "rewrite/group_flush.h"
 #include "rewrite/observation.h"
+#include "rewrite/recent_calls.h"
 #include "rewrite/rewrite.h"
 #include "rewrite/round_log.h"
 #include "rewrite/round_schedule.h"
@@ -131,6 +141,7 @@ class CommAgreement {
   void propose(uint64_t seq);
   void take_decision(const Decision& decision, uint32_t round, uint64_t seq);
   void after_propose(const Decision& decision, uint64_t seq);
+  void schedule_after(bool short_of_what_could_move);
   void publish(uint64_t seq);
   void activate(uint64_t seq);
   void issue_cost(uint64_t seq);
@@ -150,6 +161,7 @@ class CommAgreement {
   RoundSchedule schedule_;
   GroupFlush flush_;
   StepObservation seen_;
+  RecentCalls recent_;        // what seeds seen_ when the step is found
   uint64_t step_digest_ = 0;  // of the step being observed
   std::unique_ptr<Round> pending_;
   std::vector<std::unique_ptr<ce::Exchange>> retired_;  // rounds whose result nobody needs

@@ -145,6 +145,8 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
   for (const Contribution& x : c) {
     if (x.header.group_digest != mine.header.group_digest || (x.header.flags & kGroupsUnstable)) {
       d.mode = AgreementMode::Abort;
+      for (const Contribution& y : c)
+        d.retry_soon = d.retry_soon || (y.header.flags & kGroupsUnstable);
       return nothing_moves(d, Reason::GroupsDiffer, mine);
     }
   }
@@ -178,6 +180,7 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
       }
       if (r != my_rank && e.reason != static_cast<uint8_t>(Reason::None) && out.refused_by < 0)
         out.refused_by = r;
+      if (e.reason == static_cast<uint8_t>(Reason::NotStable)) d.retry_soon = true;
     }
     if (out.reason == Reason::None && out.refused_by >= 0) out.reason = Reason::OtherRankRefused;
     out.moves = out.reason == Reason::None;

@@ -26,7 +26,8 @@ inline constexpr uint32_t kContributionVersion = 3;
 inline constexpr uint32_t kMaxGathers = 1024;  // gathers per step a round can carry
 
 // Flags of a contribution.
-inline constexpr uint32_t kIssuedInGroup = 1u << 0;   // this rank's round call was inside a group
+// This rank's round could not launch at once (it sits in an open group holding Send/Recv).
+inline constexpr uint32_t kIssuedInGroup = 1u << 0;
 inline constexpr uint32_t kGroupsUnstable = 1u << 1;  // its grouping changed between steps
 inline constexpr uint32_t kDryRun = 1u << 2;          // MAGI_DRY_RUN=1 on this rank
 inline constexpr uint32_t kCanServe = 1u << 3;        // publish/confirm: prepared / attached
@@ -122,6 +123,9 @@ struct Decision {
   std::vector<GatherDecision> gathers;  // in step order
   uint32_t moved = 0;
   uint64_t hash = 0;  // of step digest, mode and the moving positions; 0 if none move
+  // Less moved than later may: some rank's candidate was not yet stable, or its groups had not
+  // settled. The next propose comes soon (RoundSchedule::retry_soon), on every rank alike.
+  bool retry_soon = false;
 
   bool moves_anything() const { return moved != 0; }
 };

@@ -8,7 +8,7 @@ EarlyLaunches& early_launches() {
 }
 
 bool GroupFlush::before(const GroupView& group) {
-  const bool flush = group.depth > 0 && !group.holds_point_to_point;
+  const bool flush = group.depth > 0 && launches_now(group);
   if (group.depth > 0 && !flush && !told_point_to_point_group_) {
     // Said once, so that a hang there can be traced to this.
     told_point_to_point_group_ = true;

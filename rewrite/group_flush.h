@@ -32,6 +32,11 @@ class GroupFlush {
   GroupFlush(const RealNcclCalls& nccl, uint64_t comm_identity)
       : nccl_(nccl), comm_identity_(comm_identity) {}
 
+  // Whether a collective issued now launches at once: outside any group, or alone out of a
+  // group that can be launched in two parts.
+  static bool launches_now(const GroupView& group) {
+    return group.depth == 0 || !group.holds_point_to_point;
+  }
   // Runs `launch` (which issues one collective through the real NCCL) outside the calling
   // thread's open group `group`, where it can; returns what `launch` returned.
   template <class Launch>

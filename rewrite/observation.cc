@@ -31,47 +31,62 @@ void StepObservation::begin_step() {
     for (const PositionSeen& p : positions_) XXH3_64bits_update(&state, &p.group, sizeof(p.group));
     previous_group_digest_ = group_digest_;
     group_digest_ = XXH3_64bits_digest(&state);
-    groups_stable_ = complete_steps_ >= 2 && group_digest_ == previous_group_digest_;
+    // One step has nothing to compare with: with MAGI_WARMUP_STEPS=1 it is enough (the ranks'
+    // groupings are still compared in the round).
+    groups_stable_ = complete_steps_ == 1 || group_digest_ == previous_group_digest_;
   }
   step_open_ = true;
   groups_in_step_ = 0;
   last_group_ordinal_ = 0;
 }
 
-void StepObservation::observe(uint32_t position, const capture::CallArgs& args,
-                              const capture::CallRecord& record, ce::Backend backend) {
+CallFacts CallFacts::of(const capture::CallArgs& args, const capture::CallRecord& record) {
+  CallFacts f;
+  f.op = args.op;
+  f.dtype = static_cast<uint8_t>(args.dtype);
+  f.flags = record.flags;
+  f.group = record.group;
+  f.count = args.count;
+  f.callsite = record.callsite;
+  f.sendbuf = reinterpret_cast<uint64_t>(args.sendbuf);
+  f.recvbuf = reinterpret_cast<uint64_t>(args.recvbuf);
+  return f;
+}
+
+void StepObservation::observe(uint32_t position, const CallFacts& call, ce::Backend backend) {
   if (!step_open_ || position >= positions_.size()) return;
   PositionSeen& p = positions_[position];
   uint16_t group = kNoGroup;
-  if (record.flags & trace::kCallInGroup) {
-    if (record.group != last_group_ordinal_) {
-      last_group_ordinal_ = record.group;
+  if (call.flags & trace::kCallInGroup) {
+    if (call.group != last_group_ordinal_) {
+      last_group_ordinal_ = call.group;
       if (groups_in_step_ < kNoGroup - 1) ++groups_in_step_;
     }
     group = static_cast<uint16_t>(groups_in_step_ - 1);
   }
-  const bool gather = args.op == trace::Op::AllGather;
+  const bool gather = call.op == trace::Op::AllGather;
   const ce::BufferIdentity send =
-      gather ? ce::identify_buffer(backend, args.sendbuf) : ce::BufferIdentity{};
-  const bool same = p.seen && p.count == args.count &&
-                    p.dtype == static_cast<uint8_t>(args.dtype) && p.callsite == record.callsite &&
-                    p.sendbuf == record.sendbuf && p.send.allocation_id == send.allocation_id &&
-                    p.group == group;
+      gather ? ce::identify_buffer(backend, reinterpret_cast<const void*>(call.sendbuf))
+             : ce::BufferIdentity{};
+  const bool same = p.seen && p.count == call.count && p.dtype == call.dtype &&
+                    p.callsite == call.callsite && p.sendbuf == call.sendbuf &&
+                    p.send.allocation_id == send.allocation_id && p.group == group;
   p.stable_steps = same ? p.stable_steps + 1 : 1;
   p.seen = true;
-  p.op = static_cast<uint8_t>(args.op);
-  p.dtype = static_cast<uint8_t>(args.dtype);
-  p.capturing = (record.flags & trace::kCallCapturing) != 0;
+  p.op = static_cast<uint8_t>(call.op);
+  p.dtype = call.dtype;
+  p.capturing = (call.flags & trace::kCallCapturing) != 0;
   p.group = group;
-  p.count = args.count;
-  p.callsite = record.callsite;
-  p.sendbuf = record.sendbuf;
-  p.recvbuf = record.recvbuf;
-  p.send_bytes = gather ? args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)) : 0;
+  p.count = call.count;
+  p.callsite = call.callsite;
+  p.sendbuf = call.sendbuf;
+  p.recvbuf = call.recvbuf;
+  p.send_bytes = gather ? call.count * datatype_bytes(call.dtype) : 0;
   p.in_place = gather && p.send_bytes != 0 &&
                p.sendbuf == p.recvbuf + static_cast<uint64_t>(rank_) * p.send_bytes;
   p.send = send;
-  p.recv = gather ? ce::identify_buffer(backend, args.recvbuf) : ce::BufferIdentity{};
+  p.recv = gather ? ce::identify_buffer(backend, reinterpret_cast<const void*>(call.recvbuf))
+                  : ce::BufferIdentity{};
 }
 
 uint64_t StepObservation::callsite_digest() const {

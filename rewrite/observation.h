@@ -16,6 +16,22 @@ namespace magi::rewrite {
 inline constexpr uint16_t kNoGroup = 0xffff;
 inline constexpr size_t kSlotAlignment = 256;
 
+// What the observation keeps of one collective: its shape and this rank's own facts (call site,
+// buffers, grouping, capture). Held for recent calls too, to seed a step just found
+// (RecentCalls).
+struct CallFacts {
+  trace::Op op = trace::Op::AllGather;
+  uint8_t dtype = 0;
+  uint32_t flags = 0;  // trace::kCall* of its record
+  uint32_t group = 0;  // the record's group ordinal
+  uint64_t count = 0;
+  uint64_t callsite = 0;
+  uint64_t sendbuf = 0;
+  uint64_t recvbuf = 0;
+
+  static CallFacts of(const capture::CallArgs& args, const capture::CallRecord& record);
+};
+
 struct PositionSeen {
   bool seen = false;
   uint8_t op = 0;
@@ -40,8 +56,11 @@ class StepObservation {
   void reset(uint32_t period, int rank = 0);
   // At position 0: the step that just ended becomes the one decisions are made from.
   void begin_step();
+  void observe(uint32_t position, const CallFacts& call, ce::Backend backend);
   void observe(uint32_t position, const capture::CallArgs& args, const capture::CallRecord& record,
-               ce::Backend backend);
+               ce::Backend backend) {
+    observe(position, CallFacts::of(args, record), backend);
+  }
 
   // Complete steps observed since reset.
   uint64_t complete_steps() const { return complete_steps_; }

@@ -1,14 +1,17 @@
 #include "rewrite/round_schedule.h"
 
+#include <algorithm>
+
 namespace magi::rewrite {
 namespace {
 constexpr uint64_t kNever = UINT64_MAX;
 }  // namespace
 
-void RoundSchedule::restart() {
+void RoundSchedule::restart(uint32_t position) {
   steps_ = 0;
-  anchor_ = 0;
-  next_propose_ = static_cast<uint64_t>(options_.warmup_steps) + 1;
+  anchor_ = position;
+  next_propose_ = 0;
+  backoff_ = 1;
 }
 
 bool RoundSchedule::propose_due(uint64_t complete_steps) const {
@@ -16,8 +19,17 @@ bool RoundSchedule::propose_due(uint64_t complete_steps) const {
 }
 
 void RoundSchedule::reagree_later() {
+  backoff_ = 1;
   next_propose_ =
       options_.reagree_steps > 0 ? steps_ + static_cast<uint64_t>(options_.reagree_steps) : kNever;
+}
+
+void RoundSchedule::retry_soon() {
+  next_propose_ = steps_ + backoff_;
+  if (steps_ < kEagerSteps) return;
+  const uint64_t cap =
+      options_.reagree_steps > 0 ? static_cast<uint64_t>(options_.reagree_steps) : kNever / 2;
+  backoff_ = std::min(2 * backoff_, cap);
 }
 
 void RoundSchedule::move_anchor(uint32_t period) {
@@ -39,6 +51,7 @@ Decision read_propose(std::span<const uint8_t> all, int nranks, int my_rank,
     }
     d.moved = 0;
     d.hash = 0;
+    d.retry_soon = false;  // measured, not unsettled: the next propose keeps its usual distance
   }
   return d;
 }

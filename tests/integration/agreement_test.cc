@@ -58,6 +58,12 @@ struct RankView {
   std::vector<uint64_t> would_move;  // seq of calls a dry run would have moved
   std::vector<uint64_t> in_group_moved;
   std::vector<uint64_t> fell_back;  // seq of calls routed to the transport that NCCL served
+  struct Collective {
+    uint64_t seq;
+    trace::Op op;
+    bool moved;
+  };
+  std::vector<Collective> collectives;  // in call order
   std::vector<trace::AgreementRecord> rounds;
   std::vector<trace::DecisionRecord> decisions;
 };
@@ -122,6 +128,9 @@ AgreedRun run_agreed(int n, std::vector<std::string> args,
       if ((call.flags & trace::kCallMoved) && (call.flags & trace::kCallInGroup))
         v.in_group_moved.push_back(call.seq);
       if (call.flags & trace::kCallWouldMove) v.would_move.push_back(call.seq);
+      const auto op = static_cast<trace::Op>(call.op);
+      if (trace::is_collective(op))
+        v.collectives.push_back({call.seq, op, (call.flags & trace::kCallMoved) != 0});
     }
     for (const auto& a : t.agreements) out.comms[a.comm_id][a.rank].rounds.push_back(a);
     for (const auto& d : t.decisions) out.comms[d.comm_id][d.rank].decisions.push_back(d);
@@ -130,6 +139,8 @@ AgreedRun run_agreed(int n, std::vector<std::string> args,
     for (auto& [rank, v] : ranks) {
       std::sort(v.moved.begin(), v.moved.end());
       std::sort(v.would_move.begin(), v.would_move.end());
+      std::sort(v.collectives.begin(), v.collectives.end(),
+                [](const auto& a, const auto& b) { return a.seq < b.seq; });
     }
   return out;
 }
@@ -884,6 +895,90 @@ TEST(Agreement, AbortingMidRunReleasesEverything) {
     runs.push_back(r.result);
   }
   EXPECT_TRUE(windows_left_by(runs).empty());
+}
+
+// How soon the agreement acts. Coverage is read from the traces: the calls the transport served.
+
+// The step (by collective index) of fsdp's call `index`: one all-reduce first, then steps of
+// `per_step` collectives.
+int64_t fsdp_step_of(uint64_t index, int per_step) {
+  return index == 0 ? -1 : static_cast<int64_t>((index - 1) / static_cast<uint64_t>(per_step));
+}
+// The step of the first call served off NCCL; -1 when none was.
+int64_t first_moved_step(const RankView& v, int per_step) {
+  for (size_t i = 0; i < v.collectives.size(); ++i)
+    if (v.collectives[i].moved) return fsdp_step_of(i, per_step);
+  return -1;
+}
+// fsdp --layers 5: gathers of layers 0, 1+2 (a group), 3 and 4, then the logits' all-reduce.
+constexpr int kFsdpCallsPerStep = 6;
+
+// The loop of nccl-tests' all_gather_perf (tests/support/workload/perf.cc): per size, out of
+// place then in place, 1 warmup call, 40 timed calls, 1 check call, each from a call site of its
+// own. Each size change loses the step, found again 9 calls later (a step of one call); the
+// warmup counts the calls the detector already saw, and the rounds take a call each: at least 30
+// of the 40 timed calls of every phase move, right after a size change too.
+TEST(Agreement, AnNcclTestsLikeLoopMovesMostTimedCallsOfEveryPhase) {
+  constexpr int kIters = 40;
+  constexpr size_t kPhases = 3 * 2;
+  const AgreedRun r =
+      run_agreed(2, {"perf", "--sizes", "4096,65536,262144", "--iters", std::to_string(kIters)});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  ASSERT_EQ(r.comms.size(), 1u);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    ASSERT_EQ(v.collectives.size(), kPhases * (kIters + 2)) << "rank " << rank;
+    for (size_t phase = 0; phase < kPhases; ++phase) {
+      int moved = 0;
+      for (int i = 0; i < kIters; ++i) moved += v.collectives[phase * (kIters + 2) + 1 + i].moved;
+      EXPECT_GE(moved, kIters * 3 / 4) << "rank " << rank << " phase " << phase << "\n"
+                                       << transcript(r);
+    }
+  }
+}
+
+// MAGI_WARMUP_STEPS=1, an accepted value, does what the table says: a gather seen once is a
+// candidate (a single step's grouping is not "unsettled"), and the gathers move within a few
+// steps of the step being found.
+TEST(Agreement, OneWarmupStepMoves) {
+  const AgreedRun r = run_agreed(3, fsdp({}, 12), {{"MAGI_WARMUP_STEPS", "1"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    const int64_t first = first_moved_step(v, kFsdpCallsPerStep);
+    EXPECT_GE(first, 0) << "rank " << rank << ": nothing moved\n" << transcript(r);
+    EXPECT_LE(first, 1 + 4) << "rank " << rank;
+  }
+}
+
+// A step that is one ncclGroupStart/End (every layer's gather and the logits' all-reduce): every
+// round is issued inside the group, launched alone, and the gathers move, served at the group's
+// end, byte-exact (the program checks every element).
+TEST(Agreement, AStepThatIsOneGroupMoves) {
+  const AgreedRun r = run_agreed(4, fsdp({"--step-group", "1"}, 14));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    EXPECT_FALSE(v.in_group_moved.empty()) << "rank " << rank << "\n" << transcript(r);
+    const int64_t first = first_moved_step(v, kFsdpCallsPerStep);
+    EXPECT_GE(first, 0) << "rank " << rank;
+    EXPECT_LE(first, 3 + 4) << "rank " << rank;
+  }
+}
+
+// Buffers that settle late (every shard in a new buffer at each of the first 15 steps): the
+// rounds keep coming while the step is young, so the gathers move within MAGI_WARMUP_STEPS + 4
+// steps of settling, not MAGI_REAGREE_STEPS later.
+TEST(Agreement, BuffersThatSettleLateMoveSoonAfter) {
+  constexpr int kSettle = 15;
+  const AgreedRun r = run_agreed(2, fsdp({"--settle-step", std::to_string(kSettle)}, 30));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    const int64_t first = first_moved_step(v, kFsdpCallsPerStep);
+    EXPECT_GE(first, kSettle) << "rank " << rank;
+    EXPECT_LE(first, kSettle + 3 + 4) << "rank " << rank << "\n" << transcript(r);
+  }
 }
 
 // Seeded random programs (tests/support/workload/agree.cc): random steps of gathers, groups,

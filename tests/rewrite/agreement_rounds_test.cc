@@ -44,6 +44,7 @@ struct Fakes {
   bool timer_stop_throws = false;
   uint64_t clock_ns = 0;
   GroupView group;
+  uint32_t group_ordinal = 0;  // of the open group, recorded in calls made while group.depth > 0
   std::vector<trace::AgreementRecord> rounds;
   std::vector<trace::DecisionRecord> decisions;
 };
@@ -209,6 +210,10 @@ class Rank0 {
     record.callsite = 1000 + position;
     record.sendbuf = reinterpret_cast<uint64_t>(args.sendbuf);
     record.recvbuf = reinterpret_cast<uint64_t>(args.recvbuf);
+    if (fakes.group.depth > 0) {
+      record.flags |= trace::kCallInGroup;
+      record.group = fakes.group_ordinal;
+    }
     capture::StepView view;
     view.collective = true;
     view.event = event.value_or(index == base_ && found ? capture::StepDetector::Event::Found
@@ -218,6 +223,7 @@ class Rank0 {
     view.period = found ? kPeriod : 0;
     view.digest = found ? kDigest : 0;
     view.collective_index = index;
+    view.origin = found ? base_ : 0;
     const Outcome outcome = intercept(agreement_, args, record, view);
     last = outcome;
     const bool moved = (record.flags & trace::kCallMoved) != 0;
@@ -320,13 +326,14 @@ TEST(AgreementRounds, AnAgreedPlanMovesAtTheSameCallOnceConfirmed) {
   }
 }
 
-// A peer that holds one gather ineligible: the AND refuses it everywhere, nothing is published,
-// and the next propose comes MAGI_REAGREE_STEPS (8) steps after the read one (step 4 -> 12).
+// A peer that holds the gathers ineligible for good (their memory): the AND refuses them
+// everywhere, nothing is published, and the next propose comes MAGI_REAGREE_STEPS (8) steps
+// after the read one (step 4 -> 12).
 TEST(AgreementRounds, APeerThatRefusesKeepsEverythingOnNcclUntilTheNextPropose) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
   rank.fakes.peer = [](int r, Contribution& c) {
     if (r == 2 && c.header.kind == static_cast<uint8_t>(RoundKind::Propose))
-      for (GatherEntry& e : c.entries) e.reason = static_cast<uint8_t>(Reason::NotStable);
+      for (GatherEntry& e : c.entries) e.reason = static_cast<uint8_t>(Reason::DeviceMemory);
   };
   const std::vector<Kind> kinds = rank.steps(14);
   for (uint64_t i = 0; i < kinds.size(); ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
@@ -340,10 +347,46 @@ TEST(AgreementRounds, APeerThatRefusesKeepsEverythingOnNcclUntilTheNextPropose) 
   }
 }
 
+// Gathers not yet stable on a peer: the round moved less than it could, so the next propose
+// comes soon, not MAGI_REAGREE_STEPS later: a step after each read while the step is young
+// (RoundSchedule::kEagerSteps), then 1, 2, 4 … steps after; once the peer's gathers are stable,
+// the plan moves at the same call on every rank.
+TEST(AgreementRounds, AGatherNotYetStableOnAPeerIsProposedAgainSoonBackingOff) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_REAGREE_STEPS", "64"}});
+  bool settled = false;
+  rank.fakes.peer = [&settled](int r, Contribution& c) {
+    if (!settled && r == 3 && c.header.kind == static_cast<uint8_t>(RoundKind::Propose))
+      for (GatherEntry& e : c.entries) e.reason = static_cast<uint8_t>(Reason::NotStable);
+  };
+  // Step s (counted at the anchor from 1) begins at index 3 (s - 1). Propose at step 3, read at
+  // 4, again at 5, … every other step up to the read at step 32; then 33 (read 34) + 2 = 36,
+  // (read 37) + 4 = 41, (read 42) + 8 = 50, (read 51) + 16 = 67.
+  Issued expected;
+  for (uint64_t step = 3; step <= 33; step += 2)
+    expected.push_back({3 * (step - 1), RoundKind::Propose});
+  for (const uint64_t step : {36, 41, 50, 67})
+    expected.push_back({3 * (step - 1), RoundKind::Propose});
+  rank.run_to(3 * 67);  // up to the read of the propose of step 67, excluded
+  EXPECT_EQ(rank.issued(), expected);
+  EXPECT_EQ(rank.fakes.rounds_launched, static_cast<int>(expected.size()));
+  ASSERT_FALSE(rank.fakes.decisions.empty());
+  EXPECT_EQ(rank.fakes.decisions.back().reason, static_cast<uint8_t>(Reason::OtherRankRefused));
+  // Settled when that propose is read (step 68): publish there, confirm at 69, the plan moves
+  // from the read at step 70 (index 207).
+  settled = true;
+  std::vector<Kind> kinds;
+  for (int i = 0; i < 4 * static_cast<int>(kPeriod); ++i) kinds.push_back(rank.call());
+  EXPECT_EQ(rank.issued().back(), (std::pair<uint64_t, RoundKind>{204, RoundKind::Confirm}));
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    const uint64_t index = 201 + i;
+    const Kind expected_kind = index > 207 && index % kPeriod != 0 ? Kind::Move : Kind::Nccl;
+    EXPECT_EQ(kinds[i], expected_kind) << "call " << index;
+  }
+}
+
 // The anchor's call inside the program's open group: the group so far is launched, the round
-// goes alone, the group reopens; this rank votes no and never reads the round; every rank then
-// moves the anchor one position on and proposes again a step later.
-TEST(AgreementRounds, ARoundIssuedInsideAGroupVotesNoAndTheAnchorMovesOn) {
+// goes alone, the group reopens; the round counts like any other, and the plan moves.
+TEST(AgreementRounds, ARoundIssuedInsideAGroupLaunchesAloneAndCounts) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
   rank.run_to(6);
   rank.fakes.group = {1, false, 3};
@@ -352,6 +395,51 @@ TEST(AgreementRounds, ARoundIssuedInsideAGroupVotesNoAndTheAnchorMovesOn) {
   EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
   EXPECT_EQ(rank.fakes.group_ends, 1);    // the group so far, launched before the round
   EXPECT_EQ(rank.fakes.group_starts, 1);  // and opened again after it
+  ASSERT_EQ(rank.fakes.contributed.size(), 1u);
+  EXPECT_FALSE(rank.fakes.contributed[0].header.flags & kIssuedInGroup);
+  const std::vector<Kind> kinds = rank.steps(4);  // indices 7..18
+  EXPECT_EQ(rank.fakes.results_read, 3);
+  EXPECT_EQ(rank.issued(),
+            (Issued{{6, RoundKind::Propose}, {9, RoundKind::Publish}, {12, RoundKind::Confirm}}));
+  EXPECT_EQ(kinds[16 - 7], Kind::Move);
+  EXPECT_EQ(kinds[14 - 7], Kind::Nccl);
+}
+
+// Every step one group (ncclGroupStart, the three calls, ncclGroupEnd): every round is issued
+// inside it, launched alone, and the moved gathers are served at each group's end.
+TEST(AgreementRounds, AStepThatIsOneGroupMoves) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  std::vector<Kind> kinds;
+  for (uint32_t step = 0; step < 8; ++step) {
+    rank.fakes.group_ordinal = step + 1;
+    for (uint32_t c = 0; c < kPeriod; ++c) {
+      rank.fakes.group = {1, false, c + 1};
+      kinds.push_back(rank.call());
+    }
+    rank.fakes.group = {};
+    EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  }
+  EXPECT_EQ(rank.issued(),
+            (Issued{{6, RoundKind::Propose}, {9, RoundKind::Publish}, {12, RoundKind::Confirm}}));
+  for (uint64_t i = 15; i < kinds.size(); ++i)
+    EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;
+  EXPECT_EQ(rank.fakes.transport_gathers, 3);  // one bucket a step (the group): steps 5 to 7
+  EXPECT_EQ(rank.fakes.nccl_gathers, 0);
+}
+
+// Inside a group holding Send/Recv the round cannot launch alone: it stays in the group (no early
+// launch), this rank votes no and never reads it, and every rank moves the anchor one position
+// on and proposes again a step later.
+TEST(AgreementRounds, ARoundThatCannotLeaveItsGroupVotesNoAndTheAnchorMovesOn) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.run_to(6);
+  rank.fakes.group = {1, true, 3};
+  EXPECT_EQ(rank.call(), Kind::Nccl);
+  rank.fakes.group = {};
+  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  EXPECT_EQ(rank.fakes.rounds_launched, 1);
+  EXPECT_EQ(rank.fakes.group_ends, 0);
+  EXPECT_EQ(rank.fakes.group_starts, 0);
   ASSERT_EQ(rank.fakes.contributed.size(), 1u);
   EXPECT_TRUE(rank.fakes.contributed[0].header.flags & kIssuedInGroup);
   rank.run_to(11);
@@ -371,19 +459,6 @@ TEST(AgreementRounds, ARoundIssuedInsideAGroupVotesNoAndTheAnchorMovesOn) {
   EXPECT_EQ(kinds[19 - 11], Kind::Move);
   EXPECT_EQ(kinds[18 - 11], Kind::Nccl);
   EXPECT_EQ(kinds[20 - 11], Kind::Move);
-}
-
-// Inside a group holding Send/Recv the round stays in the group (no early launch).
-TEST(AgreementRounds, ARoundInAGroupWithSendRecvIsNotLaunchedEarly) {
-  Rank0 rank(Env{});
-  rank.run_to(6);
-  rank.fakes.group = {1, true, 3};
-  rank.call();
-  rank.fakes.group = {};
-  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
-  EXPECT_EQ(rank.fakes.rounds_launched, 1);
-  EXPECT_EQ(rank.fakes.group_ends, 0);
-  EXPECT_EQ(rank.fakes.group_starts, 0);
 }
 
 // The step is lost while a confirm round is pending: the round is abandoned, nothing activates.

@@ -57,9 +57,9 @@ void check(ncclResult_t result, const char* call) {
 
 extern "C" __attribute__((visibility("default"))) int magi_workload_main(int argc, char** argv) {
   if (argc < 1) {
-    std::fprintf(
-        stderr,
-        "usage: SCENARIO [--option value]...  (ops|fsdp|split|initall|agree|groupskew|weights)\n");
+    std::fprintf(stderr,
+                 "usage: SCENARIO [--option value]...  "
+                 "(ops|fsdp|split|initall|agree|groupskew|weights|perf)\n");
     return 2;
   }
   const std::string scenario = argv[0];
@@ -72,7 +72,9 @@ extern "C" __attribute__((visibility("default"))) int magi_workload_main(int arg
     if (scenario == "agree") return workload::run_agree(options);
     if (scenario == "groupskew") return workload::run_groupskew(options);
     if (scenario == "weights") return workload::run_weights(options);
-    std::fprintf(stderr, "unknown scenario %s (ops|fsdp|split|initall|agree|groupskew|weights)\n",
+    if (scenario == "perf") return workload::run_perf(options);
+    std::fprintf(stderr,
+                 "unknown scenario %s (ops|fsdp|split|initall|agree|groupskew|weights|perf)\n",
                  scenario.c_str());
     return 2;
   } catch (const std::exception& e) {

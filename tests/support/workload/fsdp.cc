@@ -2,6 +2,7 @@
 //      [--exit-without-destroy 1] [--fork-child 1]
 //      [--rewrite 1] [--callsite-rank R] [--group-rank R] [--newbuf-rank R --newbuf-step K]
 //      [--count-step K] [--mixed-group 1] [--comms 2 [--perturb-comm 1|2]] [--device 1]
+//      [--step-group 1] [--settle-step K]
 //      [--static-change-rank R --static-change-step K] [--die-rank R --die-step K] [--abort-step K]
 //      [--stall-rank R --stall-step K --stall-s T] [--watchdog-s S [--watchdog-grace-s G]]
 //
@@ -22,6 +23,11 @@
 //   --newbuf-rank R --newbuf-step K   rank R's shard moves to a new buffer at step K
 //   --count-step K     from step K every rank gathers one element less
 //   --mixed-group 1    each bucket's group also holds an all-reduce
+//   --step-group 1     the whole step is one ncclGroupStart/End: every layer's gather and the
+//                      all-reduce of the logits, of the activation before the step (a program
+//                      that coalesces all its calls)
+//   --settle-step K    until step K, every shard moves to a new buffer at each step (a program
+//                      whose buffers settle late); the old ones stay allocated
 //   --static-change-rank R --static-change-step K   rank R's shard changes in place at step K,
 //                      breaking MAGI_STATIC_WEIGHTS's promise (stale reads accepted until the end)
 //   --die-rank R --die-step K   rank R kills itself (SIGKILL) as step K begins
@@ -108,6 +114,8 @@ struct Changes {
   int newbuf_step = -1;
   int count_step = -1;
   bool mixed_group = false;
+  bool step_group = false;
+  int settle_step = -1;
 };
 
 float* floats(const Buffer& buffer) { return reinterpret_cast<float*>(buffer.host()); }
@@ -158,6 +166,13 @@ class FsdpModel {
       for (size_t i = 0; i < shard; ++i)
         floats(shards_[0])[i] = weight(0, rank_ * shard + i, kChanged);
     }
+    if (s < changes_.settle_step) {
+      for (Buffer& shard : shards_) {
+        Buffer fresh(placement_, shard.bytes());
+        std::memcpy(fresh.host(), shard.host(), shard.bytes());
+        retired_.push_back(std::exchange(shard, std::move(fresh)));
+      }
+    }
     if (changes_.rewrite || (changes_.newbuf_rank == rank_ && changes_.newbuf_step == s)) {
       for (int l = 0; l < layers_; ++l) {
         const size_t shard = shard_elements(l);
@@ -165,6 +180,10 @@ class FsdpModel {
           floats(shards_[l])[i] = weight(l, rank_ * shard + i, version());
         }
       }
+    }
+    if (changes_.step_group) {
+      step_as_one_group(s);
+      return;
     }
     for (int l = 0; l < layers_;) {
       // Layers 1-2, 4-5, ... are bucketed: both gathers in one group.
@@ -281,8 +300,19 @@ class FsdpModel {
     activation_ = next;
   }
 
+  void step_as_one_group(int s) {
+    const std::vector<float> base = logits_base();
+    WORKLOAD_CHECK(ncclGroupStart());
+    for (int l = 0; l < layers_; ++l) check(gather(s, l), "ncclAllGather");
+    WORKLOAD_CHECK(ncclAllReduce(mine_logits_.nccl(), total_logits_.nccl(), kVocab, ncclFloat32,
+                                 ncclSum, comm_, placement_.stream()));
+    WORKLOAD_CHECK(ncclGroupEnd());
+    for (int l = 0; l < layers_; ++l) compute(l);
+    check_logits(s, base);
+  }
+
   // Every rank holds the same activations; rank r contributes (r + 1) times the logits.
-  void logits(int s) {
+  std::vector<float> logits_base() {
     std::vector<float> base(kVocab);
     float* mine = floats(mine_logits_);
     for (int v = 0; v < kVocab; ++v) {
@@ -290,8 +320,15 @@ class FsdpModel {
       mine[v] = base[v] * static_cast<float>(rank_ + 1);
     }
     mine_logits_.upload(0, mine_logits_.bytes());
+    return base;
+  }
+  void logits(int s) {
+    const std::vector<float> base = logits_base();
     WORKLOAD_CHECK(ncclAllReduce(mine_logits_.nccl(), total_logits_.nccl(), kVocab, ncclFloat32,
                                  ncclSum, comm_, placement_.stream()));
+    check_logits(s, base);
+  }
+  void check_logits(int s, const std::vector<float>& base) {
     placement_.synchronize();
     total_logits_.download(0, total_logits_.bytes());
     const float* total = floats(total_logits_);
@@ -400,6 +437,8 @@ int run_fsdp(const ScenarioOptions& options) {
   changes.static_change_step = static_cast<int>(options.number("static-change-step", -1));
   changes.last_step = steps - 1;
   changes.mixed_group = options.number("mixed-group", 0) != 0;
+  changes.step_group = options.number("step-group", 0) != 0;
+  changes.settle_step = static_cast<int>(options.number("settle-step", -1));
   const int comms = static_cast<int>(options.number("comms", 1));
   const int perturbed = static_cast<int>(options.number("perturb-comm", 1));
   if (comms != 1 && comms != 2) throw ScenarioFailure("--comms is 1 or 2");

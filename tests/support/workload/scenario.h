@@ -191,5 +191,6 @@ int run_initall(const ScenarioOptions& options);
 int run_agree(const ScenarioOptions& options);
 int run_groupskew(const ScenarioOptions& options);
 int run_weights(const ScenarioOptions& options);
+int run_perf(const ScenarioOptions& options);
 
 }  // namespace workload
