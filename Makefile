@@ -187,6 +187,10 @@ $(BENCH): $(BUILD)/obj/tools/bench/shim_overhead.o
 $(BUILD)/magice-ce-bench: $(BUILD)/obj/tools/bench/ce_gather_bench.o $(filter-out $(BUILD)/obj/shim/exports.o,$(LIB_OBJS))
 	$(CXX) -o $@ $(filter %.o,$^) $(LIB_LDLIBS) -Wl,-rpath,'$$ORIGIN'
 
+# The shim over the real NCCL, 1 rank (needs a GPU to run: tools/bench/run-nccl-bench.sh).
+$(BUILD)/magice-nccl-bench: $(BUILD)/obj/tools/bench/nccl_overhead.o
+	$(CXX) -o $@ $^ -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -pthread
+
 bench: all $(STANDIN) $(BENCH) $(BUILD)/magice-ce-bench
 	@tools/bench/run-bench.sh $(BUILD)
 

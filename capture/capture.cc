@@ -228,11 +228,6 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
     ++t_group_calls;
     if (args.op == trace::Op::Send || args.op == trace::Op::Recv) t_group_point_to_point = true;
   }
-  switch (stream_capture_status(args.stream)) {
-    case StreamCapture::Capturing: record.flags |= trace::kCallCapturing; break;
-    case StreamCapture::Unknown: record.flags |= trace::kCallCaptureUnknown; break;
-    case StreamCapture::NotCapturing: break;
-  }
 
   TraceWriter* writer = trace_writer();
   record.callsite = 0;
@@ -265,10 +260,23 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
     }
     state.steps_lock.clear(std::memory_order_release);
   }
-  // The clock is read only when a trace will keep the time: two reads are a third of the
-  // pass-through cost.
+  // The clock and the capture state are read only when a trace will keep them: they are most of
+  // the pass-through cost (rewrite/ asks for the capture state where it needs it).
+  if (writer != nullptr) stream_capturing(args, record);
   record.time_ns = writer != nullptr ? clock_ns() : 0;
   record.duration_ns = 0;
+}
+
+bool stream_capturing(const CallArgs& args, CallRecord& record) {
+  if (!(record.flags & trace::kCallCaptureAsked)) {
+    record.flags |= trace::kCallCaptureAsked;
+    switch (stream_capture_status(args.stream)) {
+      case StreamCapture::Capturing: record.flags |= trace::kCallCapturing; break;
+      case StreamCapture::Unknown: record.flags |= trace::kCallCaptureUnknown; break;
+      case StreamCapture::NotCapturing: break;
+    }
+  }
+  return (record.flags & trace::kCallCapturing) != 0;
 }
 
 void end_call(CallRecord& record, ncclResult_t result) {

@@ -88,6 +88,10 @@ struct StepView {
 void begin_call(Communicator& comm, const CallArgs& args, CallRecord& record,
                 StepView* view = nullptr);
 void end_call(CallRecord& record, ncclResult_t result);
+// Whether the call's stream is capturing a CUDA graph, asked of the driver once per call and
+// kept in record.flags. begin_call asks only for a traced call: elsewhere the caller asks where
+// its decision depends on it.
+bool stream_capturing(const CallArgs& args, CallRecord& record);
 
 // The calling thread's ncclGroupStart nesting, and the ordinal of its outermost open group.
 int group_depth();

@@ -86,6 +86,9 @@ inline constexpr uint8_t kCallMoved = 1u << 3;      // served by the copy-engine
 inline constexpr uint8_t kCallWouldMove = 1u << 4;  // MAGI_DRY_RUN: would have been moved
 // Routed to the transport, whose bucket fell back: NCCL served it (every rank alike).
 inline constexpr uint8_t kCallFellBack = 1u << 5;
+// The capture bits above were asked of the driver (always for a traced call; untraced, only
+// where a route or a round depends on them: the query is a third of the pass-through cost).
+inline constexpr uint8_t kCallCaptureAsked = 1u << 6;
 
 struct CommRecord {
   uint64_t comm_id;    // equal on every rank of the communicator

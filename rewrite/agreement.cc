@@ -85,9 +85,11 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
                                    const capture::StepView& view) {
   if (!agreeable_ || !view.collective) return {};
   last_seq_ = view.collective_index;
+  const bool gather = args.op == trace::Op::AllGather;
+  if (gather) capture::stream_capturing(args, record);  // a fact of the observation
   const CallFacts facts = CallFacts::of(args, record);
   recent_.add(view.collective_index, facts);
-  if (args.op == trace::Op::AllGather) {
+  if (gather) {
     ++coverage_.gathers;
     coverage_.bytes += args.count * datatype_bytes(static_cast<uint8_t>(args.dtype));
   }
@@ -100,21 +102,22 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   // a capture forbids the waits and allocations a round may need, and the round's all-gather
   // must run now, not at each replay. Capture is the one input here that is not a shape:
   // programs capture the same calls on every rank (one graph, replayed by all).
-  const bool capturing = (record.flags & trace::kCallCapturing) != 0;
   if (view.position == 0) seen_.begin_step();
   if (view.position == schedule_.anchor()) {
     schedule_.pass_anchor();
-    if (!capturing) at_anchor(view);
+    if (anchor_has_work() && !capture::stream_capturing(args, record)) at_anchor(view);
   }
   seen_.observe(view.position, facts, backend_);
 
-  if (active_ && !capturing && view.digest == active_digest_ && args.op == trace::Op::AllGather &&
+  const bool capturing = (record.flags & trace::kCallCapturing) != 0;  // asked for gathers
+  if (active_ && !capturing && view.digest == active_digest_ && gather &&
       view.position < layout_.offset_by_position.size()) {
     const size_t offset = layout_.offset_by_position[view.position];
     if (offset != SIZE_MAX) {
       Route::Kind kind = active_dry_ ? Route::Kind::WouldMove : Route::Kind::Move;
       if (trial_.sends_to_nccl(schedule_.steps())) kind = Route::Kind::TrialNccl;
       Route route{kind, offset, layout_.bucket_by_position[view.position]};
+      route.plan = active_plan_;
       if (kind == Route::Kind::Move && !sources_.empty()) {
         const BoundSources::Found found =
             sources_.find(view.position, record.sendbuf,
@@ -137,10 +140,13 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
 
 ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket,
                                   std::span<const NcclGather> calls, cudaStream_t stream,
-                                  uint16_t bucket_id, bool via_nccl, bool* moved) {
+                                  uint16_t bucket_id, bool via_nccl, uint32_t plan, bool* moved) {
   bool by_transport = false;
-  const ncclResult_t r =
-      serving_.serve(bucket, calls, stream, bucket_id, via_nccl, trial_, layout_, by_transport);
+  const bool plan_ended = !active_ || active_dry_ || plan != active_plan_;
+  const ncclResult_t r = plan_ended && !via_nccl
+                             ? serving_.forward_to_nccl(calls, stream)
+                             : serving_.serve(bucket, calls, stream, bucket_id, via_nccl, trial_,
+                                              layout_, by_transport);
   if (moved != nullptr) *moved = by_transport;
   for (const NcclGather& g : calls) {
     if (by_transport) {
@@ -168,8 +174,8 @@ void CommAgreement::restart(const capture::StepView& view) {
 void CommAgreement::on_lost(uint64_t seq) {
   if (active_) deactivate(seq, Reason::Deviated);
   abandon_pending(seq);
-  // The window stays until the next plan replaces it or the communicator ends: gathers routed
-  // before this call inside the still-open group are served when the group ends.
+  // The window stays until the next plan replaces it or the communicator ends. Gathers routed
+  // before this call inside the still-open group go to NCCL when the group ends (serve()).
   step_digest_ = 0;
 }
 
@@ -179,6 +185,14 @@ void CommAgreement::abandon_pending(uint64_t seq) {
          0);
   retire(std::move(pending_->exchange));
   pending_.reset();
+}
+
+bool CommAgreement::anchor_has_work() const {
+  return pending_ || !retired_.empty() || trial_.running() || trial_.timing() || propose_due();
+}
+
+bool CommAgreement::propose_due() const {
+  return seen_.has_gathers() && schedule_.propose_due(seen_.complete_steps());
 }
 
 void CommAgreement::at_anchor(const capture::StepView& view) {
@@ -195,7 +209,7 @@ void CommAgreement::at_anchor(const capture::StepView& view) {
     read_round(view.collective_index);
   } else if (trial_.due(schedule_.steps()) && active_) {
     issue_cost(view.collective_index);
-  } else if (schedule_.propose_due(seen_.complete_steps())) {
+  } else if (propose_due()) {
     propose(view.collective_index);
   }
 }
@@ -483,6 +497,7 @@ void CommAgreement::publish(uint64_t seq) {
 
 void CommAgreement::activate(uint64_t seq) {
   active_ = true;
+  ++active_plan_;
   active_digest_ = step_digest_;
   active_hash_ = decision_.hash;
   size_t buckets = 0;

@@ -84,6 +84,8 @@ struct Route {
   // Static weights: the position's own slot offset, where slot_offset is another position's (the
   // call sends that position's buffer: BoundSources).
   size_t own_offset = ce::GatherOp::kOwn;
+  // The activation that routed it (CommAgreement::serve serves it by that plan's window only).
+  uint32_t plan = 0;
 };
 
 // Coordinates the parts for one communicator: the round schedule, the rounds themselves (issued
@@ -102,9 +104,13 @@ class CommAgreement {
   // Serves moved gathers (one bucket) on the caller's stream. Returns what the program gets.
   // `calls` are the same gathers as NCCL would take them, for a bucket every rank falls back on.
   // `via_nccl`: a trial bucket, served by NCCL and timed.
+  // `plan`: Route::plan of its gathers. A bucket queued in a group under a plan that ended
+  // before the group did (a round read at an anchor inside the group dropped or replaced it) goes
+  // to NCCL: every rank read the same round at the same call, so every rank does the same.
   // `moved` (if given): whether the transport served it, rather than NCCL.
   ncclResult_t serve(std::span<const ce::GatherOp> bucket, std::span<const NcclGather> calls,
-                     cudaStream_t stream, uint16_t bucket_id, bool via_nccl, bool* moved = nullptr);
+                     cudaStream_t stream, uint16_t bucket_id, bool via_nccl, uint32_t plan,
+                     bool* moved = nullptr);
 
   uint64_t identity() const { return info_.identity; }
   ncclComm_t comm() const { return comm_; }
@@ -131,6 +137,10 @@ class CommAgreement {
   void restart(const capture::StepView& view);
   void on_lost(uint64_t seq);
   void abandon_pending(uint64_t seq);
+  // Whether the anchor has anything to do now (a round to read or issue, buffers or timings to
+  // collect): only then is the call's capture state asked.
+  bool anchor_has_work() const;
+  bool propose_due() const;
   void at_anchor(const capture::StepView& view);
   void read_round(uint64_t seq);
   void read_voted_no(Round& round, uint64_t seq);
@@ -189,6 +199,7 @@ class CommAgreement {
   // The active plan: routes follow it while the step digest is this one.
   bool active_ = false;
   bool active_dry_ = false;
+  uint32_t active_plan_ = 0;  // counts activations: Route::plan
   uint64_t active_digest_ = 0;
   uint64_t active_hash_ = 0;
 };

@@ -24,6 +24,8 @@ class CostTrial {
   void finish() { running_ = false; }
 
   bool running() const { return running_; }
+  // Timings wait to be collected.
+  bool timing() const { return !timings_.empty(); }
   // The trial is over at anchor count `steps`: time for the cost round.
   bool due(uint64_t steps) const { return running_ && steps >= end_; }
   // During the trial, every other step's moved buckets go to NCCL (TrialNccl), timed.

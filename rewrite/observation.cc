@@ -21,6 +21,7 @@ void StepObservation::reset(uint32_t period, int rank) {
   groups_in_step_ = 0;
   group_digest_ = previous_group_digest_ = 0;
   groups_stable_ = false;
+  has_gathers_ = false;
 }
 
 void StepObservation::begin_step() {
@@ -65,6 +66,7 @@ void StepObservation::observe(uint32_t position, const CallFacts& call, ce::Back
     group = static_cast<uint16_t>(groups_in_step_ - 1);
   }
   const bool gather = call.op == trace::Op::AllGather;
+  has_gathers_ = has_gathers_ || gather;
   const ce::BufferIdentity send =
       gather ? ce::identify_buffer(backend, reinterpret_cast<const void*>(call.sendbuf))
              : ce::BufferIdentity{};

@@ -68,6 +68,9 @@ class StepObservation {
   uint64_t group_digest() const { return group_digest_; }
   bool groups_stable() const { return groups_stable_; }
   uint32_t period() const { return static_cast<uint32_t>(positions_.size()); }
+  // Whether the step holds an all-gather (a shape: alike on every rank). A step without one
+  // needs no round.
+  bool has_gathers() const { return has_gathers_; }
   const PositionSeen& at(uint32_t position) const { return positions_[position]; }
 
   // This rank's entries for a propose round: every all-gather of the step, with its bucket and,
@@ -90,6 +93,7 @@ class StepObservation {
   uint64_t group_digest_ = 0;
   uint64_t previous_group_digest_ = 0;
   bool groups_stable_ = false;
+  bool has_gathers_ = false;
 };
 
 // Where each moving gather's shard lies in a staging slot: packed per bucket from the shapes (so

@@ -24,6 +24,7 @@ struct Queued {
   uint16_t bucket;
   bool via_nccl;
   cudaStream_t stream;
+  uint32_t plan;
   ce::GatherOp op;
   NcclGather call;
   bool served = false;  // its bucket was served at the group's end
@@ -119,11 +120,11 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
                           route.own_offset};
     const NcclGather call{args.sendbuf, args.recvbuf, args.count, args.dtype};
     if (agreement->world().group().depth > 0) {
-      t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, op, call});
+      t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, route.plan, op, call});
       outcome.result = ncclSuccess;
     } else {
-      outcome.result =
-          agreement->serve({&op, 1}, {&call, 1}, args.stream, route.bucket, via_nccl, &moved);
+      outcome.result = agreement->serve({&op, 1}, {&call, 1}, args.stream, route.bucket, via_nccl,
+                                        route.plan, &moved);
     }
   });
   if (done) {
@@ -160,15 +161,16 @@ ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
       calls.clear();
       members.clear();
       for (size_t j = i; j < queued.size(); ++j) {
-        if (queued[j].agreement != queued[i].agreement || queued[j].bucket != queued[i].bucket)
+        if (queued[j].agreement != queued[i].agreement || queued[j].bucket != queued[i].bucket ||
+            queued[j].plan != queued[i].plan)
           continue;
         bucket.push_back(queued[j].op);
         calls.push_back(queued[j].call);
         members.push_back(j);
         done[j] = true;
       }
-      const ncclResult_t served = queued[i].agreement->serve(bucket, calls, queued[i].stream,
-                                                             queued[i].bucket, queued[i].via_nccl);
+      const ncclResult_t served = queued[i].agreement->serve(
+          bucket, calls, queued[i].stream, queued[i].bucket, queued[i].via_nccl, queued[i].plan);
       for (const size_t j : members) queued[j].served = true;
       if (result == ncclSuccess) result = served;
     }

@@ -257,10 +257,9 @@ TEST(Agreement, DifferentGroupingAbortsAndNothingMoves) {
   for (const auto& [rank, v] : r.comms.begin()->second) {
     const auto read = rounds_with(v, RoundKind::Propose, RoundEvent::Read);
     ASSERT_FALSE(read.empty()) << "rank " << rank;
-    // Rank 2's own group holds position 0, where rounds start: that round is void on every
-    // rank, the anchor moves on, and the next round compares the groupings and aborts.
-    EXPECT_EQ(read[0].reason, static_cast<uint8_t>(Reason::AnchorInGroup));
-    EXPECT_TRUE(has_abort(read)) << "rank " << rank;
+    // Rank 2's own group may hold the anchor: the round is launched alone out of it, and the
+    // first round already compares the groupings and aborts.
+    EXPECT_TRUE(has_abort({read[0]})) << "rank " << rank;
     for (const auto& a : read) EXPECT_EQ(a.moved, 0u);
     EXPECT_TRUE(v.moved.empty()) << "rank " << rank;
     for (const auto& d : v.decisions) EXPECT_EQ(d.verdict, static_cast<uint8_t>(Verdict::Stays));

@@ -427,6 +427,36 @@ TEST(AgreementRounds, AStepThatIsOneGroupMoves) {
   EXPECT_EQ(rank.fakes.nccl_gathers, 0);
 }
 
+// A round read at an anchor inside the program's open group may end the plan (here a peer
+// refuses at the next propose): the gathers the group queued under it go to NCCL at the group's
+// end, as on every rank (all read the same round at the same call), never to a dropped window.
+TEST(AgreementRounds, GathersQueuedUnderAPlanThatEndsInsideTheirGroupGoToNccl) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_REAGREE_STEPS", "2"}});
+  bool refuse = false;
+  rank.fakes.peer = [&refuse](int r, Contribution& c) {
+    if (refuse && r == 1 && c.header.kind == static_cast<uint8_t>(RoundKind::Propose))
+      for (GatherEntry& e : c.entries) e.reason = static_cast<uint8_t>(Reason::DeviceMemory);
+  };
+  rank.run_to(22);  // moving from index 15; the next propose was issued at 21, read at 24
+  refuse = true;
+  rank.fakes.group_ordinal = 9;
+  rank.fakes.group = {1, false, 1};
+  EXPECT_EQ(rank.call(), Kind::Move);  // 22: queued
+  rank.fakes.group = {1, false, 2};
+  EXPECT_EQ(rank.call(), Kind::Move);  // 23: queued
+  rank.fakes.group = {1, false, 3};
+  EXPECT_EQ(rank.call(), Kind::Nccl);  // 24: the propose is read, refused: the plan ends here
+  rank.fakes.group = {};
+  const int nccl_before = rank.fakes.nccl_gathers;
+  const int moved_before = rank.fakes.transport_gathers;
+  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  EXPECT_EQ(rank.fakes.nccl_gathers, nccl_before + 2);
+  EXPECT_EQ(rank.fakes.transport_gathers, moved_before);
+  const trace::AgreementRecord* off = rank.find(trace::RoundEvent::Deactivated, RoundKind::Propose);
+  ASSERT_NE(off, nullptr);
+  EXPECT_EQ(off->seq, 24u);
+}
+
 // Inside a group holding Send/Recv the round cannot launch alone: it stays in the group (no early
 // launch), this rank votes no and never reads it, and every rank moves the anchor one position
 // on and proposes again a step later.

@@ -6,11 +6,13 @@
 // ranks issue the all-gather inside two nested groups of its own, as PyTorch's coalescing
 // manager does (one group from starting the coalescing, one around the coalesced call); odd
 // ranks issue it plainly. Silent unless wrong: every gathered element is checked.
-// --simulate 1: every rank begins each step with a group of two small all-gathers that it ends
-// with ncclGroupSimulateEnd, so that agreement rounds meet a group that must not run.
-// --p2p 1: every rank begins each step with a group of a Send to the next rank, a Recv from the
-// previous one and a small all-gather, alike on every rank, so that rounds meet a group that
-// cannot be launched in two parts.
+// --simulate 1: every rank ends each step with a group of two small all-gathers that it ends
+// with ncclGroupSimulateEnd, so that agreement rounds meet a group that must not run (rounds
+// are issued at the position where the step was found: from a clean start, the last one here).
+// --p2p 1: every rank issues, between the gather and the all-reduce, a group of a Send to the
+// next rank, a Recv from the previous one and a small all-gather, alike on every rank, so that
+// rounds (from a clean start, at the step's second position) meet a group that cannot be
+// launched in two parts.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -61,13 +63,15 @@ int run_groupskew(const ScenarioOptions& options) {
       const size_t send_at = in_place ? shard * static_cast<size_t>(boot.rank) : 0;
       send_side.upload(send_at, shard);
       void* send = static_cast<unsigned char*>(send_side.nccl()) + send_at;
-      if (simulate) {
+      if (grouped) {
         WORKLOAD_CHECK(ncclGroupStart());
-        for (int k = 0; k < 2; ++k)
-          WORKLOAD_CHECK(ncclAllGather(side_mine, side.nccl(), kSide, ncclFloat32, comm.get(),
-                                       placement.stream()));
-        ncclSimInfo_t info = NCCL_SIM_INFO_INITIALIZER;
-        WORKLOAD_CHECK(ncclGroupSimulateEnd(&info));
+        WORKLOAD_CHECK(ncclGroupStart());
+      }
+      WORKLOAD_CHECK(
+          ncclAllGather(send, out.nccl(), count, ncclUint32, comm.get(), placement.stream()));
+      if (grouped) {
+        WORKLOAD_CHECK(ncclGroupEnd());
+        WORKLOAD_CHECK(ncclGroupEnd());
       }
       if (p2p) {
         const uint32_t token = seed * 31u + static_cast<uint32_t>(boot.rank);
@@ -89,19 +93,17 @@ int run_groupskew(const ScenarioOptions& options) {
           throw ScenarioFailure(format("rank %d: config %d step %d: received %u from rank %d",
                                        boot.rank, c, s, got, prev));
       }
-      if (grouped) {
-        WORKLOAD_CHECK(ncclGroupStart());
-        WORKLOAD_CHECK(ncclGroupStart());
-      }
-      WORKLOAD_CHECK(
-          ncclAllGather(send, out.nccl(), count, ncclUint32, comm.get(), placement.stream()));
-      if (grouped) {
-        WORKLOAD_CHECK(ncclGroupEnd());
-        WORKLOAD_CHECK(ncclGroupEnd());
-      }
       // Its count changes with the configuration too, so each new step begins at the gather.
       WORKLOAD_CHECK(ncclAllReduce(tick.nccl(), tick.nccl(), static_cast<size_t>(1 + c % 64),
                                    ncclFloat32, ncclSum, comm.get(), placement.stream()));
+      if (simulate) {
+        WORKLOAD_CHECK(ncclGroupStart());
+        for (int k = 0; k < 2; ++k)
+          WORKLOAD_CHECK(ncclAllGather(side_mine, side.nccl(), kSide, ncclFloat32, comm.get(),
+                                       placement.stream()));
+        ncclSimInfo_t info = NCCL_SIM_INFO_INITIALIZER;
+        WORKLOAD_CHECK(ncclGroupSimulateEnd(&info));
+      }
       placement.synchronize();
       out.download(0, out.bytes());
       for (int r = 0; r < boot.nranks; ++r) {

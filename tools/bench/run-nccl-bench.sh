@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The shim's added cost per call over the real NCCL (needs a GPU), per configuration, each its own
+# process (options are read once), pinned to one CPU.
+#   tools/bench/run-nccl-bench.sh BUILD_DIR [LIBNCCL]
+set -euo pipefail
+build=$(cd "${1:-build}" && pwd)
+nccl=${2:-$(ldconfig -p | awk '/libnccl\.so\.2 /{print $NF; exit}')}
+[ -n "$nccl" ] || { echo "run-nccl-bench: no libnccl.so.2 found; pass its path" >&2; exit 2; }
+trace_dir=$(mktemp -d)
+trap 'rm -rf "$trace_dir"' EXIT
+run() {  # label, op, env...
+  local label=$1 op=$2; shift 2
+  printf '%-30s ' "$label"
+  env "$@" taskset -c "${BENCH_CPU:-0}" "$build/magice-nccl-bench" --nccl "$nccl" \
+    --shim "$build/libmagice.so" --op "$op"
+}
+echo "Added cost per call over the real NCCL ($nccl)"
+run "call sites off, no trace" allreduce MAGI_CALLSITES=0
+run "call sites on, no trace" allreduce MAGI_CALLSITES=1
+run "call sites on, tracing" allreduce MAGI_CALLSITES=1 MAGI_TRACE_DIR="$trace_dir"
+run "call sites off, no trace" allgather MAGI_CALLSITES=0
+run "call sites on, no trace" allgather MAGI_CALLSITES=1
