@@ -51,6 +51,7 @@
 #include "rewrite/contribution.h"
 #include "rewrite/cost_trial.h"
 #include "rewrite/group_flush.h"
+#include "rewrite/hello.h"
 #include "rewrite/observation.h"
 #include "rewrite/rewrite.h"
 #include "rewrite/round_log.h"
@@ -137,6 +138,11 @@ class CommAgreement {
   void after_cost(std::span<const uint8_t> all, uint64_t seq);
   void deactivate(uint64_t seq, Reason why);
   void retire(std::unique_ptr<ce::Exchange> exchange);
+  void free_retired_ready();
+  void issue_hello(uint64_t seq);
+  bool read_hello_round(uint64_t seq);
+  void take_hello(const HelloOutcome& hello, uint64_t seq);
+  void look_at_hello(uint64_t seq);
   void record(RoundKind kind, trace::RoundEvent event, uint64_t seq, AgreementMode mode,
               Reason reason, uint32_t moved) const;
 
@@ -145,7 +151,12 @@ class CommAgreement {
   const AgreementWorld world_;
   const Options& options_;
   const ce::Backend backend_;
-  bool agreeable_ = true;
+  const ScheduleSettings settings_;
+  bool agreeable_ = true;  // this rank issues rounds (until the hello says otherwise)
+  // The hello: owed at the first collective not captured (agreeable by program facts, even
+  // when this rank takes no part), then in flight until read.
+  bool hello_due_ = false;
+  std::unique_ptr<Round> hello_;
 
   RoundSchedule schedule_;
   GroupFlush flush_;

@@ -282,12 +282,13 @@ TEST(AgreementRounds, NoRoundBeforeTheWarmupStepsAreComplete) {
     Rank0 rank(Env{{"MAGI_WARMUP_STEPS", std::to_string(warmup)}});
     const uint64_t first = static_cast<uint64_t>(3 * warmup);
     rank.run_to(first);
-    EXPECT_EQ(rank.fakes.rounds_launched, 0) << "warmup " << warmup;
-    EXPECT_TRUE(rank.issued().empty());
+    EXPECT_EQ(rank.fakes.rounds_launched, 1) << "warmup " << warmup;  // the hello
+    EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}}));
     rank.call();
-    EXPECT_EQ(rank.issued(), (Issued{{first, RoundKind::Propose}})) << "warmup " << warmup;
-    ASSERT_EQ(rank.fakes.contributed.size(), 1u);
-    const Contribution& c = rank.fakes.contributed[0];
+    EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}, {first, RoundKind::Propose}}))
+        << "warmup " << warmup;
+    ASSERT_EQ(rank.fakes.contributed.size(), 2u);
+    const Contribution& c = rank.fakes.contributed[1];
     EXPECT_EQ(c.header.gathers, 2u);
     EXPECT_EQ(c.header.period, kPeriod);
     for (const GatherEntry& e : c.entries) EXPECT_EQ(e.reason, 0) << "position " << e.position;
@@ -299,8 +300,10 @@ TEST(AgreementRounds, NoRoundBeforeTheWarmupStepsAreComplete) {
 TEST(AgreementRounds, AnAgreedPlanMovesAtTheSameCallOnceConfirmed) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
   const std::vector<Kind> kinds = rank.steps(8);
-  EXPECT_EQ(rank.issued(),
-            (Issued{{6, RoundKind::Propose}, {9, RoundKind::Publish}, {12, RoundKind::Confirm}}));
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
+                                   {6, RoundKind::Propose},
+                                   {9, RoundKind::Publish},
+                                   {12, RoundKind::Confirm}}));
   for (uint64_t i = 0; i < 16; ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
   for (uint64_t i = 16; i < kinds.size(); ++i)
     EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;
@@ -313,8 +316,8 @@ TEST(AgreementRounds, AnAgreedPlanMovesAtTheSameCallOnceConfirmed) {
   EXPECT_EQ(rank.fakes.transport_gathers, 6);
   EXPECT_EQ(rank.fakes.nccl_gathers, 0);
   // Publish and confirm carry the plan and say this rank can serve it.
-  ASSERT_EQ(rank.fakes.contributed.size(), 3u);
-  for (size_t r = 1; r < 3; ++r) {
+  ASSERT_EQ(rank.fakes.contributed.size(), 4u);
+  for (size_t r = 2; r < 4; ++r) {
     EXPECT_NE(rank.fakes.contributed[r].header.decision_hash, 0u);
     EXPECT_TRUE(rank.fakes.contributed[r].header.flags & kCanServe);
   }
@@ -330,7 +333,8 @@ TEST(AgreementRounds, APeerThatRefusesKeepsEverythingOnNcclUntilTheNextPropose) 
   };
   const std::vector<Kind> kinds = rank.steps(14);
   for (uint64_t i = 0; i < kinds.size(); ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
-  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose}, {33, RoundKind::Propose}}));
+  EXPECT_EQ(rank.issued(),
+            (Issued{{0, RoundKind::Hello}, {6, RoundKind::Propose}, {33, RoundKind::Propose}}));
   EXPECT_EQ(rank.fakes.transports_made, 0);
   ASSERT_GE(rank.fakes.decisions.size(), 2u);
   for (size_t d = 0; d < 2; ++d) {
@@ -352,18 +356,20 @@ TEST(AgreementRounds, ARoundIssuedInsideAGroupVotesNoAndTheAnchorMovesOn) {
   EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
   EXPECT_EQ(rank.fakes.group_ends, 1);    // the group so far, launched before the round
   EXPECT_EQ(rank.fakes.group_starts, 1);  // and opened again after it
-  ASSERT_EQ(rank.fakes.contributed.size(), 1u);
-  EXPECT_TRUE(rank.fakes.contributed[0].header.flags & kIssuedInGroup);
+  ASSERT_EQ(rank.fakes.contributed.size(), 2u);
+  EXPECT_TRUE(rank.fakes.contributed[1].header.flags & kIssuedInGroup);
   rank.run_to(11);
-  EXPECT_EQ(rank.fakes.results_read, 0);  // voted no: the answer is known without reading
+  EXPECT_EQ(rank.fakes.results_read, 1);  // the hello; voted no: the answer is known unread
   const trace::AgreementRecord* read = rank.find(trace::RoundEvent::Read, RoundKind::Propose);
   ASSERT_NE(read, nullptr);
   EXPECT_EQ(read->seq, 9u);
   EXPECT_EQ(read->reason, static_cast<uint8_t>(Reason::AnchorInGroup));
   // The anchor is now position 1: the next propose is issued at index 10, read at 13.
-  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose}, {10, RoundKind::Propose}}));
+  EXPECT_EQ(rank.issued(),
+            (Issued{{0, RoundKind::Hello}, {6, RoundKind::Propose}, {10, RoundKind::Propose}}));
   const std::vector<Kind> kinds = rank.steps(4);
-  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose},
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
+                                   {6, RoundKind::Propose},
                                    {10, RoundKind::Propose},
                                    {13, RoundKind::Publish},
                                    {16, RoundKind::Confirm}}));
@@ -381,7 +387,7 @@ TEST(AgreementRounds, ARoundInAGroupWithSendRecvIsNotLaunchedEarly) {
   rank.call();
   rank.fakes.group = {};
   EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
-  EXPECT_EQ(rank.fakes.rounds_launched, 1);
+  EXPECT_EQ(rank.fakes.rounds_launched, 2);  // the hello, and this one
   EXPECT_EQ(rank.fakes.group_ends, 0);
   EXPECT_EQ(rank.fakes.group_starts, 0);
 }
@@ -438,12 +444,13 @@ TEST(AgreementRounds, TheCostTrialAlternatesAndKeepsNcclWhereNcclWasFaster) {
     EXPECT_EQ(at(step, 1), Kind::Nccl) << "step " << step;
     EXPECT_EQ(at(step, 2), Kind::Nccl) << "step " << step;
   }
-  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose},
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
+                                   {6, RoundKind::Propose},
                                    {9, RoundKind::Publish},
                                    {12, RoundKind::Confirm},
                                    {27, RoundKind::Cost},
                                    {39, RoundKind::Propose}}));
-  const Contribution& cost = rank.fakes.contributed[3];
+  const Contribution& cost = rank.fakes.contributed[4];
   ASSERT_EQ(cost.costs.size(), 2u);
   for (const BucketCost& b : cost.costs) {
     EXPECT_EQ(b.moved_ns, 500u);
@@ -480,8 +487,8 @@ TEST(AgreementRounds, ATimerThatCannotStopLeavesTheTrialUnmeasured) {
   EXPECT_EQ(kinds[16], Kind::TrialNccl);
   EXPECT_EQ(kinds[19], Kind::Move);
   EXPECT_EQ(rank.fakes.nccl_gathers, 4);
-  ASSERT_GE(rank.fakes.contributed.size(), 4u);
-  const Contribution& cost = rank.fakes.contributed[3];
+  ASSERT_GE(rank.fakes.contributed.size(), 5u);
+  const Contribution& cost = rank.fakes.contributed[4];
   ASSERT_EQ(cost.costs.size(), 2u);
   for (const BucketCost& b : cost.costs) {
     EXPECT_EQ(b.moved_ns, 0u);
@@ -495,14 +502,14 @@ TEST(AgreementRounds, ATimerThatCannotStopLeavesTheTrialUnmeasured) {
 TEST(AgreementRounds, ReagreeZeroMeansNoFurtherRounds) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_REAGREE_STEPS", "0"}});
   const std::vector<Kind> kinds = rank.steps(40);
-  EXPECT_EQ(rank.fakes.rounds_launched, 3);
+  EXPECT_EQ(rank.fakes.rounds_launched, 4);  // hello, propose, publish, confirm
   EXPECT_EQ(kinds.back(), Kind::Move);
   Rank0 refused(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_REAGREE_STEPS", "0"}});
   refused.fakes.peer = [](int r, Contribution& c) {
     if (r == 1) c.header.host = 7;  // a peer on another node
   };
   refused.steps(40);
-  EXPECT_EQ(refused.issued(), (Issued{{6, RoundKind::Propose}}));
+  EXPECT_EQ(refused.issued(), (Issued{{0, RoundKind::Hello}, {6, RoundKind::Propose}}));
 }
 
 // MAGI_DRY_RUN=1: the read propose activates a plan that only reports (WouldMove); no window.
@@ -512,7 +519,7 @@ TEST(AgreementRounds, DryRunReportsWouldMoveAndMovesNothing) {
   for (uint64_t i = 0; i < 10; ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
   for (uint64_t i = 10; i < kinds.size(); ++i)
     EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::WouldMove) << "call " << i;
-  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose}}));
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}, {6, RoundKind::Propose}}));
   EXPECT_EQ(rank.fakes.transports_made, 0);
   EXPECT_EQ(rank.fakes.nccl_gathers, 0);  // the shim forwards WouldMove calls, not rewrite/
   const trace::AgreementRecord* on = rank.find(trace::RoundEvent::Activated, RoundKind::Propose);
