@@ -15,6 +15,17 @@
 // and a new propose every MAGI_REAGREE_STEPS steps after. A round is read one step after it was
 // issued: the host waits there only if the round is somehow still in flight.
 //
+// Before all of that, one hello round (rewrite/hello.h) at the communicator's first collective
+// not captured into a graph, on every rank agreeable by program facts, MAGI_TRANSPORT=nccl
+// included: it carries the settings that decide WHEN a rank issues rounds (MAGI_WARMUP_STEPS,
+// MAGI_REAGREE_STEPS, MAGI_MAX_STEP_CALLS, MAGI_CE_FORCE, MAGI_TRANSPORT, MAGI_BACKEND and
+// whether it runs here). A rank reads it where its first other round comes due, before issuing
+// that round. The schedule above holds only where these are alike, and this is why it suffices:
+// a rank issues a round only after reading every rank's settings; if they differ (or some rank
+// cannot take part), nobody issues anything more on that communicator, so no round meets a
+// program call. The hello itself is issued by every rank at the same call, the first one, so it
+// meets only itself. A rank that never issues rounds never waits for it.
+//
 // Why a round never hangs. A round's all-gather is issued before the anchor call, on every rank,
 // and is launched at once unless the program has a group open; in that case this rank votes "no"
 // (kIssuedInGroup) and, knowing the answer without reading, never waits on it: the others read

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "rewrite/agreement.h"
+#include "rewrite/hello.h"
 #include "tests/support/options_env.h"
 
 namespace magi::rewrite {
@@ -206,6 +207,7 @@ class Rank0 {
     args.sendbuf = position == 0 ? reduce_ : position == 1 ? send1_ : send2_;
     args.recvbuf = position == 0 ? reduce_ : position == 1 ? recv1_ : recv2_;
     capture::CallRecord record{};
+    if (capturing) record.flags |= trace::kCallCapturing;
     record.callsite = 1000 + position;
     record.sendbuf = reinterpret_cast<uint64_t>(args.sendbuf);
     record.recvbuf = reinterpret_cast<uint64_t>(args.recvbuf);
@@ -231,7 +233,8 @@ class Rank0 {
     }
     return moved ? Kind::Move : Kind::TrialNccl;
   }
-  Outcome last;  // of the last call()
+  Outcome last;            // of the last call()
+  bool capturing = false;  // the next calls are captured into a CUDA graph
   // Whole steps; returns the routes of every call, by collective index.
   std::vector<Kind> steps(int n) {
     std::vector<Kind> kinds;
@@ -566,6 +569,163 @@ TEST(AgreementRounds, AThrowAtTheGroupsEndFailsTheMovedCallsNotYetServed) {
   EXPECT_EQ(group_ended(ncclSuccess), ncclInternalError);
   EXPECT_EQ(rank.fakes.transport_gathers, rank.fakes.gathers_before_throw);
   EXPECT_EQ(rank.fakes.nccl_gathers, 0);
+}
+
+// The hello: issued at the first collective not captured into a CUDA graph (the round's
+// all-gather must run now), before any other round, carrying this rank's schedule settings.
+TEST(AgreementRounds, TheHelloIsIssuedAtTheFirstCollectiveNotCaptured) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.capturing = true;
+  rank.call();
+  rank.call();
+  EXPECT_EQ(rank.fakes.rounds_launched, 0);
+  rank.capturing = false;
+  rank.call();
+  EXPECT_EQ(rank.fakes.rounds_launched, 1);
+  EXPECT_EQ(rank.issued(), (Issued{{2, RoundKind::Hello}}));
+  ASSERT_EQ(rank.fakes.contributed.size(), 1u);
+  const Contribution& hello = rank.fakes.contributed[0];
+  EXPECT_EQ(hello.header.kind, static_cast<uint8_t>(RoundKind::Hello));
+  EXPECT_EQ(hello.header.round, 0u);
+  ScheduleSettings s{};
+  ASSERT_EQ(hello.table.size(), sizeof s);
+  std::memcpy(&s, hello.table.data(), sizeof s);
+  EXPECT_EQ(s.warmup_steps, 2);
+  EXPECT_EQ(s.reagree_steps, 8);
+  EXPECT_EQ(s.max_step_calls, 4096);
+  EXPECT_EQ(s.ce_force, 1);
+  EXPECT_EQ(s.backend, static_cast<uint8_t>(Options::Backend::Host));
+  EXPECT_EQ(s.transport, static_cast<uint8_t>(Options::Transport::CopyEngine));
+  EXPECT_EQ(s.backend_available, 1);
+  rank.run_to(7);
+  EXPECT_EQ(rank.issued(), (Issued{{2, RoundKind::Hello}, {6, RoundKind::Propose}}));
+}
+
+// Read where the first other round is due (the propose at index 6), not before: until then a
+// rank has no reason to wait for it.
+TEST(AgreementRounds, TheHelloIsReadOnlyWhenTheFirstRoundIsDue) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.run_to(6);
+  EXPECT_EQ(rank.fakes.results_read, 0);
+  EXPECT_EQ(rank.find(trace::RoundEvent::Read, RoundKind::Hello), nullptr);
+  rank.call();
+  EXPECT_EQ(rank.fakes.results_read, 1);
+  const trace::AgreementRecord* read = rank.find(trace::RoundEvent::Read, RoundKind::Hello);
+  ASSERT_NE(read, nullptr);
+  EXPECT_EQ(read->seq, 6u);
+  EXPECT_EQ(read->reason, static_cast<uint8_t>(Reason::None));
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}, {6, RoundKind::Propose}}));
+}
+
+ScheduleSettings settings_in(const Contribution& c) {
+  ScheduleSettings s{};
+  EXPECT_EQ(c.table.size(), sizeof s);
+  std::memcpy(&s, c.table.data(), std::min(sizeof s, c.table.size()));
+  return s;
+}
+
+// A peer whose settings differ (or that cannot take part): nothing is issued after the hello,
+// every call stays on NCCL, and the read says why.
+TEST(AgreementRounds, DifferingSettingsIssueNothingAfterTheHello) {
+  const std::vector<std::function<void(ScheduleSettings&)>> skews = {
+      [](ScheduleSettings& s) { s.warmup_steps = 5; },
+      [](ScheduleSettings& s) { s.reagree_steps = 10; },
+      [](ScheduleSettings& s) { s.max_step_calls = 3; },
+      [](ScheduleSettings& s) { s.ce_force = 0; },
+      [](ScheduleSettings& s) { s.transport = static_cast<uint8_t>(Options::Transport::Nccl); },
+      [](ScheduleSettings& s) { s.backend = static_cast<uint8_t>(Options::Backend::Cuda); },
+      [](ScheduleSettings& s) { s.backend_available = 0; }};
+  for (size_t k = 0; k < skews.size(); ++k) {
+    Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+    rank.fakes.peer = [&](int r, Contribution& c) {
+      if (r != 3 || c.header.kind != static_cast<uint8_t>(RoundKind::Hello)) return;
+      ScheduleSettings s = settings_in(c);
+      skews[k](s);
+      c.table = hello_payload(s);
+    };
+    const std::vector<Kind> kinds = rank.steps(30);
+    EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}})) << "skew " << k;
+    EXPECT_EQ(rank.fakes.rounds_launched, 1) << "skew " << k;
+    for (const Kind kind : kinds) EXPECT_EQ(kind, Kind::Nccl) << "skew " << k;
+    const trace::AgreementRecord* read = rank.find(trace::RoundEvent::Read, RoundKind::Hello);
+    ASSERT_NE(read, nullptr) << "skew " << k;
+    EXPECT_EQ(read->seq, 6u);
+    EXPECT_EQ(read->reason, static_cast<uint8_t>(Reason::SettingsDiffer)) << "skew " << k;
+  }
+}
+
+// Inside a group holding Send/Recv the hello cannot be launched alone: this rank votes no and
+// never waits for it; a peer that voted no keeps this rank off too.
+TEST(AgreementRounds, AHelloInASendRecvGroupVotesNoAndNothingFollows) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.fakes.group = {1, true, 2};
+  rank.call();
+  rank.fakes.group = {};
+  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  EXPECT_EQ(rank.fakes.group_ends, 0);  // not launched early
+  ASSERT_EQ(rank.fakes.contributed.size(), 1u);
+  EXPECT_TRUE(rank.fakes.contributed[0].header.flags & kIssuedInGroup);
+  const std::vector<Kind> kinds = rank.steps(20);
+  EXPECT_EQ(rank.fakes.results_read, 0);
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}}));
+  for (const Kind kind : kinds) EXPECT_EQ(kind, Kind::Nccl);
+  const trace::AgreementRecord* read = rank.find(trace::RoundEvent::Read, RoundKind::Hello);
+  ASSERT_NE(read, nullptr);
+  EXPECT_EQ(read->reason, static_cast<uint8_t>(Reason::AnchorInGroup));
+
+  Rank0 other(Env{{"MAGI_CE_FORCE", "1"}});
+  other.fakes.peer = [](int r, Contribution& c) {
+    if (r == 2 && c.header.kind == static_cast<uint8_t>(RoundKind::Hello))
+      c.header.flags |= kIssuedInGroup;
+  };
+  other.steps(20);
+  EXPECT_EQ(other.issued(), (Issued{{0, RoundKind::Hello}}));
+  const trace::AgreementRecord* seen = other.find(trace::RoundEvent::Read, RoundKind::Hello);
+  ASSERT_NE(seen, nullptr);
+  EXPECT_EQ(seen->reason, static_cast<uint8_t>(Reason::AnchorInGroup));
+}
+
+// In an ordinary open group the hello is launched alone (the group so far first) and read like
+// any round: the plan still comes.
+TEST(AgreementRounds, AHelloInAnOrdinaryGroupIsLaunchedAloneAndReadLater) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.fakes.group = {1, false, 1};
+  rank.call();
+  rank.fakes.group = {};
+  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  EXPECT_EQ(rank.fakes.group_ends, 1);
+  EXPECT_EQ(rank.fakes.group_starts, 1);
+  ASSERT_EQ(rank.fakes.contributed.size(), 1u);
+  EXPECT_FALSE(rank.fakes.contributed[0].header.flags & kIssuedInGroup);
+  rank.run_to(16);
+  EXPECT_EQ(rank.call(), Kind::Move);  // as without the group (AnAgreedPlanMoves...)
+}
+
+// MAGI_TRANSPORT=nccl: the hello still goes (the peers' rounds would meet this rank's calls
+// otherwise), nothing else does, and it is never waited for.
+TEST(AgreementRounds, TransportNcclSaysHelloAndNothingElse) {
+  Rank0 rank(Env{{"MAGI_TRANSPORT", "nccl"}});
+  const std::vector<Kind> kinds = rank.steps(20);
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}}));
+  EXPECT_EQ(rank.fakes.rounds_launched, 1);
+  for (const Kind kind : kinds) EXPECT_EQ(kind, Kind::Nccl);
+  EXPECT_EQ(settings_in(rank.fakes.contributed.at(0)).transport,
+            static_cast<uint8_t>(Options::Transport::Nccl));
+  // Every rank said nccl: nothing to tell.
+  EXPECT_EQ(rank.find(trace::RoundEvent::Read, RoundKind::Hello), nullptr);
+
+  Rank0 alone(Env{{"MAGI_TRANSPORT", "nccl"}});
+  alone.fakes.peer = [](int r, Contribution& c) {
+    if (r != 1 || c.header.kind != static_cast<uint8_t>(RoundKind::Hello)) return;
+    ScheduleSettings s = settings_in(c);
+    s.transport = static_cast<uint8_t>(Options::Transport::CopyEngine);
+    c.table = hello_payload(s);
+  };
+  alone.steps(3);
+  const trace::AgreementRecord* read = alone.find(trace::RoundEvent::Read, RoundKind::Hello);
+  ASSERT_NE(read, nullptr);  // read once complete, to say why
+  EXPECT_EQ(read->reason, static_cast<uint8_t>(Reason::SettingsDiffer));
+  EXPECT_EQ(alone.issued().size(), 1u);
 }
 
 }  // namespace
