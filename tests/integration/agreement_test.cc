@@ -377,9 +377,10 @@ TEST(Agreement, ASchedulingSettingOnOneRankOnlyHangsNothingAndKeepsEveryRankOnNc
     if (skew.others != nullptr) env.emplace_back(skew.name, skew.others);
     const AgreedRun r =
         run_agreed(3, fsdp({}, 24), env, 90, {{}, {{skew.name, skew.value}}, {}});
-    ASSERT_FALSE(r.result.timed_out) << skew.name << ": " << transcript(r);
-    ASSERT_TRUE(r.result.all_ok()) << skew.name << ": " << transcript(r);
-    ASSERT_EQ(r.comms.size(), 1u) << skew.name;
+    if (r.result.timed_out || !r.result.all_ok() || r.comms.size() != 1) {
+      ADD_FAILURE() << skew.name << " on rank 1: " << transcript(r);
+      continue;  // each setting says so on its own
+    }
     for (const auto& [rank, v] : r.comms.begin()->second) {
       EXPECT_TRUE(v.moved.empty()) << skew.name << " rank " << rank;
       for (const auto& a : v.rounds)
