@@ -23,8 +23,9 @@
 // that round. The schedule above holds only where these are alike, and this is why it suffices:
 // a rank issues a round only after reading every rank's settings; if they differ (or some rank
 // cannot take part), nobody issues anything more on that communicator, so no round meets a
-// program call. The hello itself is issued by every rank at the same call, the first one, so it
-// meets only itself. A rank that never issues rounds never waits for it.
+// program call. The hello itself is issued by every rank at the same call, the first one not
+// captured (capture is alike on every rank, as assumed below), so it meets only itself. A rank
+// that never issues rounds never waits for it.
 //
 // Why a round never hangs. A round's all-gather is issued before the anchor call, on every rank,
 // and is launched at once unless the program has a group open; in that case this rank votes "no"
