@@ -252,8 +252,7 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
   const GroupView group = world_.group();
   // The hello, owed at a call the program chose, is launched alone out of an ordinary group;
   // only inside a group holding Send/Recv (launched at the group's end) does it vote no.
-  const bool in_group =
-      kind == RoundKind::Hello ? group.holds_point_to_point : group.depth > 0;
+  const bool in_group = kind == RoundKind::Hello ? group.holds_point_to_point : group.depth > 0;
   if (in_group) {
     c.header.flags |= kIssuedInGroup;
     c.header.flags &= ~kCanServe;

@@ -26,10 +26,8 @@ constexpr Setting kSettings[] = {
     {"MAGI_BACKEND", [](const ScheduleSettings& s) -> int64_t { return s.backend; }, backend_text},
     {"MAGI_WARMUP_STEPS", [](const ScheduleSettings& s) { return s.warmup_steps; }, count_text},
     {"MAGI_REAGREE_STEPS", [](const ScheduleSettings& s) { return s.reagree_steps; }, count_text},
-    {"MAGI_MAX_STEP_CALLS", [](const ScheduleSettings& s) { return s.max_step_calls; },
-     count_text},
-    {"MAGI_CE_FORCE", [](const ScheduleSettings& s) -> int64_t { return s.ce_force; },
-     count_text},
+    {"MAGI_MAX_STEP_CALLS", [](const ScheduleSettings& s) { return s.max_step_calls; }, count_text},
+    {"MAGI_CE_FORCE", [](const ScheduleSettings& s) -> int64_t { return s.ce_force; }, count_text},
 };
 
 // "0-2, 5"
@@ -60,8 +58,8 @@ std::string values_text(const Setting& setting, const std::vector<ScheduleSettin
     ranks_by_value[setting.value(all[r])].push_back(static_cast<int>(r));
   for (const auto& [value, ranks] : ranks_by_value) {
     if (!out.empty()) out += "; ";
-    out += setting.text(value) + (ranks.size() == 1 ? " on rank " : " on ranks ") +
-           rank_ranges(ranks);
+    out +=
+        setting.text(value) + (ranks.size() == 1 ? " on rank " : " on ranks ") + rank_ranges(ranks);
   }
   return out;
 }
@@ -103,7 +101,8 @@ HelloOutcome read_hello(std::span<const uint8_t> all, int nranks) {
         c.header.kind != static_cast<uint8_t>(RoundKind::Hello) ||
         c.table.size() != sizeof(ScheduleSettings)) {
       out.reason = Reason::StepsDiffer;
-      out.why = "rank " + std::to_string(r) + "'s settings check is unreadable (another version "
+      out.why = "rank " + std::to_string(r) +
+                "'s settings check is unreadable (another version "
                 "of the library?)";
       return out;
     }

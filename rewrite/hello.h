@@ -35,9 +35,9 @@ std::vector<uint8_t> hello_payload(const ScheduleSettings& s);
 
 // What every rank reads from the hello: the same outcome from the same bytes.
 struct HelloOutcome {
-  bool agreed = false;             // settings alike, and every rank can take part
-  Reason reason = Reason::None;    // SettingsDiffer, AnchorInGroup, or StepsDiffer (unreadable)
-  std::string why;                 // one line for the log when not agreed
+  bool agreed = false;           // settings alike, and every rank can take part
+  Reason reason = Reason::None;  // SettingsDiffer, AnchorInGroup, or StepsDiffer (unreadable)
+  std::string why;               // one line for the log when not agreed
 };
 HelloOutcome read_hello(std::span<const uint8_t> all, int nranks);
 

@@ -81,8 +81,8 @@ struct AgreedRun {
 using EnvList = std::vector<std::pair<std::string, std::string>>;
 
 // `rank_env`: per rank, after `env` (index = rank).
-AgreedRun run_agreed(int n, std::vector<std::string> args, EnvList env = {},
-                     double timeout_s = 60, std::vector<EnvList> rank_env = {}) {
+AgreedRun run_agreed(int n, std::vector<std::string> args, EnvList env = {}, double timeout_s = 60,
+                     std::vector<EnvList> rank_env = {}) {
   TempDir dir;
   support::LaunchSpec spec;
   spec.nranks = n;
@@ -362,8 +362,8 @@ TEST(Agreement, TransportNcclOnlyCapturesAndTraces) {
 // any other round, keeps every rank on NCCL instead, and one warning names the variable.
 struct ScheduleSkew {
   const char* name;
-  const char* value;    // on rank 1
-  const char* others;   // on the others: nullptr for the default
+  const char* value;   // on rank 1
+  const char* others;  // on the others: nullptr for the default
 };
 const ScheduleSkew kScheduleSkews[] = {{"MAGI_WARMUP_STEPS", "5", nullptr},
                                        {"MAGI_REAGREE_STEPS", "10", nullptr},
@@ -375,8 +375,7 @@ TEST(Agreement, ASchedulingSettingOnOneRankOnlyHangsNothingAndKeepsEveryRankOnNc
   for (const ScheduleSkew& skew : kScheduleSkews) {
     EnvList env = {{"STANDIN_TIMEOUT_S", "20"}};
     if (skew.others != nullptr) env.emplace_back(skew.name, skew.others);
-    const AgreedRun r =
-        run_agreed(3, fsdp({}, 24), env, 90, {{}, {{skew.name, skew.value}}, {}});
+    const AgreedRun r = run_agreed(3, fsdp({}, 24), env, 90, {{}, {{skew.name, skew.value}}, {}});
     if (r.result.timed_out || !r.result.all_ok() || r.comms.size() != 1) {
       ADD_FAILURE() << skew.name << " on rank 1: " << transcript(r);
       continue;  // each setting says so on its own
@@ -405,10 +404,11 @@ TEST(Agreement, ASchedulingSettingOnOneRankOnlyHangsNothingAndKeepsEveryRankOnNc
 
 // The same settings on every rank: the hello costs nothing, the gathers move.
 TEST(Agreement, SchedulingSettingsAlikeOnEveryRankStillMove) {
-  const AgreedRun r = run_agreed(
-      3, fsdp({}, 24), {{"MAGI_WARMUP_STEPS", "5"}, {"MAGI_REAGREE_STEPS", "10"}}, 90,
-      {{{"MAGI_MAX_STEP_CALLS", "512"}}, {{"MAGI_MAX_STEP_CALLS", "512"}},
-       {{"MAGI_MAX_STEP_CALLS", "512"}}});
+  const AgreedRun r =
+      run_agreed(3, fsdp({}, 24), {{"MAGI_WARMUP_STEPS", "5"}, {"MAGI_REAGREE_STEPS", "10"}}, 90,
+                 {{{"MAGI_MAX_STEP_CALLS", "512"}},
+                  {{"MAGI_MAX_STEP_CALLS", "512"}},
+                  {{"MAGI_MAX_STEP_CALLS", "512"}}});
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   for (const auto& [rank, v] : r.comms.begin()->second) {
@@ -994,11 +994,10 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
     std::vector<EnvList> rank_env;
     const bool skewed = seed % 11 == 7;
     if (skewed) {
-      static const std::pair<const char*, const char*> kSkew[] = {
-          {"MAGI_WARMUP_STEPS", "3"},
-          {"MAGI_REAGREE_STEPS", "4"},
-          {"MAGI_TRANSPORT", "nccl"},
-          {"MAGI_MAX_STEP_CALLS", "2"}};
+      static const std::pair<const char*, const char*> kSkew[] = {{"MAGI_WARMUP_STEPS", "3"},
+                                                                  {"MAGI_REAGREE_STEPS", "4"},
+                                                                  {"MAGI_TRANSPORT", "nccl"},
+                                                                  {"MAGI_MAX_STEP_CALLS", "2"}};
       rank_env.resize(static_cast<size_t>(n));
       auto& odd = rank_env[static_cast<size_t>(seed % n)];
       if ((seed / 11) % 5 == 4)

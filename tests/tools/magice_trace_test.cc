@@ -617,8 +617,8 @@ TEST_F(MagiceTraceDecisions, SettingsThatDifferAreShownPerRank) {
     b.agreement(make_agreement(kWorld, r, {0, RoundKind::Hello, RoundEvent::Issued, 0}));
     if (r != 1)
       b.agreement(make_agreement(kWorld, r,
-                                 {0, RoundKind::Hello, RoundEvent::Read, 9, AgreementMode::None,
-                                  0, 0, Reason::SettingsDiffer}));
+                                 {0, RoundKind::Hello, RoundEvent::Read, 9, AgreementMode::None, 0,
+                                  0, Reason::SettingsDiffer}));
     files.push_back(dir_ + "/hello" + std::to_string(r) + ".trace");
     b.write(files.back());
   }
@@ -632,8 +632,7 @@ TEST_F(MagiceTraceDecisions, SettingsThatDifferAreShownPerRank) {
   EXPECT_FALSE(contains(run.out, "rank 1: round 0")) << run.out;
   const ToolRun json = tool(with({"decisions", "--json"}, files));
   EXPECT_EQ(json.status, 0) << json.out << json.err;
-  EXPECT_TRUE(contains(json.out, "\"hello_refused\":[{\"rank\":0,\"collective\":9,"))
-      << json.out;
+  EXPECT_TRUE(contains(json.out, "\"hello_refused\":[{\"rank\":0,\"collective\":9,")) << json.out;
 }
 
 TEST_F(MagiceTraceDecisions, DryRunRoundsSayWouldMove) {
