@@ -371,7 +371,8 @@ constexpr OptionSpec kTable[] = {
                                   "libraries already loaded."),
     enum_option<&O::transport, kTransports>("MAGI_TRANSPORT", "copy_engine", "copy_engine|nccl",
                                             "Where agreed gathers go: the copy-engine transport, "
-                                            "or nccl (only capture and trace)."),
+                                            "or nccl (only capture and trace, and one settings "
+                                            "check per communicator). Alike on every rank."),
     enum_option<&O::backend, kBackends>("MAGI_BACKEND", "cuda", "cuda|host",
                                         "Memory the transport serves: CUDA device memory, or "
                                         "host memory (CPU-only runs, the stand-in)."),

@@ -77,7 +77,7 @@ std::string_view mode_name(AgreementMode mode) {
 
 std::string_view round_kind_name(RoundKind kind) {
   static const auto names =
-      names_with_fallback<4>({"propose", "publish", "confirm", "cost"}, 1, "round#");
+      names_with_fallback<5>({"propose", "publish", "confirm", "cost", "hello"}, 1, "round#");
   return names[static_cast<uint8_t>(kind)];
 }
 
@@ -113,7 +113,8 @@ std::string_view reason_name(Reason reason) {
        "communicator not agreeable (ncclCommInitAll, non-blocking, or unknown)",
        "static bindings would pass MAGI_BIND_MAX_MIB",
        "static weights changed after binding",
-       "NCCL was faster for its bucket (timed both ways)"},
+       "NCCL was faster for its bucket (timed both ways)",
+       "the ranks' schedule settings differ (MAGI_WARMUP_STEPS, ...), or a rank cannot take part"},
       0, "reason#");
   return names[static_cast<uint8_t>(reason)];
 }

@@ -183,7 +183,8 @@ enum class AgreementMode : uint8_t {
 // Rounds of one agreement: propose (decide what moves), publish (windows prepared, handles
 // exchanged), confirm (every rank opened every window). Routes change when a confirm is read.
 // Then cost: after a trial of both routes, each bucket keeps the faster one.
-enum class RoundKind : uint8_t { Propose = 1, Publish = 2, Confirm = 3, Cost = 4 };
+// Hello: the settings check at a communicator's first collective (rewrite/hello.h).
+enum class RoundKind : uint8_t { Propose = 1, Publish = 2, Confirm = 3, Cost = 4, Hello = 5 };
 
 enum class RoundEvent : uint8_t {
   Issued = 1,       // this rank's contribution went into the all-gather
@@ -220,6 +221,7 @@ enum class Reason : uint8_t {
   BindTooLarge,       // static weights: the bindings would pass MAGI_BIND_MAX_MIB
   BindingChanged,     // static weights: the shard changed after it was bound (verification)
   NcclFaster,         // timed both ways during the trial: NCCL completed its bucket sooner
+  SettingsDiffer,     // the ranks' schedule settings differ, or some rank cannot take part
   Count
 };
 

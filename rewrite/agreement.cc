@@ -7,9 +7,9 @@
 namespace magi::rewrite {
 namespace {
 
-// Why a communicator can never take part in agreement; Reason::None if it can.
-Reason unagreeable(const capture::CommInfo& info, const Options& options) {
-  if (options.transport == Options::Transport::Nccl) return Reason::CommNotAgreeable;
+// Why a communicator can never take part in agreement, by facts of the program that every rank
+// shares (so every rank stays out alike, hello included); Reason::None if it can.
+Reason unagreeable(const capture::CommInfo& info) {
   // ncclCommInitAll puts every rank in this process, driven from one thread in groups: a round
   // would need every rank's contribution from that thread at once. Unknown communicators were
   // created before the shim saw them and have no identity shared with their peers.
@@ -31,20 +31,23 @@ CommAgreement::CommAgreement(ncclComm_t comm, const capture::CommInfo& info, Agr
       world_(std::move(world)),
       options_(world_.options),
       backend_(backend_of(options_)),
+      settings_(schedule_settings(options_, ce::backend_available(backend_))),
       schedule_(options_),
       flush_(world_.nccl, info_.identity),
       serving_(world_, info_, comm) {
-  agreeable_ = unagreeable(info_, options_) == Reason::None && world_.nccl.all_gather != nullptr;
-  if (!agreeable_) {
+  hello_due_ = unagreeable(info_) == Reason::None && world_.nccl.all_gather != nullptr;
+  agreeable_ = hello_due_ && takes_part(settings_);
+  if (!hello_due_) {
     MAGI_INFO(Rewrite, "comm %012llx: no agreement on this communicator (%s)",
               short_id(info_.identity),
-              options_.transport == Options::Transport::Nccl ? "MAGI_TRANSPORT=nccl"
-              : info_.nonblocking                            ? "non-blocking communicator"
-                                                             : "ncclCommInitAll or unknown");
-  } else if (!ce::backend_available(backend_)) {
-    // Every rank of a job runs with the same environment and the same kind of program, so they
-    // all end up here alike.
-    agreeable_ = false;
+              info_.nonblocking ? "non-blocking communicator" : "ncclCommInitAll or unknown");
+  } else if (options_.transport == Options::Transport::Nccl) {
+    MAGI_INFO(Rewrite,
+              "comm %012llx: no agreement on this communicator (MAGI_TRANSPORT=nccl); its first "
+              "collective still tells the peers so, with one small all-gather",
+              short_id(info_.identity));
+  } else if (!agreeable_) {
+    // The hello tells the peers, which then stay on NCCL too.
     MAGI_INFO(Rewrite,
               "comm %012llx: no agreement: MAGI_BACKEND=cuda and the program has not "
               "loaded the CUDA driver (MAGI_BACKEND=host serves host buffers)",
@@ -67,9 +70,11 @@ CommAgreement::~CommAgreement() {
               static_cast<unsigned long long>(c.fell_back), first.c_str());
   }
   serving_.drop();
+  if (hello_ && !agreeable_) look_at_hello(last_seq_);
   // A round still in flight belongs to NCCL until it completes; a finished one is freed here.
   // One that never launched (a group left open at destroy) is left, not waited for.
   if (pending_) retire(std::move(pending_->exchange));
+  if (hello_) retire(std::move(hello_->exchange));
   for (auto& exchange : retired_) {
     if (exchange && !exchange->ready()) {
       MAGI_WARN(Rewrite,
@@ -83,8 +88,19 @@ CommAgreement::~CommAgreement() {
 
 Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallRecord& record,
                                    const capture::StepView& view) {
-  if (!agreeable_ || !view.collective) return {};
+  if (!view.collective) return {};
+  // A call captured into a CUDA graph stays on NCCL: a replayed graph would repeat the
+  // handshake's sequence numbers of the capture. Nor does a round happen at a captured call:
+  // a capture forbids the waits and allocations a round may need, and the round's all-gather
+  // must run now, not at each replay. Capture is the one input here that is not a shape:
+  // programs capture the same calls on every rank (one graph, replayed by all).
+  if (hello_due_ && !capture::stream_capturing(args, record)) issue_hello(view.collective_index);
   last_seq_ = view.collective_index;
+  if (!agreeable_) {
+    if (hello_) look_at_hello(view.collective_index);
+    if (!retired_.empty()) free_retired_ready();
+    return {};
+  }
   const bool gather = args.op == trace::Op::AllGather;
   if (gather) capture::stream_capturing(args, record);  // a fact of the observation
   const CallFacts facts = CallFacts::of(args, record);
@@ -97,11 +113,6 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   if (!view.found) return {};
   if (view.event == capture::StepDetector::Event::Found || view.digest != step_digest_)
     restart(view);
-  // A call captured into a CUDA graph stays on NCCL: a replayed graph would repeat the
-  // handshake's sequence numbers of the capture. Nor does a round happen at a captured anchor:
-  // a capture forbids the waits and allocations a round may need, and the round's all-gather
-  // must run now, not at each replay. Capture is the one input here that is not a shape:
-  // programs capture the same calls on every rank (one graph, replayed by all).
   if (view.position == 0) seen_.begin_step();
   if (view.position == schedule_.anchor()) {
     schedule_.pass_anchor();
@@ -195,7 +206,7 @@ bool CommAgreement::propose_due() const {
   return seen_.has_gathers() && schedule_.propose_due(seen_.complete_steps());
 }
 
-void CommAgreement::at_anchor(const capture::StepView& view) {
+void CommAgreement::free_retired_ready() {
   for (auto it = retired_.begin(); it != retired_.end();) {
     if (!(*it)->ready()) {
       ++it;
@@ -204,12 +215,16 @@ void CommAgreement::at_anchor(const capture::StepView& view) {
     if (!spare_) spare_ = std::move(*it);
     it = retired_.erase(it);
   }
+}
+
+void CommAgreement::at_anchor(const capture::StepView& view) {
+  free_retired_ready();
   trial_.collect();
   if (pending_) {
     read_round(view.collective_index);
   } else if (trial_.due(schedule_.steps()) && active_) {
     issue_cost(view.collective_index);
-  } else if (propose_due()) {
+  } else if (propose_due() && read_hello_round(view.collective_index)) {
     propose(view.collective_index);
   }
 }
@@ -322,6 +337,7 @@ void CommAgreement::read_round(uint64_t seq) {
     case RoundKind::Publish: read_publish(all, *round, seq); break;
     case RoundKind::Confirm: read_confirm(all, *round, seq); break;
     case RoundKind::Cost: after_cost(all, seq); break;
+    case RoundKind::Hello: break;  // never pending: hello_
   }
 }
 
@@ -338,6 +354,7 @@ void CommAgreement::read_voted_no(Round& round, uint64_t seq) {
       record(RoundKind::Cost, trace::RoundEvent::Read, seq, decision_.mode, Reason::AnchorInGroup,
              decision_.moved);
       break;
+    case RoundKind::Hello: break;  // never pending: hello_
     case RoundKind::Publish:
     case RoundKind::Confirm:
       record(round.kind, trace::RoundEvent::Read, seq, AgreementMode::None, Reason::AnchorInGroup,
@@ -346,6 +363,53 @@ void CommAgreement::read_voted_no(Round& round, uint64_t seq) {
       schedule_.retry_soon();
       break;
   }
+}
+
+void CommAgreement::issue_hello(uint64_t seq) {
+  hello_due_ = false;
+  Contribution c = header_for(RoundKind::Hello);
+  c.table = hello_payload(settings_);
+  c.header.table_bytes = static_cast<uint32_t>(c.table.size());
+  issue(RoundKind::Hello, c, seq);
+  hello_ = std::move(pending_);
+  if (hello_ && hello_->voted_no) {
+    retire(std::move(hello_->exchange));
+    hello_.reset();
+    take_hello({false, Reason::AnchorInGroup,
+                "this rank made the settings check inside a group holding Send/Recv: this "
+                "communicator stays on NCCL on every rank"},
+               seq);
+  }
+}
+
+// Before this rank's first other round: waits for the hello if it must (every rank launched
+// it at the first collective, so it completes). False: no round on this communicator, ever.
+bool CommAgreement::read_hello_round(uint64_t seq) {
+  if (!hello_) return agreeable_;
+  const std::unique_ptr<Round> round = std::move(hello_);
+  take_hello(read_hello(round->exchange->result(), info_.nranks), seq);
+  if (!spare_) spare_ = std::move(round->exchange);
+  return agreeable_;
+}
+
+// A rank that issues no rounds never waits for the hello: it reads it once complete, only to
+// say why its peers stay on NCCL too.
+void CommAgreement::look_at_hello(uint64_t seq) {
+  if (!hello_->exchange->ready()) return;
+  const std::unique_ptr<Round> round = std::move(hello_);
+  const HelloOutcome hello = read_hello(round->exchange->result(), info_.nranks);
+  if (!spare_) spare_ = std::move(round->exchange);
+  if (hello.reason == Reason::SettingsDiffer) take_hello(hello, seq);
+}
+
+void CommAgreement::take_hello(const HelloOutcome& hello, uint64_t seq) {
+  record(RoundKind::Hello, trace::RoundEvent::Read, seq, AgreementMode::None, hello.reason, 0);
+  if (hello.agreed) return;
+  agreeable_ = false;
+  if (hello.reason == Reason::SettingsDiffer && first_settings_warning())
+    MAGI_WARN(Rewrite, "comm %012llx: %s", short_id(info_.identity), hello.why.c_str());
+  else
+    MAGI_INFO(Rewrite, "comm %012llx: %s", short_id(info_.identity), hello.why.c_str());
 }
 
 void CommAgreement::take_decision(const Decision& d, uint32_t round, uint64_t seq) {

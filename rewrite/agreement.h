@@ -21,6 +21,18 @@
 // candidate not yet stable on some rank, groups not settled, a publish or confirm refused): the
 // decision says which (Decision::retry_soon), from bytes every rank read alike.
 //
+// Before all of that, one hello round (rewrite/hello.h) at the communicator's first collective
+// not captured into a graph, on every rank agreeable by program facts, MAGI_TRANSPORT=nccl
+// included: it carries the settings that decide WHEN a rank issues rounds (MAGI_WARMUP_STEPS,
+// MAGI_REAGREE_STEPS, MAGI_MAX_STEP_CALLS, MAGI_CE_FORCE, MAGI_TRANSPORT, MAGI_BACKEND and
+// whether it runs here). A rank reads it where its first other round comes due, before issuing
+// that round. The schedule above holds only where these are alike, and this is why it suffices:
+// a rank issues a round only after reading every rank's settings; if they differ (or some rank
+// cannot take part), nobody issues anything more on that communicator, so no round meets a
+// program call. The hello itself is issued by every rank at the same call, the first one not
+// captured (capture is alike on every rank, as assumed below), so it meets only itself. A rank
+// that never issues rounds never waits for it.
+//
 // Why a round never hangs. A round's all-gather is issued before the anchor call, on every rank,
 // and launched at once: outside a group, or alone out of the program's open group (GroupFlush
 // launches the group so far, issues the round, and reopens the group; the ranks group alike, so
@@ -60,6 +72,7 @@
 #include "rewrite/contribution.h"
 #include "rewrite/cost_trial.h"
 #include "rewrite/group_flush.h"
+#include "rewrite/hello.h"
 #include "rewrite/observation.h"
 #include "rewrite/recent_calls.h"
 #include "rewrite/rewrite.h"
@@ -158,6 +171,11 @@ class CommAgreement {
   void after_cost(std::span<const uint8_t> all, uint64_t seq);
   void deactivate(uint64_t seq, Reason why);
   void retire(std::unique_ptr<ce::Exchange> exchange);
+  void free_retired_ready();
+  void issue_hello(uint64_t seq);
+  bool read_hello_round(uint64_t seq);
+  void take_hello(const HelloOutcome& hello, uint64_t seq);
+  void look_at_hello(uint64_t seq);
   void record(RoundKind kind, trace::RoundEvent event, uint64_t seq, AgreementMode mode,
               Reason reason, uint32_t moved) const;
 
@@ -166,7 +184,12 @@ class CommAgreement {
   const AgreementWorld world_;
   const Options& options_;
   const ce::Backend backend_;
-  bool agreeable_ = true;
+  const ScheduleSettings settings_;
+  bool agreeable_ = true;  // this rank issues rounds (until the hello says otherwise)
+  // The hello: owed at the first collective not captured (agreeable by program facts, even
+  // when this rank takes no part), then in flight until read.
+  bool hello_due_ = false;
+  std::unique_ptr<Round> hello_;
 
   RoundSchedule schedule_;
   GroupFlush flush_;

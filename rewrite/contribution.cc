@@ -33,7 +33,8 @@ bool Contribution::parse(std::span<const uint8_t> in, Contribution& out) {
   if (out.header.magic != kContributionMagic || out.header.version != kContributionVersion)
     return false;
   out.table.clear();
-  if (out.header.kind == static_cast<uint8_t>(RoundKind::Publish)) {
+  if (out.header.kind == static_cast<uint8_t>(RoundKind::Publish) ||
+      out.header.kind == static_cast<uint8_t>(RoundKind::Hello)) {
     out.entries.clear();
     out.costs.clear();
     if (out.header.table_bytes > kPublishTableRoom) return false;

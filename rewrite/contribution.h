@@ -51,7 +51,7 @@ struct ContributionHeader {
   uint32_t gathers;  // all-gathers in the step
   uint64_t host;     // ce::Locality
   int32_t device;
-  uint32_t table_bytes;  // publish: bytes of the source table in the entry area
+  uint32_t table_bytes;  // publish, hello: bytes of the table in the entry area
   uint64_t peer_access_mask;
   uint64_t decision_hash;  // publish/confirm: the decision being served
   ce::HandleBlob handle;   // publish: how to open this rank's window
@@ -95,7 +95,8 @@ struct Contribution {
   ContributionHeader header{};
   std::vector<GatherEntry> entries;  // header.gathers of them, at most kMaxGathers
   std::vector<BucketCost> costs;     // cost rounds instead of entries: header.gathers of them
-  std::vector<uint8_t> table;        // publish rounds: a serialized ce::SourceTable, or empty
+  // Publish rounds: a serialized ce::SourceTable; hello rounds: the ScheduleSettings (hello.h).
+  std::vector<uint8_t> table;
 
   void serialize(std::span<uint8_t> out) const;  // out.size() == kContributionBytes
   // Parses one rank's slice; false when it is not a contribution of this version.

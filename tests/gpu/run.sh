@@ -40,7 +40,7 @@ if python3 "$here/torch_collectives.py" "$work/plain.pt" >"$work/plain.log" 2>&1
     # Calls the shim served itself (marked "moved") never reached NCCL: they are counted apart.
     # The agreement rounds are all-gathers of the shim's own through NCCL: counted in.
     awk 'length($1) == 12 && $1 ~ /^[0-9a-f]+$/ && $2 ~ /^[0-9]+$/ && $3 ~ /^[A-Z]/ && $NF != "moved" {print $3}
-         length($1) == 12 && $4 ~ /^(propose|publish|confirm|cost)$/ && $5 == "issued" {print "AllGather"}' \
+         length($1) == 12 && $4 ~ /^(propose|publish|confirm|cost|hello)$/ && $5 == "issued" {print "AllGather"}' \
       "$work/dump.txt" | sort | uniq -c >"$work/trace-ops.txt"
     moved=$(awk 'length($1) == 12 && $1 ~ /^[0-9a-f]+$/ && $2 ~ /^[0-9]+$/ && $3 ~ /^[A-Z]/ && $NF == "moved"' "$work/dump.txt" | wc -l)
     echo "moved off NCCL by the shim: $moved calls"

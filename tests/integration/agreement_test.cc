@@ -71,6 +71,7 @@ struct RankView {
 struct AgreedRun {
   support::LaunchResult result;
   std::map<uint64_t, std::map<int, RankView>> comms;  // comm id -> rank -> view
+  std::map<uint64_t, std::set<uint64_t>> pids;        // comm id -> its processes
   std::string log;                                    // every rank's stderr
   int unreadable_traces = 0;
 
@@ -83,9 +84,11 @@ struct AgreedRun {
   }
 };
 
-AgreedRun run_agreed(int n, std::vector<std::string> args,
-                     std::vector<std::pair<std::string, std::string>> env = {},
-                     double timeout_s = 60) {
+using EnvList = std::vector<std::pair<std::string, std::string>>;
+
+// `rank_env`: per rank, after `env` (index = rank).
+AgreedRun run_agreed(int n, std::vector<std::string> args, EnvList env = {}, double timeout_s = 60,
+                     std::vector<EnvList> rank_env = {}) {
   TempDir dir;
   support::LaunchSpec spec;
   spec.nranks = n;
@@ -104,6 +107,7 @@ AgreedRun run_agreed(int n, std::vector<std::string> args,
     force_set = force_set || e.first == "MAGI_CE_FORCE";
   }
   if (!force_set) spec.env.emplace_back("MAGI_CE_FORCE", "1");
+  spec.rank_env = std::move(rank_env);
   spec.timeout_s = timeout_s;
   spec.capture_output = true;
   AgreedRun out;
@@ -121,6 +125,7 @@ AgreedRun run_agreed(int n, std::vector<std::string> args,
     std::map<uint64_t, int> rank_of;
     for (const auto& c : t.comms) rank_of[c.comm_id] = c.rank;
     for (const auto& c : t.comms) out.comms[c.comm_id][c.rank];
+    for (const auto& c : t.comms) out.pids[c.comm_id].insert(t.header.pid);
     for (const auto& call : t.calls) {
       RankView& v = out.comms[call.comm_id][call.rank];
       if (call.flags & trace::kCallMoved) v.moved.push_back(call.seq);
@@ -347,13 +352,83 @@ TEST(Agreement, DryRunDecidesEverythingAndMovesNothing) {
   EXPECT_NE(r.log.find("would move"), std::string::npos);
 }
 
+// Only capture and trace, and the one settings check at the first collective (its result is
+// never waited for: no rank takes part).
 TEST(Agreement, TransportNcclOnlyCapturesAndTraces) {
   const AgreedRun r = run_agreed(2, fsdp({}), {{"MAGI_TRANSPORT", "nccl"}});
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   for (const auto& [rank, v] : r.comms.begin()->second) {
     EXPECT_TRUE(v.moved.empty());
-    EXPECT_TRUE(v.rounds.empty());
+    ASSERT_EQ(v.rounds.size(), 1u) << "rank " << rank;
+    EXPECT_EQ(v.rounds[0].kind, static_cast<uint8_t>(RoundKind::Hello));
+    EXPECT_EQ(v.rounds[0].event, static_cast<uint8_t>(RoundEvent::Issued));
+    EXPECT_EQ(v.rounds[0].seq, 0u);
   }
+  EXPECT_FALSE(has_line(r.log, "differs between ranks")) << r.log;
+}
+
+// Issue 14: a setting that decides when a rank issues rounds, set on one rank only. Its rounds
+// would meet the program's own calls on the other ranks (NCCL hangs); the hello, read before
+// any other round, keeps every rank on NCCL instead, and one warning names the variable.
+struct ScheduleSkew {
+  const char* name;
+  const char* value;   // on rank 1
+  const char* others;  // on the others: nullptr for the default
+};
+const ScheduleSkew kScheduleSkews[] = {{"MAGI_WARMUP_STEPS", "5", nullptr},
+                                       {"MAGI_REAGREE_STEPS", "10", nullptr},
+                                       {"MAGI_TRANSPORT", "nccl", nullptr},
+                                       {"MAGI_MAX_STEP_CALLS", "3", nullptr},
+                                       {"MAGI_CE_FORCE", "1", "0"}};
+
+TEST(Agreement, ASchedulingSettingOnOneRankOnlyHangsNothingAndKeepsEveryRankOnNccl) {
+  for (const ScheduleSkew& skew : kScheduleSkews) {
+    EnvList env = {{"STANDIN_TIMEOUT_S", "20"}};
+    if (skew.others != nullptr) env.emplace_back(skew.name, skew.others);
+    const AgreedRun r = run_agreed(3, fsdp({}, 24), env, 90, {{}, {{skew.name, skew.value}}, {}});
+    if (r.result.timed_out || !r.result.all_ok() || r.comms.size() != 1) {
+      ADD_FAILURE() << skew.name << " on rank 1: " << transcript(r);
+      continue;  // each setting says so on its own
+    }
+    for (const auto& [rank, v] : r.comms.begin()->second) {
+      EXPECT_TRUE(v.moved.empty()) << skew.name << " rank " << rank;
+      for (const auto& a : v.rounds)
+        EXPECT_EQ(a.kind, static_cast<uint8_t>(RoundKind::Hello))
+            << skew.name << " rank " << rank << ": a round after the hello";
+      // Rank 1 reads the hello only if a round of its own comes due (never with MAGI_TRANSPORT=
+      // nccl or a step it cannot find), or to say why, once complete; the others must read it.
+      const auto read = rounds_with(v, RoundKind::Hello, RoundEvent::Read);
+      if (rank != 1) {
+        ASSERT_EQ(read.size(), 1u) << skew.name << " rank " << rank;
+      }
+      for (const auto& a : read)
+        EXPECT_EQ(a.reason, static_cast<uint8_t>(Reason::SettingsDiffer))
+            << skew.name << " rank " << rank;
+    }
+    EXPECT_TRUE(has_line(r.log, std::string("WARN .*comm [0-9a-f]+: ") + skew.name +
+                                    " differs between ranks \\(rank 0: [^,]+, rank 1: " +
+                                    skew.value + ", rank 2: .*set it alike on every rank"))
+        << transcript(r);
+  }
+}
+
+// The same settings on every rank: the hello costs nothing, the gathers move.
+TEST(Agreement, SchedulingSettingsAlikeOnEveryRankStillMove) {
+  const AgreedRun r =
+      run_agreed(3, fsdp({}, 24), {{"MAGI_WARMUP_STEPS", "5"}, {"MAGI_REAGREE_STEPS", "10"}}, 90,
+                 {{{"MAGI_MAX_STEP_CALLS", "512"}},
+                  {{"MAGI_MAX_STEP_CALLS", "512"}},
+                  {{"MAGI_MAX_STEP_CALLS", "512"}}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    EXPECT_FALSE(v.moved.empty()) << "rank " << rank;
+    const auto hello = rounds_with(v, RoundKind::Hello, RoundEvent::Read);
+    ASSERT_EQ(hello.size(), 1u) << "rank " << rank;
+    EXPECT_EQ(hello[0].reason, static_cast<uint8_t>(Reason::None));
+    EXPECT_EQ(rounds_with(v, RoundKind::Hello, RoundEvent::Issued)[0].seq, 0u);
+  }
+  EXPECT_FALSE(has_line(r.log, "differs between ranks")) << r.log;
 }
 
 TEST(Agreement, WithoutTheHostBackendHostBuffersStayOnNccl) {
@@ -1008,14 +1083,40 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
     }
     // Every third seed has the stand-in run each group's collectives largest first, as NCCL does.
     if (seed % 3 == 1) env.emplace_back("STANDIN_GROUP_ORDER", "size");
-    const AgreedRun r = run_agreed(n, args, env, 60);
+    // Every eleventh seed sets one scheduling setting differently on one rank: nothing may move
+    // anywhere, and nothing may hang.
+    std::vector<EnvList> rank_env;
+    const bool skewed = seed % 11 == 7;
+    if (skewed) {
+      static const std::pair<const char*, const char*> kSkew[] = {{"MAGI_WARMUP_STEPS", "3"},
+                                                                  {"MAGI_REAGREE_STEPS", "4"},
+                                                                  {"MAGI_TRANSPORT", "nccl"},
+                                                                  {"MAGI_MAX_STEP_CALLS", "2"}};
+      rank_env.resize(static_cast<size_t>(n));
+      auto& odd = rank_env[static_cast<size_t>(seed % n)];
+      if ((seed / 11) % 5 == 4)
+        odd.emplace_back("MAGI_CE_FORCE", seed % 2 == 0 ? "1" : "0");
+      else
+        odd.emplace_back(kSkew[(seed / 11) % 5].first, kSkew[(seed / 11) % 5].second);
+    }
+    const AgreedRun r = run_agreed(n, args, env, 60, rank_env);
     if (!r.result.all_ok()) {
       ++failures;
       ADD_FAILURE() << "seed " << seed << " on " << n << " ranks: " << transcript(r);
       continue;
     }
     const int before = ::testing::Test::HasFailure() ? 1 : 0;
-    expect_ranks_agree(r);
+    if (skewed) {
+      // Communicators without the odd process agree as usual; those with it move nothing.
+      const auto odd = static_cast<uint64_t>(r.result.ranks.at(static_cast<size_t>(seed % n)).pid);
+      for (const auto& [id, ranks] : r.comms) {
+        if (r.pids.at(id).count(odd) == 0) continue;
+        for (const auto& [rank, v] : ranks)
+          EXPECT_TRUE(v.moved.empty()) << "seed " << seed << " rank " << rank << " moved calls";
+      }
+    } else {
+      expect_ranks_agree(r);
+    }
     EXPECT_TRUE(windows_left_by({r.result}).empty()) << "seed " << seed << " left a window behind";
     if (!before && ::testing::Test::HasFailure()) {
       ++failures;

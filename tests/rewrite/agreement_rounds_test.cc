@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "rewrite/agreement.h"
+#include "rewrite/hello.h"
 #include "tests/support/options_env.h"
 
 namespace magi::rewrite {
@@ -207,6 +208,7 @@ class Rank0 {
     args.sendbuf = position == 0 ? reduce_ : position == 1 ? send1_ : send2_;
     args.recvbuf = position == 0 ? reduce_ : position == 1 ? recv1_ : recv2_;
     capture::CallRecord record{};
+    if (capturing) record.flags |= trace::kCallCapturing;
     record.callsite = 1000 + position;
     record.sendbuf = reinterpret_cast<uint64_t>(args.sendbuf);
     record.recvbuf = reinterpret_cast<uint64_t>(args.recvbuf);
@@ -237,7 +239,8 @@ class Rank0 {
     }
     return moved ? Kind::Move : Kind::TrialNccl;
   }
-  Outcome last;  // of the last call()
+  Outcome last;            // of the last call()
+  bool capturing = false;  // the next calls are captured into a CUDA graph
   // Whole steps; returns the routes of every call, by collective index.
   std::vector<Kind> steps(int n) {
     std::vector<Kind> kinds;
@@ -288,12 +291,13 @@ TEST(AgreementRounds, NoRoundBeforeTheWarmupStepsAreComplete) {
     Rank0 rank(Env{{"MAGI_WARMUP_STEPS", std::to_string(warmup)}});
     const uint64_t first = static_cast<uint64_t>(3 * warmup);
     rank.run_to(first);
-    EXPECT_EQ(rank.fakes.rounds_launched, 0) << "warmup " << warmup;
-    EXPECT_TRUE(rank.issued().empty());
+    EXPECT_EQ(rank.fakes.rounds_launched, 1) << "warmup " << warmup;  // the hello
+    EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}}));
     rank.call();
-    EXPECT_EQ(rank.issued(), (Issued{{first, RoundKind::Propose}})) << "warmup " << warmup;
-    ASSERT_EQ(rank.fakes.contributed.size(), 1u);
-    const Contribution& c = rank.fakes.contributed[0];
+    EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}, {first, RoundKind::Propose}}))
+        << "warmup " << warmup;
+    ASSERT_EQ(rank.fakes.contributed.size(), 2u);
+    const Contribution& c = rank.fakes.contributed[1];
     EXPECT_EQ(c.header.gathers, 2u);
     EXPECT_EQ(c.header.period, kPeriod);
     for (const GatherEntry& e : c.entries) EXPECT_EQ(e.reason, 0) << "position " << e.position;
@@ -305,8 +309,10 @@ TEST(AgreementRounds, NoRoundBeforeTheWarmupStepsAreComplete) {
 TEST(AgreementRounds, AnAgreedPlanMovesAtTheSameCallOnceConfirmed) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
   const std::vector<Kind> kinds = rank.steps(8);
-  EXPECT_EQ(rank.issued(),
-            (Issued{{6, RoundKind::Propose}, {9, RoundKind::Publish}, {12, RoundKind::Confirm}}));
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
+                                   {6, RoundKind::Propose},
+                                   {9, RoundKind::Publish},
+                                   {12, RoundKind::Confirm}}));
   for (uint64_t i = 0; i < 16; ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
   for (uint64_t i = 16; i < kinds.size(); ++i)
     EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;
@@ -319,8 +325,8 @@ TEST(AgreementRounds, AnAgreedPlanMovesAtTheSameCallOnceConfirmed) {
   EXPECT_EQ(rank.fakes.transport_gathers, 6);
   EXPECT_EQ(rank.fakes.nccl_gathers, 0);
   // Publish and confirm carry the plan and say this rank can serve it.
-  ASSERT_EQ(rank.fakes.contributed.size(), 3u);
-  for (size_t r = 1; r < 3; ++r) {
+  ASSERT_EQ(rank.fakes.contributed.size(), 4u);
+  for (size_t r = 2; r < 4; ++r) {
     EXPECT_NE(rank.fakes.contributed[r].header.decision_hash, 0u);
     EXPECT_TRUE(rank.fakes.contributed[r].header.flags & kCanServe);
   }
@@ -337,7 +343,8 @@ TEST(AgreementRounds, APeerThatRefusesKeepsEverythingOnNcclUntilTheNextPropose) 
   };
   const std::vector<Kind> kinds = rank.steps(14);
   for (uint64_t i = 0; i < kinds.size(); ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
-  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose}, {33, RoundKind::Propose}}));
+  EXPECT_EQ(rank.issued(),
+            (Issued{{0, RoundKind::Hello}, {6, RoundKind::Propose}, {33, RoundKind::Propose}}));
   EXPECT_EQ(rank.fakes.transports_made, 0);
   ASSERT_GE(rank.fakes.decisions.size(), 2u);
   for (size_t d = 0; d < 2; ++d) {
@@ -361,7 +368,7 @@ TEST(AgreementRounds, AGatherNotYetStableOnAPeerIsProposedAgainSoonBackingOff) {
   // Step s (counted at the anchor from 1) begins at index 3 (s - 1). Propose at step 3, read at
   // 4, again at 5, … every other step up to the read at step 32; then 33 (read 34) + 2 = 36,
   // (read 37) + 4 = 41, (read 42) + 8 = 50, (read 51) + 16 = 67.
-  Issued expected;
+  Issued expected = {{0, RoundKind::Hello}};
   for (uint64_t step = 3; step <= 33; step += 2)
     expected.push_back({3 * (step - 1), RoundKind::Propose});
   for (const uint64_t step : {36, 41, 50, 67})
@@ -393,14 +400,16 @@ TEST(AgreementRounds, ARoundIssuedInsideAGroupLaunchesAloneAndCounts) {
   EXPECT_EQ(rank.call(), Kind::Nccl);
   rank.fakes.group = {};
   EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
-  EXPECT_EQ(rank.fakes.group_ends, 1);    // the group so far, launched before the round
-  EXPECT_EQ(rank.fakes.group_starts, 1);  // and opened again after it
-  ASSERT_EQ(rank.fakes.contributed.size(), 1u);
-  EXPECT_FALSE(rank.fakes.contributed[0].header.flags & kIssuedInGroup);
+  EXPECT_EQ(rank.fakes.group_ends, 1);           // the group so far, launched before the round
+  EXPECT_EQ(rank.fakes.group_starts, 1);         // and opened again after it
+  ASSERT_EQ(rank.fakes.contributed.size(), 2u);  // the hello, and this propose
+  EXPECT_FALSE(rank.fakes.contributed[1].header.flags & kIssuedInGroup);
   const std::vector<Kind> kinds = rank.steps(4);  // indices 7..18
-  EXPECT_EQ(rank.fakes.results_read, 3);
-  EXPECT_EQ(rank.issued(),
-            (Issued{{6, RoundKind::Propose}, {9, RoundKind::Publish}, {12, RoundKind::Confirm}}));
+  EXPECT_EQ(rank.fakes.results_read, 4);
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
+                                   {6, RoundKind::Propose},
+                                   {9, RoundKind::Publish},
+                                   {12, RoundKind::Confirm}}));
   EXPECT_EQ(kinds[16 - 7], Kind::Move);
   EXPECT_EQ(kinds[14 - 7], Kind::Nccl);
 }
@@ -419,8 +428,10 @@ TEST(AgreementRounds, AStepThatIsOneGroupMoves) {
     rank.fakes.group = {};
     EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
   }
-  EXPECT_EQ(rank.issued(),
-            (Issued{{6, RoundKind::Propose}, {9, RoundKind::Publish}, {12, RoundKind::Confirm}}));
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
+                                   {6, RoundKind::Propose},
+                                   {9, RoundKind::Publish},
+                                   {12, RoundKind::Confirm}}));
   for (uint64_t i = 15; i < kinds.size(); ++i)
     EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;
   EXPECT_EQ(rank.fakes.transport_gathers, 3);  // one bucket a step (the group): steps 5 to 7
@@ -467,21 +478,23 @@ TEST(AgreementRounds, ARoundThatCannotLeaveItsGroupVotesNoAndTheAnchorMovesOn) {
   EXPECT_EQ(rank.call(), Kind::Nccl);
   rank.fakes.group = {};
   EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
-  EXPECT_EQ(rank.fakes.rounds_launched, 1);
+  EXPECT_EQ(rank.fakes.rounds_launched, 2);  // the hello, and this one
   EXPECT_EQ(rank.fakes.group_ends, 0);
   EXPECT_EQ(rank.fakes.group_starts, 0);
-  ASSERT_EQ(rank.fakes.contributed.size(), 1u);
-  EXPECT_TRUE(rank.fakes.contributed[0].header.flags & kIssuedInGroup);
+  ASSERT_EQ(rank.fakes.contributed.size(), 2u);
+  EXPECT_TRUE(rank.fakes.contributed[1].header.flags & kIssuedInGroup);
   rank.run_to(11);
-  EXPECT_EQ(rank.fakes.results_read, 0);  // voted no: the answer is known without reading
+  EXPECT_EQ(rank.fakes.results_read, 1);  // the hello; voted no: the answer is known unread
   const trace::AgreementRecord* read = rank.find(trace::RoundEvent::Read, RoundKind::Propose);
   ASSERT_NE(read, nullptr);
   EXPECT_EQ(read->seq, 9u);
   EXPECT_EQ(read->reason, static_cast<uint8_t>(Reason::AnchorInGroup));
   // The anchor is now position 1: the next propose is issued at index 10, read at 13.
-  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose}, {10, RoundKind::Propose}}));
+  EXPECT_EQ(rank.issued(),
+            (Issued{{0, RoundKind::Hello}, {6, RoundKind::Propose}, {10, RoundKind::Propose}}));
   const std::vector<Kind> kinds = rank.steps(4);
-  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose},
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
+                                   {6, RoundKind::Propose},
                                    {10, RoundKind::Propose},
                                    {13, RoundKind::Publish},
                                    {16, RoundKind::Confirm}}));
@@ -543,12 +556,13 @@ TEST(AgreementRounds, TheCostTrialAlternatesAndKeepsNcclWhereNcclWasFaster) {
     EXPECT_EQ(at(step, 1), Kind::Nccl) << "step " << step;
     EXPECT_EQ(at(step, 2), Kind::Nccl) << "step " << step;
   }
-  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose},
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
+                                   {6, RoundKind::Propose},
                                    {9, RoundKind::Publish},
                                    {12, RoundKind::Confirm},
                                    {27, RoundKind::Cost},
                                    {39, RoundKind::Propose}}));
-  const Contribution& cost = rank.fakes.contributed[3];
+  const Contribution& cost = rank.fakes.contributed[4];
   ASSERT_EQ(cost.costs.size(), 2u);
   for (const BucketCost& b : cost.costs) {
     EXPECT_EQ(b.moved_ns, 500u);
@@ -585,8 +599,8 @@ TEST(AgreementRounds, ATimerThatCannotStopLeavesTheTrialUnmeasured) {
   EXPECT_EQ(kinds[16], Kind::TrialNccl);
   EXPECT_EQ(kinds[19], Kind::Move);
   EXPECT_EQ(rank.fakes.nccl_gathers, 4);
-  ASSERT_GE(rank.fakes.contributed.size(), 4u);
-  const Contribution& cost = rank.fakes.contributed[3];
+  ASSERT_GE(rank.fakes.contributed.size(), 5u);
+  const Contribution& cost = rank.fakes.contributed[4];
   ASSERT_EQ(cost.costs.size(), 2u);
   for (const BucketCost& b : cost.costs) {
     EXPECT_EQ(b.moved_ns, 0u);
@@ -600,14 +614,14 @@ TEST(AgreementRounds, ATimerThatCannotStopLeavesTheTrialUnmeasured) {
 TEST(AgreementRounds, ReagreeZeroMeansNoFurtherRounds) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_REAGREE_STEPS", "0"}});
   const std::vector<Kind> kinds = rank.steps(40);
-  EXPECT_EQ(rank.fakes.rounds_launched, 3);
+  EXPECT_EQ(rank.fakes.rounds_launched, 4);  // hello, propose, publish, confirm
   EXPECT_EQ(kinds.back(), Kind::Move);
   Rank0 refused(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_REAGREE_STEPS", "0"}});
   refused.fakes.peer = [](int r, Contribution& c) {
     if (r == 1) c.header.host = 7;  // a peer on another node
   };
   refused.steps(40);
-  EXPECT_EQ(refused.issued(), (Issued{{6, RoundKind::Propose}}));
+  EXPECT_EQ(refused.issued(), (Issued{{0, RoundKind::Hello}, {6, RoundKind::Propose}}));
 }
 
 // MAGI_DRY_RUN=1: the read propose activates a plan that only reports (WouldMove); no window.
@@ -617,7 +631,7 @@ TEST(AgreementRounds, DryRunReportsWouldMoveAndMovesNothing) {
   for (uint64_t i = 0; i < 10; ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
   for (uint64_t i = 10; i < kinds.size(); ++i)
     EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::WouldMove) << "call " << i;
-  EXPECT_EQ(rank.issued(), (Issued{{6, RoundKind::Propose}}));
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}, {6, RoundKind::Propose}}));
   EXPECT_EQ(rank.fakes.transports_made, 0);
   EXPECT_EQ(rank.fakes.nccl_gathers, 0);  // the shim forwards WouldMove calls, not rewrite/
   const trace::AgreementRecord* on = rank.find(trace::RoundEvent::Activated, RoundKind::Propose);
@@ -664,6 +678,163 @@ TEST(AgreementRounds, AThrowAtTheGroupsEndFailsTheMovedCallsNotYetServed) {
   EXPECT_EQ(group_ended(ncclSuccess), ncclInternalError);
   EXPECT_EQ(rank.fakes.transport_gathers, rank.fakes.gathers_before_throw);
   EXPECT_EQ(rank.fakes.nccl_gathers, 0);
+}
+
+// The hello: issued at the first collective not captured into a CUDA graph (the round's
+// all-gather must run now), before any other round, carrying this rank's schedule settings.
+TEST(AgreementRounds, TheHelloIsIssuedAtTheFirstCollectiveNotCaptured) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.capturing = true;
+  rank.call();
+  rank.call();
+  EXPECT_EQ(rank.fakes.rounds_launched, 0);
+  rank.capturing = false;
+  rank.call();
+  EXPECT_EQ(rank.fakes.rounds_launched, 1);
+  EXPECT_EQ(rank.issued(), (Issued{{2, RoundKind::Hello}}));
+  ASSERT_EQ(rank.fakes.contributed.size(), 1u);
+  const Contribution& hello = rank.fakes.contributed[0];
+  EXPECT_EQ(hello.header.kind, static_cast<uint8_t>(RoundKind::Hello));
+  EXPECT_EQ(hello.header.round, 0u);
+  ScheduleSettings s{};
+  ASSERT_EQ(hello.table.size(), sizeof s);
+  std::memcpy(&s, hello.table.data(), sizeof s);
+  EXPECT_EQ(s.warmup_steps, 2);
+  EXPECT_EQ(s.reagree_steps, 8);
+  EXPECT_EQ(s.max_step_calls, 4096);
+  EXPECT_EQ(s.ce_force, 1);
+  EXPECT_EQ(s.backend, static_cast<uint8_t>(Options::Backend::Host));
+  EXPECT_EQ(s.transport, static_cast<uint8_t>(Options::Transport::CopyEngine));
+  EXPECT_EQ(s.backend_available, 1);
+  rank.run_to(7);
+  EXPECT_EQ(rank.issued(), (Issued{{2, RoundKind::Hello}, {6, RoundKind::Propose}}));
+}
+
+// Read where the first other round is due (the propose at index 6), not before: until then a
+// rank has no reason to wait for it.
+TEST(AgreementRounds, TheHelloIsReadOnlyWhenTheFirstRoundIsDue) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.run_to(6);
+  EXPECT_EQ(rank.fakes.results_read, 0);
+  EXPECT_EQ(rank.find(trace::RoundEvent::Read, RoundKind::Hello), nullptr);
+  rank.call();
+  EXPECT_EQ(rank.fakes.results_read, 1);
+  const trace::AgreementRecord* read = rank.find(trace::RoundEvent::Read, RoundKind::Hello);
+  ASSERT_NE(read, nullptr);
+  EXPECT_EQ(read->seq, 6u);
+  EXPECT_EQ(read->reason, static_cast<uint8_t>(Reason::None));
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}, {6, RoundKind::Propose}}));
+}
+
+ScheduleSettings settings_in(const Contribution& c) {
+  ScheduleSettings s{};
+  EXPECT_EQ(c.table.size(), sizeof s);
+  std::memcpy(&s, c.table.data(), std::min(sizeof s, c.table.size()));
+  return s;
+}
+
+// A peer whose settings differ (or that cannot take part): nothing is issued after the hello,
+// every call stays on NCCL, and the read says why.
+TEST(AgreementRounds, DifferingSettingsIssueNothingAfterTheHello) {
+  const std::vector<std::function<void(ScheduleSettings&)>> skews = {
+      [](ScheduleSettings& s) { s.warmup_steps = 5; },
+      [](ScheduleSettings& s) { s.reagree_steps = 10; },
+      [](ScheduleSettings& s) { s.max_step_calls = 3; },
+      [](ScheduleSettings& s) { s.ce_force = 0; },
+      [](ScheduleSettings& s) { s.transport = static_cast<uint8_t>(Options::Transport::Nccl); },
+      [](ScheduleSettings& s) { s.backend = static_cast<uint8_t>(Options::Backend::Cuda); },
+      [](ScheduleSettings& s) { s.backend_available = 0; }};
+  for (size_t k = 0; k < skews.size(); ++k) {
+    Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+    rank.fakes.peer = [&](int r, Contribution& c) {
+      if (r != 3 || c.header.kind != static_cast<uint8_t>(RoundKind::Hello)) return;
+      ScheduleSettings s = settings_in(c);
+      skews[k](s);
+      c.table = hello_payload(s);
+    };
+    const std::vector<Kind> kinds = rank.steps(30);
+    EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}})) << "skew " << k;
+    EXPECT_EQ(rank.fakes.rounds_launched, 1) << "skew " << k;
+    for (const Kind kind : kinds) EXPECT_EQ(kind, Kind::Nccl) << "skew " << k;
+    const trace::AgreementRecord* read = rank.find(trace::RoundEvent::Read, RoundKind::Hello);
+    ASSERT_NE(read, nullptr) << "skew " << k;
+    EXPECT_EQ(read->seq, 6u);
+    EXPECT_EQ(read->reason, static_cast<uint8_t>(Reason::SettingsDiffer)) << "skew " << k;
+  }
+}
+
+// Inside a group holding Send/Recv the hello cannot be launched alone: this rank votes no and
+// never waits for it; a peer that voted no keeps this rank off too.
+TEST(AgreementRounds, AHelloInASendRecvGroupVotesNoAndNothingFollows) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.fakes.group = {1, true, 2};
+  rank.call();
+  rank.fakes.group = {};
+  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  EXPECT_EQ(rank.fakes.group_ends, 0);  // not launched early
+  ASSERT_EQ(rank.fakes.contributed.size(), 1u);
+  EXPECT_TRUE(rank.fakes.contributed[0].header.flags & kIssuedInGroup);
+  const std::vector<Kind> kinds = rank.steps(20);
+  EXPECT_EQ(rank.fakes.results_read, 0);
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}}));
+  for (const Kind kind : kinds) EXPECT_EQ(kind, Kind::Nccl);
+  const trace::AgreementRecord* read = rank.find(trace::RoundEvent::Read, RoundKind::Hello);
+  ASSERT_NE(read, nullptr);
+  EXPECT_EQ(read->reason, static_cast<uint8_t>(Reason::AnchorInGroup));
+
+  Rank0 other(Env{{"MAGI_CE_FORCE", "1"}});
+  other.fakes.peer = [](int r, Contribution& c) {
+    if (r == 2 && c.header.kind == static_cast<uint8_t>(RoundKind::Hello))
+      c.header.flags |= kIssuedInGroup;
+  };
+  other.steps(20);
+  EXPECT_EQ(other.issued(), (Issued{{0, RoundKind::Hello}}));
+  const trace::AgreementRecord* seen = other.find(trace::RoundEvent::Read, RoundKind::Hello);
+  ASSERT_NE(seen, nullptr);
+  EXPECT_EQ(seen->reason, static_cast<uint8_t>(Reason::AnchorInGroup));
+}
+
+// In an ordinary open group the hello is launched alone (the group so far first) and read like
+// any round: the plan still comes.
+TEST(AgreementRounds, AHelloInAnOrdinaryGroupIsLaunchedAloneAndReadLater) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.fakes.group = {1, false, 1};
+  rank.call();
+  rank.fakes.group = {};
+  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  EXPECT_EQ(rank.fakes.group_ends, 1);
+  EXPECT_EQ(rank.fakes.group_starts, 1);
+  ASSERT_EQ(rank.fakes.contributed.size(), 1u);
+  EXPECT_FALSE(rank.fakes.contributed[0].header.flags & kIssuedInGroup);
+  rank.run_to(16);
+  EXPECT_EQ(rank.call(), Kind::Move);  // as without the group (AnAgreedPlanMoves...)
+}
+
+// MAGI_TRANSPORT=nccl: the hello still goes (the peers' rounds would meet this rank's calls
+// otherwise), nothing else does, and it is never waited for.
+TEST(AgreementRounds, TransportNcclSaysHelloAndNothingElse) {
+  Rank0 rank(Env{{"MAGI_TRANSPORT", "nccl"}});
+  const std::vector<Kind> kinds = rank.steps(20);
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}}));
+  EXPECT_EQ(rank.fakes.rounds_launched, 1);
+  for (const Kind kind : kinds) EXPECT_EQ(kind, Kind::Nccl);
+  EXPECT_EQ(settings_in(rank.fakes.contributed.at(0)).transport,
+            static_cast<uint8_t>(Options::Transport::Nccl));
+  // Every rank said nccl: nothing to tell.
+  EXPECT_EQ(rank.find(trace::RoundEvent::Read, RoundKind::Hello), nullptr);
+
+  Rank0 alone(Env{{"MAGI_TRANSPORT", "nccl"}});
+  alone.fakes.peer = [](int r, Contribution& c) {
+    if (r != 1 || c.header.kind != static_cast<uint8_t>(RoundKind::Hello)) return;
+    ScheduleSettings s = settings_in(c);
+    s.transport = static_cast<uint8_t>(Options::Transport::CopyEngine);
+    c.table = hello_payload(s);
+  };
+  alone.steps(3);
+  const trace::AgreementRecord* read = alone.find(trace::RoundEvent::Read, RoundKind::Hello);
+  ASSERT_NE(read, nullptr);  // read once complete, to say why
+  EXPECT_EQ(read->reason, static_cast<uint8_t>(Reason::SettingsDiffer));
+  EXPECT_EQ(alone.issued().size(), 1u);
 }
 
 }  // namespace

@@ -138,6 +138,10 @@ LaunchResult launch(const LaunchSpec& spec) {
     };
     if (own_tag) overrides.push_back({"STANDIN_SHM_TAG", tag});
     overrides.insert(overrides.end(), spec.env.begin(), spec.env.end());
+    if (static_cast<size_t>(rank) < spec.rank_env.size()) {
+      const auto& mine = spec.rank_env[static_cast<size_t>(rank)];
+      overrides.insert(overrides.end(), mine.begin(), mine.end());
+    }
     std::vector<std::string> env_strings = environment_with(overrides);
     std::vector<char*> envp = pointers_to(env_strings);
     const std::string out_path = dir + "/rank" + std::to_string(rank) + ".out";

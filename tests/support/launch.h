@@ -17,6 +17,8 @@ struct LaunchSpec {
   int nranks = 1;
   std::vector<std::string> argv;  // argv[0] is looked up in PATH unless it has a '/'
   std::vector<std::pair<std::string, std::string>> env;
+  // Per rank (index = rank; fewer entries than ranks: the rest get none), applied after `env`.
+  std::vector<std::vector<std::pair<std::string, std::string>>> rank_env;
   double timeout_s = 60;        // <= 0: no limit
   bool capture_output = false;  // else the ranks share the caller's stdout and stderr
 };

@@ -606,6 +606,35 @@ TEST_F(MagiceTraceDecisions, ACommitThatFailedIsShownAfterItsRound) {
   EXPECT_FALSE(contains(run.out, "activated")) << run.out;
 }
 
+// A communicator kept on NCCL by its settings check: no round read, and each rank that read the
+// hello says why; the rank that never read it (MAGI_TRANSPORT=nccl) is no disagreement.
+TEST_F(MagiceTraceDecisions, SettingsThatDifferAreShownPerRank) {
+  std::vector<std::string> files;
+  for (int32_t r = 0; r < 3; ++r) {
+    TraceBuilder b(make_file_header(1000 + r, "node0", "infer"));
+    b.comm(make_comm(kWorld, r, 3));
+    b.call(make_call(kWorld, r, 0, CallSpec{}));
+    b.agreement(make_agreement(kWorld, r, {0, RoundKind::Hello, RoundEvent::Issued, 0}));
+    if (r != 1)
+      b.agreement(make_agreement(kWorld, r,
+                                 {0, RoundKind::Hello, RoundEvent::Read, 9, AgreementMode::None, 0,
+                                  0, Reason::SettingsDiffer}));
+    files.push_back(dir_ + "/hello" + std::to_string(r) + ".trace");
+    b.write(files.back());
+  }
+  const ToolRun run = tool(with({"decisions"}, files));
+  EXPECT_EQ(run.status, 0) << run.out << run.err;
+  for (const int r : {0, 2})
+    EXPECT_TRUE(contains(run.out, "comm 3f2a0c1d9e7b rank " + std::to_string(r) +
+                                      ": round 0 hello read at collective #9: nothing leaves "
+                                      "NCCL (the ranks' schedule settings differ"))
+        << run.out;
+  EXPECT_FALSE(contains(run.out, "rank 1: round 0")) << run.out;
+  const ToolRun json = tool(with({"decisions", "--json"}, files));
+  EXPECT_EQ(json.status, 0) << json.out << json.err;
+  EXPECT_TRUE(contains(json.out, "\"hello_refused\":[{\"rank\":0,\"collective\":9,")) << json.out;
+}
+
 TEST_F(MagiceTraceDecisions, DryRunRoundsSayWouldMove) {
   std::vector<std::string> files;
   for (int32_t r = 0; r < 2; ++r) {

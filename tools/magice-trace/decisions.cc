@@ -33,7 +33,9 @@ constexpr std::string_view kUsage =
     "  gather and rank, by position in the step: moved, would move (MAGI_DRY_RUN), or stays and\n"
     "  why. Checks that the ranks of each communicator read the same round and decided the same\n"
     "  verdict for every gather. Last, per communicator and rank, what it got: its all-gathers\n"
-    "  (and bytes) served off NCCL, those that fell back to NCCL, and the first moved.\n"
+    "  (and bytes) served off NCCL, those that fell back to NCCL, and the first moved. A\n"
+    "  communicator kept on NCCL by its first collective's settings check (settings that\n"
+    "  differ between ranks) says so, per rank.\n"
     "  --all   every round read, not only the last\n"
     "  --json  the same as JSON on stdout\n"
     "  Exit status: 0 the ranks agree, 1 they do not (\"ranks disagree on comm ...\"), 2 bad\n"
@@ -274,6 +276,10 @@ void print_text(const std::vector<CommRounds>& comms, const std::vector<std::vec
     } else {
       for (const Block& block : blocks[c]) print_block(block);
     }
+    for (const RankRounds& r : comms[c].ranks)
+      if (r.hello_refused != nullptr)
+        std::printf("comm %s rank %d: %s\n", comm_label(comms[c].comm_id).c_str(), r.rank,
+                    route_change_text(*r.hello_refused).c_str());
     print_coverage(comms[c].comm_id, coverage, comms[c].any_read());
   }
 }
@@ -333,6 +339,16 @@ void print_json(const std::vector<CommRounds>& comms, const std::vector<std::vec
       }
       disagreements.insert(disagreements.end(), block.disagreements.begin(),
                            block.disagreements.end());
+    }
+    out += "],\"hello_refused\":[";
+    first = true;
+    for (const RankRounds& r : comms[c].ranks) {
+      if (r.hello_refused == nullptr) continue;
+      out += first ? "" : ",";
+      first = false;
+      out += "{\"rank\":" + std::to_string(r.rank) +
+             ",\"collective\":" + std::to_string(r.hello_refused->seq) +
+             ",\"reason\":" + json_reason(r.hello_refused->reason) + "}";
     }
     out += "],\"disagreements\":[";
     for (size_t i = 0; i < disagreements.size(); ++i) {

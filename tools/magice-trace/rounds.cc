@@ -28,6 +28,7 @@ bool is_propose_read(const AgreementRecord& r) {
 // with a reason): without the latter, a round that never took effect would look silent.
 bool is_route_change(const AgreementRecord& r) {
   const bool commit_failed = r.kind != static_cast<uint8_t>(RoundKind::Propose) &&
+                             r.kind != static_cast<uint8_t>(RoundKind::Hello) &&
                              is(r, RoundEvent::Read) && r.reason != 0;
   return is(r, RoundEvent::Activated) || is(r, RoundEvent::Deactivated) || commit_failed;
 }
@@ -149,7 +150,11 @@ std::vector<CommRounds> rounds_of(const std::vector<trace::Trace>& traces) {
     for (const auto& [rank, collected] : ranks) {
       comm.any_agreement =
           comm.any_agreement || !collected.agreements.empty() || !collected.decisions.empty();
-      comm.ranks.push_back({rank, read_rounds(collected)});
+      RankRounds& r = comm.ranks.emplace_back(RankRounds{rank, read_rounds(collected)});
+      for (const AgreementRecord* a : collected.agreements)
+        if (a->kind == static_cast<uint8_t>(RoundKind::Hello) && is(*a, RoundEvent::Read) &&
+            a->reason != 0)
+          r.hello_refused = a;
     }
   }
   return comms;

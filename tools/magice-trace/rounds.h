@@ -31,6 +31,8 @@ struct ReadRound {
 struct RankRounds {
   int32_t rank = -1;
   std::vector<ReadRound> rounds;  // by round number
+  // The hello's read when it kept the communicator on NCCL (settings differ, ...); else null.
+  const trace::AgreementRecord* hello_refused = nullptr;
 };
 
 struct CommRounds {
