@@ -113,7 +113,9 @@ std::string_view reason_name(Reason reason) {
        "communicator not agreeable (ncclCommInitAll, non-blocking, or unknown)",
        "static bindings would pass MAGI_BIND_MAX_MIB",
        "static weights changed after binding",
-       "NCCL was faster for its bucket (timed both ways)"},
+       "NCCL was faster for its bucket (timed both ways)",
+       "the step was refined: every rank sees a step of several shape steps, each gather its "
+       "own position"},
       0, "reason#");
   return names[static_cast<uint8_t>(reason)];
 }

@@ -217,6 +217,7 @@ enum class Reason : uint8_t {
   BindTooLarge,       // static weights: the bindings would pass MAGI_BIND_MAX_MIB
   BindingChanged,     // static weights: the shard changed after it was bound (verification)
   NcclFaster,         // timed both ways during the trial: NCCL completed its bucket sooner
+  StepRefined,        // every rank proposed the same longer step: rounds restart on it
   Count
 };
 
