@@ -227,6 +227,40 @@ TEST(Agreement, IdenticalStepsMoveEveryStableGatherOnEveryRank) {
   }
 }
 
+// Every layer the same shard size and nothing else on the communicator: by shapes a step of one
+// gather, whose one position sees a new send buffer at every call. Each rank's own facts repeat
+// every 5 calls; the ranks agree on that refined step and the gathers move, bytes checked by the
+// workload at every call.
+TEST(Agreement, IdenticalShapesMoveOnceTheRanksAgreeOnARefinedStep) {
+  for (const int n : {2, 4}) {
+    const AgreedRun r =
+        run_agreed(n, fsdp({"--uniform", "1"}, 60), {{"MAGI_REAGREE_STEPS", "16"}});
+    ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+    ASSERT_EQ(r.comms.size(), 1u);
+    expect_ranks_agree(r);
+    EXPECT_TRUE(has_line(r.log, "round [0-9]+: the step is 5 collectives \\(5 shape steps\\): "
+                                "each gather keeps its own position"))
+        << transcript(r);
+    const uint64_t comm = r.comm_ids()[0];
+    for (int rank = 0; rank < n; ++rank) {
+      const RankView& v = r.view(comm, rank);
+      size_t refined = 0;
+      for (const auto& a : rounds_with(v, RoundKind::Propose, RoundEvent::Read))
+        refined += a.reason == static_cast<uint8_t>(Reason::StepRefined);
+      EXPECT_EQ(refined, 1u) << "rank " << rank;
+      const auto on = rounds_with(v, RoundKind::Confirm, RoundEvent::Activated);
+      ASSERT_FALSE(on.empty()) << "rank " << rank << "\n" << transcript(r);
+      EXPECT_EQ(on[0].period, 5u);
+      EXPECT_EQ(on[0].moved, 5u);
+      // 300 gathers in all; once stable, every one of them moves.
+      ASSERT_FALSE(v.moved.empty());
+      EXPECT_GE(v.moved.size(), 150u) << "rank " << rank;
+      EXPECT_EQ(v.moved.back() - v.moved.front() + 1, v.moved.size()) << "rank " << rank;
+    }
+    EXPECT_TRUE(has_line(r.log, "[0-9]+ of 300 all-gathers .* served off NCCL")) << transcript(r);
+  }
+}
+
 TEST(Agreement, DifferentCallSitesAgreeBySlot) {
   const AgreedRun r = run_agreed(3, fsdp({"--callsite-rank", "1"}));
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
