@@ -42,8 +42,8 @@ StepDetector::StepDetector(uint32_t max_step_calls)
   step_.reserve(max_period_);
 }
 
+// The ring needs no clearing: only keys pushed since (indices below n_) are ever read.
 void StepDetector::reset() {
-  std::fill(ring_.begin(), ring_.end(), uint64_t{0});
   window_.fill(0);
   std::fill(last_.begin(), last_.end(), LastSeenSet{});
   n_ = 0;

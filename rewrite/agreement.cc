@@ -53,6 +53,10 @@ CommAgreement::CommAgreement(ncclComm_t comm, const capture::CommInfo& info, Agr
               "loaded the CUDA driver (MAGI_BACKEND=host serves host buffers)",
               short_id(info_.identity));
   }
+  // Made here, not at the call that finds the step: the call path allocates nothing.
+  if (agreeable_)
+    own_steps_ =
+        std::make_unique<capture::StepDetector>(static_cast<uint32_t>(options_.max_step_calls));
 }
 
 CommAgreement::~CommAgreement() {
@@ -175,11 +179,7 @@ void CommAgreement::forget_refinement(const capture::StepView& view) {
   refined_phase_ = 0;
   shape_period_ = view.period;
   shape_origin_ = view.collective_index - view.position;
-  if (!own_steps_)
-    own_steps_ = std::make_unique<capture::StepDetector>(
-        static_cast<uint32_t>(options_.max_step_calls));
-  else
-    own_steps_->reset();
+  if (own_steps_) own_steps_->reset();
 }
 
 // O(1), allocation-free: one hash and one push of the detector.
