@@ -198,8 +198,8 @@ void CommAgreement::propose_refinement(ContributionHeader& h) const {
   if (!own_steps_ || !own_steps_->found() || shape_period_ == 0) return;
   const uint32_t period = own_steps_->period();
   const uint32_t current = seen_.period();
-  if (period % shape_period_ != 0 || period <= shape_period_ || period == current ||
-      current == 0 || current % shape_period_ != 0)
+  if (period % shape_period_ != 0 || period <= shape_period_ || period == current || current == 0 ||
+      current % shape_period_ != 0)
     return;
   uint64_t gathers = 0;
   for (uint32_t pos = 0; pos < current; ++pos)

@@ -140,11 +140,10 @@ class CommAgreement {
   // The call's position in the step rounds and routes follow: the shape step's, or the agreed
   // refined step's (both shared facts).
   uint32_t position_of(const capture::StepView& view) const {
-    return refined_period_ == 0
-               ? view.position
-               : static_cast<uint32_t>((view.collective_index % refined_period_ +
-                                        refined_period_ - refined_phase_) %
-                                       refined_period_);
+    return refined_period_ == 0 ? view.position
+                                : static_cast<uint32_t>((view.collective_index % refined_period_ +
+                                                         refined_period_ - refined_phase_) %
+                                                        refined_period_);
   }
   void forget_refinement(const capture::StepView& view);
   void watch_own_facts(const capture::CallRecord& record, const capture::StepView& view);
@@ -186,7 +185,7 @@ class CommAgreement {
   // shape step is found: a longer period there is what a refinement proposes.
   std::unique_ptr<capture::StepDetector> own_steps_;
   uint32_t shape_period_ = 0;
-  uint64_t shape_origin_ = 0;  // collective index of a position 0 of the shape step
+  uint64_t shape_origin_ = 0;    // collective index of a position 0 of the shape step
   uint32_t refined_period_ = 0;  // agreed; 0: rounds follow the shape step
   uint32_t refined_phase_ = 0;   // collective index of refined position 0, mod refined_period_
   std::unique_ptr<Round> pending_;

@@ -241,13 +241,13 @@ TEST(Agreement, IdenticalStepsMoveEveryStableGatherOnEveryRank) {
 // workload at every call.
 TEST(Agreement, IdenticalShapesMoveOnceTheRanksAgreeOnARefinedStep) {
   for (const int n : {2, 4}) {
-    const AgreedRun r =
-        run_agreed(n, fsdp({"--uniform", "1"}, 60), {{"MAGI_REAGREE_STEPS", "16"}});
+    const AgreedRun r = run_agreed(n, fsdp({"--uniform", "1"}, 60), {{"MAGI_REAGREE_STEPS", "16"}});
     ASSERT_TRUE(r.result.all_ok()) << transcript(r);
     ASSERT_EQ(r.comms.size(), 1u);
     expect_ranks_agree(r);
-    EXPECT_TRUE(has_line(r.log, "round [0-9]+: the step is 5 collectives \\(5 shape steps\\): "
-                                "each gather keeps its own position"))
+    EXPECT_TRUE(has_line(r.log,
+                         "round [0-9]+: the step is 5 collectives \\(5 shape steps\\): "
+                         "each gather keeps its own position"))
         << transcript(r);
     const uint64_t comm = r.comm_ids()[0];
     for (int rank = 0; rank < n; ++rank) {

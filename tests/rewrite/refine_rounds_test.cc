@@ -28,8 +28,7 @@ using Kind = Route::Kind;
 using RoundTable = std::map<std::pair<uint32_t, uint8_t>, std::vector<std::vector<uint8_t>>>;
 RoundTable* g_rounds = nullptr;
 
-ncclResult_t fake_all_gather(const void*, void*, size_t, ncclDataType_t, ncclComm_t,
-                             cudaStream_t) {
+ncclResult_t fake_all_gather(const void*, void*, size_t, ncclDataType_t, ncclComm_t, cudaStream_t) {
   return ncclSuccess;
 }
 ncclResult_t fake_group() { return ncclSuccess; }
@@ -53,7 +52,8 @@ class TableExchange : public ce::Exchange {
   std::span<const uint8_t> result() override {
     recv_.clear();
     for (const std::vector<uint8_t>& slot : (*g_rounds)[round_]) {
-      EXPECT_EQ(slot.size(), kContributionBytes) << "a rank did not take part in round " << round_.first;
+      EXPECT_EQ(slot.size(), kContributionBytes)
+          << "a rank did not take part in round " << round_.first;
       recv_.insert(recv_.end(), slot.begin(), slot.end());
       recv_.resize(recv_.size() + kContributionBytes - slot.size());
     }
@@ -180,8 +180,8 @@ class World {
       record.recvbuf = reinterpret_cast<uint64_t>(recv.data());
       capture::StepView view;
       view.collective = true;
-      view.event = index == 0 ? capture::StepDetector::Event::Found
-                              : capture::StepDetector::Event::None;
+      view.event =
+          index == 0 ? capture::StepDetector::Event::Found : capture::StepDetector::Event::None;
       view.found = true;
       view.position = 0;
       view.period = 1;
@@ -189,9 +189,9 @@ class World {
       view.repeats = index;
       view.collective_index = index;
       const Outcome outcome = intercept(r->agreement, args, record, view);
-      r->routes.push_back(!outcome.served ? Kind::Nccl
+      r->routes.push_back(!outcome.served                      ? Kind::Nccl
                           : (record.flags & trace::kCallMoved) ? Kind::Move
-                                                                : Kind::TrialNccl);
+                                                               : Kind::TrialNccl);
     }
   }
   void run_to(uint64_t index, const std::function<float*(Rank&, int)>& buffer = nullptr) {
@@ -286,8 +286,8 @@ TEST(RefinedStep, ARankLocalBufferChangeNeverSplitsRoutes) {
   // Rank 0 recorded why: rank 2 refused that gather.
   bool refused = false;
   for (const trace::DecisionRecord& d : world.ranks[0]->decisions)
-    refused = refused || (d.reason == static_cast<uint8_t>(Reason::OtherRankRefused) &&
-                          d.refused_by == 2);
+    refused = refused ||
+              (d.reason == static_cast<uint8_t>(Reason::OtherRankRefused) && d.refused_by == 2);
   EXPECT_TRUE(refused);
 }
 
