@@ -269,6 +269,23 @@ TEST(Agreement, IdenticalShapesMoveOnceTheRanksAgreeOnARefinedStep) {
   }
 }
 
+// The same program with static weights: each layer's shard is bound once at its own refined
+// position, and every gathered byte is still the layer's own (the workload checks each call).
+TEST(Agreement, IdenticalShapesWithStaticWeightsBindEachLayerAtItsOwnPosition) {
+  const AgreedRun r = run_agreed(4, {"fsdp", "--layers", "6", "--steps", "60", "--uniform", "1"},
+                                 {{"MAGI_REAGREE_STEPS", "16"}, {"MAGI_STATIC_WEIGHTS", "1"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  EXPECT_TRUE(has_line(r.log, "static weights: 6 gathers: .* 6 bound")) << transcript(r);
+  const uint64_t comm = r.comm_ids()[0];
+  for (int rank = 0; rank < 4; ++rank) {
+    const auto on = rounds_with(r.view(comm, rank), RoundKind::Confirm, RoundEvent::Activated);
+    ASSERT_FALSE(on.empty()) << transcript(r);
+    EXPECT_EQ(on[0].period, 6u);
+    EXPECT_GE(r.view(comm, rank).moved.size(), 180u) << "rank " << rank;  // of 360
+  }
+}
+
 TEST(Agreement, DifferentCallSitesAgreeBySlot) {
   const AgreedRun r = run_agreed(3, fsdp({"--callsite-rank", "1"}));
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
