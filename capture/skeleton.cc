@@ -42,6 +42,23 @@ StepDetector::StepDetector(uint32_t max_step_calls)
   step_.reserve(max_period_);
 }
 
+// The ring needs no clearing: only keys pushed since (indices below n_) are ever read.
+void StepDetector::reset() {
+  window_.fill(0);
+  std::fill(last_.begin(), last_.end(), LastSeenSet{});
+  n_ = 0;
+  candidate_ = 0;
+  run_ = 0;
+  period_ = 0;
+  origin_ = 0;
+  position_ = 0;
+  repeats_ = 0;
+  digest_ = 0;
+  step_.clear();
+  lost_period_ = 0;
+  lost_digest_ = 0;
+}
+
 // Records that the context ending at key n occurred, and returns the distance to its previous
 // occurrence: 0 when there is none within max_period.
 uint32_t StepDetector::remember_context(uint64_t n) {

@@ -59,6 +59,8 @@ class StepDetector {
   static constexpr uint32_t kContextKeys = 8;
 
   explicit StepDetector(uint32_t max_step_calls);
+  // Starts over as if newly made, keeping its memory (clears the 64 KiB table: not per call).
+  void reset();
 
   // Feeds the next collective's shape key.
   Event push(uint64_t key);

@@ -114,7 +114,9 @@ std::string_view reason_name(Reason reason) {
        "static bindings would pass MAGI_BIND_MAX_MIB",
        "static weights changed after binding",
        "NCCL was faster for its bucket (timed both ways)",
-       "the ranks' schedule settings differ (MAGI_WARMUP_STEPS, ...), or a rank cannot take part"},
+       "the ranks' schedule settings differ (MAGI_WARMUP_STEPS, ...), or a rank cannot take part",
+       "the step was refined: every rank sees a step of several shape steps, each gather its "
+       "own position"},
       0, "reason#");
   return names[static_cast<uint8_t>(reason)];
 }

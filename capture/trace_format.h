@@ -222,6 +222,7 @@ enum class Reason : uint8_t {
   BindingChanged,     // static weights: the shard changed after it was bound (verification)
   NcclFaster,         // timed both ways during the trial: NCCL completed its bucket sooner
   SettingsDiffer,     // the ranks' schedule settings differ, or some rank cannot take part
+  StepRefined,        // every rank proposed the same longer step: rounds restart on it
   Count
 };
 

@@ -4,6 +4,9 @@
 #include <cstdint>
 #include <string>
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 namespace magi::rewrite {
 namespace {
 
@@ -53,6 +56,10 @@ CommAgreement::CommAgreement(ncclComm_t comm, const capture::CommInfo& info, Agr
               "loaded the CUDA driver (MAGI_BACKEND=host serves host buffers)",
               short_id(info_.identity));
   }
+  // Made here, not at the call that finds the step: the call path allocates nothing.
+  if (agreeable_)
+    own_steps_ =
+        std::make_unique<capture::StepDetector>(static_cast<uint32_t>(options_.max_step_calls));
 }
 
 CommAgreement::~CommAgreement() {
@@ -113,25 +120,30 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   if (!view.found) return {};
   if (view.event == capture::StepDetector::Event::Found || view.digest != step_digest_)
     restart(view);
-  if (view.position == 0) seen_.begin_step();
-  if (view.position == schedule_.anchor()) {
+  if (seen_.has_gathers()) watch_own_facts(record, view);
+  uint32_t position = position_of(view);
+  if (position == 0) seen_.begin_step();
+  if (position == schedule_.anchor()) {
     schedule_.pass_anchor();
-    if (anchor_has_work() && !capture::stream_capturing(args, record)) at_anchor(view);
+    if (anchor_has_work() && !capture::stream_capturing(args, record)) {
+      at_anchor(view);
+      position = position_of(view);  // a refinement read here renumbers this very call
+    }
   }
-  seen_.observe(view.position, facts, backend_);
+  seen_.observe(position, facts, backend_);
 
   const bool capturing = (record.flags & trace::kCallCapturing) != 0;  // asked for gathers
   if (active_ && !capturing && view.digest == active_digest_ && gather &&
-      view.position < layout_.offset_by_position.size()) {
-    const size_t offset = layout_.offset_by_position[view.position];
+      position < layout_.offset_by_position.size()) {
+    const size_t offset = layout_.offset_by_position[position];
     if (offset != SIZE_MAX) {
       Route::Kind kind = active_dry_ ? Route::Kind::WouldMove : Route::Kind::Move;
       if (trial_.sends_to_nccl(schedule_.steps())) kind = Route::Kind::TrialNccl;
-      Route route{kind, offset, layout_.bucket_by_position[view.position]};
+      Route route{kind, offset, layout_.bucket_by_position[position]};
       route.plan = active_plan_;
       if (kind == Route::Kind::Move && !sources_.empty()) {
         const BoundSources::Found found =
-            sources_.find(view.position, record.sendbuf,
+            sources_.find(position, record.sendbuf,
                           args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)), offset);
         route.slot_offset = found.slot_offset;
         route.verify_now = found.verify_now;
@@ -141,7 +153,7 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
                     "comm %012llx: static weights: the gather at position %u sends a buffer "
                     "bound for another position; it reads that binding on every peer (exact "
                     "when every rank made the same change; counted)",
-                    short_id(info_.identity), view.position);
+                    short_id(info_.identity), position);
       }
       return route;
     }
@@ -180,6 +192,70 @@ void CommAgreement::restart(const capture::StepView& view) {
   serving_.forget_stale();
   step_digest_ = view.digest;
   schedule_.restart(view.position);
+  forget_refinement(view);
+}
+
+// A new shape step: rounds follow it, and this rank's own facts are watched afresh from here.
+void CommAgreement::forget_refinement(const capture::StepView& view) {
+  refined_period_ = 0;
+  refined_phase_ = 0;
+  shape_period_ = view.period;
+  shape_origin_ = view.collective_index - view.position;
+  shape_run_origin_ = view.origin;
+  if (own_steps_) own_steps_->reset();
+}
+
+// O(1), allocation-free: one hash and one push of the detector.
+void CommAgreement::watch_own_facts(const capture::CallRecord& record,
+                                    const capture::StepView& view) {
+  if (!own_steps_) return;
+  const uint64_t facts[3] = {view.position, record.callsite, record.sendbuf};
+  own_steps_->push(XXH3_64bits(facts, sizeof facts));
+}
+
+// Proposes the period of this rank's own facts when it is a longer multiple of the shape step
+// than the step rounds follow now. Its phase comes from shared facts only (a shape position 0,
+// fixed when the shape step was found): any phase of a periodic sequence is one, and so ranks
+// that see the same period propose the same phase.
+void CommAgreement::propose_refinement(ContributionHeader& h) const {
+  if (!own_steps_ || !own_steps_->found() || shape_period_ == 0) return;
+  const uint32_t period = own_steps_->period();
+  const uint32_t current = seen_.period();
+  if (period % shape_period_ != 0 || period <= shape_period_ || period == current || current == 0 ||
+      current % shape_period_ != 0)
+    return;
+  uint64_t gathers = 0;
+  for (uint32_t pos = 0; pos < current; ++pos)
+    gathers += seen_.at(pos).op == static_cast<uint8_t>(trace::Op::AllGather);
+  if (gathers == 0 || gathers * period / current > kMaxGathers) return;
+  h.refine_period = period;
+  h.refine_phase = static_cast<uint32_t>(shape_origin_ % period);
+}
+
+// Every rank read the same refinement at this call: rounds start over on the longer step.
+void CommAgreement::refine(const Decision& d, uint64_t seq) {
+  if (active_) deactivate(seq, Reason::StepRefined);
+  serving_.drop();
+  refined_period_ = d.refine_period;
+  refined_phase_ = d.refine_phase;
+  seen_.reset(refined_period_, info_.rank);
+  // Seeded, as at a shape step's start, with the calls since the shape step's run began, each at
+  // its refined position: the warmup may be complete here already.
+  const uint64_t first =
+      shape_run_origin_ +
+      (refined_phase_ + refined_period_ - shape_run_origin_ % refined_period_) % refined_period_;
+  recent_.seed(seen_, first, refined_period_, seq, backend_);
+  serving_.forget_stale();
+  schedule_.restart(static_cast<uint32_t>(
+      (seq % refined_period_ + refined_period_ - refined_phase_) % refined_period_));
+  MAGI_INFO(Rewrite,
+            "comm %012llx round %u: the step is %u collectives (%u shape steps): each gather "
+            "keeps its own position",
+            short_id(info_.identity), decision_round_, refined_period_,
+            refined_period_ / std::max<uint32_t>(shape_period_, 1));
+  // Every rank read the refinement at this call, so a propose issued here too is issued alike;
+  // the seeded warmup may already be complete, and the next anchor is a whole refined step away.
+  if (propose_due()) propose(seq);
 }
 
 void CommAgreement::on_lost(uint64_t seq) {
@@ -257,6 +333,7 @@ void CommAgreement::propose(uint64_t seq) {
   h.callsite_digest = seen_.callsite_digest();
   h.group_digest = seen_.group_digest();
   if (!seen_.groups_stable()) h.flags |= kGroupsUnstable;
+  propose_refinement(h);
   const ce::Locality here = world_.make.locality(info_);
   h.host = here.host;
   h.device = here.device;
@@ -417,7 +494,10 @@ void CommAgreement::take_decision(const Decision& d, uint32_t round, uint64_t se
   decision_round_ = round;
   record(RoundKind::Propose, trace::RoundEvent::Read, seq, d.mode, d.reason, d.moved);
   record_decision(world_.trace, info_, seen_, d, decision_round_);
-  after_propose(d, seq);
+  if (d.refine_period != 0)
+    refine(d, seq);
+  else
+    after_propose(d, seq);
 }
 
 void CommAgreement::read_publish(std::span<const uint8_t> all, const Round& round, uint64_t seq) {

@@ -107,6 +107,22 @@ bool same_callsite_keys(const std::vector<Contribution>& c) {
   return true;
 }
 
+// Refine when every rank proposed the same longer step (period and phase): each proposal is a
+// rank's own reading of its facts, so only unanimity makes it a shared fact.
+Decision refinement(const std::vector<Contribution>& c, const Decision& d,
+                    const Contribution& mine) {
+  const uint32_t period = mine.header.refine_period;
+  const uint32_t phase = mine.header.refine_phase;
+  if (period == 0 || period == mine.header.period || period > kMaxPosition || phase >= period)
+    return {};
+  for (const Contribution& x : c)
+    if (x.header.refine_period != period || x.header.refine_phase != phase) return {};
+  Decision r = nothing_moves(d, Reason::StepRefined, mine);
+  r.refine_period = period;
+  r.refine_phase = phase;
+  return r;
+}
+
 }  // namespace
 
 Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
@@ -139,6 +155,9 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
       return nothing_moves(d, Reason::StepsDiffer, mine);
     }
   }
+  // Refinement before the group checks: grouping that looks unstable step by step may be stable
+  // over the longer step.
+  if (const Decision r = refinement(c, d, mine); r.refine_period != 0) return r;
   if (mine.header.gathers > kMaxGathers) {
     d.mode = AgreementMode::Abort;
     return nothing_moves(d, Reason::TooManyGathers, mine);

@@ -55,7 +55,13 @@ struct ContributionHeader {
   uint64_t peer_access_mask;
   uint64_t decision_hash;  // publish/confirm: the decision being served
   ce::HandleBlob handle;   // publish: how to open this rank's window
+  // Propose: the longer step this rank sees in its own facts (call sites, send buffers), a
+  // multiple of the shape step, and the collective index of its position 0 modulo it; 0: none.
+  uint32_t refine_period;
+  uint32_t refine_phase;
 };
+// The header grows only into the padding of the entry area (kContributionBytes stays).
+static_assert(sizeof(ContributionHeader) <= 320);
 
 // Flags of a GatherEntry: its send buffer is transient on this rank (it holds the shard only
 // around its own call), so a static binding taken at the anchor would hold other bytes.
@@ -127,6 +133,10 @@ struct Decision {
   // Less moved than later may: some rank's candidate was not yet stable, or its groups had not
   // settled. The next propose comes soon (RoundSchedule::retry_soon), on every rank alike.
   bool retry_soon = false;
+  // Every rank proposed this refinement (Reason::StepRefined): nothing moves, and every rank
+  // restarts its rounds on a step of refine_period collectives from here. 0: none.
+  uint32_t refine_period = 0;
+  uint32_t refine_phase = 0;
 
   bool moves_anything() const { return moved != 0; }
 };

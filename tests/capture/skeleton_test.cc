@@ -117,6 +117,23 @@ TEST(StepDetector, StepIsFoundOnTheKeyThatCompletesItsSecondRepetition) {
   EXPECT_EQ(detector.position(), step.size() - 1);
 }
 
+// reset() forgets everything it saw: what follows is found exactly as by a new detector.
+TEST(StepDetector, ResetStartsOverAsANewDetector) {
+  const std::vector<uint64_t> before = repeated(distinct_keys(7, 1), 5) + keys_of("xy");
+  const std::vector<uint64_t> after = keys_of("qq") + repeated(distinct_keys(5, 2), 4);
+  StepDetector used(64);
+  feed(used, before);
+  used.reset();
+  EXPECT_FALSE(used.found());
+  EXPECT_EQ(used.keys_seen(), 0u);
+  EXPECT_EQ(used.lost_period(), 0u);
+  StepDetector fresh(64);
+  EXPECT_EQ(feed(used, after), feed(fresh, after));
+  EXPECT_EQ(used.period(), 5u);
+  EXPECT_EQ(used.origin(), fresh.origin());
+  EXPECT_EQ(used.digest(), fresh.digest());
+}
+
 TEST(StepDetector, PeriodShorterThanAContextIsFoundOnceAWholeContextHasRepeated) {
   // Two repetitions of a short step are not evidence enough: the keys must also repeat for a
   // whole context, so a step of p < kContextKeys keys is found on key p + kContextKeys - 1.

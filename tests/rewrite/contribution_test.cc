@@ -277,6 +277,66 @@ TEST(Ladder, EntryFlagsSurviveTheWireAndKeepTheEntrySize) {
   EXPECT_EQ(back.entries[1].position, kMaxPosition);
 }
 
+// A step of one gather by shapes, four by each rank's own facts (L = 4 buffers in turn).
+std::vector<Contribution> refining(int n, uint32_t period, uint32_t phase) {
+  std::vector<Contribution> all = ranks(n, 1);
+  for (Contribution& c : all) {
+    c.header.period = 1;
+    c.entries[0].reason = static_cast<uint8_t>(Reason::NotStable);
+    c.header.refine_period = period;
+    c.header.refine_phase = phase;
+  }
+  return all;
+}
+
+TEST(Refine, EveryRankProposingTheSamePeriodAndPhaseRefines) {
+  const Decision d = decide_everywhere(refining(4, 4, 2));
+  EXPECT_EQ(d.reason, Reason::StepRefined);
+  EXPECT_EQ(d.refine_period, 4u);
+  EXPECT_EQ(d.refine_phase, 2u);
+  EXPECT_EQ(d.moved, 0u);
+  EXPECT_EQ(d.hash, 0u);
+  for (int r = 1; r < 4; ++r) {
+    const Decision other = decide(gather_all(refining(4, 4, 2)), 4, r);
+    EXPECT_EQ(other.refine_period, 4u) << "rank " << r;
+    EXPECT_EQ(other.refine_phase, 2u) << "rank " << r;
+  }
+  // Grouping that looks unstable step by step does not stop a refinement.
+  std::vector<Contribution> unstable = refining(2, 4, 0);
+  unstable[1].header.flags |= kGroupsUnstable;
+  EXPECT_EQ(decide_everywhere(unstable).refine_period, 4u);
+}
+
+TEST(Refine, OneRankWithAnotherPeriodOrPhaseOrNoneRefinesNothing) {
+  for (int variant = 0; variant < 3; ++variant) {
+    std::vector<Contribution> all = refining(4, 4, 2);
+    ContributionHeader& odd = all[2].header;
+    if (variant == 0) odd.refine_period = 8;
+    if (variant == 1) odd.refine_phase = 3;
+    if (variant == 2) odd.refine_period = odd.refine_phase = 0;
+    const Decision d = decide_everywhere(all);
+    EXPECT_EQ(d.refine_period, 0u) << "variant " << variant;
+    EXPECT_NE(d.reason, Reason::StepRefined) << "variant " << variant;
+    // The round decides on the shape step as without refinement.
+    EXPECT_EQ(d.mode, AgreementMode::Identical) << "variant " << variant;
+    EXPECT_EQ(d.moved, 0u) << "variant " << variant;
+  }
+}
+
+TEST(Refine, AVoidRoundOrDifferentStepsRefineNothing) {
+  std::vector<Contribution> in_group = refining(4, 4, 0);
+  in_group[1].header.flags |= kIssuedInGroup;
+  EXPECT_EQ(decide_everywhere(in_group).reason, Reason::AnchorInGroup);
+  std::vector<Contribution> differ = refining(4, 4, 0);
+  differ[3].header.step_digest ^= 1;
+  const Decision d = decide_everywhere(differ);
+  EXPECT_EQ(d.mode, AgreementMode::Abort);
+  EXPECT_EQ(d.refine_period, 0u);
+  // Proposing the period the ranks already follow is no refinement.
+  std::vector<Contribution> same = refining(4, 1, 0);
+  EXPECT_EQ(decide_everywhere(same).refine_period, 0u);
+}
+
 TEST(Commit, AgreedOnlyWhenEveryRankCanServeTheSamePlan) {
   std::vector<Contribution> all;
   for (int r = 0; r < 3; ++r) all.push_back(commit(r, 3, RoundKind::Publish, 77, true));

@@ -91,3 +91,5 @@ steps_row("the same, MAGI_WARMUP_STEPS=1", FSDP + ["--steps", "32"], 6, 1,
 steps_row("a step that is one group, 32 steps", FSDP + ["--steps", "32", "--step-group", "1"], 6, 1)
 steps_row("buffers that settle after 15 steps, 48 steps",
           FSDP + ["--steps", "48", "--settle-step", "15"], 6, 1, settle=15)
+steps_row("identical shapes (5 layers, one shard size, nothing else), 32 steps",
+          FSDP + ["--steps", "32", "--uniform", "1"], 5, 1)

@@ -39,6 +39,8 @@
 //                      blocked in a call or on the device. Once the main thread is free again the
 //                      process exits 3; if it is still blocked G seconds (default 30) after the
 //                      abort, it exits 4.
+//   --uniform 1        every layer's shard has the same size and the step has no all-reduce:
+//                      by shapes a step of one gather, each layer with its own buffer
 //   --nonblocking 1    the communicator is made with config.blocking = 0
 //   --comms 2          a second communicator (ncclCommSplit, color rank % 2) runs a model of its
 //                      own, step for step with the first; --perturb-comm picks which one the
@@ -116,6 +118,7 @@ struct Changes {
   bool mixed_group = false;
   bool step_group = false;
   int settle_step = -1;
+  bool uniform = false;
 };
 
 float* floats(const Buffer& buffer) { return reinterpret_cast<float*>(buffer.host()); }
@@ -133,7 +136,7 @@ class FsdpModel {
         divergence_(std::move(divergence)),
         changes_(changes) {
     for (int l = 0; l < layers_; ++l) {
-      const size_t shard = shard_elements(l);
+      const size_t shard = shard_of(l);
       shards_.emplace_back(placement_, shard * sizeof(float));
       for (size_t i = 0; i < shard; ++i) floats(shards_.back())[i] = weight(l, rank_ * shard + i);
       full_.emplace_back(placement_, shard * n_ * sizeof(float));
@@ -162,7 +165,7 @@ class FsdpModel {
       retired_.push_back(std::exchange(shards_[0], Buffer(placement_, shards_[0].bytes())));
     }
     if (changes_.static_change_rank == rank_ && changes_.static_change_step == s) {
-      const size_t shard = shard_elements(0);
+      const size_t shard = shard_of(0);
       for (size_t i = 0; i < shard; ++i)
         floats(shards_[0])[i] = weight(0, rank_ * shard + i, kChanged);
     }
@@ -175,7 +178,7 @@ class FsdpModel {
     }
     if (changes_.rewrite || (changes_.newbuf_rank == rank_ && changes_.newbuf_step == s)) {
       for (int l = 0; l < layers_; ++l) {
-        const size_t shard = shard_elements(l);
+        const size_t shard = shard_of(l);
         for (size_t i = 0; i < shard; ++i) {
           floats(shards_[l])[i] = weight(l, rank_ * shard + i, version());
         }
@@ -239,7 +242,7 @@ class FsdpModel {
   int version() const { return changes_.rewrite ? step_ : 0; }
 
   size_t gathered_count(int layer) const {
-    const size_t shard = shard_elements(layer);
+    const size_t shard = shard_of(layer);
     return layer == 0 && changes_.count_step >= 0 && step_ >= changes_.count_step ? shard - 1
                                                                                   : shard;
   }
@@ -267,7 +270,7 @@ class FsdpModel {
 
   // Checks the gathered weights, then applies the layer: a' = tanh(W a), W read cyclically.
   void compute(int layer) {
-    const size_t shard = shard_elements(layer);
+    const size_t shard = shard_of(layer);
     const size_t count = gathered_count(layer);  // rank r's part starts at r * count
     placement_.synchronize();
     full_[layer].download(0, count * n_ * sizeof(float));
@@ -322,7 +325,10 @@ class FsdpModel {
     mine_logits_.upload(0, mine_logits_.bytes());
     return base;
   }
+  size_t shard_of(int layer) const { return changes_.uniform ? 256 : shard_elements(layer); }
+
   void logits(int s) {
+    if (changes_.uniform) return;  // nothing but the gathers on the communicator
     const std::vector<float> base = logits_base();
     WORKLOAD_CHECK(ncclAllReduce(mine_logits_.nccl(), total_logits_.nccl(), kVocab, ncclFloat32,
                                  ncclSum, comm_, placement_.stream()));
@@ -439,6 +445,7 @@ int run_fsdp(const ScenarioOptions& options) {
   changes.mixed_group = options.number("mixed-group", 0) != 0;
   changes.step_group = options.number("step-group", 0) != 0;
   changes.settle_step = static_cast<int>(options.number("settle-step", -1));
+  changes.uniform = options.number("uniform", 0) != 0;
   const int comms = static_cast<int>(options.number("comms", 1));
   const int perturbed = static_cast<int>(options.number("perturb-comm", 1));
   if (comms != 1 && comms != 2) throw ScenarioFailure("--comms is 1 or 2");

@@ -76,6 +76,37 @@ class StepMaker {
     return c;
   }
 
+  // The same call again, as another layer would make it: same shape, its own buffers.
+  SkeletonCall again(SkeletonCall call) {
+    call.id = next_id_++;
+    return call;
+  }
+
+  // A step of identical shapes: a unit (a gather; a gather and an all-reduce; or a gather and a
+  // group of two gathers) repeated 2 to 6 times, each copy with its own buffers. By shapes the
+  // step is one unit; by each rank's own buffers it is all of them.
+  std::vector<SkeletonItem> repeated_step() {
+    std::vector<SkeletonItem> unit{single(gather())};
+    const uint64_t kind = rng_.below(3);
+    if (kind == 1) unit.push_back(single(all_reduce()));
+    if (kind == 2) {
+      SkeletonItem pair;
+      pair.grouped = true;
+      pair.calls.push_back(gather());
+      pair.calls.push_back(again(pair.calls[0]));
+      unit.push_back(pair);
+    }
+    const uint64_t copies = 2 + rng_.below(5);
+    std::vector<SkeletonItem> items = unit;
+    for (uint64_t k = 1; k < copies; ++k) {
+      for (SkeletonItem item : unit) {
+        for (SkeletonCall& call : item.calls) call = again(call);
+        items.push_back(item);
+      }
+    }
+    return items;
+  }
+
   SkeletonItem single(SkeletonCall call) {
     SkeletonItem item;
     item.calls.push_back(call);
@@ -208,7 +239,11 @@ Skeleton make_skeleton(uint64_t seed, int nranks, int comms, int steps) {
   for (uint64_t i = 0; i < prologue_calls; ++i) {
     s.prologue.push_back(rng.percent(50) ? maker.all_reduce() : maker.broadcast());
   }
-  for (int c = 0; c < comms; ++c) s.steps.push_back(maker.step());
+  // Whether a communicator's step is one of identical shapes comes from draws of its own, so
+  // the seeds whose steps are not keep the programs they always drew.
+  SplitMix64 shapes(mix64(seed ^ 0x1de471ca1ull));
+  for (int c = 0; c < comms; ++c)
+    s.steps.push_back(shapes.percent(30) ? maker.repeated_step() : maker.step());
 
   // A rank-local or shared change at a step late enough for the ranks to have agreed first,
   // with steps left after it to find the step again.

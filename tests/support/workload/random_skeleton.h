@@ -1,5 +1,7 @@
 // The program the agree scenario runs, drawn from a seed: a prologue, then a step of items that
-// repeats on one or two communicators, and the per-rank perturbations that test agreement.
+// repeats on one or two communicators (about a third of them steps of identical shapes: one
+// unit repeated, each copy with its own buffers), and the per-rank perturbations that test
+// agreement.
 // Everything here is a pure function of (seed, rank count, communicator count, step count), drawn
 // with splitmix64 (never <random>'s distributions, which differ between standard libraries), so
 // every rank, run and build computes the same program.
