@@ -438,6 +438,37 @@ TEST(AgreementRounds, AStepThatIsOneGroupMoves) {
   EXPECT_EQ(rank.fakes.nccl_gathers, 0);
 }
 
+// Groups that straddle steps (each ncclGroupStart before a step's gathers, its ncclGroupEnd after
+// the next step's first call): each group is a bucket of its own step part, the rounds read at
+// the anchor inside it launch alone, and the gathers move, served at each group's end. (The first
+// step groups otherwise — its position 0 is in no group — so the first propose finds the
+// groupings unsettled, and the next comes soon.)
+TEST(AgreementRounds, GroupsThatStraddleStepsMove) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  std::vector<Kind> kinds;
+  kinds.push_back(rank.call());  // index 0, position 0: outside any group
+  for (uint32_t group = 1; group <= 10; ++group) {
+    rank.fakes.group_ordinal = group;
+    for (uint32_t c = 0; c < kPeriod; ++c) {  // positions 1 and 2, then the next step's 0
+      rank.fakes.group = {1, false, c + 1};
+      kinds.push_back(rank.call());
+    }
+    rank.fakes.group = {};
+    EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  }
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
+                                   {6, RoundKind::Propose},
+                                   {12, RoundKind::Propose},
+                                   {15, RoundKind::Publish},
+                                   {18, RoundKind::Confirm}}));
+  for (uint64_t i = 22; i < kinds.size(); ++i)
+    EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;
+  EXPECT_EQ(kinds[20], Kind::Nccl);
+  EXPECT_EQ(rank.fakes.transport_gathers, 3);  // one bucket (positions 1 and 2) a group: 22..30
+  EXPECT_EQ(rank.fakes.nccl_gathers, 0);
+  EXPECT_EQ(rank.fakes.group_ends, 4);  // the groups launched early, one for each round
+}
+
 // A round read at an anchor inside the program's open group may end the plan (here a peer
 // refuses at the next propose): the gathers the group queued under it go to NCCL at the group's
 // end, as on every rank (all read the same round at the same call), never to a dropped window.
