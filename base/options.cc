@@ -357,8 +357,9 @@ constexpr OptionSpec kTable[] = {
         OptionUnit::KiB,
         "Size of each of the two trace buffers; a full buffer is handed to the writer thread."),
     bool_option<&O::callsites>("MAGI_CALLSITES", "1",
-                               "Fingerprint each call's call site from its native stack (costs "
-                               "about half a microsecond)."),
+                               "Fingerprint the call site of each all-gather (of every call when "
+                               "tracing) from its native stack (costs about a quarter of a "
+                               "microsecond)."),
     int_option<&O::callsite_depth>(
         "MAGI_CALLSITE_DEPTH", "16", "an integer from 1 to 64", 1, 64, OptionUnit::Count,
         "Native frames, above the library's own, hashed into a call-site fingerprint."),

@@ -231,7 +231,9 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
 
   TraceWriter* writer = trace_writer();
   record.callsite = 0;
-  if (options.callsites) {
+  // Untraced, only an all-gather's call site is ever looked at (rewrite/ compares gathers' call
+  // sites): the unwinding it takes is most of a call's cost with call sites on.
+  if (options.callsites && (writer != nullptr || args.op == trace::Op::AllGather)) {
     trace::Frame frames[64];
     int count = 0;
     record.callsite = callsite_fingerprint(static_cast<int>(options.callsite_depth),

@@ -1,9 +1,10 @@
 // capture/: what each rank did. The face of the folder.
 //
 // The shim hands every intercepted NCCL call here twice: begin_call before forwarding (the record
-// gets its sequence number, shape, call-site fingerprint and position in the communicator's step)
-// and end_call after (the result and duration are added, the record goes to the trace). Between
-// the two the shim holds the record on its stack: the call path allocates nothing.
+// gets its sequence number, shape, call-site fingerprint — an all-gather's, or any call's when
+// traced — and position in the communicator's step) and end_call after (the result and duration
+// are added, the record goes to the trace). Between the two the shim holds the record on its
+// stack: the call path allocates nothing.
 //
 // Memory stays bounded however long the program runs: per communicator, the step detector's
 // ring and the current step; every record streams to the trace file (MAGI_TRACE_DIR) or is

@@ -45,7 +45,7 @@ struct ContributionHeader {
   int32_t nranks;
   uint32_t flags;
   uint64_t step_digest;      // shapes of the step (capture's digest)
-  uint64_t callsite_digest;  // call sites of the step's collectives, in order
+  uint64_t callsite_digest;  // call sites of the step's all-gathers, in order
   uint64_t group_digest;     // which positions are grouped together
   uint32_t period;
   uint32_t gathers;  // all-gathers in the step

@@ -95,8 +95,10 @@ void StepObservation::observe(uint32_t position, const CallFacts& call, ce::Back
 uint64_t StepObservation::callsite_digest() const {
   XXH3_state_t state;
   XXH3_64bits_reset(&state);
+  // Only the all-gathers': other calls' call sites are recorded only when traced (capture).
   for (const PositionSeen& p : positions_)
-    XXH3_64bits_update(&state, &p.callsite, sizeof(p.callsite));
+    if (p.op == static_cast<uint8_t>(trace::Op::AllGather))
+      XXH3_64bits_update(&state, &p.callsite, sizeof(p.callsite));
   return XXH3_64bits_digest(&state);
 }
 
