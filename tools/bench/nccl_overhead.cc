@@ -21,30 +21,17 @@
 #include <string>
 #include <vector>
 
+#include "tools/bench/loading.h"
+
 namespace {
 
-void* must_open(const char* path) {
-  void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL);  // as PyTorch loads NCCL
-  if (h == nullptr) {
-    std::fprintf(stderr, "magice-nccl-bench: cannot open %s: %s\n", path, dlerror());
-    std::exit(2);
-  }
-  return h;
-}
-
-template <class Fn>
-Fn must_find(void* handle, const char* name) {
-  void* f = dlsym(handle, name);
-  if (f == nullptr) {
-    std::fprintf(stderr, "magice-nccl-bench: %s not found\n", name);
-    std::exit(2);
-  }
-  return reinterpret_cast<Fn>(f);
-}
+using magi::bench::must_find;
+using magi::bench::must_open;
+constexpr char kTool[] = "magice-nccl-bench";
 
 void must(bool ok, const char* what) {
   if (ok) return;
-  std::fprintf(stderr, "magice-nccl-bench: %s failed\n", what);
+  std::fprintf(stderr, "%s: %s failed\n", kTool, what);
   std::exit(2);
 }
 
@@ -78,17 +65,18 @@ int main(int argc, char** argv) {
                  "allgather] [--calls N] [--batches B]\n");
     return 2;
   }
-  void* nccl = must_open(nccl_path.c_str());
-  void* magice = must_open(shim_path.c_str());
+  // RTLD_LOCAL, as PyTorch loads NCCL.
+  void* nccl = must_open(kTool, nccl_path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  void* magice = must_open(kTool, shim_path.c_str(), RTLD_NOW | RTLD_LOCAL);
   using AllReduceFn = decltype(&ncclAllReduce);
   using AllGatherFn = decltype(&ncclAllGather);
-  const auto direct_reduce = must_find<AllReduceFn>(nccl, "ncclAllReduce");
-  const auto shim_reduce = must_find<AllReduceFn>(magice, "ncclAllReduce");
-  const auto direct_gather = must_find<AllGatherFn>(nccl, "ncclAllGather");
-  const auto shim_gather = must_find<AllGatherFn>(magice, "ncclAllGather");
-  const auto get_id = must_find<decltype(&ncclGetUniqueId)>(nccl, "ncclGetUniqueId");
-  const auto init = must_find<decltype(&ncclCommInitRank)>(magice, "ncclCommInitRank");
-  const auto destroy = must_find<decltype(&ncclCommDestroy)>(magice, "ncclCommDestroy");
+  const auto direct_reduce = must_find<AllReduceFn>(kTool, nccl, "ncclAllReduce");
+  const auto shim_reduce = must_find<AllReduceFn>(kTool, magice, "ncclAllReduce");
+  const auto direct_gather = must_find<AllGatherFn>(kTool, nccl, "ncclAllGather");
+  const auto shim_gather = must_find<AllGatherFn>(kTool, magice, "ncclAllGather");
+  const auto get_id = must_find<decltype(&ncclGetUniqueId)>(kTool, nccl, "ncclGetUniqueId");
+  const auto init = must_find<decltype(&ncclCommInitRank)>(kTool, magice, "ncclCommInitRank");
+  const auto destroy = must_find<decltype(&ncclCommDestroy)>(kTool, magice, "ncclCommDestroy");
 
   must(cudaSetDevice(0) == cudaSuccess, "cudaSetDevice");
   float* buffer = nullptr;

@@ -14,32 +14,19 @@
 #include <cstring>
 #include <string>
 
+#include "tools/bench/loading.h"
+
 namespace {
+
+using magi::bench::must_find;
+using magi::bench::must_open;
+constexpr char kTool[] = "magice-bench";
 
 using AllReduceFn = decltype(&ncclAllReduce);
 AllReduceFn g_direct = nullptr;
 AllReduceFn g_shim = nullptr;
 ncclComm_t g_comm = nullptr;
 float g_send[1] = {1.f}, g_recv[1];
-
-void* must_open(const char* path, int flags) {
-  void* h = dlopen(path, flags);
-  if (h == nullptr) {
-    std::fprintf(stderr, "magice-bench: cannot open %s: %s\n", path, dlerror());
-    std::exit(2);
-  }
-  return h;
-}
-
-template <class Fn>
-Fn must_find(void* handle, const char* name) {
-  void* f = dlsym(handle, name);
-  if (f == nullptr) {
-    std::fprintf(stderr, "magice-bench: %s not found\n", name);
-    std::exit(2);
-  }
-  return reinterpret_cast<Fn>(f);
-}
 
 void BM_DirectAllReduce(benchmark::State& state) {
   for (auto _ : state)
@@ -72,13 +59,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   // The stand-in goes in RTLD_LOCAL, as PyTorch loads NCCL; the shim then finds it by soname.
-  void* nccl = must_open(standin.c_str(), RTLD_NOW | RTLD_LOCAL);
-  void* magice = must_open(shim.c_str(), RTLD_NOW | RTLD_LOCAL);
-  g_direct = must_find<AllReduceFn>(nccl, "ncclAllReduce");
-  g_shim = must_find<AllReduceFn>(magice, "ncclAllReduce");
-  auto get_id = must_find<decltype(&ncclGetUniqueId)>(nccl, "ncclGetUniqueId");
-  auto init = must_find<decltype(&ncclCommInitRank)>(magice, "ncclCommInitRank");
-  auto destroy = must_find<decltype(&ncclCommDestroy)>(magice, "ncclCommDestroy");
+  void* nccl = must_open(kTool, standin.c_str(), RTLD_NOW | RTLD_LOCAL);
+  void* magice = must_open(kTool, shim.c_str(), RTLD_NOW | RTLD_LOCAL);
+  g_direct = must_find<AllReduceFn>(kTool, nccl, "ncclAllReduce");
+  g_shim = must_find<AllReduceFn>(kTool, magice, "ncclAllReduce");
+  auto get_id = must_find<decltype(&ncclGetUniqueId)>(kTool, nccl, "ncclGetUniqueId");
+  auto init = must_find<decltype(&ncclCommInitRank)>(kTool, magice, "ncclCommInitRank");
+  auto destroy = must_find<decltype(&ncclCommDestroy)>(kTool, magice, "ncclCommDestroy");
   ncclUniqueId id;
   if (get_id(&id) != ncclSuccess || init(&g_comm, 1, id, 0) != ncclSuccess) {
     std::fprintf(stderr, "magice-bench: could not make a 1-rank communicator\n");
