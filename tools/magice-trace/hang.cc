@@ -196,6 +196,12 @@ std::string comm_text(uint64_t id) {
   return s;
 }
 
+std::string hex16(uint64_t value) {
+  char s[20];
+  std::snprintf(s, sizeof(s), "%016" PRIx64, value);
+  return s;
+}
+
 struct Finding {
   uint64_t comm_id = 0;
   bool hang = false;
@@ -372,7 +378,7 @@ std::string json_of(const std::vector<Finding>& findings, std::map<uint64_t, Com
                ",\"op\":" + json_string(op_text(c.op)) +
                ",\"dtype\":" + json_string(std::string(trace::dtype_name(c.dtype))) +
                ",\"count\":" + std::to_string(c.count) + ",\"root_or_peer\":" +
-               std::to_string(c.root) + ",\"callsite\":" + json_string(comm_text(c.callsite)) +
+               std::to_string(c.root) + ",\"callsite\":" + json_string(hex16(c.callsite)) +
                ",\"returned\":" + (c.returned ? "true" : "false") + "}";
       }
       out += "}";
