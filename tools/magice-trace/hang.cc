@@ -56,7 +56,8 @@ struct RankCalls {
   std::string file;
   uint64_t pid = 0;
   std::string host;
-  bool ended = false;
+  bool ended = false;    // finalized, destroyed, or alive at a normal exit
+  bool aborted = false;  // aborted or revoked: what a watchdog does to a hung communicator
   uint64_t torn = 0;
   std::vector<Call> calls;  // by seq
   uint64_t issued = 0;      // collectives issued (index of the last + 1)
@@ -78,7 +79,9 @@ void add_flight(const capture::flight::FileView& view, std::map<uint64_t, Comm>&
     r.file = view.path;
     r.pid = view.header.pid;
     r.host = view.header.host;
-    r.ended = ring.header.ended != 0;
+    const auto how = static_cast<trace::CommEndKind>(ring.header.ended - 1);
+    r.aborted = how == trace::CommEndKind::Abort || how == trace::CommEndKind::Revoke;
+    r.ended = ring.header.ended != 0 && !r.aborted;
     r.torn += ring.torn;
     for (const auto& rec : ring.records) {
       Call c;
@@ -98,10 +101,13 @@ void add_flight(const capture::flight::FileView& view, std::map<uint64_t, Comm>&
 }
 
 void add_trace(const trace::Trace& t, std::map<uint64_t, Comm>& comms) {
-  std::set<std::pair<uint64_t, int>> ended;
-  for (const auto& e : t.comm_ends)
+  std::set<std::pair<uint64_t, int>> ended, aborted;
+  for (const auto& e : t.comm_ends) {
+    const auto how = static_cast<trace::CommEndKind>(e.how);
+    const bool abort = how == trace::CommEndKind::Abort || how == trace::CommEndKind::Revoke;
     for (const auto& c : t.comms)
-      if (c.comm_id == e.comm_id) ended.insert({c.comm_id, c.rank});
+      if (c.comm_id == e.comm_id) (abort ? aborted : ended).insert({c.comm_id, c.rank});
+  }
   for (const auto& c : t.comms) {
     if (c.rank < 0) continue;
     Comm& comm = comms[c.comm_id];
@@ -111,6 +117,7 @@ void add_trace(const trace::Trace& t, std::map<uint64_t, Comm>& comms) {
     r.pid = t.header.pid;
     r.host = t.header.host;
     r.ended = ended.count({c.comm_id, c.rank}) != 0;
+    r.aborted = aborted.count({c.comm_id, c.rank}) != 0;
   }
   std::vector<const trace::CallRecord*> calls;
   for (const auto& call : t.calls) calls.push_back(&call);
@@ -324,6 +331,7 @@ Finding analyse(uint64_t comm_id, Comm& comm) {
               (last.returned ? ", returned " + std::to_string(last.result) : ", not returned");
     }
     if (r.ended) line += "; communicator ended";
+    if (r.aborted) line += "; communicator aborted";
     if (r.torn != 0) line += "; " + std::to_string(r.torn) + " torn record(s) ignored";
     line += "  [pid " + std::to_string(r.pid) + " on " + r.host + "]";
     f.details.push_back(line);
@@ -370,7 +378,8 @@ std::string json_of(const std::vector<Finding>& findings, std::map<uint64_t, Com
       first = false;
       out += "{\"rank\":" + std::to_string(rank) + ",\"issued\":" + std::to_string(r.issued) +
              ",\"returned\":" + std::to_string(r.returned) +
-             ",\"ended\":" + (r.ended ? "true" : "false") + ",\"file\":" + json_string(r.file);
+             ",\"ended\":" + (r.ended ? "true" : "false") +
+             ",\"aborted\":" + (r.aborted ? "true" : "false") + ",\"file\":" + json_string(r.file);
       if (!r.calls.empty()) {
         const Call& c = r.calls.back();
         out += ",\"last\":{\"seq\":" + std::to_string(c.seq) + ",\"collective\":" +
