@@ -35,7 +35,8 @@ LIB       := $(BUILD)/libmagice.so
 
 # What the trace tool shares with the library: the trace format and the step detector.
 CORE_OBJS := $(BUILD)/obj/capture/trace_reader.o $(BUILD)/obj/capture/skeleton.o \
-             $(BUILD)/obj/capture/trace_format.o $(BUILD)/obj/base/options.o $(BUILD)/obj/base/log.o
+             $(BUILD)/obj/capture/trace_format.o $(BUILD)/obj/base/options.o $(BUILD)/obj/base/log.o \
+             $(BUILD)/obj/capture/flight_recorder.o
 TOOL_SRCS := $(wildcard tools/magice-trace/*.cc)
 TOOL_OBJS := $(TOOL_SRCS:%.cc=$(BUILD)/obj/%.o)
 TOOL      := $(BUILD)/magice-trace

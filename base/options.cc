@@ -340,6 +340,10 @@ constexpr ValueName<Options::Fault::Where> kFaultPlaces[] = {
     {"gather", Options::Fault::Where::Gather},
     {"slow", Options::Fault::Where::Slow}};
 
+constexpr ValueName<Options::DumpSignal> kDumpSignals[] = {{"none", Options::DumpSignal::None},
+                                                           {"USR1", Options::DumpSignal::Usr1},
+                                                           {"USR2", Options::DumpSignal::Usr2}};
+
 using O = Options;
 constexpr OptionSpec kTable[] = {
     enum_option<&O::log_level, kLogLevels>(
@@ -422,6 +426,18 @@ constexpr OptionSpec kTable[] = {
         "error would (slow: each bucket it serves takes 20 ms longer; gather: on the host "
         "backend every rank falls back to NCCL in that bucket, on the CUDA backend that rank's "
         "call fails and its peers wait for it until the communicator is aborted)."),
+    int_option<&O::flight_recorder_calls>(
+        "MAGI_FLIGHT_RECORDER", "0", "an integer from 0 to 65536", 0, 65536, OptionUnit::Count,
+        "Keep each communicator's last N calls (rounded up to a power of two, at least 16) in a "
+        "file mapping that survives the process being killed, for magice-trace hang. 0: off."),
+    path_option<&O::flight_recorder_dir>("MAGI_FLIGHT_RECORDER_DIR", "a directory path",
+                                         "(MAGI_TRACE_DIR, else /tmp)",
+                                         "Where the flight recorder's files go (mode 0600)."),
+    enum_option<&O::dump_signal, kDumpSignals>(
+        "MAGI_DUMP_SIGNAL", "none", "none|USR1|USR2",
+        "On this signal the trace is written out and the flight recorder synced, without "
+        "stopping the program (the handler is installed at the first communicator, chaining "
+        "the program's own)."),
 };
 
 // Edit distance, to suggest the option a misspelt MAGI_ name probably meant.

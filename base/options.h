@@ -82,6 +82,10 @@ struct Options {
   Fault inject_fault{};
   int64_t verify_every{};
   uint64_t bind_max_bytes{};  // MAGI_BIND_MAX_MIB
+  int64_t flight_recorder_calls{};  // MAGI_FLIGHT_RECORDER: calls kept per communicator, 0: off
+  std::string flight_recorder_dir;
+  enum class DumpSignal : uint8_t { None, Usr1, Usr2 };
+  DumpSignal dump_signal{};
 
   // The process-wide options: parsed from environ on first use, then immutable.
   static const Options& get();

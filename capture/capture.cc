@@ -16,6 +16,8 @@
 
 #include "base/base.h"
 #include "capture/callsite.h"
+#include "capture/dump_signal.h"
+#include "capture/flight_recorder.h"
 #include "capture/stream_capture.h"
 #include "capture/trace_writer.h"
 
@@ -151,8 +153,9 @@ CommInfo unseen_comm_info(ncclComm_t comm) {
   return info;
 }
 
-void comm_joined(ncclComm_t comm, const Communicator& state) {
+void comm_joined(ncclComm_t comm, Communicator& state) {
   probe_cuda_driver();
+  arm_dump_signal();
   const CommInfo& info = state.info;
   if (info.rank >= 0) set_log_rank(info.rank);
   trace::CommRecord record{};
@@ -165,6 +168,8 @@ void comm_joined(ncclComm_t comm, const Communicator& state) {
   record.cuda_device = info.cuda_device;
   record.origin = static_cast<uint8_t>(info.origin);
   trace_append(trace_writer(), trace::RecordType::Comm, &record, sizeof(record));
+  state.flight = flight_join(info.identity, info.parent_identity, info.rank, info.nranks,
+                             record.origin);
   MAGI_INFO(Capture, "comm %012llx joined: rank %d of %d (%s)", short_id(info.identity), info.rank,
             info.nranks, std::string(trace::origin_name(info.origin)).c_str());
 }
@@ -175,6 +180,7 @@ void comm_ended(const Communicator& state, CommEndKind how) {
   record.time_ns = clock_ns();
   record.calls = state.calls.load(std::memory_order_relaxed);
   record.how = static_cast<uint8_t>(how);
+  flight_end(state.flight, record.how);
   TraceWriter* writer = trace_writer();
   trace_append(writer, trace::RecordType::CommEnd, &record, sizeof(record));
   if (how != CommEndKind::ProcessExit) trace_flush(writer);
@@ -182,7 +188,10 @@ void comm_ended(const Communicator& state, CommEndKind how) {
 
 void flush_trace() { trace_flush_if_open(); }
 void close_trace() { trace_close(); }
-void forget_trace_in_child() { trace_forget_in_child(); }
+void forget_trace_in_child() {
+  trace_forget_in_child();
+  flight_forget_in_child();
+}
 
 void group_start() {
   if (t_group_depth++ == 0) {
@@ -243,9 +252,10 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
   const uint64_t pair[2] = {record.shape, record.callsite};
   record.fingerprint = XXH3_64bits(pair, sizeof(pair));
 
+  uint64_t collective = 0;  // index + 1
   if (trace::is_collective(args.op)) {
     while (state.steps_lock.test_and_set(std::memory_order_acquire)) __builtin_ia32_pause();
-    ++state.collectives;
+    collective = ++state.collectives;
     const StepDetector::Event event = state.steps.push(record.shape);
     if (event != StepDetector::Event::None) record_step_event(writer, state, event);
     if (view != nullptr) {
@@ -261,6 +271,11 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
       view->collective_index = state.collectives - 1;
     }
     state.steps_lock.clear(std::memory_order_release);
+  }
+  if (state.flight != nullptr) {
+    flight_issue(state.flight, {record.seq, collective, record.count, record.callsite,
+                                record.root_or_peer, record.redop, record.op, record.dtype,
+                                record.group_depth, record.flags});
   }
   // The clock and the capture state are read only when a trace will keep them: they are most of
   // the pass-through cost (rewrite/ asks for the capture state where it needs it).
@@ -283,6 +298,7 @@ bool stream_capturing(const CallArgs& args, CallRecord& record) {
 
 void end_call(CallRecord& record, ncclResult_t result) {
   record.result = static_cast<int32_t>(result);
+  flight_return(record.comm_id, record.seq, record.result);
   if (TraceWriter* writer = trace_writer()) {
     const uint64_t elapsed = clock_ns() - record.time_ns;
     record.duration_ns = elapsed > UINT32_MAX ? UINT32_MAX : static_cast<uint32_t>(elapsed);

@@ -54,8 +54,8 @@ uint64_t derive_identity(Communicator& parent, CommOrigin origin, int color,
                          std::span<const int> excluded_ranks);
 
 // ---- lifecycle (the order is the shim's: shim/lifecycle.cc) ----
-// A communicator joined: its Comm record goes to the trace.
-void comm_joined(ncclComm_t comm, const Communicator& state);
+// A communicator joined: its Comm record goes to the trace, its ring to the flight recorder.
+void comm_joined(ncclComm_t comm, Communicator& state);
 // It ended (destroy, abort, finalize, revoke, or the process exits with it alive): its CommEnd
 // record goes to the trace. Flushes the trace unless `how` is ProcessExit (the lifecycle flushes
 // once after every communicator ended).

@@ -12,6 +12,8 @@
 
 namespace magi::capture {
 
+struct FlightRing;
+
 struct CommInfo {
   uint64_t identity;         // equal on every rank of the communicator
   uint64_t parent_identity;  // Split/Shrink; else 0
@@ -36,6 +38,8 @@ struct Communicator {
   std::atomic_flag steps_lock = ATOMIC_FLAG_INIT;
   StepDetector steps;        // fed the shapes of collectives
   uint64_t collectives = 0;  // collectives fed to `steps` (guarded by steps_lock)
+
+  FlightRing* flight = nullptr;  // MAGI_FLIGHT_RECORDER: set at the join, before any call
 };
 
 }  // namespace magi::capture

@@ -149,6 +149,9 @@ Fields fields_of(const Options& o) {
       {"inject_fault.rank", number(int64_t{o.inject_fault.rank})},
       {"verify_every", number(o.verify_every)},
       {"bind_max_bytes", number(o.bind_max_bytes)},
+      {"flight_recorder_calls", number(o.flight_recorder_calls)},
+      {"flight_recorder_dir", o.flight_recorder_dir},
+      {"dump_signal", number(static_cast<uint64_t>(o.dump_signal))},
   };
 }
 
@@ -175,6 +178,9 @@ const Fields kDocumentedDefaults = {
     {"inject_fault.rank", "-1"},
     {"verify_every", "64"},
     {"bind_max_bytes", "17179869184"},  // 16384 MiB
+    {"flight_recorder_calls", "0"},
+    {"flight_recorder_dir", ""},
+    {"dump_signal", "0"},  // None
 };
 
 struct Setting {
@@ -208,6 +214,9 @@ const std::vector<Setting> kEveryOptionChanged = {
     {"MAGI_BIND_MAX_MIB", "3", {{"bind_max_bytes", "3145728"}}},
     {"MAGI_CE_FORCE", "yes", {{"ce_force", "true"}}},
     {"MAGI_INJECT_FAULT", "Attach:5", {{"inject_fault.where", "2"}, {"inject_fault.rank", "5"}}},
+    {"MAGI_FLIGHT_RECORDER", "1024", {{"flight_recorder_calls", "1024"}}},
+    {"MAGI_FLIGHT_RECORDER_DIR", "/var/tmp/fr", {{"flight_recorder_dir", "/var/tmp/fr"}}},
+    {"MAGI_DUMP_SIGNAL", "usr2", {{"dump_signal", "2"}}},
 };
 
 TEST(Options, TheSettingsBelowChangeEveryOptionAndEveryField) {

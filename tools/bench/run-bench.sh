@@ -24,3 +24,5 @@ echo "Added cost per intercepted call (median of 15 repetitions; stand-in ncclAl
 run "call sites off, no trace"         MAGI_CALLSITES=0
 run "call sites on (depth 16), no trace" MAGI_CALLSITES=1
 run "call sites on, tracing"           MAGI_CALLSITES=1 MAGI_TRACE_DIR="$trace_dir"
+run "call sites off, flight recorder 1024" MAGI_CALLSITES=0 MAGI_FLIGHT_RECORDER=1024 \
+  MAGI_FLIGHT_RECORDER_DIR="$trace_dir"

@@ -26,6 +26,8 @@ constexpr Verb kVerbs[] = {
     {"export", "Chrome trace-event JSON for Perfetto (--chrome)", magi::tool::export_main},
     {"decisions", "what agreement decided per gather and rank (exit 1 if ranks differ)",
      magi::tool::decisions_main},
+    {"hang", "which rank stopped where, from flight recorder files (exit 1 if hung)",
+     magi::tool::hang_main},
 };
 
 // The full help also lists the library's settings, from the one option table.

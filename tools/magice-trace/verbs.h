@@ -12,5 +12,6 @@ int skeleton_main(std::span<const std::string> args);
 int diff_main(std::span<const std::string> args);
 int export_main(std::span<const std::string> args);
 int decisions_main(std::span<const std::string> args);
+int hang_main(std::span<const std::string> args);
 
 }  // namespace magi::tool

@@ -1,0 +1,145 @@
+// The flight recorder (MAGI_FLIGHT_RECORDER=N): each communicator's last N calls, kept in a file
+// mapping that outlives the process, so `magice-trace hang` can say which rank stopped where
+// even after the job was SIGKILLed (the trace's last buffer dies with the process).
+//
+// One file per process, magice.<host>.<pid>.flight (mode 0600, never through a symlink):
+//
+//   FlightFileHeader, padded to one page;
+//   then one segment per communicator joined (page aligned, appended at the join, off the call
+//   path): FlightRingHeader, then FlightRecord[capacity].
+//
+// A segment whose header is still zero (the process died while adding it) ends the file.
+//
+// Publication: call seq goes to slot seq % capacity. The writer zeroes the slot's stamp, writes
+// the fields with plain stores, then stores stamp = seq + 1 with release order; end_call stores
+// the result, then returned = seq + 1, also release. A reader (of a live or a killed process)
+// keeps a slot only when the stamp read before and after copying it is the same non-zero value
+// and names the seq the slot holds: a record the process died writing is ignored. The call path
+// makes no syscall: stores into memory the kernel already maps to the file.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace magi::capture {
+
+namespace flight {
+
+inline constexpr char kMagic[8] = {'M', 'A', 'G', 'I', 'F', 'L', 'T', '\n'};
+inline constexpr uint32_t kVersion = 1;
+inline constexpr size_t kPage = 4096;
+inline constexpr uint32_t kMinCapacity = 16;
+inline constexpr uint32_t kMaxCapacity = 65536;
+
+struct FileHeader {
+  char magic[8];
+  uint32_t version;
+  uint32_t header_bytes;  // the file header's segment: one page
+  uint64_t pid;
+  uint64_t start_monotonic_ns;
+  uint64_t start_realtime_ns;
+  char host[64];      // NUL-terminated
+  char program[128];  // NUL-terminated, truncated
+  uint32_t capacity;  // records per communicator (a power of two)
+  uint32_t record_bytes;
+};
+
+struct RingHeader {
+  uint64_t segment_bytes;  // header + records, page aligned; 0: the segment was never completed
+  uint64_t comm_id;        // equal on every rank of the communicator
+  uint64_t parent_id;
+  uint64_t join_monotonic_ns;
+  int32_t rank;  // -1: a communicator made out of the shim's sight
+  int32_t nranks;
+  uint32_t capacity;
+  uint8_t origin;  // trace::CommOrigin
+  uint8_t reserved[3];
+  uint32_t ended;  // CommEndKind + 1 once ended; 0 while alive (atomic_ref, release)
+  uint32_t reserved2;
+  uint64_t reserved3[3];
+};
+static_assert(sizeof(RingHeader) == 80);
+
+struct Record {
+  // Written through std::atomic_ref, so the struct stays trivially copyable for readers.
+  alignas(8) uint64_t stamp;  // seq + 1 once the record is complete; 0 while written
+  uint64_t returned;          // seq + 1 once the call returned (`result` then holds)
+  uint64_t seq;                    // the call's index on its communicator
+  uint64_t collective;             // collective index + 1; 0 for Send and Recv
+  uint64_t count;
+  uint64_t callsite;  // call-site fingerprint when one was taken, else 0
+  int32_t root_or_peer;
+  int32_t redop;
+  int32_t result;  // ncclResult_t, once returned
+  uint8_t op;      // trace::Op
+  uint8_t dtype;
+  uint8_t group_depth;
+  uint8_t flags;  // trace::kCall* as begin_call set them
+};
+static_assert(sizeof(Record) == 64);
+static_assert(std::atomic_ref<uint64_t>::is_always_lock_free);
+
+// Capacity for a MAGI_FLIGHT_RECORDER value: at least kMinCapacity, a power of two.
+uint32_t capacity_for(int64_t calls);
+size_t segment_bytes(uint32_t capacity);
+
+// What a reader keeps of one communicator's ring.
+struct RingView {
+  RingHeader header{};
+  std::vector<Record> records;  // complete records, by seq
+  uint64_t torn = 0;            // slots being written when the copy was made
+};
+
+struct FileView {
+  std::string path;
+  FileHeader header{};
+  std::vector<RingView> rings;
+};
+
+// Decodes a recorder file's bytes. Throws std::runtime_error with the file name and what is
+// wrong when it is not one.
+FileView parse_file(const std::string& name, std::span<const char> bytes);
+FileView read_file(const std::string& path);
+
+}  // namespace flight
+
+// The writer's handle on one communicator's ring; null when the recorder is off.
+struct FlightRing;
+
+// At a join (never on the call path): adds the communicator's ring to this process's file,
+// creating the file at the first join. Null when MAGI_FLIGHT_RECORDER=0 or the file failed (one
+// WARN, then the recorder stays off).
+FlightRing* flight_join(uint64_t comm_id, uint64_t parent_id, int rank, int nranks,
+                        uint8_t origin);
+void flight_end(FlightRing* ring, uint8_t how);
+
+// The call path: stores only.
+struct FlightCall {
+  uint64_t seq;
+  uint64_t collective;  // index + 1, or 0
+  uint64_t count;
+  uint64_t callsite;
+  int32_t root_or_peer;
+  int32_t redop;
+  uint8_t op, dtype, group_depth, flags;
+};
+void flight_issue(FlightRing* ring, const FlightCall& call);
+void flight_return(uint64_t comm_id, uint64_t seq, int32_t result);
+
+// MS_ASYNC over the file's mappings (the dump signal); safe from any thread.
+void flight_sync();
+// In a child after fork(): the parent's file and mappings are left alone; the child starts a
+// file of its own at its first join.
+void flight_forget_in_child();
+
+// Test seam: the ring in memory the caller owns (no file): `memory` holds
+// segment_bytes(capacity) bytes, zeroed.
+FlightRing* flight_ring_in(void* memory, uint32_t capacity, uint64_t comm_id, int rank,
+                           int nranks);
+void flight_ring_release(FlightRing* ring);
+
+}  // namespace magi::capture

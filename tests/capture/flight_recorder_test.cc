@@ -1,0 +1,154 @@
+// The flight recorder's ring, written and read in memory: what a reader of a killed process's
+// file keeps (complete records only) and what wraparound leaves (the last N).
+#include "capture/flight_recorder.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "capture/trace_format.h"
+
+namespace magi::capture {
+namespace {
+
+constexpr uint64_t kComm = 0x1a2b3c4d5e6f7788ull;
+
+// A recorder file's bytes with one communicator's ring, as the library lays it out.
+class RingFile {
+ public:
+  explicit RingFile(uint32_t capacity)
+      : bytes_(flight::kPage + flight::segment_bytes(capacity), 0) {
+    flight::FileHeader header{};
+    std::memcpy(header.magic, flight::kMagic, sizeof(header.magic));
+    header.version = flight::kVersion;
+    header.header_bytes = flight::kPage;
+    header.pid = 42;
+    header.capacity = capacity;
+    header.record_bytes = sizeof(flight::Record);
+    std::memcpy(bytes_.data(), &header, sizeof(header));
+    ring_ = flight_ring_in(bytes_.data() + flight::kPage, capacity, kComm, 3, 8);
+  }
+  ~RingFile() { flight_ring_release(ring_); }
+
+  void issue(uint64_t seq, uint64_t count) {
+    FlightCall call{};
+    call.seq = seq;
+    call.collective = seq + 1;
+    call.count = count;
+    call.root_or_peer = -1;
+    call.redop = -1;
+    call.op = static_cast<uint8_t>(trace::Op::AllGather);
+    call.dtype = 7;
+    flight_issue(ring_, call);
+  }
+  flight::Record& slot(uint64_t seq, uint32_t capacity) {
+    auto* records = reinterpret_cast<flight::Record*>(bytes_.data() + flight::kPage +
+                                                      sizeof(flight::RingHeader));
+    return records[seq % capacity];
+  }
+  flight::FileView read() const {
+    return flight::parse_file("ring", std::span<const char>(bytes_.data(), bytes_.size()));
+  }
+  FlightRing* ring() { return ring_; }
+
+ private:
+  std::vector<char> bytes_;
+  FlightRing* ring_;
+};
+
+std::vector<uint64_t> seqs(const flight::RingView& ring) {
+  std::vector<uint64_t> out;
+  for (const auto& r : ring.records) out.push_back(r.seq);
+  return out;
+}
+
+TEST(FlightRecorder, CapacityIsAPowerOfTwoWithinItsBounds) {
+  EXPECT_EQ(flight::capacity_for(1), 16u);
+  EXPECT_EQ(flight::capacity_for(16), 16u);
+  EXPECT_EQ(flight::capacity_for(17), 32u);
+  EXPECT_EQ(flight::capacity_for(1000), 1024u);
+  EXPECT_EQ(flight::capacity_for(65536), 65536u);
+  EXPECT_EQ(flight::segment_bytes(16) % flight::kPage, 0u);
+}
+
+TEST(FlightRecorder, TheRingHeaderNamesTheCommunicatorAndRank) {
+  RingFile file(16);
+  const flight::FileView view = file.read();
+  ASSERT_EQ(view.rings.size(), 1u);
+  EXPECT_EQ(view.header.pid, 42u);
+  EXPECT_EQ(view.rings[0].header.comm_id, kComm);
+  EXPECT_EQ(view.rings[0].header.rank, 3);
+  EXPECT_EQ(view.rings[0].header.nranks, 8);
+  EXPECT_TRUE(view.rings[0].records.empty());
+  EXPECT_EQ(view.rings[0].torn, 0u);
+}
+
+TEST(FlightRecorder, WraparoundKeepsTheLastNCallsInOrder) {
+  RingFile file(16);
+  for (uint64_t seq = 0; seq < 100; ++seq) file.issue(seq, 1000 + seq);
+  const flight::FileView view = file.read();
+  ASSERT_EQ(view.rings.size(), 1u);
+  std::vector<uint64_t> expected;
+  for (uint64_t seq = 84; seq < 100; ++seq) expected.push_back(seq);
+  EXPECT_EQ(seqs(view.rings[0]), expected);
+  EXPECT_EQ(view.rings[0].records.back().count, 1099u);
+  EXPECT_EQ(view.rings[0].records.back().collective, 100u);
+}
+
+TEST(FlightRecorder, ARecordTheProcessDiedWritingIsIgnored) {
+  RingFile file(16);
+  for (uint64_t seq = 0; seq < 20; ++seq) file.issue(seq, 1000 + seq);
+  // As a kill between the stamp's zeroing and its publication leaves it: call 35's fields half
+  // written over seq 19's slot, no stamp.
+  flight::Record& torn = file.slot(19, 16);
+  std::atomic_ref<uint64_t>(torn.stamp).store(0);
+  torn.seq = 35;
+  torn.count = 777;
+  const flight::FileView view = file.read();
+  ASSERT_EQ(view.rings.size(), 1u);
+  EXPECT_EQ(view.rings[0].torn, 1u);
+  std::vector<uint64_t> expected;
+  for (uint64_t seq = 4; seq < 19; ++seq) expected.push_back(seq);
+  EXPECT_EQ(seqs(view.rings[0]), expected);
+  for (const auto& r : view.rings[0].records) EXPECT_NE(r.count, 777u);
+
+  // A stamp that names another seq than the slot holds is not a complete record either.
+  std::atomic_ref<uint64_t>(file.slot(18, 16).stamp).store(99);
+  EXPECT_EQ(file.read().rings[0].records.size(), 14u);
+}
+
+TEST(FlightRecorder, AReturnMarksTheCallingThreadsLastRecord) {
+  RingFile file(16);
+  file.issue(0, 10);
+  flight_return(kComm, 0, 0);
+  file.issue(1, 11);
+  flight_return(kComm + 1, 1, 0);  // another communicator's return: not this record
+  flight_return(kComm, 7, 0);      // another call's: not this record
+  const flight::FileView view = file.read();
+  ASSERT_EQ(view.rings[0].records.size(), 2u);
+  EXPECT_EQ(view.rings[0].records[0].returned, 1u);
+  EXPECT_EQ(view.rings[0].records[1].returned, 0u);
+  flight_return(kComm, 1, 5);
+  const flight::FileView after = file.read();
+  EXPECT_EQ(after.rings[0].records[1].returned, 2u);
+  EXPECT_EQ(after.rings[0].records[1].result, 5);
+}
+
+TEST(FlightRecorder, AnEndedCommunicatorSaysHow) {
+  RingFile file(16);
+  flight_end(file.ring(), static_cast<uint8_t>(trace::CommEndKind::Destroy));
+  EXPECT_EQ(file.read().rings[0].header.ended,
+            static_cast<uint32_t>(trace::CommEndKind::Destroy) + 1);
+}
+
+TEST(FlightRecorder, OtherBytesAreRefused) {
+  const std::string bytes = "MAGITRC\nnot a recorder file at all, but long enough to hold a header";
+  EXPECT_THROW(flight::parse_file("x", std::span<const char>(bytes.data(), bytes.size())),
+               std::runtime_error);
+}
+
+}  // namespace
+}  // namespace magi::capture

@@ -1,0 +1,242 @@
+// The flight recorder and `magice-trace hang` on real ranks of the stand-in under the shim: ranks
+// that hang are SIGKILLed by the launcher's timeout, and the report, read from the files the
+// killed processes left, must name the rank and the collective. And the dump signal writes out a
+// live, waiting rank's trace.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "capture/trace_reader.h"
+#include "tests/support/launch.h"
+
+namespace magi {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string build_dir() {
+  const char* dir = std::getenv("TEST_BUILD_DIR");
+  return dir ? dir : fs::absolute("build").string();
+}
+
+std::string preload() {
+  const std::string shim = build_dir() + "/libmagice.so";
+  const char* first = std::getenv("TEST_PRELOAD_FIRST");
+  return first != nullptr && *first != '\0' ? std::string(first) + " " + shim : shim;
+}
+
+struct TempDir {
+  TempDir() {
+    char tmpl[] = "/tmp/magice-flight.XXXXXX";
+    path = mkdtemp(tmpl);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string path;
+};
+
+std::vector<std::string> files_in(const std::string& dir, const std::string& extension) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == extension) out.push_back(e.path().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+int run_tool(const std::vector<std::string>& args, std::string* out) {
+  std::string cmd = build_dir() + "/magice-trace";
+  for (const auto& a : args) cmd += " '" + a + "'";
+  cmd += " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  char buf[4096];
+  size_t n;
+  out->clear();
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out->append(buf, n);
+  const int status = pclose(p);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// fsdp with 4 layers issues one all-reduce, then per step 4 gathers and one all-reduce: step K's
+// first gather is collective #(1 + 5K).
+constexpr int kStep = 3;
+constexpr int kCollective = 1 + kStep * 5;
+
+support::LaunchResult run_fsdp(const std::string& dir, std::vector<std::string> extra,
+                               std::vector<std::pair<std::string, std::string>> env,
+                               double timeout_s,
+                               std::vector<std::vector<std::pair<std::string, std::string>>>
+                                   rank_env = {}) {
+  support::LaunchSpec spec;
+  spec.nranks = 4;
+  spec.argv = {build_dir() + "/tests/support/magi-workload", "fsdp", "--layers", "4", "--steps",
+               "6"};
+  spec.argv.insert(spec.argv.end(), extra.begin(), extra.end());
+  spec.env = std::move(env);
+  spec.env.emplace_back("LD_PRELOAD", preload());
+  spec.env.emplace_back("MAGI_FLIGHT_RECORDER", "64");
+  spec.env.emplace_back("MAGI_FLIGHT_RECORDER_DIR", dir);
+  spec.rank_env = std::move(rank_env);
+  spec.timeout_s = timeout_s;
+  spec.capture_output = true;
+  return support::launch(spec);
+}
+
+std::string file_of_pid(const std::vector<std::string>& files, int pid) {
+  for (const std::string& f : files)
+    if (f.find("." + std::to_string(pid) + ".") != std::string::npos) return f;
+  return "";
+}
+
+TEST(FlightRecorder, HangNamesTheRankThatStoppedAndTheCollectiveFromKilledRanks) {
+  TempDir dir;
+  const support::LaunchResult r =
+      run_fsdp(dir.path,
+               {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"},
+               {}, 4);
+  ASSERT_TRUE(r.timed_out) << r.summary();
+  for (const auto& rank : r.ranks) EXPECT_EQ(rank.signal, SIGKILL) << r.summary();
+  const std::vector<std::string> files = files_in(dir.path, ".flight");
+  ASSERT_EQ(files.size(), 4u);
+  std::vector<std::string> args = {"hang"};
+  args.insert(args.end(), files.begin(), files.end());
+  std::string out;
+  EXPECT_EQ(run_tool(args, &out), 1) << out;
+  const std::string verdict = out.substr(0, out.find('\n'));
+  EXPECT_NE(verdict.find("rank 2 never issued collective #" + std::to_string(kCollective) +
+                         " (AllGather float32 x "),
+            std::string::npos)
+      << out;
+  EXPECT_NE(verdict.find("ranks 0,1,3 wait in it"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank 2: issued " + std::to_string(kCollective) + ", returned from " +
+                     std::to_string(kCollective) + " collectives; last call #" +
+                     std::to_string(kCollective - 1) + " AllReduce"),
+            std::string::npos)
+      << out;
+
+  args.insert(args.begin() + 1, "--json");
+  EXPECT_EQ(run_tool(args, &out), 1) << out;
+  EXPECT_NE(out.find("\"behind\":[2],\"waiting\":[0,1,3],\"missing_collective\":" +
+                     std::to_string(kCollective)),
+            std::string::npos)
+      << out;
+
+  // Without rank 3's file, rank 3 is absent; the others still show who stopped.
+  args = {"hang"};
+  for (const std::string& f : files)
+    if (f != file_of_pid(files, r.ranks[3].pid)) args.push_back(f);
+  ASSERT_EQ(args.size(), 4u);
+  EXPECT_EQ(run_tool(args, &out), 1) << out;
+  EXPECT_NE(out.find("rank 3 of 4 absent"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank 2 never issued collective #" + std::to_string(kCollective)),
+            std::string::npos)
+      << out;
+}
+
+// A rank whose recorder is off (as one that never joined leaves no file): reported absent.
+TEST(FlightRecorder, HangReportsARankWithoutAFileAsAbsent) {
+  TempDir dir;
+  std::vector<std::vector<std::pair<std::string, std::string>>> rank_env(4);
+  rank_env[1] = {{"MAGI_FLIGHT_RECORDER", "0"}};
+  const support::LaunchResult r = run_fsdp(dir.path, {}, {}, 60, rank_env);
+  ASSERT_TRUE(r.all_ok()) << r.summary();
+  const std::vector<std::string> files = files_in(dir.path, ".flight");
+  ASSERT_EQ(files.size(), 3u);
+  std::vector<std::string> args = {"hang"};
+  args.insert(args.end(), files.begin(), files.end());
+  std::string out;
+  EXPECT_EQ(run_tool(args, &out), 1) << out;
+  EXPECT_NE(out.find(": rank 1 of 4 absent (no file holds them)"), std::string::npos) << out;
+}
+
+TEST(FlightRecorder, HangSeesNoHangInAJobThatFinished) {
+  TempDir dir;
+  const support::LaunchResult r = run_fsdp(dir.path, {}, {}, 60);
+  ASSERT_TRUE(r.all_ok()) << r.summary();
+  std::vector<std::string> args = {"hang"};
+  for (const std::string& f : files_in(dir.path, ".flight")) args.push_back(f);
+  ASSERT_EQ(args.size(), 5u);
+  std::string out;
+  EXPECT_EQ(run_tool(args, &out), 0) << out;
+  EXPECT_NE(out.find("no hang seen: 4 ranks issued 31 collectives each, ended"),
+            std::string::npos)
+      << out;
+}
+
+// The stand-in blocks on a count mismatch as NCCL does; the launcher then kills every rank.
+TEST(FlightRecorder, HangNamesTheFirstCollectiveTheRanksIssuedDifferently) {
+  TempDir dir;
+  const support::LaunchResult r = run_fsdp(
+      dir.path,
+      {"--diverge-rank", "1", "--diverge-step", std::to_string(kStep), "--diverge-kind", "count"},
+      {{"STANDIN_MISMATCH", "block"}}, 4);
+  ASSERT_TRUE(r.timed_out) << r.summary();
+  std::vector<std::string> args = {"hang"};
+  for (const std::string& f : files_in(dir.path, ".flight")) args.push_back(f);
+  ASSERT_EQ(args.size(), 5u);
+  std::string out;
+  EXPECT_EQ(run_tool(args, &out), 1) << out;
+  const std::string verdict = out.substr(0, out.find('\n'));
+  EXPECT_NE(verdict.find("the ranks issued different collectives at #" +
+                         std::to_string(kCollective) + ": "),
+            std::string::npos)
+      << out;
+  EXPECT_NE(verdict.find("rank 1 AllGather float32 x "), std::string::npos) << out;
+  EXPECT_NE(verdict.find("ranks 0,2,3 AllGather float32 x "), std::string::npos) << out;
+}
+
+// MAGI_DUMP_SIGNAL=USR2 while ranks wait for a stalled one: each rank's trace holds its calls up
+// to the wait (the trace buffer is far from full, so nothing else would write it), and the
+// ranks run on (the signal does not stop them; the launcher kills them later).
+TEST(FlightRecorder, TheDumpSignalWritesOutTheTraceOfRanksThatWait) {
+  TempDir dir;
+  TempDir traces;
+  std::atomic<bool> signalled{false};
+  std::map<std::string, size_t> calls_after_dump;
+  std::thread asker([&] {
+    // The ranks' trace files appear at their first record; their pids are in the names.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    std::vector<std::string> files;
+    while (std::chrono::steady_clock::now() < deadline) {
+      files = files_in(traces.path, ".trace");
+      if (files.size() == 4) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (files.size() != 4) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // they wait by now
+    for (const std::string& f : files) {
+      const std::string name = fs::path(f).filename().string();  // magice.HOST.PID.trace
+      const std::string stem = name.substr(0, name.size() - 6);
+      const int pid = std::atoi(stem.substr(stem.rfind('.') + 1).c_str());
+      if (pid > 0) ::kill(pid, SIGUSR2);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(700));
+    for (const std::string& f : files)
+      calls_after_dump[f] = trace::read_trace(f).calls.size();
+    signalled = true;
+  });
+  const support::LaunchResult r = run_fsdp(
+      dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"},
+      {{"MAGI_TRACE_DIR", traces.path}, {"MAGI_DUMP_SIGNAL", "USR2"}}, 5);
+  asker.join();
+  ASSERT_TRUE(signalled.load()) << r.summary();
+  ASSERT_TRUE(r.timed_out) << r.summary();
+  for (const auto& rank : r.ranks) EXPECT_EQ(rank.signal, SIGKILL) << r.summary();
+  ASSERT_EQ(calls_after_dump.size(), 4u);
+  // Every rank returned from collectives #0..#(kCollective-1) before the wait: each is a call
+  // record in the trace (the waiting call itself is recorded when it returns, so it is not).
+  for (const auto& [file, calls] : calls_after_dump)
+    EXPECT_EQ(calls, static_cast<size_t>(kCollective)) << file;
+}
+
+}  // namespace
+}  // namespace magi

@@ -1,0 +1,444 @@
+// magice-trace hang: from the flight recorder files of a hung (or killed) job, which rank
+// stopped where. Per communicator: how many collectives each rank issued and returned from, the
+// ranks behind and their last call, the first collective the ranks issued differently, and the
+// ranks with no file. Ordinary traces are read too (their calls all returned: a trace records a
+// call when it ends).
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "capture/flight_recorder.h"
+#include "capture/trace_reader.h"
+#include "tools/magice-trace/cli.h"
+#include "tools/magice-trace/json_writer.h"
+#include "tools/magice-trace/verbs.h"
+
+namespace magi::tool {
+namespace {
+
+constexpr std::string_view kUsage =
+    "usage: magice-trace hang [--json] FILE...\n"
+    "  Reads flight recorder files (MAGI_FLIGHT_RECORDER=N writes magice.<host>.<pid>.flight,\n"
+    "  which survive the process being killed) and trace files, one or more per rank, and says\n"
+    "  per communicator which ranks are behind and where: how many collectives each rank\n"
+    "  issued and returned from, each lagging rank's last call, the first collective the ranks\n"
+    "  issued differently (op, datatype, count, root, reduction), and the ranks none of the\n"
+    "  files holds. A verdict line per communicator comes first, details after.\n"
+    "  Collectives are numbered from 0 per communicator, as diff numbers them; a recorder keeps\n"
+    "  only each communicator's last N calls, so a difference older than that is not seen.\n"
+    "  --json  one JSON object instead of text\n"
+    "  Exit status: 0 no hang seen, 1 a hang or a difference found, 2 bad usage or unreadable\n"
+    "  input.\n";
+
+struct Call {
+  uint64_t seq = 0;
+  uint64_t collective = 0;  // index + 1; 0 for Send/Recv
+  uint64_t count = 0;
+  uint64_t callsite = 0;
+  int32_t root = -1;
+  int32_t redop = -1;
+  int32_t result = 0;
+  uint8_t op = 0;
+  uint8_t dtype = 0;
+  bool returned = false;
+};
+
+struct RankCalls {
+  std::string file;
+  uint64_t pid = 0;
+  std::string host;
+  bool ended = false;    // finalized, destroyed, or alive at a normal exit
+  bool aborted = false;  // aborted or revoked: what a watchdog does to a hung communicator
+  uint64_t torn = 0;
+  std::vector<Call> calls;  // by seq
+  uint64_t issued = 0;      // collectives issued (index of the last + 1)
+  uint64_t returned = 0;    // collectives returned from
+  std::map<uint64_t, const Call*> by_index;  // collective index -> call
+};
+
+struct Comm {
+  int nranks = 0;
+  std::map<int, RankCalls> ranks;
+};
+
+void add_flight(const capture::flight::FileView& view, std::map<uint64_t, Comm>& comms) {
+  for (const auto& ring : view.rings) {
+    if (ring.header.rank < 0) continue;  // made out of sight: no rank to compare
+    Comm& comm = comms[ring.header.comm_id];
+    comm.nranks = std::max(comm.nranks, ring.header.nranks);
+    RankCalls& r = comm.ranks[ring.header.rank];
+    r.file = view.path;
+    r.pid = view.header.pid;
+    r.host = view.header.host;
+    const auto how = static_cast<trace::CommEndKind>(ring.header.ended - 1);
+    r.aborted = how == trace::CommEndKind::Abort || how == trace::CommEndKind::Revoke;
+    r.ended = ring.header.ended != 0 && !r.aborted;
+    r.torn += ring.torn;
+    for (const auto& rec : ring.records) {
+      Call c;
+      c.seq = rec.seq;
+      c.collective = rec.collective;
+      c.count = rec.count;
+      c.callsite = rec.callsite;
+      c.root = rec.root_or_peer;
+      c.redop = rec.redop;
+      c.result = rec.result;
+      c.op = rec.op;
+      c.dtype = rec.dtype;
+      c.returned = rec.returned == rec.seq + 1;
+      r.calls.push_back(c);
+    }
+  }
+}
+
+void add_trace(const trace::Trace& t, std::map<uint64_t, Comm>& comms) {
+  std::set<std::pair<uint64_t, int>> ended, aborted;
+  for (const auto& e : t.comm_ends) {
+    const auto how = static_cast<trace::CommEndKind>(e.how);
+    const bool abort = how == trace::CommEndKind::Abort || how == trace::CommEndKind::Revoke;
+    for (const auto& c : t.comms)
+      if (c.comm_id == e.comm_id) (abort ? aborted : ended).insert({c.comm_id, c.rank});
+  }
+  for (const auto& c : t.comms) {
+    if (c.rank < 0) continue;
+    Comm& comm = comms[c.comm_id];
+    comm.nranks = std::max(comm.nranks, c.nranks);
+    RankCalls& r = comm.ranks[c.rank];
+    r.file = t.path;
+    r.pid = t.header.pid;
+    r.host = t.header.host;
+    r.ended = ended.count({c.comm_id, c.rank}) != 0;
+    r.aborted = aborted.count({c.comm_id, c.rank}) != 0;
+  }
+  std::vector<const trace::CallRecord*> calls;
+  for (const auto& call : t.calls) calls.push_back(&call);
+  std::sort(calls.begin(), calls.end(), [](auto* a, auto* b) { return a->seq < b->seq; });
+  std::map<std::pair<uint64_t, int>, uint64_t> collectives;
+  for (const trace::CallRecord* call : calls) {
+    auto it = comms.find(call->comm_id);
+    if (it == comms.end() || call->rank < 0) continue;
+    Call c;
+    c.seq = call->seq;
+    const bool collective = trace::is_collective(static_cast<trace::Op>(call->op));
+    c.collective = collective ? ++collectives[{call->comm_id, call->rank}] : 0;
+    c.count = call->count;
+    c.callsite = call->callsite;
+    c.root = collective ? call->root_or_peer : -1;
+    c.redop = call->redop;
+    c.result = call->result;
+    c.op = call->op;
+    c.dtype = call->dtype;
+    c.returned = true;
+    it->second.ranks[call->rank].calls.push_back(c);
+  }
+}
+
+bool is_flight_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char magic[8] = {};
+  in.read(magic, sizeof(magic));
+  return in && std::memcmp(magic, capture::flight::kMagic, sizeof(magic)) == 0;
+}
+
+void index_calls(RankCalls& r) {
+  std::sort(r.calls.begin(), r.calls.end(),
+            [](const Call& a, const Call& b) { return a.seq < b.seq; });
+  for (const Call& c : r.calls) {
+    if (c.collective == 0) continue;
+    r.by_index[c.collective - 1] = &c;
+    r.issued = std::max(r.issued, c.collective);
+    if (c.returned) r.returned = std::max(r.returned, c.collective);
+  }
+}
+
+using Shape = std::tuple<uint8_t, uint8_t, uint64_t, int32_t, int32_t>;
+Shape shape_of(const Call& c) { return {c.op, c.dtype, c.count, c.root, c.redop}; }
+
+std::string op_text(uint8_t op) { return std::string(trace::op_name(static_cast<trace::Op>(op))); }
+
+// "AllGather float32 x 1024" (+ " root 0" for rooted ones).
+std::string call_text(const Call& c) {
+  std::string s = op_text(c.op) + " " + std::string(trace::dtype_name(c.dtype)) + " x " +
+                  std::to_string(c.count);
+  if (c.collective != 0 && c.root >= 0) s += " root " + std::to_string(c.root);
+  if (c.collective == 0 && c.root >= 0) s += " peer " + std::to_string(c.root);
+  if (c.callsite != 0) {
+    char site[24];
+    std::snprintf(site, sizeof(site), " at site %08" PRIx64, c.callsite >> 32);
+    s += site;
+  }
+  return s;
+}
+
+// "3", "0-2", "0-2,4,6-7".
+std::string ranks_text(const std::vector<int>& ranks) {
+  std::string s;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (!s.empty()) s += ",";
+    s += std::to_string(ranks[i]);
+    if (j > i) s += (j == i + 1 ? "," : "-") + std::to_string(ranks[j]);
+    i = j + 1;
+  }
+  return s;
+}
+
+std::string ranks_word(const std::vector<int>& ranks) {
+  return (ranks.size() == 1 ? "rank " : "ranks ") + ranks_text(ranks);
+}
+
+std::string comm_text(uint64_t id) {
+  char s[20];
+  std::snprintf(s, sizeof(s), "%012" PRIx64, static_cast<uint64_t>(id & 0xffffffffffffu));
+  return s;
+}
+
+std::string hex16(uint64_t value) {
+  char s[20];
+  std::snprintf(s, sizeof(s), "%016" PRIx64, value);
+  return s;
+}
+
+struct Finding {
+  uint64_t comm_id = 0;
+  bool hang = false;
+  std::string verdict;
+  std::vector<std::string> details;
+  // For --json.
+  std::vector<int> absent, behind, waiting;
+  std::optional<uint64_t> missing_index, differ_index;
+};
+
+Finding analyse(uint64_t comm_id, Comm& comm) {
+  Finding f;
+  f.comm_id = comm_id;
+  const std::string name = "comm " + comm_text(comm_id);
+  for (auto& [rank, r] : comm.ranks) index_calls(r);
+  for (int rank = 0; rank < comm.nranks; ++rank)
+    if (!comm.ranks.count(rank)) f.absent.push_back(rank);
+
+  uint64_t lead = 0;
+  bool all_ended = true;
+  for (const auto& [rank, r] : comm.ranks) {
+    lead = std::max(lead, r.issued);
+    all_ended = all_ended && r.ended;
+  }
+  // The first collective the ranks hold alike and issued differently.
+  uint64_t from = 0, to = UINT64_MAX;
+  for (const auto& [rank, r] : comm.ranks) {
+    from = std::max(from, r.by_index.empty() ? 0 : r.by_index.begin()->first);
+    to = std::min(to, r.issued);
+  }
+  for (uint64_t i = from; i < to && !f.differ_index; ++i) {
+    std::map<Shape, std::vector<int>> shapes;
+    bool complete = true;
+    for (const auto& [rank, r] : comm.ranks) {
+      auto it = r.by_index.find(i);
+      if (it == r.by_index.end()) {
+        complete = false;
+        break;
+      }
+      shapes[shape_of(*it->second)].push_back(rank);
+    }
+    if (complete && shapes.size() > 1) f.differ_index = i;
+  }
+
+  for (const auto& [rank, r] : comm.ranks)
+    if (r.issued < lead) f.behind.push_back(rank);
+
+  std::vector<std::string> verdicts;
+  if (f.differ_index) {
+    const uint64_t i = *f.differ_index;
+    std::map<Shape, std::vector<int>> shapes;
+    std::map<Shape, const Call*> example;
+    for (const auto& [rank, r] : comm.ranks) {
+      const Call* c = r.by_index.at(i);
+      shapes[shape_of(*c)].push_back(rank);
+      example[shape_of(*c)] = c;
+    }
+    std::string parts;
+    for (const auto& [shape, ranks] : shapes) {
+      if (!parts.empty()) parts += "; ";
+      parts += ranks_word(ranks) + " " + call_text(*example[shape]);
+    }
+    verdicts.push_back(name + ": the ranks issued different collectives at #" +
+                       std::to_string(i) + ": " + parts);
+  }
+  if (!f.behind.empty()) {
+    // The lowest stopping point first: that collective is the one the others wait in.
+    uint64_t stop = UINT64_MAX;
+    for (int rank : f.behind) stop = std::min(stop, comm.ranks[rank].issued);
+    f.missing_index = stop;
+    std::vector<int> stopped, waiting, beyond;
+    const Call* missing = nullptr;
+    for (const auto& [rank, r] : comm.ranks) {
+      if (r.issued == stop) {
+        stopped.push_back(rank);
+        continue;
+      }
+      auto it = r.by_index.find(stop);
+      if (it != r.by_index.end()) missing = it->second;
+      if (r.issued == stop + 1 && !r.calls.empty() && !r.calls.back().returned)
+        waiting.push_back(rank);
+      else
+        beyond.push_back(rank);
+    }
+    f.waiting = waiting;
+    std::string v = name + ": " + ranks_word(stopped) + " never issued collective #" +
+                    std::to_string(stop) +
+                    (missing != nullptr ? " (" + call_text(*missing) + ")" : "");
+    if (!waiting.empty()) v += "; " + ranks_word(waiting) + " wait in it";
+    if (!beyond.empty()) v += "; " + ranks_word(beyond) + " went past it";
+    verdicts.push_back(v);
+  }
+  if (!f.absent.empty()) {
+    verdicts.push_back(name + ": " + ranks_word(f.absent) + " of " +
+                       std::to_string(comm.nranks) + " absent (no file holds them)");
+  }
+  f.hang = !verdicts.empty() && !(all_ended && f.absent.empty() && !f.differ_index);
+  if (verdicts.empty()) {
+    std::vector<int> in_call;
+    for (const auto& [rank, r] : comm.ranks)
+      if (!r.calls.empty() && !r.calls.back().returned) in_call.push_back(rank);
+    std::string v = name + ": no hang seen: " + std::to_string(comm.ranks.size()) +
+                    (comm.ranks.size() == 1 ? " rank" : " ranks") + " issued " +
+                    std::to_string(lead) + " collectives each";
+    if (all_ended) v += ", ended";
+    if (!in_call.empty()) v += "; " + ranks_word(in_call) + " inside their last call";
+    verdicts.push_back(v);
+  }
+  f.verdict = verdicts.front();
+  for (size_t i = 1; i < verdicts.size(); ++i) f.details.push_back(verdicts[i]);
+
+  for (const auto& [rank, r] : comm.ranks) {
+    std::string line = "  rank " + std::to_string(rank) + ": issued " + std::to_string(r.issued) +
+                       ", returned from " + std::to_string(r.returned) + " collectives";
+    if (!r.calls.empty()) {
+      const Call& last = r.calls.back();
+      line += "; last call #" + std::to_string(last.seq) + " " + call_text(last) +
+              (last.collective != 0 ? " (collective #" + std::to_string(last.collective - 1) + ")"
+                                    : "") +
+              (last.returned ? ", returned " + std::to_string(last.result) : ", not returned");
+    }
+    if (r.ended) line += "; communicator ended";
+    if (r.aborted) line += "; communicator aborted";
+    if (r.torn != 0) line += "; " + std::to_string(r.torn) + " torn record(s) ignored";
+    line += "  [pid " + std::to_string(r.pid) + " on " + r.host + "]";
+    f.details.push_back(line);
+  }
+  return f;
+}
+
+void append_ranks(std::string& out, const std::vector<int>& ranks) {
+  out += "[";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i) out += ",";
+    append_integer(out, ranks[i]);
+  }
+  out += "]";
+}
+
+std::string json_of(const std::vector<Finding>& findings, std::map<uint64_t, Comm>& comms) {
+  std::string out = "{\"hang\":";
+  bool any = false;
+  for (const Finding& f : findings) any = any || f.hang;
+  out += any ? "true" : "false";
+  out += ",\"communicators\":[";
+  for (size_t k = 0; k < findings.size(); ++k) {
+    const Finding& f = findings[k];
+    Comm& comm = comms[f.comm_id];
+    if (k) out += ",";
+    out += "{\"comm\":" + json_string(comm_text(f.comm_id)) +
+           ",\"nranks\":" + std::to_string(comm.nranks) +
+           ",\"hang\":" + (f.hang ? "true" : "false") + ",\"verdict\":" + json_string(f.verdict);
+    out += ",\"absent\":";
+    append_ranks(out, f.absent);
+    out += ",\"behind\":";
+    append_ranks(out, f.behind);
+    out += ",\"waiting\":";
+    append_ranks(out, f.waiting);
+    out += ",\"missing_collective\":" +
+           (f.missing_index ? std::to_string(*f.missing_index) : std::string("null"));
+    out += ",\"first_difference\":" +
+           (f.differ_index ? std::to_string(*f.differ_index) : std::string("null"));
+    out += ",\"ranks\":[";
+    bool first = true;
+    for (const auto& [rank, r] : comm.ranks) {
+      if (!first) out += ",";
+      first = false;
+      out += "{\"rank\":" + std::to_string(rank) + ",\"issued\":" + std::to_string(r.issued) +
+             ",\"returned\":" + std::to_string(r.returned) +
+             ",\"ended\":" + (r.ended ? "true" : "false") +
+             ",\"aborted\":" + (r.aborted ? "true" : "false") + ",\"file\":" + json_string(r.file);
+      if (!r.calls.empty()) {
+        const Call& c = r.calls.back();
+        out += ",\"last\":{\"seq\":" + std::to_string(c.seq) + ",\"collective\":" +
+               (c.collective ? std::to_string(c.collective - 1) : std::string("null")) +
+               ",\"op\":" + json_string(op_text(c.op)) +
+               ",\"dtype\":" + json_string(std::string(trace::dtype_name(c.dtype))) +
+               ",\"count\":" + std::to_string(c.count) + ",\"root_or_peer\":" +
+               std::to_string(c.root) + ",\"callsite\":" + json_string(hex16(c.callsite)) +
+               ",\"returned\":" + (c.returned ? "true" : "false") + "}";
+      }
+      out += "}";
+    }
+    out += "]}";
+  }
+  out += "]}\n";
+  return out;
+}
+
+}  // namespace
+
+int hang_main(std::span<const std::string> args) {
+  return run_verb(kUsage, args, [&] {
+    ArgCursor cursor(args);
+    bool json = false;
+    std::vector<std::string> files;
+    while (!cursor.done()) {
+      if (cursor.flag("--json")) {
+        json = true;
+        continue;
+      }
+      cursor.operand(files);
+    }
+    if (files.empty()) throw UsageError("no files");
+    std::map<uint64_t, Comm> comms;
+    for (const std::string& file : files) {
+      if (is_flight_file(file))
+        add_flight(capture::flight::read_file(file), comms);
+      else
+        add_trace(trace::read_trace(file), comms);
+    }
+    std::vector<Finding> findings;
+    bool hang = false;
+    for (auto& [id, comm] : comms) {
+      findings.push_back(analyse(id, comm));
+      hang = hang || findings.back().hang;
+    }
+    if (json) {
+      const std::string text = json_of(findings, comms);
+      std::fwrite(text.data(), 1, text.size(), stdout);
+      return hang ? 1 : 0;
+    }
+    if (findings.empty()) std::printf("no communicators in these files\n");
+    for (const Finding& f : findings) std::printf("%s\n", f.verdict.c_str());
+    for (const Finding& f : findings) {
+      std::printf("\ncomm %s:\n", comm_text(f.comm_id).c_str());
+      for (const std::string& d : f.details) std::printf("%s\n", d.c_str());
+    }
+    return hang ? 1 : 0;
+  });
+}
+
+}  // namespace magi::tool
