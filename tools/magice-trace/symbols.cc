@@ -100,7 +100,11 @@ std::string function_name(const Binary& binary, GElf_Addr address) {
     std::free(scopes);
     if (!name.empty()) return name;
   }
-  if (const char* symbol = dwfl_module_addrname(binary.module, address)) return demangled(symbol);
+  if (const char* symbol = dwfl_module_addrname(binary.module, address)) {
+    std::string_view name(symbol);
+    name = name.substr(0, name.find('@'));  // "__libc_start_main@@GLIBC_2.34": the version goes
+    return demangled(std::string(name).c_str());
+  }
   // No symbol (a stripped binary with debug info elsewhere, a local function): DWARF's name.
   if (Dwarf_Die* cu = dwfl_module_addrdie(binary.module, address, &cu_bias)) {
     Dwarf_Die* scopes = nullptr;
@@ -115,16 +119,43 @@ std::string function_name(const Binary& binary, GElf_Addr address) {
   return "";
 }
 
+bool in_described_function(const Binary& binary, GElf_Addr address) {
+  Dwarf_Addr cu_bias = 0;
+  Dwarf_Die* cu = dwfl_module_addrdie(binary.module, address, &cu_bias);
+  if (cu == nullptr) return false;
+  Dwarf_Die* scopes = nullptr;
+  const int count = dwarf_getscopes(cu, address - cu_bias, &scopes);
+  bool found = false;
+  for (int i = 0; i < count && !found; ++i) {
+    const int tag = dwarf_tag(&scopes[i]);
+    found = tag == DW_TAG_subprogram || tag == DW_TAG_inlined_subroutine;
+  }
+  std::free(scopes);
+  return found;
+}
+
 std::string name_frame(const Binary& binary, const trace::Trace& trace, const trace::Frame& frame) {
   const GElf_Addr address = frame.offset + binary.bias;
   const std::string function = function_name(binary, address);
   if (function.empty()) return frame_text(trace, frame);
   int line = 0;
   const char* file = nullptr;
-  if (Dwfl_Line* entry = dwfl_module_getsrc(binary.module, address))
-    file = dwfl_lineinfo(entry, nullptr, &line, nullptr, nullptr, nullptr);
+  // Only inside a function DWARF describes: for code it does not (crt1's _start, say) the line
+  // table would answer with a neighbouring unit's last line.
+  Dwfl_Line* entry =
+      in_described_function(binary, address) ? dwfl_module_getsrc(binary.module, address) : nullptr;
+  if (entry != nullptr) file = dwfl_lineinfo(entry, nullptr, &line, nullptr, nullptr, nullptr);
   if (file == nullptr || line <= 0) return function + " (" + frame_text(trace, frame) + ")";
-  return function + " (" + std::string(basename_of(file)) + ":" + std::to_string(line) + ")";
+  std::string text =
+      function + " (" + std::string(basename_of(file)) + ":" + std::to_string(line) + ")";
+  // An inlined function has no frame of its own: name the function it was inlined into.
+  const char* symbol = dwfl_module_addrname(binary.module, address);
+  if (symbol != nullptr) {
+    std::string_view outer(symbol);
+    const std::string caller = demangled(std::string(outer.substr(0, outer.find('@'))).c_str());
+    if (caller != function) text += " inlined in " + caller;
+  }
+  return text;
 }
 
 // The tool reads a handful of files in one thread: binaries and names are kept for its run.
