@@ -243,8 +243,9 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
                                            std::span<trace::Frame>(frames, 64), &count);
     if (writer != nullptr) describe_callsite(writer, record.callsite, frames, count);
   }
-  if (options.py_callsites && writer != nullptr) {
-    if (const uint64_t python = python_callsite(writer)) {
+  if (options.py_callsites != 0 && writer != nullptr) {
+    const auto gil = options.py_callsites == 2 ? PythonGil::Take : PythonGil::IfHeld;
+    if (const uint64_t python = python_callsite(writer, gil)) {
       const trace::PyCallRecord py{record.comm_id, record.seq, python, record.rank, 0};
       trace_append(writer, trace::RecordType::PyCall, &py, sizeof(py));
     }

@@ -48,6 +48,9 @@ struct PythonApi {
   void (*dec_ref)(PyObject*);
   void (*err_clear)();
   const char* (*version)();
+  void* (*this_thread_state)();  // PyGILState_GetThisThreadState: null if Python never ran here
+  int (*gil_ensure)();           // PyGILState_Ensure: a PyGILState_STATE, an enum
+  void (*gil_release)(int);
 };
 
 enum class ApiState : int { Unresolved, Ready, Absent };
@@ -81,7 +84,9 @@ ApiState resolve_api() {
       resolve(a.frame_get_line, "PyFrame_GetLineNumber") &&
       resolve(a.get_attr, "PyObject_GetAttr") && resolve(a.as_utf8, "PyUnicode_AsUTF8") &&
       resolve(a.intern, "PyUnicode_InternFromString") && resolve(a.dec_ref, "Py_DecRef") &&
-      resolve(a.err_clear, "PyErr_Clear") && resolve(a.version, "Py_GetVersion");
+      resolve(a.err_clear, "PyErr_Clear") && resolve(a.version, "Py_GetVersion") &&
+      resolve(a.this_thread_state, "PyGILState_GetThisThreadState") &&
+      resolve(a.gil_ensure, "PyGILState_Ensure") && resolve(a.gil_release, "PyGILState_Release");
   if (!found) {
     state = ApiState::Absent;  // the common case: a program with no interpreter
   } else if (!version_supported(a.version())) {
@@ -172,15 +177,8 @@ void describe(TraceWriter* writer, uint64_t key, const FrameText* frames, int co
                record + sizeof(header), static_cast<uint32_t>(tail));
 }
 
-}  // namespace
-
-uint64_t python_callsite(TraceWriter* writer) {
-  ApiState state = g_state.load(std::memory_order_acquire);
-  if (__builtin_expect(state == ApiState::Unresolved, 0)) state = resolve_api();
-  if (state != ApiState::Ready) return 0;
+uint64_t walk_frames(TraceWriter* writer) {
   const PythonApi& api = g_api;
-  // Without the GIL no frame may be touched: the interpreter may be running them elsewhere.
-  if (!api.is_initialized() || api.gil_check() != 1) return 0;
   PyObject* co_filename = interned(g_co_filename, "co_filename");
   PyObject* co_name = interned(g_co_name, "co_name");
   if (co_filename == nullptr || co_name == nullptr) return 0;
@@ -218,6 +216,23 @@ uint64_t python_callsite(TraceWriter* writer) {
   if (count != 0 && key == 0) key = 1;  // 0 means "none"
   if (key != 0 && writer != nullptr && first_sighting(key)) describe(writer, key, frames, count);
   for (int i = 0; i < count; ++i) api.dec_ref(frames[i].code);
+  return key;
+}
+
+}  // namespace
+
+uint64_t python_callsite(TraceWriter* writer, PythonGil gil) {
+  ApiState state = g_state.load(std::memory_order_acquire);
+  if (__builtin_expect(state == ApiState::Unresolved, 0)) state = resolve_api();
+  if (state != ApiState::Ready) return 0;
+  const PythonApi& api = g_api;
+  if (!api.is_initialized() || api.this_thread_state() == nullptr) return 0;
+  // Without the GIL no frame may be touched: the interpreter may be running them elsewhere.
+  if (api.gil_check() == 1) return walk_frames(writer);
+  if (gil != PythonGil::Take) return 0;
+  const int taken = api.gil_ensure();
+  const uint64_t key = walk_frames(writer);
+  api.gil_release(taken);
   return key;
 }
 

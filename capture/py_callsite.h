@@ -15,8 +15,16 @@
 
 namespace magi::capture {
 
+// IfHeld (MAGI_PY_CALLSITES=1): read frames only when the caller holds the GIL.
+// Take (MAGI_PY_CALLSITES=2): a Python thread that released the GIL (PyTorch's bindings do,
+// before ProcessGroupNCCL calls NCCL) takes it back for the walk (PyGILState_Ensure). That waits
+// for whichever thread holds the GIL, up to the interpreter's switch interval, and would hang if
+// that thread waited on a lock the caller holds: for debugging runs, never the default.
+// Threads Python never ran on (ProcessGroupNCCL's own) have no frames and cost one TLS read.
+enum class PythonGil { IfHeld, Take };
+
 // The calling thread's Python call site as a fingerprint (0: none, see above). A fingerprint
 // seen for the first time is described to `writer` in a PyCallsite record.
-uint64_t python_callsite(TraceWriter* writer);
+uint64_t python_callsite(TraceWriter* writer, PythonGil gil = PythonGil::IfHeld);
 
 }  // namespace magi::capture

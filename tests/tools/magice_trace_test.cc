@@ -915,13 +915,16 @@ TEST_F(MagiceTrace, DiffAndDumpShowPythonCallSites) {
   EXPECT_TRUE(contains(run.out, "/home/u/train.py:7 in step")) << run.out;
 }
 
-// MAGI_PY_CALLSITES=1 in a real interpreter: a program calls NCCL through ctypes, once holding
-// the GIL (PyDLL) and once with it released (CDLL, as ProcessGroupNCCL mostly does).
-TEST_F(MagiceTrace, PythonCallSitesOfCallsMadeHoldingTheGil) {
-  if (run_program({"python3", "-c", "import ctypes"}, dir_).status != 0)
-    GTEST_SKIP() << "python3 with ctypes is not on this machine";
-  const std::string script = dir_ + "/issue.py";
-  std::ofstream(script) << R"(import ctypes, sys
+// MAGI_PY_CALLSITES in a real interpreter: a program calls NCCL through ctypes, once holding the
+// GIL (PyDLL) and once with it released (CDLL, as PyTorch's bindings do).
+class PythonCallSites : public MagiceTrace {
+ protected:
+  void SetUp() override {
+    MagiceTrace::SetUp();
+    if (run_program({"python3", "-c", "import ctypes"}, dir_).status != 0)
+      GTEST_SKIP() << "python3 with ctypes is not on this machine";
+    script_ = dir_ + "/issue.py";
+    std::ofstream(script_) << R"(import ctypes, sys
 held = ctypes.PyDLL(sys.argv[1])
 released = ctypes.CDLL(sys.argv[1])
 class UniqueId(ctypes.Structure):
@@ -939,38 +942,65 @@ assert with_gil() == 0
 assert without_gil() == 0
 assert held.ncclCommDestroy(comm) == 0
 )";
-  const std::string traces = dir_ + "/traces";
-  const std::string standin = build_dir() + "/tests/support/libnccl.so.2";
-  const ToolRun python = run_program(
-      {"env", "MAGI_PY_CALLSITES=1", "MAGI_TRACE_DIR=" + traces, "MAGI_NCCL_LIBRARY=" + standin,
-       "python3", script, build_dir() + "/libmagice.so", standin},
-      dir_);
-  ASSERT_EQ(python.status, 0) << python.err;
-  std::vector<std::string> files;
-  for (const auto& entry : std::filesystem::directory_iterator(traces))
-    files.push_back(entry.path().string());
-  ASSERT_EQ(files.size(), 1u);
-  const Trace trace = read_trace(files[0]);
-  std::vector<const CallRecord*> reduces;
-  for (const CallRecord& c : trace.calls)
-    if (c.op == static_cast<uint8_t>(Op::AllReduce)) reduces.push_back(&c);
-  ASSERT_EQ(reduces.size(), 2u);
-  const auto site = [&](const CallRecord& c) {
-    return trace.py_calls.find({c.comm_id, c.seq, c.rank});
-  };
-  ASSERT_NE(site(*reduces[0]), trace.py_calls.end()) << "the call made holding the GIL";
-  EXPECT_EQ(site(*reduces[1]), trace.py_calls.end()) << "the call made without the GIL";
-  const std::vector<PyFrameText>& frames = trace.py_callsites.at(site(*reduces[0])->second);
-  ASSERT_EQ(frames.size(), 2u);  // with_gil, then the module's code that called it
-  EXPECT_EQ(frames[0].file, script);
-  EXPECT_EQ(frames[0].function, "with_gil");
-  EXPECT_EQ(frames[0].line, 12);
-  EXPECT_EQ(frames[1].function, "<module>");
-  EXPECT_EQ(frames[1].line, 15);
+  }
 
-  const ToolRun dump = tool({"dump", files[0]});
+  // Runs the program with MAGI_PY_CALLSITES=`mode`; its trace, and its two all-reduces.
+  std::string run(const std::string& mode) {
+    const std::string traces = dir_ + "/traces" + mode;
+    const std::string standin = build_dir() + "/tests/support/libnccl.so.2";
+    const ToolRun python = run_program({"env", "MAGI_PY_CALLSITES=" + mode,
+                                        "MAGI_TRACE_DIR=" + traces, "MAGI_NCCL_LIBRARY=" + standin,
+                                        "python3", script_, build_dir() + "/libmagice.so", standin},
+                                       dir_);
+    EXPECT_EQ(python.status, 0) << python.err;
+    std::vector<std::string> files;
+    for (const auto& entry : std::filesystem::directory_iterator(traces))
+      files.push_back(entry.path().string());
+    EXPECT_EQ(files.size(), 1u);
+    trace_ = read_trace(files.at(0));
+    reduces_.clear();
+    for (const CallRecord& c : trace_.calls)
+      if (c.op == static_cast<uint8_t>(Op::AllReduce)) reduces_.push_back(&c);
+    EXPECT_EQ(reduces_.size(), 2u);
+    return files.at(0);
+  }
+
+  const std::vector<PyFrameText>* frames_of(const CallRecord& c) const {
+    const auto site = trace_.py_calls.find({c.comm_id, c.seq, c.rank});
+    return site == trace_.py_calls.end() ? nullptr : &trace_.py_callsites.at(site->second);
+  }
+
+  std::string script_;
+  Trace trace_;
+  std::vector<const CallRecord*> reduces_;
+};
+
+TEST_F(PythonCallSites, CallsMadeHoldingTheGilCarryTheirPythonLine) {
+  const std::string file = run("1");
+  ASSERT_EQ(reduces_.size(), 2u);
+  const std::vector<PyFrameText>* frames = frames_of(*reduces_[0]);
+  ASSERT_NE(frames, nullptr) << "the call made holding the GIL";
+  EXPECT_EQ(frames_of(*reduces_[1]), nullptr) << "the call made without the GIL";
+  ASSERT_EQ(frames->size(), 2u);  // with_gil, then the module's code that called it
+  EXPECT_EQ((*frames)[0].file, script_);
+  EXPECT_EQ((*frames)[0].function, "with_gil");
+  EXPECT_EQ((*frames)[0].line, 12);
+  EXPECT_EQ((*frames)[1].function, "<module>");
+  EXPECT_EQ((*frames)[1].line, 15);
+
+  const ToolRun dump = tool({"dump", file});
   ASSERT_EQ(dump.status, 0) << dump.err;
-  EXPECT_TRUE(contains(dump.out, script + ":12 in with_gil")) << dump.out;
+  EXPECT_TRUE(contains(dump.out, script_ + ":12 in with_gil")) << dump.out;
+}
+
+TEST_F(PythonCallSites, TakingTheGilReadsCallsMadeWithoutIt) {
+  run("2");
+  ASSERT_EQ(reduces_.size(), 2u);
+  ASSERT_NE(frames_of(*reduces_[0]), nullptr);
+  const std::vector<PyFrameText>* released = frames_of(*reduces_[1]);
+  ASSERT_NE(released, nullptr) << "MAGI_PY_CALLSITES=2 takes the GIL the caller released";
+  EXPECT_EQ(released->at(0).function, "without_gil");
+  EXPECT_EQ(released->at(0).line, 14);
 }
 
 }  // namespace
