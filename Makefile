@@ -69,6 +69,7 @@ $(DEPS_STAMP):
 	@missing=""; \
 	 [ -f /usr/include/x86_64-linux-gnu/libunwind.h ] || missing="$$missing libunwind-dev"; \
 	 [ -f /usr/include/xxhash.h ] || missing="$$missing libxxhash-dev"; \
+	 [ -f /usr/include/elfutils/libdwfl.h ] || missing="$$missing libdw-dev"; \
 	 [ -f /usr/include/gtest/gtest.h ] || missing="$$missing libgtest-dev"; \
 	 [ -f /usr/include/benchmark/benchmark.h ] || missing="$$missing libbenchmark-dev"; \
 	 command -v clang-format >/dev/null || missing="$$missing clang-format"; \
@@ -91,8 +92,13 @@ $(LIB): $(LIB_OBJS) shim/exports.map
 	  -Wl,--version-script=shim/exports.map
 	cp -L $$($(CXX) -print-file-name=libunwind.so.8) $(BUILD)/libunwind.so.8
 
+# libdw names frames offline (tools/magice-trace/symbols.cc): the tool links it, the library never.
+# It and the libraries it needs that a bare image may lack are copied beside the tool, found
+# through $ORIGIN, as libunwind is for the library.
+TOOL_LIBS := libdw.so.1 libelf.so.1 libbz2.so.1.0
 $(TOOL): $(TOOL_OBJS) $(CORE_OBJS)
-	$(CXX) -o $@ $^ -pthread
+	$(CXX) -o $@ $^ -ldw -lelf -pthread -Wl,-rpath,'$$ORIGIN'
+	for l in $(TOOL_LIBS); do p=$$($(CXX) -print-file-name=$$l); [ "$$p" = "$$l" ] || cp -L "$$p" $(BUILD)/; done
 
 # ---- test support -------------------------------------------------------------------------
 # The stand-in exports only the NCCL names (tests/support/standin/export.h); all else is hidden,

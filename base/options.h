@@ -61,6 +61,7 @@ struct Options {
   uint64_t trace_buffer_bytes{};  // MAGI_TRACE_BUFFER_KIB
   bool callsites{};
   int64_t callsite_depth{};
+  int64_t py_callsites{};  // 0 off, 1 with the GIL held, 2 also taking it (capture/py_callsite.h)
   int64_t max_step_calls{};
   std::string nccl_library;
   enum class Transport : uint8_t { CopyEngine, Nccl };

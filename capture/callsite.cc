@@ -112,11 +112,11 @@ std::string_view basename_of(std::string_view path) {
 }
 
 // The main program is listed with an empty name.
-std::string program_basename() {
+std::string program_path() {
   char path[PATH_MAX];
   const ssize_t n = readlink("/proc/self/exe", path, sizeof(path) - 1);
   if (n <= 0) return "[program]";
-  return std::string(basename_of(std::string_view(path, static_cast<size_t>(n))));
+  return std::string(path, static_cast<size_t>(n));
 }
 
 // Reads notes only inside a loaded segment, where the bytes are mapped.
@@ -159,7 +159,7 @@ bool find_build_id(const dl_phdr_info& info, std::string_view& build_id) {
 
 struct TableBuild {
   ModuleTable* table;
-  std::vector<std::pair<uint64_t, std::string>> names;
+  std::vector<std::pair<uint64_t, ModuleIdentity>> names;
   std::string program;
   uintptr_t own_address;
   bool first = true;
@@ -172,8 +172,9 @@ int add_module(dl_phdr_info* info, size_t size, void* data) {
     build.table->counters = LoaderCounters{info->dlpi_adds, info->dlpi_subs};
   build.first = false;
 
-  std::string name =
-      is_program ? build.program : std::string(basename_of(info->dlpi_name ? info->dlpi_name : ""));
+  std::string path =
+      is_program ? build.program : std::string(info->dlpi_name ? info->dlpi_name : "");
+  std::string name(basename_of(path));
   std::string_view build_id;
   const uint64_t key = find_build_id(*info, build_id)
                            ? XXH3_64bits(build_id.data(), build_id.size())
@@ -191,7 +192,8 @@ int add_module(dl_phdr_info* info, size_t size, void* data) {
   if (holds_own)
     for (size_t i = first_range; i < build.table->ranges.size(); ++i)
       build.table->own.emplace_back(build.table->ranges[i].start, build.table->ranges[i].end);
-  build.names.emplace_back(key, std::move(name));
+  build.names.emplace_back(key,
+                           ModuleIdentity{std::move(name), std::move(path), std::string(build_id)});
   return 0;
 }
 
@@ -211,7 +213,7 @@ std::mutex g_build_mutex;
 uint64_t g_generation = 0;
 // Left allocated at exit on purpose: a call made while the process exits may still need them.
 std::vector<const ModuleTable*>* g_retired = nullptr;
-std::unordered_map<uint64_t, std::string>* g_module_names = nullptr;
+std::unordered_map<uint64_t, ModuleIdentity>* g_module_names = nullptr;
 
 HazardSlot* acquire_slot() {
   for (HazardSlot* slot = g_slots.load(std::memory_order_acquire); slot; slot = slot->next) {
@@ -251,12 +253,11 @@ const ModuleTable* protect_current(HazardSlot& slot) {
 ModuleTable* build_table() {
   auto* table = new ModuleTable;
   table->generation = ++g_generation;
-  TableBuild build{
-      table, {}, program_basename(), reinterpret_cast<uintptr_t>(&read_loader_counters)};
+  TableBuild build{table, {}, program_path(), reinterpret_cast<uintptr_t>(&read_loader_counters)};
   dl_iterate_phdr(add_module, &build);
   std::sort(table->ranges.begin(), table->ranges.end(),
             [](const ModuleRange& a, const ModuleRange& b) { return a.start < b.start; });
-  if (g_module_names == nullptr) g_module_names = new std::unordered_map<uint64_t, std::string>;
+  if (g_module_names == nullptr) g_module_names = new std::unordered_map<uint64_t, ModuleIdentity>;
   for (auto& [key, name] : build.names) g_module_names->try_emplace(key, std::move(name));
   return table;
 }
@@ -380,7 +381,14 @@ std::string module_name(uint64_t module_key) {
   std::lock_guard<std::mutex> lock(g_build_mutex);
   if (g_module_names == nullptr) return "";
   const auto it = g_module_names->find(module_key);
-  return it == g_module_names->end() ? "" : it->second;
+  return it == g_module_names->end() ? "" : it->second.name;
+}
+
+ModuleIdentity module_identity(uint64_t module_key) {
+  std::lock_guard<std::mutex> lock(g_build_mutex);
+  if (g_module_names == nullptr) return {};
+  const auto it = g_module_names->find(module_key);
+  return it == g_module_names->end() ? ModuleIdentity{} : it->second;
 }
 
 uint64_t callsite_fingerprint(int depth, std::span<trace::Frame> frames_out, int* frame_count) {

@@ -27,6 +27,16 @@ bool normalize_address(uintptr_t address, trace::Frame& out);
 // The file name of a module key seen by normalize_address ("" if unknown).
 std::string module_name(uint64_t module_key);
 
+// What an offline reader needs to find the module's binary again: the path it was loaded from
+// (as the loader names it) and its GNU build-id (raw bytes; empty when it has none). Read from
+// the loader's list when the module table is built, never per call.
+struct ModuleIdentity {
+  std::string name;  // file name
+  std::string path;
+  std::string build_id;
+};
+ModuleIdentity module_identity(uint64_t module_key);
+
 // Fingerprint of the caller's native call site: up to `depth` frames above the frames that
 // belong to the module containing this function (the library itself). `frames_out`, if not
 // empty, receives the normalised frames and `*frame_count` their number.

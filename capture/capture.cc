@@ -18,6 +18,7 @@
 #include "capture/callsite.h"
 #include "capture/dump_signal.h"
 #include "capture/flight_recorder.h"
+#include "capture/py_callsite.h"
 #include "capture/stream_capture.h"
 #include "capture/trace_writer.h"
 
@@ -72,10 +73,12 @@ void describe_callsite(TraceWriter* writer, uint64_t callsite, const trace::Fram
   for (int i = 0; i < count; ++i) {
     const uint64_t module = frames[i].module;
     if (module == 0 || !first_sighting(g_seen_modules, kSeenModules, module)) continue;
-    const std::string name = module_name(module);
-    const trace::ModuleRecord record{module, static_cast<uint32_t>(name.size()), 0};
-    trace_append(writer, trace::RecordType::Module, &record, sizeof(record), name.data(),
-                 static_cast<uint32_t>(name.size()));
+    const ModuleIdentity identity = module_identity(module);
+    const std::string tail = identity.path + identity.build_id;
+    const trace::ModuleRecord record{module, static_cast<uint32_t>(identity.path.size()),
+                                     static_cast<uint32_t>(identity.build_id.size())};
+    trace_append(writer, trace::RecordType::Module, &record, sizeof(record), tail.data(),
+                 static_cast<uint32_t>(tail.size()));
   }
   const trace::CallsiteRecord record{callsite, static_cast<uint32_t>(count), 0};
   trace_append(writer, trace::RecordType::Callsite, &record, sizeof(record), frames,
@@ -248,6 +251,13 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
     record.callsite = callsite_fingerprint(static_cast<int>(options.callsite_depth),
                                            std::span<trace::Frame>(frames, 64), &count);
     if (writer != nullptr) describe_callsite(writer, record.callsite, frames, count);
+  }
+  if (options.py_callsites != 0 && writer != nullptr) {
+    const auto gil = options.py_callsites == 2 ? PythonGil::Take : PythonGil::IfHeld;
+    if (const uint64_t python = python_callsite(writer, gil)) {
+      const trace::PyCallRecord py{record.comm_id, record.seq, python, record.rank, 0};
+      trace_append(writer, trace::RecordType::PyCall, &py, sizeof(py));
+    }
   }
   const uint64_t pair[2] = {record.shape, record.callsite};
   record.fingerprint = XXH3_64bits(pair, sizeof(pair));

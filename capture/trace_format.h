@@ -33,16 +33,18 @@ struct FileHeader {
 static_assert(sizeof(FileHeader) == 8 + 4 + 4 + 8 + 8 + 8 + 64 + 128);
 
 enum class RecordType : uint16_t {
-  Comm = 1,       // a communicator joined
-  Call = 2,       // one NCCL call
-  CommEnd = 3,    // a communicator finalized, destroyed, aborted or revoked
-  Callsite = 4,   // the frames behind a call-site fingerprint, written once per fingerprint
-  Module = 5,     // the name behind a module key, written once per module
-  Step = 6,       // the step detector found or lost a communicator's repeating step
-  Dropped = 7,    // records lost because the writer fell behind (never blocks the caller)
-  Agreement = 8,  // an agreement round of a communicator was issued, read, or changed its routes
-  Decision = 9,   // what one agreement round decided for one gather of the step, on this rank
-  Window = 10,    // the memory a plan's window took on this rank, once it opened its peers'
+  Comm = 1,         // a communicator joined
+  Call = 2,         // one NCCL call
+  CommEnd = 3,      // a communicator finalized, destroyed, aborted or revoked
+  Callsite = 4,     // the frames behind a call-site fingerprint, written once per fingerprint
+  Module = 5,       // the name behind a module key, written once per module
+  Step = 6,         // the step detector found or lost a communicator's repeating step
+  Dropped = 7,      // records lost because the writer fell behind (never blocks the caller)
+  Agreement = 8,    // an agreement round of a communicator was issued, read, or changed its routes
+  Decision = 9,     // what one agreement round decided for one gather of the step, on this rank
+  Window = 10,      // the memory a plan's window took on this rank, once it opened its peers'
+  PyCallsite = 11,  // the Python frames behind a Python call-site fingerprint, written once each
+  PyCall = 12,      // a call's Python call site (MAGI_PY_CALLSITES=1, the caller held the GIL)
 };
 
 struct RecordHeader {
@@ -149,10 +151,13 @@ struct CallsiteRecord {
 };
 static_assert(sizeof(CallsiteRecord) == 16);
 
+// The name is the path the module was loaded from (older writers: its file name alone); the
+// GNU build-id's raw bytes follow it, so a reader can tell the binary on its machine is the one
+// that ran (0 bytes: none, or an older writer, which wrote 0 here).
 struct ModuleRecord {
   uint64_t module;
-  uint32_t name_bytes;  // name follows (not NUL-terminated), then padding to 8
-  uint32_t reserved;
+  uint32_t name_bytes;  // name follows (not NUL-terminated), then build_id_bytes, then padding
+  uint32_t build_id_bytes;
 };
 static_assert(sizeof(ModuleRecord) == 16);
 
@@ -279,6 +284,33 @@ struct WindowRecord {
   uint8_t reserved[7];
 };
 static_assert(sizeof(WindowRecord) == 72);
+
+// ---- Python call sites (capture/py_callsite.h) ----
+
+// Followed by `frames` PyFrameEntry, innermost first, then their texts: each entry's file, then
+// its function, not NUL-terminated; then padding to 8.
+struct PyCallsiteRecord {
+  uint64_t py_callsite;  // XXH3 over the frames' files, functions and lines
+  uint32_t frames;
+  uint32_t text_bytes;
+};
+static_assert(sizeof(PyCallsiteRecord) == 16);
+
+struct PyFrameEntry {
+  int32_t line;
+  uint16_t file_bytes;
+  uint16_t function_bytes;
+};
+static_assert(sizeof(PyFrameEntry) == 8);
+
+struct PyCallRecord {
+  uint64_t comm_id;
+  uint64_t seq;  // the CallRecord's
+  uint64_t py_callsite;
+  int32_t rank;
+  uint32_t reserved;
+};
+static_assert(sizeof(PyCallRecord) == 32);
 
 struct DroppedRecord {
   uint64_t records;

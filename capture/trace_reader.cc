@@ -155,6 +155,13 @@ class TraceParser {
         break;
       case RecordType::Callsite: read_callsite(trace, offset, payload, payload_bytes); break;
       case RecordType::Module: read_module(trace, offset, payload, payload_bytes); break;
+      case RecordType::PyCallsite: read_py_callsite(trace, offset, payload, payload_bytes); break;
+      case RecordType::PyCall: {
+        need(sizeof(PyCallRecord), "PyCall");
+        const auto r = load<PyCallRecord>(payload);
+        trace.py_calls[{r.comm_id, r.seq, r.rank}] = r.py_callsite;
+        break;
+      }
       case RecordType::Step:
         need(sizeof(StepRecord), "Step");
         trace.steps.push_back(load<StepRecord>(payload));
@@ -200,6 +207,35 @@ class TraceParser {
     }
   }
 
+  void read_py_callsite(Trace& trace, uint64_t offset, uint64_t payload,
+                        uint64_t payload_bytes) const {
+    if (payload_bytes < sizeof(PyCallsiteRecord)) {
+      fail(offset, "PyCallsite record of " + std::to_string(payload_bytes) +
+                       " payload bytes, needs " + std::to_string(sizeof(PyCallsiteRecord)));
+    }
+    const auto record = load<PyCallsiteRecord>(payload);
+    const uint64_t entries = uint64_t{record.frames} * sizeof(PyFrameEntry);
+    if (entries + record.text_bytes > payload_bytes - sizeof(PyCallsiteRecord)) {
+      fail(offset, "PyCallsite record claims " + std::to_string(record.frames) + " frames and " +
+                       std::to_string(record.text_bytes) + " bytes of text but holds room for " +
+                       std::to_string(payload_bytes - sizeof(PyCallsiteRecord)) + " bytes");
+    }
+    std::vector<PyFrameText> frames;
+    uint64_t text = payload + sizeof(PyCallsiteRecord) + entries;
+    const uint64_t text_end = text + record.text_bytes;
+    for (uint32_t i = 0; i < record.frames; ++i) {
+      const auto entry =
+          load<PyFrameEntry>(payload + sizeof(PyCallsiteRecord) + i * sizeof(PyFrameEntry));
+      if (text + entry.file_bytes + entry.function_bytes > text_end)
+        fail(offset, "PyCallsite record's frame " + std::to_string(i) + " runs past its text");
+      frames.push_back({std::string(data_ + text, entry.file_bytes),
+                        std::string(data_ + text + entry.file_bytes, entry.function_bytes),
+                        entry.line});
+      text += entry.file_bytes + entry.function_bytes;
+    }
+    trace.py_callsites[record.py_callsite] = std::move(frames);
+  }
+
   void read_module(Trace& trace, uint64_t offset, uint64_t payload, uint64_t payload_bytes) const {
     if (payload_bytes < sizeof(ModuleRecord)) {
       fail(offset, "Module record of " + std::to_string(payload_bytes) + " payload bytes, needs " +
@@ -211,7 +247,15 @@ class TraceParser {
                        "-byte name but holds room for " +
                        std::to_string(payload_bytes - sizeof(ModuleRecord)));
     }
-    trace.modules[record.module].assign(data_ + payload + sizeof(ModuleRecord), record.name_bytes);
+    const uint64_t room = payload_bytes - sizeof(ModuleRecord) - record.name_bytes;
+    if (record.build_id_bytes > room) {
+      fail(offset, "Module record claims a " + std::to_string(record.build_id_bytes) +
+                       "-byte build-id but holds room for " + std::to_string(room));
+    }
+    const char* name = data_ + payload + sizeof(ModuleRecord);
+    trace.modules[record.module].assign(name, record.name_bytes);
+    if (record.build_id_bytes != 0)
+      trace.module_build_ids[record.module].assign(name + record.name_bytes, record.build_id_bytes);
   }
 
   const std::string& name_;

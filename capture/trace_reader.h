@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -27,6 +29,12 @@ struct CallsiteFrames {
   std::vector<Frame> frames;
 };
 
+struct PyFrameText {
+  std::string file;
+  std::string function;
+  int32_t line = 0;
+};
+
 // Everything one trace file holds, decoded.
 struct Trace {
   std::string path;
@@ -39,7 +47,12 @@ struct Trace {
   std::vector<DecisionRecord> decisions;    // in file order
   std::vector<WindowRecord> windows;        // in file order
   std::unordered_map<uint64_t, CallsiteFrames> callsites;
-  std::unordered_map<uint64_t, std::string> modules;
+  std::unordered_map<uint64_t, std::string> modules;  // the path (older traces: the file name)
+  std::unordered_map<uint64_t, std::string> module_build_ids;  // raw bytes, where recorded
+  // Python call sites (MAGI_PY_CALLSITES=1): frames by fingerprint, innermost first, and the
+  // fingerprint of each call that had one, by (comm_id, seq, rank).
+  std::unordered_map<uint64_t, std::vector<PyFrameText>> py_callsites;
+  std::map<std::tuple<uint64_t, uint64_t, int32_t>, uint64_t> py_calls;
   uint64_t dropped = 0;
   uint64_t unknown_records = 0;  // types this reader does not know, skipped
 };

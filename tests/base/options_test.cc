@@ -130,6 +130,7 @@ Fields fields_of(const Options& o) {
       {"trace_buffer_bytes", number(o.trace_buffer_bytes)},
       {"callsites", o.callsites ? "true" : "false"},
       {"callsite_depth", number(o.callsite_depth)},
+      {"py_callsites", number(o.py_callsites)},
       {"max_step_calls", number(o.max_step_calls)},
       {"nccl_library", o.nccl_library},
       {"transport", o.transport == Options::Transport::CopyEngine ? "CopyEngine"
@@ -163,6 +164,7 @@ const Fields kDocumentedDefaults = {
     {"trace_buffer_bytes", "1048576"},  // 1024 KiB
     {"callsites", "true"},
     {"callsite_depth", "16"},
+    {"py_callsites", "0"},
     {"max_step_calls", "4096"},
     {"nccl_library", ""},
     {"transport", "CopyEngine"},
@@ -198,6 +200,7 @@ const std::vector<Setting> kEveryOptionChanged = {
     {"MAGI_TRACE_BUFFER_KIB", "48", {{"trace_buffer_bytes", "49152"}}},
     {"MAGI_CALLSITES", "no", {{"callsites", "false"}}},
     {"MAGI_CALLSITE_DEPTH", "5", {{"callsite_depth", "5"}}},
+    {"MAGI_PY_CALLSITES", "2", {{"py_callsites", "2"}}},
     {"MAGI_MAX_STEP_CALLS", "77", {{"max_step_calls", "77"}}},
     {"MAGI_NCCL_LIBRARY",
      "/opt/nccl/lib/libnccl.so.2",

@@ -245,7 +245,7 @@ TEST(TraceReader, FileEndingMidRecordIsATruncatedRecord) {
 
 // Each known type must hold at least its payload struct: a short one is refused, not read past.
 TEST(TraceReader, RecordShorterThanItsTypeNeedsIsRefused) {
-  const std::array<std::pair<RecordType, size_t>, 9> minimum = {{
+  const std::array<std::pair<RecordType, size_t>, 11> minimum = {{
       {RecordType::Comm, sizeof(CommRecord)},
       {RecordType::Call, sizeof(CallRecord)},
       {RecordType::CommEnd, sizeof(CommEndRecord)},
@@ -255,6 +255,8 @@ TEST(TraceReader, RecordShorterThanItsTypeNeedsIsRefused) {
       {RecordType::Dropped, sizeof(DroppedRecord)},
       {RecordType::Agreement, sizeof(AgreementRecord)},
       {RecordType::Decision, sizeof(DecisionRecord)},
+      {RecordType::PyCallsite, sizeof(PyCallsiteRecord)},
+      {RecordType::PyCall, sizeof(PyCallRecord)},
   }};
   for (const auto& [type, needed] : minimum) {
     SCOPED_TRACE(static_cast<int>(type));
@@ -289,6 +291,49 @@ TEST(TraceReader, ModuleNameLongerThanItsRecordIsRefused) {
   const TraceFormatError e = parse_error(b.bytes());
   EXPECT_EQ(e.offset(), at);
   EXPECT_NE(std::string(e.what()).find("name"), std::string::npos) << e.what();
+}
+
+TEST(TraceReader, ModuleBuildIdLongerThanItsRecordIsRefused) {
+  TraceBuilder b;
+  const size_t at = b.bytes().size();
+  const ModuleRecord record{0x1111, 7, 4096};
+  b.record(static_cast<uint16_t>(RecordType::Module), &record, sizeof(record), "libx.so", 7);
+  const TraceFormatError e = parse_error(b.bytes());
+  EXPECT_EQ(e.offset(), at);
+  EXPECT_NE(std::string(e.what()).find("build-id"), std::string::npos) << e.what();
+}
+
+TEST(TraceReader, ModulePathAndBuildIdAreRead) {
+  TraceBuilder b;
+  b.module(0x1111, "/opt/lib/libx.so", std::string("\x01\x02\xfe", 3));
+  const Trace t = parse_trace("modules.trace", b.bytes());
+  EXPECT_EQ(t.modules.at(0x1111), "/opt/lib/libx.so");
+  EXPECT_EQ(t.module_build_ids.at(0x1111), std::string("\x01\x02\xfe", 3));
+}
+
+TEST(TraceReader, PythonFramesAreReadAndOverlongOnesRefused) {
+  TraceBuilder good;
+  good.py_callsite(0xbeef, {{"/a/model.py", "forward", 42}, {"/a/train.py", "<module>", 7}});
+  good.py_call({kComm, 3, 0xbeef, 1, 0});
+  const Trace t = parse_trace("py.trace", good.bytes());
+  ASSERT_EQ(t.py_callsites.at(0xbeef).size(), 2u);
+  EXPECT_EQ(t.py_callsites.at(0xbeef)[0].file, "/a/model.py");
+  EXPECT_EQ(t.py_callsites.at(0xbeef)[0].function, "forward");
+  EXPECT_EQ(t.py_callsites.at(0xbeef)[0].line, 42);
+  EXPECT_EQ(t.py_callsites.at(0xbeef)[1].function, "<module>");
+  EXPECT_EQ(t.py_calls.at({kComm, 3, 1}), 0xbeefu);
+
+  // A frame whose texts run past the record's text.
+  TraceBuilder bad;
+  const size_t at = bad.bytes().size();
+  const PyCallsiteRecord record{0xbeef, 1, 4};
+  char tail[16] = {};
+  const PyFrameEntry entry{1, 200, 3};
+  std::memcpy(tail, &entry, sizeof(entry));
+  bad.record(static_cast<uint16_t>(RecordType::PyCallsite), &record, sizeof(record), tail, 12);
+  const TraceFormatError e = parse_error(bad.bytes());
+  EXPECT_EQ(e.offset(), at);
+  EXPECT_NE(std::string(e.what()).find("runs past"), std::string::npos) << e.what();
 }
 
 TEST(TraceReader, UnknownRecordTypesAreSkippedAndCounted) {

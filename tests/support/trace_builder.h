@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -186,11 +187,33 @@ class TraceBuilder {
     return record(static_cast<uint16_t>(RecordType::Callsite), &r, sizeof(r), frames.data(),
                   frames.size_bytes());
   }
-  TraceBuilder& module(uint64_t key, std::string_view name) {
-    const ModuleRecord r{key, static_cast<uint32_t>(name.size()), 0};
-    return record(static_cast<uint16_t>(RecordType::Module), &r, sizeof(r), name.data(),
-                  name.size());
+  TraceBuilder& module(uint64_t key, std::string_view name, std::string_view build_id = {}) {
+    const ModuleRecord r{key, static_cast<uint32_t>(name.size()),
+                         static_cast<uint32_t>(build_id.size())};
+    const std::string tail = std::string(name) + std::string(build_id);
+    return record(static_cast<uint16_t>(RecordType::Module), &r, sizeof(r), tail.data(),
+                  tail.size());
   }
+  struct PyFrameSpec {
+    std::string file;
+    std::string function;
+    int32_t line;
+  };
+  TraceBuilder& py_callsite(uint64_t key, const std::vector<PyFrameSpec>& frames) {
+    std::string tail(frames.size() * sizeof(PyFrameEntry), '\0');
+    for (size_t i = 0; i < frames.size(); ++i) {
+      const PyFrameEntry entry{frames[i].line, static_cast<uint16_t>(frames[i].file.size()),
+                               static_cast<uint16_t>(frames[i].function.size())};
+      std::memcpy(tail.data() + i * sizeof(entry), &entry, sizeof(entry));
+    }
+    for (const PyFrameSpec& f : frames) tail += f.file + f.function;
+    const PyCallsiteRecord r{
+        key, static_cast<uint32_t>(frames.size()),
+        static_cast<uint32_t>(tail.size() - frames.size() * sizeof(PyFrameEntry))};
+    return record(static_cast<uint16_t>(RecordType::PyCallsite), &r, sizeof(r), tail.data(),
+                  tail.size());
+  }
+  TraceBuilder& py_call(const PyCallRecord& r) { return typed(RecordType::PyCall, r); }
   // Bytes appended as they are: for damaged files.
   TraceBuilder& raw(std::string_view bytes) {
     bytes_.append(bytes);

@@ -1,4 +1,5 @@
 // magice-trace run as a program on trace files built byte by byte, as a user would run it.
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <nccl.h>
@@ -17,6 +18,8 @@
 #include <vector>
 
 #include "base/options.h"
+#include "capture/callsite.h"
+#include "capture/trace_reader.h"
 #include "tests/support/trace_builder.h"
 
 namespace magi::trace {
@@ -805,6 +808,199 @@ TEST_F(MagiceTraceDecisions, TruncatedDecisionRecordExitsTwo) {
   EXPECT_EQ(run.status, 2);
   EXPECT_TRUE(contains(run.err, file + ": offset ")) << run.err;
   EXPECT_TRUE(contains(run.err, "truncated record")) << run.err;
+}
+
+// ---- call sites a person can read (tools/magice-trace/symbols.h) ------------------------------
+
+std::string build_dir() {
+  const char* dir = std::getenv("TEST_BUILD_DIR");
+  return std::string(dir != nullptr && *dir != '\0' ? dir : "build");
+}
+
+uint64_t record_frames(void* context) {
+  auto* frames = static_cast<std::vector<Frame>*>(context);
+  frames->resize(16);
+  int count = 0;
+  const uint64_t key = capture::callsite_fingerprint(16, *frames, &count);
+  frames->resize(static_cast<size_t>(count));
+  return key;
+}
+
+// The frames of a real call made through libcallsite_probe.so (built with -g), as the library
+// records them, in a trace that names their modules as the library does.
+class SymbolizedFrames : public MagiceTrace {
+ protected:
+  void SetUp() override {
+    MagiceTrace::SetUp();
+    const std::string probe = build_dir() + "/tests/support/libcallsite_probe.so";
+    handle_ = dlopen(probe.c_str(), RTLD_NOW | RTLD_LOCAL);
+    ASSERT_NE(handle_, nullptr) << dlerror();
+    using ProbePath = uint64_t (*)(uint64_t(*)(void*), void*);
+    auto path_a = reinterpret_cast<ProbePath>(dlsym(handle_, "magi_probe_path_a"));
+    ASSERT_NE(path_a, nullptr);
+    callsite_ = path_a(record_frames, &frames_);
+    ASSERT_GE(frames_.size(), 2u);
+  }
+  void TearDown() override {
+    if (handle_ != nullptr) dlclose(handle_);
+    MagiceTrace::TearDown();
+  }
+
+  // `rename` replaces the probe library's recorded path, `build_id` its recorded build-id.
+  std::string write(const std::string& rename = "", const std::string* build_id = nullptr) {
+    TraceBuilder b(make_file_header(4242, "node0", "train"));
+    b.comm(make_comm(kWorld, 0, 1));
+    b.callsite(callsite_, frames_);
+    for (size_t i = 0; i < frames_.size(); ++i) {
+      const capture::ModuleIdentity identity = capture::module_identity(frames_[i].module);
+      const bool probe = i == 0;
+      b.module(frames_[i].module, probe && !rename.empty() ? rename : identity.path,
+               probe && build_id != nullptr ? *build_id : identity.build_id);
+      if (probe) probe_build_id_ = identity.build_id;
+    }
+    b.call(make_call(kWorld, 0, 0, {Op::AllGather, 9, 111, -1, -1, callsite_}));
+    const std::string file = dir_ + "/frames.trace";
+    b.write(file);
+    return file;
+  }
+
+  void* handle_ = nullptr;
+  std::vector<Frame> frames_;
+  uint64_t callsite_ = 0;
+  std::string probe_build_id_;
+};
+
+TEST_F(SymbolizedFrames, NameFunctionFileAndLineWhereTheBinaryIsHere) {
+  const ToolRun run = tool({"dump", "--frames", write()});
+  ASSERT_EQ(run.status, 0) << run.err;
+  // The call in magi_probe_path_a (tests/capture/callsite_probe_lib.cc, line 23), then the test
+  // program's own frame, demangled.
+  EXPECT_TRUE(contains(run.out, "magi_probe_path_a (callsite_probe_lib.cc:23)")) << run.out;
+  EXPECT_TRUE(contains(run.out, "SymbolizedFrames::SetUp() (magice_trace_test.cc:")) << run.out;
+  EXPECT_FALSE(contains(run.out, "libcallsite_probe.so+0x")) << run.out;
+}
+
+TEST_F(SymbolizedFrames, NoSymbolsPrintsModuleAndOffset) {
+  const ToolRun run = tool({"dump", "--no-symbols", "--frames", write()});
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_TRUE(contains(run.out, "libcallsite_probe.so+0x")) << run.out;
+  EXPECT_FALSE(contains(run.out, "magi_probe_path_a")) << run.out;
+}
+
+TEST_F(SymbolizedFrames, FallBackWhenTheBinaryIsAbsentOrAnotherBuild) {
+  const ToolRun absent = tool({"dump", "--frames", write("/nonexistent/lib/libgone.so")});
+  ASSERT_EQ(absent.status, 0) << absent.err;
+  EXPECT_TRUE(contains(absent.out, "libgone.so+0x")) << absent.out;
+  EXPECT_FALSE(contains(absent.out, "magi_probe_path_a")) << absent.out;
+
+  ASSERT_FALSE(probe_build_id_.empty()) << "the probe library is linked with a build-id";
+  const std::string other(probe_build_id_.size(), '\x5a');
+  const ToolRun rebuilt = tool({"dump", "--frames", write("", &other)});
+  ASSERT_EQ(rebuilt.status, 0) << rebuilt.err;
+  EXPECT_TRUE(contains(rebuilt.out, "libcallsite_probe.so+0x")) << rebuilt.out;
+  EXPECT_FALSE(contains(rebuilt.out, "magi_probe_path_a")) << rebuilt.out;
+}
+
+TEST_F(MagiceTrace, DiffAndDumpShowPythonCallSites) {
+  TraceBuilder b(make_file_header(4242, "node0", "train"));
+  b.comm(make_comm(kWorld, 0, 1));
+  b.call(make_call(kWorld, 0, 0, {Op::AllGather, 9, 111, -1, -1, 0}));
+  const std::string file = dir_ + "/py.trace";
+  b.py_callsite(0xfeed, {{"/home/u/model.py", "forward", 42}, {"/home/u/train.py", "step", 7}})
+      .py_call({kWorld, 0, 0xfeed, 0, 0});
+  b.write(file);
+  const ToolRun run = tool({"dump", "--frames", file});
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_TRUE(contains(run.out, "/home/u/model.py:42 in forward")) << run.out;
+  EXPECT_TRUE(contains(run.out, "/home/u/train.py:7 in step")) << run.out;
+}
+
+// MAGI_PY_CALLSITES in a real interpreter: a program calls NCCL through ctypes, once holding the
+// GIL (PyDLL) and once with it released (CDLL, as PyTorch's bindings do).
+class PythonCallSites : public MagiceTrace {
+ protected:
+  void SetUp() override {
+    MagiceTrace::SetUp();
+    if (run_program({"python3", "-c", "import ctypes"}, dir_).status != 0)
+      GTEST_SKIP() << "python3 with ctypes is not on this machine";
+    script_ = dir_ + "/issue.py";
+    std::ofstream(script_) << R"(import ctypes, sys
+held = ctypes.PyDLL(sys.argv[1])
+released = ctypes.CDLL(sys.argv[1])
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+uid = UniqueId()
+assert ctypes.PyDLL(sys.argv[2]).ncclGetUniqueId(ctypes.byref(uid)) == 0
+comm = ctypes.c_void_p()
+assert held.ncclCommInitRank(ctypes.byref(comm), 1, uid, 0) == 0
+send, recv = (ctypes.c_float * 64)(), (ctypes.c_float * 64)()
+def with_gil():
+    return held.ncclAllReduce(send, recv, ctypes.c_size_t(64), 7, 0, comm, None)
+def without_gil():
+    return released.ncclAllReduce(send, recv, ctypes.c_size_t(64), 7, 0, comm, None)
+assert with_gil() == 0
+assert without_gil() == 0
+assert held.ncclCommDestroy(comm) == 0
+)";
+  }
+
+  // Runs the program with MAGI_PY_CALLSITES=`mode`; its trace, and its two all-reduces.
+  std::string run(const std::string& mode) {
+    const std::string traces = dir_ + "/traces" + mode;
+    const std::string standin = build_dir() + "/tests/support/libnccl.so.2";
+    const ToolRun python = run_program({"env", "MAGI_PY_CALLSITES=" + mode,
+                                        "MAGI_TRACE_DIR=" + traces, "MAGI_NCCL_LIBRARY=" + standin,
+                                        "python3", script_, build_dir() + "/libmagice.so", standin},
+                                       dir_);
+    EXPECT_EQ(python.status, 0) << python.err;
+    std::vector<std::string> files;
+    for (const auto& entry : std::filesystem::directory_iterator(traces))
+      files.push_back(entry.path().string());
+    EXPECT_EQ(files.size(), 1u);
+    trace_ = read_trace(files.at(0));
+    reduces_.clear();
+    for (const CallRecord& c : trace_.calls)
+      if (c.op == static_cast<uint8_t>(Op::AllReduce)) reduces_.push_back(&c);
+    EXPECT_EQ(reduces_.size(), 2u);
+    return files.at(0);
+  }
+
+  const std::vector<PyFrameText>* frames_of(const CallRecord& c) const {
+    const auto site = trace_.py_calls.find({c.comm_id, c.seq, c.rank});
+    return site == trace_.py_calls.end() ? nullptr : &trace_.py_callsites.at(site->second);
+  }
+
+  std::string script_;
+  Trace trace_;
+  std::vector<const CallRecord*> reduces_;
+};
+
+TEST_F(PythonCallSites, CallsMadeHoldingTheGilCarryTheirPythonLine) {
+  const std::string file = run("1");
+  ASSERT_EQ(reduces_.size(), 2u);
+  const std::vector<PyFrameText>* frames = frames_of(*reduces_[0]);
+  ASSERT_NE(frames, nullptr) << "the call made holding the GIL";
+  EXPECT_EQ(frames_of(*reduces_[1]), nullptr) << "the call made without the GIL";
+  ASSERT_EQ(frames->size(), 2u);  // with_gil, then the module's code that called it
+  EXPECT_EQ((*frames)[0].file, script_);
+  EXPECT_EQ((*frames)[0].function, "with_gil");
+  EXPECT_EQ((*frames)[0].line, 12);
+  EXPECT_EQ((*frames)[1].function, "<module>");
+  EXPECT_EQ((*frames)[1].line, 15);
+
+  const ToolRun dump = tool({"dump", file});
+  ASSERT_EQ(dump.status, 0) << dump.err;
+  EXPECT_TRUE(contains(dump.out, script_ + ":12 in with_gil")) << dump.out;
+}
+
+TEST_F(PythonCallSites, TakingTheGilReadsCallsMadeWithoutIt) {
+  run("2");
+  ASSERT_EQ(reduces_.size(), 2u);
+  ASSERT_NE(frames_of(*reduces_[0]), nullptr);
+  const std::vector<PyFrameText>* released = frames_of(*reduces_[1]);
+  ASSERT_NE(released, nullptr) << "MAGI_PY_CALLSITES=2 takes the GIL the caller released";
+  EXPECT_EQ(released->at(0).function, "without_gil");
+  EXPECT_EQ(released->at(0).line, 14);
 }
 
 }  // namespace

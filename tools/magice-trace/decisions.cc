@@ -15,6 +15,7 @@
 
 #include "base/sizes.h"
 #include "tools/magice-trace/cli.h"
+#include "tools/magice-trace/describe.h"
 #include "tools/magice-trace/json_writer.h"
 #include "tools/magice-trace/members.h"
 #include "tools/magice-trace/rounds.h"
@@ -193,7 +194,18 @@ std::vector<Row> rows_of(const Block& block) {
   return rows;
 }
 
-void print_block(const Block& block) {
+// The gather's call site as a line ("  at function (file.cc:12)"), from the trace holding it.
+std::string callsite_text(const std::vector<trace::Trace>& traces, const DecisionRecord& d) {
+  for (const trace::Trace& t : traces) {
+    const DecisionRecord* first = t.decisions.data();
+    if (&d < first || &d >= first + t.decisions.size()) continue;
+    const std::string frame = top_frame_text(t, d.callsite);
+    return frame.empty() ? "" : "  at " + frame;
+  }
+  return "";
+}
+
+void print_block(const std::vector<trace::Trace>& traces, const Block& block) {
   const std::string comm = comm_label(block.comm->comm_id);
   for (const RankRound& r : block.ranks) {
     const std::string who = "comm " + comm + " rank " + std::to_string(r.rank) + ": ";
@@ -210,10 +222,10 @@ void print_block(const Block& block) {
   }
   for (const Row& row : rows_of(block)) {
     const DecisionRecord& d = *row.decision;
-    std::printf("comm %s rank %d gather #%zu (pos %u, %s x %" PRIu64 ", bucket %u): %s\n",
-                comm.c_str(), row.rank, row.ordinal, d.position,
-                std::string(trace::dtype_name(d.dtype)).c_str(), d.count,
-                static_cast<unsigned>(d.bucket), verdict_text(d).c_str());
+    std::printf(
+        "comm %s rank %d gather #%zu (pos %u, %s x %" PRIu64 ", bucket %u): %s%s\n", comm.c_str(),
+        row.rank, row.ordinal, d.position, std::string(trace::dtype_name(d.dtype)).c_str(), d.count,
+        static_cast<unsigned>(d.bucket), verdict_text(d).c_str(), callsite_text(traces, d).c_str());
   }
   for (const std::string& line : block.disagreements) std::printf("%s\n", line.c_str());
 }
@@ -266,15 +278,15 @@ void print_coverage(uint64_t comm_id, const CoverageMap& coverage, bool agreed) 
   }
 }
 
-void print_text(const std::vector<CommRounds>& comms, const std::vector<std::vector<Block>>& blocks,
-                const CoverageMap& coverage) {
+void print_text(const std::vector<trace::Trace>& traces, const std::vector<CommRounds>& comms,
+                const std::vector<std::vector<Block>>& blocks, const CoverageMap& coverage) {
   if (comms.empty()) std::printf("no communicators in these traces\n");
   for (size_t c = 0; c < comms.size(); ++c) {
     if (!comms[c].any_read()) {
       std::printf("comm %s: no agreement rounds%s\n", comm_label(comms[c].comm_id).c_str(),
                   comms[c].any_agreement ? " read" : "");
     } else {
-      for (const Block& block : blocks[c]) print_block(block);
+      for (const Block& block : blocks[c]) print_block(traces, block);
     }
     for (const RankRounds& r : comms[c].ranks)
       if (r.hello_refused != nullptr)
@@ -390,7 +402,7 @@ int decisions_main(std::span<const std::string> args) {
     if (json) {
       print_json(comms, blocks, agree);
     } else {
-      print_text(comms, blocks, coverage_of(traces));
+      print_text(traces, comms, blocks, coverage_of(traces));
     }
     return agree ? 0 : 1;
   });

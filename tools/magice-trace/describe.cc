@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <ctime>
 
+#include "tools/magice-trace/symbols.h"
+
 namespace magi::tool {
 
 std::string root_text(int32_t root_or_peer) {
@@ -40,7 +42,7 @@ std::string frame_text(const trace::Trace& trace, const trace::Frame& frame) {
 std::string top_frame_text(const trace::Trace& trace, uint64_t callsite) {
   const auto it = trace.callsites.find(callsite);
   if (callsite == 0 || it == trace.callsites.end() || it->second.frames.empty()) return "";
-  return frame_text(trace, it->second.frames.front());
+  return frame_line(trace, it->second.frames.front());
 }
 
 std::string duration_text(uint64_t ns) {

@@ -14,8 +14,9 @@ std::string redop_text(int32_t redop);
 // The leading 32 bits as 8 hex digits; "-" when call sites were off (0).
 std::string callsite_label(uint64_t callsite);
 // "libfoo.so+0x1a2b": the module's file name and the offset; an unnamed module shows its key.
+// The raw form: frame_line (symbols.h) names the frame where it can.
 std::string frame_text(const trace::Trace& trace, const trace::Frame& frame);
-// The call site's first frame above the library, or "" when the trace has no frames for it.
+// The call site's first frame above the library (frame_line), or "" when the trace has none.
 std::string top_frame_text(const trace::Trace& trace, uint64_t callsite);
 // "850ns", "12.3us", "4.56ms", "1.20s".
 std::string duration_text(uint64_t ns);

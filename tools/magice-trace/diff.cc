@@ -15,6 +15,7 @@
 #include "tools/magice-trace/cli.h"
 #include "tools/magice-trace/describe.h"
 #include "tools/magice-trace/members.h"
+#include "tools/magice-trace/symbols.h"
 #include "tools/magice-trace/verbs.h"
 
 namespace magi::tool {
@@ -155,7 +156,7 @@ void print_context(const std::vector<RankView>& ranks, uint64_t at, bool by_call
         break;
       }
       const trace::CallRecord& call = *calls[i];
-      const std::string frame = top_frame_text(*r.trace, call.callsite);
+      const std::string frame = call_site_line(*r.trace, call);
       std::printf("  %c #%-6" PRIu64 " seq %-6" PRIu64 " %s callsite %-8s%s%s%s\n",
                   i == at ? '>' : ' ', i, call.seq, shape_text(call).c_str(),
                   callsite_label(call.callsite).c_str(), frame.empty() ? "" : "  ", frame.c_str(),

@@ -9,6 +9,7 @@
 #include "tools/magice-trace/cli.h"
 #include "tools/magice-trace/describe.h"
 #include "tools/magice-trace/members.h"
+#include "tools/magice-trace/symbols.h"
 #include "tools/magice-trace/verbs.h"
 
 namespace magi::tool {
@@ -22,7 +23,8 @@ constexpr std::string_view kUsage =
     "  is marked \"moved\" (\"would move\" under MAGI_DRY_RUN); one routed off NCCL whose bucket\n"
     "  fell back to NCCL, \"fell back\".\n"
     "  --comm ID   only communicators whose hex id starts with ID\n"
-    "  --frames    also print each call site's frames once, as module+0xoffset\n";
+    "  --frames    also print each call site's frames once: function (file:line) where the\n"
+    "              binary is on this machine, else module+0xoffset (--no-symbols: always)\n";
 
 struct DumpOptions {
   std::string comm_prefix;  // lower-case hex, no 0x
@@ -106,6 +108,8 @@ class Dumper {
                   callsite_label(c.callsite).c_str(), duration_text(c.duration_ns).c_str());
       if (c.result != 0) std::printf("  result %d", c.result);
       if (c.flags & trace::kCallMoved) std::printf("  moved");
+      if (const std::string python = python_line(t_, c); !python.empty())
+        std::printf("  %s", python.c_str());
       if (c.flags & trace::kCallWouldMove) std::printf("  would move");
       if (c.flags & trace::kCallFellBack) std::printf("  fell back");
       std::putchar('\n');
@@ -218,8 +222,19 @@ class Dumper {
         continue;
       }
       for (const trace::Frame& f : it->second.frames) {
-        std::printf("      %s\n", frame_text(t_, f).c_str());
+        std::printf("      %s\n", frame_line(t_, f).c_str());
       }
+    }
+    printed.clear();
+    for (const auto& [key, py] : t_.py_calls) {
+      const auto& [comm_id, seq, rank] = key;
+      const auto frames = t_.py_callsites.find(py);
+      if (!wanted(comm_id) || frames == t_.py_callsites.end() || !printed.insert(py).second)
+        continue;
+      if (printed.size() == 1) std::printf("python call sites\n");
+      std::printf("  %s %s\n", callsite_label(py).c_str(), hex16(py).c_str());
+      for (const trace::PyFrameText& f : frames->second)
+        std::printf("      %s\n", python_frame_line(f).c_str());
     }
   }
 

@@ -9,6 +9,7 @@
 
 #include "base/options.h"
 #include "tools/magice-trace/cli.h"
+#include "tools/magice-trace/symbols.h"
 #include "tools/magice-trace/verbs.h"
 
 namespace {
@@ -37,7 +38,10 @@ void print_usage(std::FILE* to, bool with_settings) {
     std::fprintf(to, "  %-10.*s %.*s\n", static_cast<int>(verb.name.size()), verb.name.data(),
                  static_cast<int>(verb.summary.size()), verb.summary.data());
   }
-  std::fprintf(to, "\n'magice-trace VERB --help' describes a verb.\n");
+  std::fprintf(to,
+               "\n'magice-trace VERB --help' describes a verb. Frames are named from the\n"
+               "binaries on this machine (function (file:line)); --no-symbols prints\n"
+               "module+0xoffset instead.\n");
   if (!with_settings) return;
   std::fprintf(to,
                "Traces are written by libmagice.so when MAGI_TRACE_DIR is set. Its settings:\n");
@@ -61,7 +65,13 @@ void print_usage(std::FILE* to, bool with_settings) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::vector<std::string> args(argv + 1, argv + argc);
+  std::vector<std::string> args(argv + 1, argv + argc);
+  // Taken before the verb sees its options: every verb that prints frames honours it.
+  const auto no_symbols = std::find(args.begin(), args.end(), "--no-symbols");
+  if (no_symbols != args.end() && no_symbols != args.begin()) {
+    magi::tool::set_symbols_enabled(false);
+    args.erase(no_symbols);
+  }
   if (args.empty()) {
     print_usage(stderr, false);
     return magi::tool::kExitUsage;
