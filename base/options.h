@@ -82,7 +82,7 @@ struct Options {
   };
   Fault inject_fault{};
   int64_t verify_every{};
-  uint64_t bind_max_bytes{};  // MAGI_BIND_MAX_MIB
+  uint64_t bind_max_bytes{};        // MAGI_BIND_MAX_MIB
   int64_t flight_recorder_calls{};  // MAGI_FLIGHT_RECORDER: calls kept per communicator, 0: off
   std::string flight_recorder_dir;
   enum class DumpSignal : uint8_t { None, Usr1, Usr2 };

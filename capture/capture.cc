@@ -171,8 +171,8 @@ void comm_joined(ncclComm_t comm, Communicator& state) {
   record.cuda_device = info.cuda_device;
   record.origin = static_cast<uint8_t>(info.origin);
   trace_append(trace_writer(), trace::RecordType::Comm, &record, sizeof(record));
-  state.flight = flight_join(info.identity, info.parent_identity, info.rank, info.nranks,
-                             record.origin);
+  state.flight =
+      flight_join(info.identity, info.parent_identity, info.rank, info.nranks, record.origin);
   MAGI_INFO(Capture, "comm %012llx joined: rank %d of %d (%s)", short_id(info.identity), info.rank,
             info.nranks, std::string(trace::origin_name(info.origin)).c_str());
 }
@@ -283,9 +283,9 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
     state.steps_lock.clear(std::memory_order_release);
   }
   if (state.flight != nullptr) {
-    flight_issue(state.flight, {record.seq, collective, record.count, record.callsite,
-                                record.root_or_peer, record.redop, record.op, record.dtype,
-                                record.group_depth, record.flags});
+    flight_issue(state.flight,
+                 {record.seq, collective, record.count, record.callsite, record.root_or_peer,
+                  record.redop, record.op, record.dtype, record.group_depth, record.flags});
   }
   // The clock and the capture state are read only when a trace will keep them: they are most of
   // the pass-through cost (rewrite/ asks for the capture state where it needs it).

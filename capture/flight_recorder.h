@@ -68,8 +68,8 @@ struct Record {
   // Written through std::atomic_ref, so the struct stays trivially copyable for readers.
   alignas(8) uint64_t stamp;  // seq + 1 once the record is complete; 0 while written
   uint64_t returned;          // seq + 1 once the call returned (`result` then holds)
-  uint64_t seq;                    // the call's index on its communicator
-  uint64_t collective;             // collective index + 1; 0 for Send and Recv
+  uint64_t seq;               // the call's index on its communicator
+  uint64_t collective;        // collective index + 1; 0 for Send and Recv
   uint64_t count;
   uint64_t callsite;  // call-site fingerprint when one was taken, else 0
   int32_t root_or_peer;
@@ -113,8 +113,7 @@ struct FlightRing;
 // At a join (never on the call path): adds the communicator's ring to this process's file,
 // creating the file at the first join. Null when MAGI_FLIGHT_RECORDER=0 or the file failed (one
 // WARN, then the recorder stays off).
-FlightRing* flight_join(uint64_t comm_id, uint64_t parent_id, int rank, int nranks,
-                        uint8_t origin);
+FlightRing* flight_join(uint64_t comm_id, uint64_t parent_id, int rank, int nranks, uint8_t origin);
 void flight_end(FlightRing* ring, uint8_t how);
 
 // The call path: stores only.
@@ -138,8 +137,7 @@ void flight_forget_in_child();
 
 // Test seam: the ring in memory the caller owns (no file): `memory` holds
 // segment_bytes(capacity) bytes, zeroed.
-FlightRing* flight_ring_in(void* memory, uint32_t capacity, uint64_t comm_id, int rank,
-                           int nranks);
+FlightRing* flight_ring_in(void* memory, uint32_t capacity, uint64_t comm_id, int rank, int nranks);
 void flight_ring_release(FlightRing* ring);
 
 }  // namespace magi::capture

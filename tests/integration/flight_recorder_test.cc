@@ -71,15 +71,14 @@ int run_tool(const std::vector<std::string>& args, std::string* out) {
 constexpr int kStep = 3;
 constexpr int kCollective = 1 + kStep * 5;
 
-support::LaunchResult run_fsdp(const std::string& dir, std::vector<std::string> extra,
-                               std::vector<std::pair<std::string, std::string>> env,
-                               double timeout_s,
-                               std::vector<std::vector<std::pair<std::string, std::string>>>
-                                   rank_env = {}) {
+support::LaunchResult run_fsdp(
+    const std::string& dir, std::vector<std::string> extra,
+    std::vector<std::pair<std::string, std::string>> env, double timeout_s,
+    std::vector<std::vector<std::pair<std::string, std::string>>> rank_env = {}) {
   support::LaunchSpec spec;
   spec.nranks = 4;
-  spec.argv = {build_dir() + "/tests/support/magi-workload", "fsdp", "--layers", "4", "--steps",
-               "6"};
+  spec.argv = {
+      build_dir() + "/tests/support/magi-workload", "fsdp", "--layers", "4", "--steps", "6"};
   spec.argv.insert(spec.argv.end(), extra.begin(), extra.end());
   spec.env = std::move(env);
   spec.env.emplace_back("LD_PRELOAD", preload());
@@ -99,10 +98,9 @@ std::string file_of_pid(const std::vector<std::string>& files, int pid) {
 
 TEST(FlightRecorder, HangNamesTheRankThatStoppedAndTheCollectiveFromKilledRanks) {
   TempDir dir;
-  const support::LaunchResult r =
-      run_fsdp(dir.path,
-               {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"},
-               {}, 4);
+  const support::LaunchResult r = run_fsdp(
+      dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"}, {},
+      4);
   ASSERT_TRUE(r.timed_out) << r.summary();
   for (const auto& rank : r.ranks) EXPECT_EQ(rank.signal, SIGKILL) << r.summary();
   const std::vector<std::string> files = files_in(dir.path, ".flight");
@@ -167,8 +165,7 @@ TEST(FlightRecorder, HangSeesNoHangInAJobThatFinished) {
   ASSERT_EQ(args.size(), 5u);
   std::string out;
   EXPECT_EQ(run_tool(args, &out), 0) << out;
-  EXPECT_NE(out.find("no hang seen: 4 ranks issued 31 collectives each, ended"),
-            std::string::npos)
+  EXPECT_NE(out.find("no hang seen: 4 ranks issued 31 collectives each, ended"), std::string::npos)
       << out;
 }
 
@@ -220,8 +217,7 @@ TEST(FlightRecorder, TheDumpSignalWritesOutTheTraceOfRanksThatWait) {
       if (pid > 0) ::kill(pid, SIGUSR2);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(700));
-    for (const std::string& f : files)
-      calls_after_dump[f] = trace::read_trace(f).calls.size();
+    for (const std::string& f : files) calls_after_dump[f] = trace::read_trace(f).calls.size();
     signalled = true;
   });
   const support::LaunchResult r = run_fsdp(

@@ -59,9 +59,9 @@ struct RankCalls {
   bool ended = false;    // finalized, destroyed, or alive at a normal exit
   bool aborted = false;  // aborted or revoked: what a watchdog does to a hung communicator
   uint64_t torn = 0;
-  std::vector<Call> calls;  // by seq
-  uint64_t issued = 0;      // collectives issued (index of the last + 1)
-  uint64_t returned = 0;    // collectives returned from
+  std::vector<Call> calls;                   // by seq
+  uint64_t issued = 0;                       // collectives issued (index of the last + 1)
+  uint64_t returned = 0;                     // collectives returned from
   std::map<uint64_t, const Call*> by_index;  // collective index -> call
 };
 
@@ -271,8 +271,8 @@ Finding analyse(uint64_t comm_id, Comm& comm) {
       if (!parts.empty()) parts += "; ";
       parts += ranks_word(ranks) + " " + call_text(*example[shape]);
     }
-    verdicts.push_back(name + ": the ranks issued different collectives at #" +
-                       std::to_string(i) + ": " + parts);
+    verdicts.push_back(name + ": the ranks issued different collectives at #" + std::to_string(i) +
+                       ": " + parts);
   }
   if (!f.behind.empty()) {
     // The lowest stopping point first: that collective is the one the others wait in.
@@ -302,8 +302,8 @@ Finding analyse(uint64_t comm_id, Comm& comm) {
     verdicts.push_back(v);
   }
   if (!f.absent.empty()) {
-    verdicts.push_back(name + ": " + ranks_word(f.absent) + " of " +
-                       std::to_string(comm.nranks) + " absent (no file holds them)");
+    verdicts.push_back(name + ": " + ranks_word(f.absent) + " of " + std::to_string(comm.nranks) +
+                       " absent (no file holds them)");
   }
   f.hang = !verdicts.empty() && !(all_ended && f.absent.empty() && !f.differ_index);
   if (verdicts.empty()) {
@@ -386,8 +386,9 @@ std::string json_of(const std::vector<Finding>& findings, std::map<uint64_t, Com
                (c.collective ? std::to_string(c.collective - 1) : std::string("null")) +
                ",\"op\":" + json_string(op_text(c.op)) +
                ",\"dtype\":" + json_string(std::string(trace::dtype_name(c.dtype))) +
-               ",\"count\":" + std::to_string(c.count) + ",\"root_or_peer\":" +
-               std::to_string(c.root) + ",\"callsite\":" + json_string(hex16(c.callsite)) +
+               ",\"count\":" + std::to_string(c.count) +
+               ",\"root_or_peer\":" + std::to_string(c.root) +
+               ",\"callsite\":" + json_string(hex16(c.callsite)) +
                ",\"returned\":" + (c.returned ? "true" : "false") + "}";
       }
       out += "}";
