@@ -156,6 +156,14 @@ CommInfo unseen_comm_info(ncclComm_t comm) {
   return info;
 }
 
+void comm_joining(uint64_t identity, int rank, int nranks, CommOrigin origin) {
+  (void)flight_join(identity, 0, rank, nranks, static_cast<uint8_t>(origin), flight::kJoining);
+}
+
+void comm_join_failed(uint64_t identity) {
+  flight_set_joined(flight_take_joining(identity), flight::kJoinFailed, 0);
+}
+
 void comm_joined(ncclComm_t comm, Communicator& state) {
   probe_cuda_driver();
   arm_dump_signal();
@@ -171,8 +179,12 @@ void comm_joined(ncclComm_t comm, Communicator& state) {
   record.cuda_device = info.cuda_device;
   record.origin = static_cast<uint8_t>(info.origin);
   trace_append(trace_writer(), trace::RecordType::Comm, &record, sizeof(record));
-  state.flight =
-      flight_join(info.identity, info.parent_identity, info.rank, info.nranks, record.origin);
+  state.flight = flight_take_joining(info.identity);
+  if (state.flight != nullptr)
+    flight_set_joined(state.flight, flight::kJoined, info.parent_identity);
+  else
+    state.flight = flight_join(info.identity, info.parent_identity, info.rank, info.nranks,
+                               record.origin, flight::kJoined);
   MAGI_INFO(Capture, "comm %012llx joined: rank %d of %d (%s)", short_id(info.identity), info.rank,
             info.nranks, std::string(trace::origin_name(info.origin)).c_str());
 }
@@ -284,7 +296,7 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
   }
   if (state.flight != nullptr) {
     flight_issue(state.flight,
-                 {record.seq, collective, record.count, record.callsite, record.root_or_peer,
+                 {record.seq, collective, record.count, record.callsite, 0, record.root_or_peer,
                   record.redop, record.op, record.dtype, record.group_depth, record.flags});
   }
   // The clock and the capture state are read only when a trace will keep them: they are most of

@@ -54,6 +54,11 @@ uint64_t derive_identity(Communicator& parent, CommOrigin origin, int color,
                          std::span<const int> excluded_ranks);
 
 // ---- lifecycle (the order is the shim's: shim/lifecycle.cc) ----
+// This thread enters an init (ncclCommInitRank*) of `identity` as `rank` of `nranks`: the flight
+// recorder keeps that it is joining, so a hang in the init (a rank that never comes) shows.
+// `comm_join_failed` when the init returned an error; comm_joined otherwise.
+void comm_joining(uint64_t identity, int rank, int nranks, CommOrigin origin);
+void comm_join_failed(uint64_t identity);
 // A communicator joined: its Comm record goes to the trace, its ring to the flight recorder.
 void comm_joined(ncclComm_t comm, Communicator& state);
 // It ended (destroy, abort, finalize, revoke, or the process exits with it alive): its CommEnd

@@ -36,6 +36,7 @@ uint32_t capacity_for(int64_t calls) {
 }
 
 size_t segment_bytes(uint32_t capacity) {
+  static_assert(sizeof(RingHeader) == 80);
   const size_t bytes = sizeof(RingHeader) + size_t{capacity} * sizeof(Record);
   return (bytes + kPage - 1) / kPage * kPage;
 }
@@ -65,12 +66,25 @@ FileView parse_file(const std::string& name, std::span<const char> bytes) {
   if (view.header.record_bytes != sizeof(Record) || view.header.header_bytes != kPage)
     malformed(name, "unexpected layout");
   size_t at = view.header.header_bytes;
-  while (at + sizeof(RingHeader) <= bytes.size()) {
-    const auto* ring = reinterpret_cast<const RingHeader*>(bytes.data() + at);
-    const uint64_t seg = ring->segment_bytes;
+  while (at + sizeof(SegmentHeader) <= bytes.size()) {
+    SegmentHeader segment;
+    std::memcpy(&segment, bytes.data() + at, sizeof(segment));
+    const uint64_t seg = segment.bytes;
     if (seg == 0) break;  // the process died adding this segment
+    if (seg % kPage != 0 || at + seg > bytes.size())
+      malformed(name, "damaged segment at offset " + std::to_string(at));
+    if (segment.kind == kSites && seg >= sizeof(SitesHeader)) {
+      const auto* sites = reinterpret_cast<const SitesHeader*>(bytes.data() + at);
+      const uint64_t used = std::min<uint64_t>(load(sites->used), seg - sizeof(SitesHeader));
+      view.sites.emplace_back(bytes.data() + at + sizeof(SitesHeader), used);
+    }
+    if (segment.kind != kRing) {  // what this reader does not know, it skips
+      at += seg;
+      continue;
+    }
+    const auto* ring = reinterpret_cast<const RingHeader*>(bytes.data() + at);
     if (ring->capacity == 0 || (ring->capacity & (ring->capacity - 1)) != 0 ||
-        seg != segment_bytes(ring->capacity) || at + seg > bytes.size())
+        seg != segment_bytes(ring->capacity))
       malformed(name, "damaged communicator segment at offset " + std::to_string(at));
     RingView rv;
     std::memcpy(&rv.header, ring, sizeof(RingHeader));
@@ -134,6 +148,7 @@ FlightRing g_rings[kMaxMappings];
 
 thread_local FlightRing* t_ring = nullptr;
 thread_local flight::Record* t_slot = nullptr;
+thread_local FlightRing* t_joining = nullptr;  // between flight_join(kJoining) and the init's end
 
 std::string host_name() {
   char host[64] = {};
@@ -216,8 +231,10 @@ bool open_file_locked() {
 }
 
 void init_ring(FlightRing* ring, void* memory, uint32_t capacity, uint64_t comm_id,
-               uint64_t parent_id, int rank, int nranks, uint8_t origin) {
+               uint64_t parent_id, int rank, int nranks, uint8_t origin, flight::JoinState state) {
   auto* header = static_cast<flight::RingHeader*>(memory);
+  header->segment.kind = flight::kRing;
+  header->joined = state;
   header->comm_id = comm_id;
   header->parent_id = parent_id;
   header->join_monotonic_ns = clock_ns(CLOCK_MONOTONIC);
@@ -226,7 +243,7 @@ void init_ring(FlightRing* ring, void* memory, uint32_t capacity, uint64_t comm_
   header->capacity = capacity;
   header->origin = origin;
   // Last: a reader takes a segment whose size is written as complete.
-  std::atomic_ref<uint64_t>(header->segment_bytes)
+  std::atomic_ref<uint64_t>(header->segment.bytes)
       .store(flight::segment_bytes(capacity), std::memory_order_release);
   ring->header = header;
   ring->records = reinterpret_cast<flight::Record*>(header + 1);
@@ -236,8 +253,8 @@ void init_ring(FlightRing* ring, void* memory, uint32_t capacity, uint64_t comm_
 
 }  // namespace
 
-FlightRing* flight_join(uint64_t comm_id, uint64_t parent_id, int rank, int nranks,
-                        uint8_t origin) {
+FlightRing* flight_join(uint64_t comm_id, uint64_t parent_id, int rank, int nranks, uint8_t origin,
+                        flight::JoinState state) {
   if (Options::get().flight_recorder_calls == 0) return nullptr;
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!open_file_locked()) return nullptr;
@@ -259,8 +276,21 @@ FlightRing* flight_join(uint64_t comm_id, uint64_t parent_id, int rank, int nran
   g_file_bytes = offset + bytes;
   FlightRing* ring = &g_rings[g_mapping_count.load(std::memory_order_relaxed)];
   remember_mapping(at, bytes);
-  init_ring(ring, at, g_capacity, comm_id, parent_id, rank, nranks, origin);
+  init_ring(ring, at, g_capacity, comm_id, parent_id, rank, nranks, origin, state);
+  if (state == flight::kJoining) t_joining = ring;
   return ring;
+}
+
+FlightRing* flight_take_joining(uint64_t comm_id) {
+  FlightRing* ring = t_joining;
+  t_joining = nullptr;
+  return ring != nullptr && ring->comm_id == comm_id ? ring : nullptr;
+}
+
+void flight_set_joined(FlightRing* ring, flight::JoinState state, uint64_t parent_id) {
+  if (ring == nullptr) return;
+  ring->header->parent_id = parent_id;
+  std::atomic_ref<uint8_t>(ring->header->joined).store(state, std::memory_order_release);
 }
 
 void flight_end(FlightRing* ring, uint8_t how) {
@@ -281,10 +311,13 @@ void flight_issue(FlightRing* ring, const FlightCall& call) {
   std::atomic_thread_fence(std::memory_order_release);
 #endif
   std::atomic_ref<uint64_t>(r.returned).store(0, std::memory_order_relaxed);
+  std::atomic_ref<uint64_t>(r.reached).store(0, std::memory_order_relaxed);
+  std::atomic_ref<uint64_t>(r.completed).store(0, std::memory_order_relaxed);
   r.seq = call.seq;
   r.collective = call.collective;
   r.count = call.count;
   r.callsite = call.callsite;
+  r.python = call.python;
   r.root_or_peer = call.root_or_peer;
   r.redop = call.redop;
   r.result = 0;
@@ -322,12 +355,13 @@ void flight_forget_in_child() {
   g_file_bytes = 0;
   t_ring = nullptr;
   t_slot = nullptr;
+  t_joining = nullptr;
 }
 
 FlightRing* flight_ring_in(void* memory, uint32_t capacity, uint64_t comm_id, int rank,
                            int nranks) {
   auto* ring = new FlightRing{};
-  init_ring(ring, memory, capacity, comm_id, 0, rank, nranks, 0);
+  init_ring(ring, memory, capacity, comm_id, 0, rank, nranks, 0, flight::kJoined);
   return ring;
 }
 

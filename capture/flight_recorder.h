@@ -4,11 +4,13 @@
 //
 // One file per process, magice.<host>.<pid>.flight (mode 0600, never through a symlink):
 //
-//   FlightFileHeader, padded to one page;
-//   then one segment per communicator joined (page aligned, appended at the join, off the call
-//   path): FlightRingHeader, then FlightRecord[capacity].
+//   FileHeader, padded to one page;
+//   then segments, each page aligned and starting with a SegmentHeader that gives its size and
+//   kind. A communicator's ring (kind kRing) is appended when a rank starts joining it, off the
+//   call path: RingHeader, then Record[capacity]. Other kinds hold what the records refer to;
+//   a reader skips a kind it does not know.
 //
-// A segment whose header is still zero (the process died while adding it) ends the file.
+// A segment whose size is still zero (the process died while adding it) ends the file.
 //
 // Publication: call seq goes to slot seq % capacity. The writer zeroes the slot's stamp, writes
 // the fields with plain stores, then stores stamp = seq + 1 with release order; end_call stores
@@ -30,7 +32,7 @@ namespace magi::capture {
 namespace flight {
 
 inline constexpr char kMagic[8] = {'M', 'A', 'G', 'I', 'F', 'L', 'T', '\n'};
-inline constexpr uint32_t kVersion = 1;
+inline constexpr uint32_t kVersion = 2;
 inline constexpr size_t kPage = 4096;
 inline constexpr uint32_t kMinCapacity = 16;
 inline constexpr uint32_t kMaxCapacity = 65536;
@@ -48,30 +50,66 @@ struct FileHeader {
   uint32_t record_bytes;
 };
 
+// Each segment's first bytes.
+struct SegmentHeader {
+  uint64_t bytes;  // header + body, page aligned; 0: the segment was never completed
+  uint32_t kind;   // SegmentKind
+  uint32_t reserved;
+};
+enum SegmentKind : uint32_t { kRing = 1, kSites = 2 };
+
+// Where a rank stands with its communicator (RingHeader::joined).
+enum JoinState : uint8_t {
+  kJoining = 0,  // inside ncclCommInitRank* (waiting for the other ranks, or died there)
+  kJoined = 1,   // the init returned; calls follow
+  kJoinFailed = 2,
+};
+
+// How the records' `completed` (and `reached`) words are filled (RingHeader::completion).
+enum CompletionSource : uint8_t {
+  kCompletionOff = 0,     // not watched
+  kCompletionReturn = 1,  // no asynchronous work (no CUDA driver): complete when returned
+  kCompletionEvents = 2,  // CUDA events recorded on the call's stream, polled off the call path
+};
+
 struct RingHeader {
-  uint64_t segment_bytes;  // header + records, page aligned; 0: the segment was never completed
-  uint64_t comm_id;        // equal on every rank of the communicator
+  SegmentHeader segment;
+  uint64_t comm_id;  // equal on every rank of the communicator
   uint64_t parent_id;
   uint64_t join_monotonic_ns;
   int32_t rank;  // -1: a communicator made out of the shim's sight
   int32_t nranks;
   uint32_t capacity;
-  uint8_t origin;  // trace::CommOrigin
-  uint8_t reserved[3];
+  uint8_t origin;      // trace::CommOrigin
+  uint8_t joined;      // JoinState (atomic_ref, release)
+  uint8_t completion;  // CompletionSource
+  uint8_t reserved;
   uint32_t ended;  // CommEndKind + 1 once ended; 0 while alive (atomic_ref, release)
   uint32_t reserved2;
-  uint64_t reserved3[3];
+  uint64_t reserved3[2];
 };
 static_assert(sizeof(RingHeader) == 80);
+
+// A kSites segment: call-site descriptions the records' fingerprints refer to, as trace records
+// (trace_format.h) one after another; `used` (release) counts the body's complete bytes.
+struct SitesHeader {
+  SegmentHeader segment;
+  uint64_t used;
+  uint64_t reserved[5];
+};
+static_assert(sizeof(SitesHeader) == 64);
 
 struct Record {
   // Written through std::atomic_ref, so the struct stays trivially copyable for readers.
   alignas(8) uint64_t stamp;  // seq + 1 once the record is complete; 0 while written
   uint64_t returned;          // seq + 1 once the call returned (`result` then holds)
-  uint64_t seq;               // the call's index on its communicator
-  uint64_t collective;        // collective index + 1; 0 for Send and Recv
+  uint64_t reached;     // seq + 1 once the call's stream reached the call (work before it done)
+  uint64_t completed;   // seq + 1 once the call's work finished on its stream
+  uint64_t seq;         // the call's index on its communicator
+  uint64_t collective;  // collective index + 1; 0 for Send and Recv
   uint64_t count;
   uint64_t callsite;  // call-site fingerprint when one was taken, else 0
+  uint64_t python;    // Python call-site fingerprint when one was taken, else 0
   int32_t root_or_peer;
   int32_t redop;
   int32_t result;  // ncclResult_t, once returned
@@ -79,8 +117,9 @@ struct Record {
   uint8_t dtype;
   uint8_t group_depth;
   uint8_t flags;  // trace::kCall* as begin_call set them
+  uint64_t reserved;
 };
-static_assert(sizeof(Record) == 64);
+static_assert(sizeof(Record) == 96);
 static_assert(std::atomic_ref<uint64_t>::is_always_lock_free);
 
 // Capacity for a MAGI_FLIGHT_RECORDER value: at least kMinCapacity, a power of two.
@@ -98,6 +137,7 @@ struct FileView {
   std::string path;
   FileHeader header{};
   std::vector<RingView> rings;
+  std::vector<std::string> sites;  // each kSites segment's body, as written so far
 };
 
 // Decodes a recorder file's bytes. Throws std::runtime_error with the file name and what is
@@ -110,10 +150,16 @@ FileView read_file(const std::string& path);
 // The writer's handle on one communicator's ring; null when the recorder is off.
 struct FlightRing;
 
-// At a join (never on the call path): adds the communicator's ring to this process's file,
-// creating the file at the first join. Null when MAGI_FLIGHT_RECORDER=0 or the file failed (one
-// WARN, then the recorder stays off).
-FlightRing* flight_join(uint64_t comm_id, uint64_t parent_id, int rank, int nranks, uint8_t origin);
+// When a rank starts joining (before the real init, never on the call path): adds the
+// communicator's ring to this process's file in state `state`, creating the file at the first
+// join. Null when MAGI_FLIGHT_RECORDER=0 or the file failed (one WARN, then the recorder stays
+// off).
+FlightRing* flight_join(uint64_t comm_id, uint64_t parent_id, int rank, int nranks, uint8_t origin,
+                        flight::JoinState state);
+// The ring this thread started joining for `comm_id` (flight_join with kJoining), if any; the
+// next call forgets it.
+FlightRing* flight_take_joining(uint64_t comm_id);
+void flight_set_joined(FlightRing* ring, flight::JoinState state, uint64_t parent_id);
 void flight_end(FlightRing* ring, uint8_t how);
 
 // The call path: stores only.
@@ -122,6 +168,7 @@ struct FlightCall {
   uint64_t collective;  // index + 1, or 0
   uint64_t count;
   uint64_t callsite;
+  uint64_t python;
   int32_t root_or_peer;
   int32_t redop;
   uint8_t op, dtype, group_depth, flags;

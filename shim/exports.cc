@@ -95,7 +95,10 @@ bool nonblocking(const ncclConfig_t* config, ncclComm_t parent = nullptr) {
 void joined(ncclResult_t result, ncclComm_t comm, uint64_t identity, uint64_t parent,
             CommOrigin origin, int rank_hint = -1, int nranks_hint = -1,
             bool is_nonblocking = false) {
-  if ((result != ncclSuccess && result != ncclInProgress) || comm == nullptr) return;
+  if ((result != ncclSuccess && result != ncclInProgress) || comm == nullptr) {
+    capture::comm_join_failed(identity);
+    return;
+  }
   const RealNccl& real = real_nccl();
   CommInfo info{};
   info.identity = identity;
@@ -151,6 +154,11 @@ using magi::capture::Op;
 
 MAGI_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
   const bool nested = inside_real_nccl();
+  if (!nested)
+    guarded("ncclCommInitRank", [&] {
+      magi::capture::comm_joining(magi::capture::identity_from_unique_ids({&id, 1}), rank, nranks,
+                                  CommOrigin::InitRank);
+    });
   const ncclResult_t r = MAGI_FORWARD(CommInitRank, comm, nranks, id, rank);
   if (!nested)
     guarded("ncclCommInitRank", [&] {
@@ -163,6 +171,11 @@ MAGI_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniq
 MAGI_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id,
                                                 int rank, ncclConfig_t* config) {
   const bool nested = inside_real_nccl();
+  if (!nested)
+    guarded("ncclCommInitRankConfig", [&] {
+      magi::capture::comm_joining(magi::capture::identity_from_unique_ids({&id, 1}), rank, nranks,
+                                  CommOrigin::InitRankConfig);
+    });
   const ncclResult_t r = MAGI_FORWARD(CommInitRankConfig, comm, nranks, id, rank, config);
   if (!nested)
     guarded("ncclCommInitRankConfig", [&] {
@@ -175,6 +188,12 @@ MAGI_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, nc
 MAGI_EXPORT ncclResult_t ncclCommInitRankScalable(ncclComm_t* comm, int nranks, int rank, int nIds,
                                                   ncclUniqueId* ids, ncclConfig_t* config) {
   const bool nested = inside_real_nccl();
+  if (!nested && ids != nullptr && nIds > 0)
+    guarded("ncclCommInitRankScalable", [&] {
+      magi::capture::comm_joining(
+          magi::capture::identity_from_unique_ids({ids, static_cast<size_t>(nIds)}), rank, nranks,
+          CommOrigin::InitRankScalable);
+    });
   const ncclResult_t r = MAGI_FORWARD(CommInitRankScalable, comm, nranks, rank, nIds, ids, config);
   if (!nested)
     guarded("ncclCommInitRankScalable", [&] {

@@ -156,6 +156,35 @@ TEST(FlightRecorder, HangReportsARankWithoutAFileAsAbsent) {
   EXPECT_NE(out.find(": rank 1 of 4 absent (no file holds them)"), std::string::npos) << out;
 }
 
+// A rank that never reaches ncclCommInitRank: the others wait inside the init (the stand-in's
+// init waits for every rank, as NCCL's does) until the launcher kills them. Their files say they
+// were joining; the missing rank has none.
+TEST(FlightRecorder, HangNamesTheRankThatNeverJoinedAndTheRanksWaitingInTheInit) {
+  TempDir dir;
+  const support::LaunchResult r =
+      run_fsdp(dir.path, {"--stall-rank", "2", "--stall-init", "1", "--stall-s", "60"}, {}, 3);
+  ASSERT_TRUE(r.timed_out) << r.summary();
+  const std::vector<std::string> files = files_in(dir.path, ".flight");
+  ASSERT_EQ(files.size(), 3u);
+  std::vector<std::string> args = {"hang"};
+  args.insert(args.end(), files.begin(), files.end());
+  std::string out;
+  EXPECT_EQ(run_tool(args, &out), 1) << out;
+  const std::string verdict = out.substr(0, out.find('\n'));
+  EXPECT_NE(verdict.find(": ranks 0,1,3 wait in the communicator's init; rank 2 never reached it "
+                         "(no file holds it)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("rank 0: issued 0, returned from 0 collectives; inside the communicator's "
+                     "init"),
+            std::string::npos)
+      << out;
+  args.insert(args.begin() + 1, "--json");
+  EXPECT_EQ(run_tool(args, &out), 1) << out;
+  EXPECT_NE(out.find("\"absent\":[2]"), std::string::npos) << out;
+  EXPECT_NE(out.find("\"joining\":[0,1,3]"), std::string::npos) << out;
+}
+
 TEST(FlightRecorder, HangSeesNoHangInAJobThatFinished) {
   TempDir dir;
   const support::LaunchResult r = run_fsdp(dir.path, {}, {}, 60);

@@ -31,8 +31,9 @@ constexpr std::string_view kUsage =
     "  which survive the process being killed) and trace files, one or more per rank, and says\n"
     "  per communicator which ranks are behind and where: how many collectives each rank\n"
     "  issued and returned from, each lagging rank's last call, the first collective the ranks\n"
-    "  issued differently (op, datatype, count, root, reduction), and the ranks none of the\n"
-    "  files holds. A verdict line per communicator comes first, details after.\n"
+    "  issued differently (op, datatype, count, root, reduction), the ranks still inside the\n"
+    "  communicator's init, and the ranks none of the files holds. A verdict line per communicator "
+    "comes first, details after.\n"
     "  Collectives are numbered from 0 per communicator, as diff numbers them; a recorder keeps\n"
     "  only each communicator's last N calls, so a difference older than that is not seen.\n"
     "  --json  one JSON object instead of text\n"
@@ -58,6 +59,7 @@ struct RankCalls {
   std::string host;
   bool ended = false;    // finalized, destroyed, or alive at a normal exit
   bool aborted = false;  // aborted or revoked: what a watchdog does to a hung communicator
+  uint8_t join = capture::flight::kJoined;  // a trace records joined communicators only
   uint64_t torn = 0;
   std::vector<Call> calls;                   // by seq
   uint64_t issued = 0;                       // collectives issued (index of the last + 1)
@@ -82,6 +84,7 @@ void add_flight(const capture::flight::FileView& view, std::map<uint64_t, Comm>&
     const auto how = static_cast<trace::CommEndKind>(ring.header.ended - 1);
     r.aborted = how == trace::CommEndKind::Abort || how == trace::CommEndKind::Revoke;
     r.ended = ring.header.ended != 0 && !r.aborted;
+    r.join = ring.header.joined;
     r.torn += ring.torn;
     for (const auto& rec : ring.records) {
       Call c;
@@ -215,7 +218,7 @@ struct Finding {
   std::string verdict;
   std::vector<std::string> details;
   // For --json.
-  std::vector<int> absent, behind, waiting;
+  std::vector<int> absent, behind, waiting, joining, join_failed;
   std::optional<uint64_t> missing_index, differ_index;
 };
 
@@ -257,6 +260,28 @@ Finding analyse(uint64_t comm_id, Comm& comm) {
     if (r.issued < lead) f.behind.push_back(rank);
 
   std::vector<std::string> verdicts;
+  for (const auto& [rank, r] : comm.ranks) {
+    if (r.join == capture::flight::kJoining) f.joining.push_back(rank);
+    if (r.join == capture::flight::kJoinFailed) f.join_failed.push_back(rank);
+  }
+  if (!f.joining.empty() || !f.join_failed.empty()) {
+    // An init waits for every rank: the ranks still inside it wait for those that never came.
+    std::vector<int> returned;
+    for (const auto& [rank, r] : comm.ranks)
+      if (r.join == capture::flight::kJoined) returned.push_back(rank);
+    std::string v = name + ": ";
+    if (!f.joining.empty()) {
+      v += ranks_word(f.joining) + " wait in the communicator's init";
+      if (!f.absent.empty())
+        v += "; " + ranks_word(f.absent) + " never reached it (no file holds " +
+             (f.absent.size() == 1 ? "it" : "them") + ")";
+    }
+    if (!f.join_failed.empty())
+      v += std::string(f.joining.empty() ? "" : "; ") + ranks_word(f.join_failed) +
+           (f.join_failed.size() == 1 ? " was" : " were") + " refused by the init (it failed)";
+    if (!returned.empty()) v += "; " + ranks_word(returned) + " returned from it";
+    verdicts.push_back(v);
+  }
   if (f.differ_index) {
     const uint64_t i = *f.differ_index;
     std::map<Shape, std::vector<int>> shapes;
@@ -330,6 +355,8 @@ Finding analyse(uint64_t comm_id, Comm& comm) {
                                     : "") +
               (last.returned ? ", returned " + std::to_string(last.result) : ", not returned");
     }
+    if (r.join == capture::flight::kJoining) line += "; inside the communicator's init";
+    if (r.join == capture::flight::kJoinFailed) line += "; the communicator's init failed";
     if (r.ended) line += "; communicator ended";
     if (r.aborted) line += "; communicator aborted";
     if (r.torn != 0) line += "; " + std::to_string(r.torn) + " torn record(s) ignored";
@@ -371,6 +398,10 @@ std::string json_of(const std::vector<Finding>& findings, std::map<uint64_t, Com
            (f.missing_index ? std::to_string(*f.missing_index) : std::string("null"));
     out += ",\"first_difference\":" +
            (f.differ_index ? std::to_string(*f.differ_index) : std::string("null"));
+    out += ",\"joining\":";
+    append_ranks(out, f.joining);
+    out += ",\"join_failed\":";
+    append_ranks(out, f.join_failed);
     out += ",\"ranks\":[";
     bool first = true;
     for (const auto& [rank, r] : comm.ranks) {

@@ -33,7 +33,8 @@
 //   --die-rank R --die-step K   rank R kills itself (SIGKILL) as step K begins
 //   --abort-step K     every rank calls ncclCommAbort as step K begins, then returns
 //   --stall-rank R --stall-step K --stall-s T   rank R stops as step K begins, alive, for T
-//                      seconds (a hung process), then exits 0 without another call
+//                      seconds (a hung process), then exits 0 without another call;
+//                      --stall-init 1: before ncclCommInitRank (a rank that never joins)
 //   --watchdog-s S     as PyTorch's NCCL watchdog: if no step ends for S seconds, another thread
 //                      aborts the communicators (ncclCommAbort) while the main thread may be
 //                      blocked in a call or on the device. Once the main thread is free again the
@@ -452,6 +453,12 @@ int run_fsdp(const ScenarioOptions& options) {
 
   const Placement placement(options);  // before the communicators: NCCL takes the device then
   const Bootstrap boot = bootstrap_from_env();
+  if (boot.rank == static_cast<int>(options.number("stall-rank", -1)) &&
+      options.number("stall-init", 0) != 0) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(options.number("stall-s", 30)));
+    std::fflush(nullptr);
+    _exit(0);
+  }
   OwnedComm comm;
   if (options.number("nonblocking", 0) != 0) {
     // A non-blocking communicator (config.blocking = 0): its calls may return ncclInProgress.
