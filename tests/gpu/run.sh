@@ -61,6 +61,44 @@ else
   fail "torch collectives run without the shim (environment problem)"; tail -20 "$work/plain.log"
 fi
 
+# 1b. The same program with the flight recorder and Python call sites on (MAGI_PY_CALLSITES=1
+# and =2: PyTorch may release the GIL around its collectives, where only =2 walks): the bytes
+# stay the same, the trace names a Python line of torch_collectives.py for the program's calls,
+# and the recorder's files, read by magice-trace hang, show no hang.
+if [ -s "$work/plain.pt" ]; then
+  for py in 1 2; do
+    d="$work/py$py"
+    mkdir -p "$d/trace" "$d/flight"
+    if LD_PRELOAD="$build/libmagice.so" MAGI_TRACE_DIR="$d/trace" MAGI_FLIGHT_RECORDER=4096 \
+        MAGI_FLIGHT_RECORDER_DIR="$d/flight" MAGI_PY_CALLSITES=$py \
+        python3 "$here/torch_collectives.py" "$d/out.pt" >"$d/log" 2>&1 &&
+        python3 "$here/compare_results.py" "$work/plain.pt" "$d/out.pt" >/dev/null; then
+      pass "torch collectives with the recorder and MAGI_PY_CALLSITES=$py: bytes equal"
+    else
+      fail "torch collectives with the recorder and MAGI_PY_CALLSITES=$py: bytes equal"
+      tail -n 10 "$d/log"
+    fi
+    "$build/magice-trace" dump "$d"/trace/*.trace >"$d/dump.txt" 2>&1
+    calls=$(awk 'length($1) == 12 && $1 ~ /^[0-9a-f]+$/ && $2 ~ /^[0-9]+$/ && $3 ~ /^[A-Z]/' "$d/dump.txt" | wc -l)
+    named=$(awk 'length($1) == 12 && $1 ~ /^[0-9a-f]+$/ && $2 ~ /^[0-9]+$/ && $3 ~ /^[A-Z]/ && /torch_collectives\.py:[0-9]+ in /' "$d/dump.txt" | wc -l)
+    echo "MAGI_PY_CALLSITES=$py: $named of $calls calls in the trace name their Python line"
+    grep -o "torch_collectives\.py:[0-9]* in [A-Za-z_<>]*" "$d/dump.txt" | sort | uniq -c | head -n 6
+    "$build/magice-trace" hang "$d"/flight/*.flight >"$d/hang.txt" 2>&1
+    status=$?
+    sed 's/^/  /' "$d/hang.txt" | head -n 6
+    if [ "$status" = 0 ] && grep -q "no hang seen" "$d/hang.txt"; then
+      pass "MAGI_PY_CALLSITES=$py: magice-trace hang reads the recorder files: no hang (exit 0)"
+    else
+      fail "MAGI_PY_CALLSITES=$py: magice-trace hang reads the recorder files: no hang (exit $status)"
+    fi
+  done
+  if [ "$named" -gt 0 ] && [ "$named" = "$calls" ]; then
+    pass "MAGI_PY_CALLSITES=2: every call of the trace names its Python line"
+  else
+    fail "MAGI_PY_CALLSITES=2: every call of the trace names its Python line ($named of $calls)"
+  fi
+fi
+
 # 2. Multi-process on one GPU with the stand-in. Real NCCL refuses two ranks on one GPU, so these
 # runs use the NCCL stand-in (tests/support/standin), which stages device memory through host
 # memory. Every rank checks every byte it receives; the shim must leave them right whatever its
@@ -89,6 +127,8 @@ else
   standin_profiled_run "fsdp-kernels" 2 -- fsdp --device 1 --layers 6 --steps 24 --rewrite 1
   echo "== faults with the CUDA transport"
   standin_fault_runs
+  echo "== the flight recorder on the device"
+  standin_hang_report_runs
   echo "== ranks as MPS clients"
   standin_mps_runs
 fi

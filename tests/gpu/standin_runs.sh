@@ -328,6 +328,38 @@ standin_fault_runs() {
   standin_clean_end_run "fault-exit-without-destroy" 3 -- "${fsdp[@]}" --comms 2 --exit-without-destroy 1
 }
 
+# The flight recorder and `magice-trace hang` on the device. Rank 2 is SIGKILLed right after its
+# layer-0 gather of step 14 returned: by then gathers move, so its copy-engine reads are queued
+# and the survivors wait on it in their moved gathers (they end by the stand-in's error or their
+# watchdog). From the recorder files alone (the killed rank's trace is lost) the report must name
+# rank 2 and the collective after that gather: with 6 layers a step is 7 collectives after one
+# prologue all-reduce, so step 14's layer-0 gather is #99 and rank 2 never issued #100.
+standin_hang_report_runs() {
+  local name=hang-killed-in-moved-gather dir="$work/hang-killed-in-moved-gather"
+  mkdir -p "$dir/flight"
+  launch_ranks "$name" 3 "" MAGI_CE_FORCE=1 MAGI_FLIGHT_RECORDER=256 \
+    MAGI_FLIGHT_RECORDER_DIR="$dir/flight" -- fsdp --device 1 --layers 6 --steps 24 \
+    --die-rank 2 --die-step 14 --die-in-gather 1 --watchdog-s 5 --watchdog-grace-s 30
+  local summary status moved
+  summary=$(launch_summary "$name")
+  # The survivors' traces (written at their end) say how gather #99 went.
+  moved=$(for t in "$dir"/trace/*; do "$build/magice-trace" dump "$t" 2>/dev/null; done |
+    awk '$2 == 99 && $3 == "AllGather" && $NF == "moved"' | wc -l)
+  "$build/magice-trace" hang "$dir"/flight/*.flight >"$dir/hang" 2>&1
+  status=$?
+  if [[ $summary =~ "rank 2 killed by signal 9" ]] && [ "$moved" -ge 1 ]; then
+    pass "$name: rank 2 killed after gather #99, which moved (on $moved survivors)"
+  else
+    fail "$name: rank 2 killed after gather #99, which moved ($summary; moved on $moved)"
+  fi
+  if [ "$status" = 1 ] && head -n 1 "$dir/hang" | grep -q "rank 2 never issued collective #100 "; then
+    pass "$name: magice-trace hang names rank 2 and collective #100 (exit 1)"
+  else
+    fail "$name: magice-trace hang names rank 2 and collective #100 (exit $status)"
+  fi
+  head -n 8 "$dir/hang" | sed 's/^/  /'
+}
+
 # Some of the same runs with the ranks as MPS clients, when the MPS control daemon is installed:
 # they then share one GPU context and their device work truly overlaps, instead of the GPU
 # taking turns between their contexts (which hides orderings that one GPU per rank can show, and

@@ -30,7 +30,9 @@
 //                      whose buffers settle late); the old ones stay allocated
 //   --static-change-rank R --static-change-step K   rank R's shard changes in place at step K,
 //                      breaking MAGI_STATIC_WEIGHTS's promise (stale reads accepted until the end)
-//   --die-rank R --die-step K   rank R kills itself (SIGKILL) as step K begins
+//   --die-rank R --die-step K   rank R kills itself (SIGKILL) as step K begins; with
+//                      --die-in-gather 1, right after its layer-0 gather of step K returned (its
+//                      device work queued, not waited for: inside a moved gather once it moves)
 //   --abort-step K     every rank calls ncclCommAbort as step K begins, then returns
 //   --stall-rank R --stall-step K --stall-s T   rank R stops as step K begins, alive, for T
 //                      seconds (a hung process), then exits 0 without another call;
@@ -120,6 +122,8 @@ struct Changes {
   bool step_group = false;
   int settle_step = -1;
   bool uniform = false;
+  int die_in_gather_rank = -1;  // SIGKILL right after this rank's layer-0 gather of die_step
+  int die_step = -1;
 };
 
 float* floats(const Buffer& buffer) { return reinterpret_cast<float*>(buffer.host()); }
@@ -217,6 +221,8 @@ class FsdpModel {
         if (own_group) WORKLOAD_CHECK(ncclGroupStart());
         const ncclResult_t result = gather(s, l);
         if (own_group) WORKLOAD_CHECK(ncclGroupEnd());
+        if (l == 0 && changes_.die_in_gather_rank == rank_ && changes_.die_step == s)
+          raise(SIGKILL);
         if (!diverged_here(s, l)) {
           check(result, "ncclAllGather");
           compute(l);
@@ -447,6 +453,11 @@ int run_fsdp(const ScenarioOptions& options) {
   changes.step_group = options.number("step-group", 0) != 0;
   changes.settle_step = static_cast<int>(options.number("settle-step", -1));
   changes.uniform = options.number("uniform", 0) != 0;
+  const bool die_in_gather = options.number("die-in-gather", 0) != 0;
+  if (die_in_gather) {
+    changes.die_in_gather_rank = static_cast<int>(options.number("die-rank", -1));
+    changes.die_step = static_cast<int>(options.number("die-step", -1));
+  }
   const int comms = static_cast<int>(options.number("comms", 1));
   const int perturbed = static_cast<int>(options.number("perturb-comm", 1));
   if (comms != 1 && comms != 2) throw ScenarioFailure("--comms is 1 or 2");
@@ -487,7 +498,7 @@ int run_fsdp(const ScenarioOptions& options) {
   }
   model.prologue();
   if (sub_model) sub_model->prologue();
-  const int die_rank = static_cast<int>(options.number("die-rank", -1));
+  const int die_rank = die_in_gather ? -1 : static_cast<int>(options.number("die-rank", -1));
   const int die_step = static_cast<int>(options.number("die-step", -1));
   const int abort_step = static_cast<int>(options.number("abort-step", -1));
   const int stall_rank = static_cast<int>(options.number("stall-rank", -1));
