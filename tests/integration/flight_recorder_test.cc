@@ -198,12 +198,16 @@ TEST(FlightRecorder, HangSeesNoHangInAJobThatFinished) {
       << out;
 }
 
-// The stand-in blocks on a count mismatch as NCCL does; the launcher then kills every rank.
-TEST(FlightRecorder, HangNamesTheFirstCollectiveTheRanksIssuedDifferently) {
+// The stand-in blocks on a mismatch as NCCL does; the launcher then kills every rank. Rank 1
+// gathers one element less (count) or all-reduces instead (op).
+class HangDivergence : public testing::TestWithParam<const char*> {};
+
+TEST_P(HangDivergence, NamesTheFirstCollectiveTheRanksIssuedDifferently) {
+  const std::string kind = GetParam();
   TempDir dir;
   const support::LaunchResult r = run_fsdp(
       dir.path,
-      {"--diverge-rank", "1", "--diverge-step", std::to_string(kStep), "--diverge-kind", "count"},
+      {"--diverge-rank", "1", "--diverge-step", std::to_string(kStep), "--diverge-kind", kind},
       {{"STANDIN_MISMATCH", "block"}}, 4);
   ASSERT_TRUE(r.timed_out) << r.summary();
   std::vector<std::string> args = {"hang"};
@@ -216,9 +220,14 @@ TEST(FlightRecorder, HangNamesTheFirstCollectiveTheRanksIssuedDifferently) {
                          std::to_string(kCollective) + ": "),
             std::string::npos)
       << out;
-  EXPECT_NE(verdict.find("rank 1 AllGather float32 x "), std::string::npos) << out;
+  EXPECT_NE(
+      verdict.find(kind == "op" ? "rank 1 AllReduce float32 x " : "rank 1 AllGather float32 x "),
+      std::string::npos)
+      << out;
   EXPECT_NE(verdict.find("ranks 0,2,3 AllGather float32 x "), std::string::npos) << out;
 }
+
+INSTANTIATE_TEST_SUITE_P(FlightRecorder, HangDivergence, testing::Values("count", "op"));
 
 // MAGI_DUMP_SIGNAL=USR2 while ranks wait for a stalled one: each rank's trace holds its calls up
 // to the wait (the trace buffer is far from full, so nothing else would write it), and the

@@ -1,4 +1,4 @@
-// fsdp --layers L --steps S [--diverge-rank R --diverge-step K --diverge-kind count|callsite]
+// fsdp --layers L --steps S [--diverge-rank R --diverge-step K --diverge-kind count|op|callsite]
 //      [--exit-without-destroy 1] [--fork-child 1]
 //      [--rewrite 1] [--callsite-rank R] [--group-rank R] [--newbuf-rank R --newbuf-step K]
 //      [--count-step K] [--mixed-group 1] [--comms 2 [--perturb-comm 1|2]] [--device 1]
@@ -14,7 +14,8 @@
 //
 // Divergence, for the tools that must notice it: at step K rank R gathers layer 0 with one
 // element less (count; run with STANDIN_MISMATCH=error and that call's error is reported and
-// ignored), or from another function with the same shape (callsite).
+// ignored), all-reduces it instead (op; likewise), or gathers it from another function with the
+// same shape (callsite).
 //
 // Changes the agreement must survive (each about layer 0 of the perturbed communicator):
 //   --rewrite 1        the weights change every step (the shards are rewritten before gathering)
@@ -240,7 +241,8 @@ class FsdpModel {
 
  private:
   bool diverged_here(int s, int layer) const {
-    return s == divergence_.step && layer == 0 && divergence_.kind == "count";
+    return s == divergence_.step && layer == 0 &&
+           (divergence_.kind == "count" || divergence_.kind == "op");
   }
 
   static constexpr int kChanged = 1000;  // the version a static shard changes to
@@ -271,6 +273,9 @@ class FsdpModel {
     }
     if (me && divergence_.kind == "callsite") {
       return gather_layer_elsewhere(send, recv, shard, comm_, stream);
+    }
+    if (me && divergence_.kind == "op") {
+      return ncclAllReduce(send, recv, shard, ncclFloat32, ncclSum, comm_, stream);
     }
     return gather_layer(send, recv, shard, comm_, stream);
   }
@@ -435,8 +440,8 @@ int run_fsdp(const ScenarioOptions& options) {
   divergence.kind = options.text("diverge-kind", "count");
   if (layers < 1 || steps < 0)
     throw ScenarioFailure("--layers must be positive, --steps not negative");
-  if (divergence.kind != "count" && divergence.kind != "callsite") {
-    throw ScenarioFailure("--diverge-kind is count or callsite");
+  if (divergence.kind != "count" && divergence.kind != "op" && divergence.kind != "callsite") {
+    throw ScenarioFailure("--diverge-kind is count, op or callsite");
   }
 
   Changes changes;
