@@ -140,6 +140,33 @@ TEST(FlightRecorder, HangNamesTheRankThatStoppedAndTheCollectiveFromKilledRanks)
       << out;
 }
 
+// Two communicators (the world and its split by rank % 2): the one the stalled rank leaves
+// waiting comes first, the split ones (whose ranks all stopped at the same place) after.
+TEST(FlightRecorder, HangPutsTheCommunicatorThatWaitsFirstAmongSeveral) {
+  TempDir dir;
+  const support::LaunchResult r = run_fsdp(dir.path,
+                                           {"--comms", "2", "--stall-rank", "1", "--stall-step",
+                                            std::to_string(kStep), "--stall-s", "60"},
+                                           {}, 4);
+  ASSERT_TRUE(r.timed_out) << r.summary();
+  std::vector<std::string> args = {"hang"};
+  for (const std::string& f : files_in(dir.path, ".flight")) args.push_back(f);
+  ASSERT_EQ(args.size(), 5u);
+  std::string out;
+  EXPECT_EQ(run_tool(args, &out), 1) << out;
+  const std::string verdict = out.substr(0, out.find('\n'));
+  EXPECT_NE(verdict.find("rank 1 never issued collective #" + std::to_string(kCollective) +
+                         " (AllGather float32 x "),
+            std::string::npos)
+      << out;
+  EXPECT_NE(verdict.find("ranks 0,2,3 wait in it"), std::string::npos) << out;
+  size_t fine = 0;
+  for (size_t at = 0; (at = out.find(": no hang seen: 2 ranks issued", at)) != std::string::npos;
+       ++at)
+    ++fine;
+  EXPECT_EQ(fine, 2u) << out;
+}
+
 // A rank whose recorder is off (as one that never joined leaves no file): reported absent.
 TEST(FlightRecorder, HangReportsARankWithoutAFileAsAbsent) {
   TempDir dir;

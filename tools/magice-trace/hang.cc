@@ -458,6 +458,9 @@ int hang_main(std::span<const std::string> args) {
       findings.push_back(analyse(id, comm));
       hang = hang || findings.back().hang;
     }
+    // The communicators with something to say first: a job holds many that are fine.
+    std::stable_partition(findings.begin(), findings.end(),
+                          [](const Finding& f) { return f.hang; });
     if (json) {
       const std::string text = json_of(findings, comms);
       std::fwrite(text.data(), 1, text.size(), stdout);
