@@ -16,6 +16,7 @@
 
 #include "rewrite/agreement.h"
 #include "rewrite/hello.h"
+#include "tests/rewrite/agreement_fakes.h"
 #include "tests/support/options_env.h"
 
 namespace magi::rewrite {
@@ -28,7 +29,7 @@ constexpr uint64_t kNcclGatherNs = 100;
 
 // What the fakes saw and what they do; the NCCL calls are plain function pointers, so the state
 // they reach is the file's.
-struct Fakes {
+struct Fakes : fakes::TracedRounds {
   std::vector<Contribution> contributed;  // rank 0's contribution to each round, in order
   // Writes rank `rank`'s contribution to a round, starting from a copy of rank 0's.
   std::function<void(int rank, Contribution&)> peer;
@@ -46,8 +47,6 @@ struct Fakes {
   uint64_t clock_ns = 0;
   GroupView group;
   uint32_t group_ordinal = 0;  // of the open group, recorded in calls made while group.depth > 0
-  std::vector<trace::AgreementRecord> rounds;
-  std::vector<trace::DecisionRecord> decisions;
 };
 Fakes* g_fakes = nullptr;
 
@@ -105,33 +104,6 @@ class FakeExchange : public ce::Exchange {
   std::vector<uint8_t> recv_;
 };
 
-class FakeTransport : public ce::Transport {
- public:
-  void prepare(const ce::WindowPlan& plan, ce::HandleBlob& out) override {
-    bytes_ = 2 * plan.slot_bytes;
-    out.bytes[0] = 0x5a;
-  }
-  const ce::SourceTable& sources() const override { return sources_; }
-  void attach(std::span<const ce::HandleBlob> blobs, std::span<const ce::SourceTable>) override {
-    EXPECT_EQ(blobs.size(), static_cast<size_t>(kRanks));
-  }
-  Served gather(std::span<const ce::GatherOp>, void*, Timing) override {
-    if (g_fakes->gather_throws && g_fakes->transport_gathers >= g_fakes->gathers_before_throw)
-      throw std::runtime_error("not one of ours");
-    ++g_fakes->transport_gathers;
-    g_fakes->clock_ns += g_fakes->moved_ns;
-    return Served::Moved;
-  }
-  void release() override {}
-  void abandon() override {}
-  size_t window_bytes() const override { return bytes_; }
-  ce::WindowMemory memory() const override { return {}; }
-
- private:
-  size_t bytes_ = 0;
-  ce::SourceTable sources_;
-};
-
 class FakeTimer : public ce::CompletionTimer {
  public:
   void start(void*) override { start_ = g_fakes->clock_ns; }
@@ -161,33 +133,26 @@ class Rank0 {
  public:
   explicit Rank0(std::map<std::string, std::string> env) : options_(options_with(std::move(env))) {
     g_fakes = &fakes;
-    TransportFactory make;
-    make.transport = [](const capture::CommInfo&) {
-      ++g_fakes->transports_made;
-      return std::make_unique<FakeTransport>();
-    };
-    make.exchange = [](const capture::CommInfo& info) {
-      return std::make_unique<FakeExchange>(info.rank);
-    };
-    make.timer = [] { return std::make_unique<FakeTimer>(); };
-    make.locality = [](const capture::CommInfo&) { return ce::Locality{42, -1, 0}; };
+    TransportFactory make = fakes::fake_factory(
+        [] {
+          ++g_fakes->transports_made;
+          return std::make_unique<fakes::MovingTransport>(
+              [] {
+                if (g_fakes->gather_throws &&
+                    g_fakes->transport_gathers >= g_fakes->gathers_before_throw)
+                  throw std::runtime_error("not one of ours");
+                ++g_fakes->transport_gathers;
+                g_fakes->clock_ns += g_fakes->moved_ns;
+              },
+              kRanks);
+        },
+        [](int rank) { return std::make_unique<FakeExchange>(rank); },
+        [] { return std::make_unique<FakeTimer>(); });
     AgreementWorld world{options_,
                          {fake_all_gather, fake_group_start, fake_group_end},
                          std::move(make),
                          [] { return g_fakes->group; },
-                         [](trace::RecordType type, const void* payload, uint32_t bytes) {
-                           if (type == trace::RecordType::Agreement) {
-                             trace::AgreementRecord r;
-                             EXPECT_EQ(bytes, sizeof r);
-                             std::memcpy(&r, payload, sizeof r);
-                             g_fakes->rounds.push_back(r);
-                           } else if (type == trace::RecordType::Decision) {
-                             trace::DecisionRecord r;
-                             EXPECT_EQ(bytes, sizeof r);
-                             std::memcpy(&r, payload, sizeof r);
-                             g_fakes->decisions.push_back(r);
-                           }
-                         }};
+                         fakes::TracedRounds::into(&fakes)};
     capture::CommInfo info{0xc0ffee, 0, 0, kRanks, -1, capture::CommOrigin::InitRank, false};
     agreement_ = std::make_shared<CommAgreement>(comm(), info, std::move(world));
   }

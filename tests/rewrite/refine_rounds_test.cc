@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "rewrite/agreement.h"
+#include "tests/rewrite/agreement_fakes.h"
 #include "tests/support/options_env.h"
 
 namespace magi::rewrite {
@@ -67,29 +68,6 @@ class TableExchange : public ce::Exchange {
   std::vector<uint8_t> recv_;
 };
 
-class CountingTransport : public ce::Transport {
- public:
-  explicit CountingTransport(int* gathers) : gathers_(gathers) {}
-  void prepare(const ce::WindowPlan& plan, ce::HandleBlob&) override {
-    bytes_ = 2 * plan.slot_bytes;
-  }
-  const ce::SourceTable& sources() const override { return sources_; }
-  void attach(std::span<const ce::HandleBlob>, std::span<const ce::SourceTable>) override {}
-  Served gather(std::span<const ce::GatherOp>, void*, Timing) override {
-    ++*gathers_;
-    return Served::Moved;
-  }
-  void release() override {}
-  void abandon() override {}
-  size_t window_bytes() const override { return bytes_; }
-  ce::WindowMemory memory() const override { return {}; }
-
- private:
-  int* gathers_;
-  size_t bytes_ = 0;
-  ce::SourceTable sources_;
-};
-
 class NoTimer : public ce::CompletionTimer {
  public:
   void start(void*) override {}
@@ -97,11 +75,9 @@ class NoTimer : public ce::CompletionTimer {
   uint64_t elapsed_ns() override { return 0; }
 };
 
-struct Rank {
+struct Rank : fakes::TracedRounds {
   int rank = 0;
   int transport_gathers = 0;
-  std::vector<trace::AgreementRecord> rounds;
-  std::vector<trace::DecisionRecord> decisions;
   std::vector<Kind> routes;  // by collective index
   std::vector<std::vector<float>> layers;
   std::shared_ptr<CommAgreement> agreement;
@@ -120,32 +96,17 @@ class World {
       Rank* me = rank.get();
       me->rank = r;
       for (int l = 0; l < kLayers; ++l) me->layers.emplace_back(kShard, float(l));
-      TransportFactory make;
-      make.transport = [me](const capture::CommInfo&) {
-        return std::make_unique<CountingTransport>(&me->transport_gathers);
-      };
-      make.exchange = [](const capture::CommInfo& info) {
-        return std::make_unique<TableExchange>(info.rank);
-      };
-      make.timer = [] { return std::make_unique<NoTimer>(); };
-      make.locality = [](const capture::CommInfo&) { return ce::Locality{42, -1, 0}; };
+      TransportFactory make = fakes::fake_factory(
+          [me] {
+            return std::make_unique<fakes::MovingTransport>([me] { ++me->transport_gathers; });
+          },
+          [](int which) { return std::make_unique<TableExchange>(which); },
+          [] { return std::make_unique<NoTimer>(); });
       AgreementWorld world{options_,
                            {fake_all_gather, fake_group, fake_group},
                            std::move(make),
                            [] { return GroupView{}; },
-                           [me](trace::RecordType type, const void* payload, uint32_t bytes) {
-                             if (type == trace::RecordType::Agreement) {
-                               trace::AgreementRecord a;
-                               EXPECT_EQ(bytes, sizeof a);
-                               std::memcpy(&a, payload, sizeof a);
-                               me->rounds.push_back(a);
-                             } else if (type == trace::RecordType::Decision) {
-                               trace::DecisionRecord d;
-                               EXPECT_EQ(bytes, sizeof d);
-                               std::memcpy(&d, payload, sizeof d);
-                               me->decisions.push_back(d);
-                             }
-                           }};
+                           fakes::TracedRounds::into(me)};
       capture::CommInfo info{0xbeef, 0, r, kRanks, -1, capture::CommOrigin::InitRank, false};
       me->agreement = std::make_shared<CommAgreement>(
           reinterpret_cast<ncclComm_t>(uintptr_t{0x2000} + static_cast<uintptr_t>(r)), info,
