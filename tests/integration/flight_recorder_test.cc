@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -120,11 +121,28 @@ TEST(FlightRecorder, HangNamesTheRankThatStoppedAndTheCollectiveFromKilledRanks)
                      std::to_string(kCollective - 1) + " AllReduce"),
             std::string::npos)
       << out;
+  // No trace was written: the call sites come from the recorder files alone, named from the
+  // workload's debug info (tests/support/workload/fsdp.cc: gather_layer issues the gathers).
+  const std::regex gather(
+      R"(\(AllGather float32 x \d+ at workload::gather_layer \(fsdp\.cc:\d+\)\))");
+  EXPECT_TRUE(std::regex_search(verdict, gather)) << out;
+  const std::regex step(R"(\n +workload::FsdpModel::step \(fsdp\.cc:\d+\)\n)");
+  EXPECT_TRUE(std::regex_search(out, step)) << out;
+  EXPECT_TRUE(files_in(dir.path, ".trace").empty());
+
+  std::vector<std::string> raw = args;
+  raw.insert(raw.begin() + 1, "--no-symbols");
+  EXPECT_EQ(run_tool(raw, &out), 1) << out;
+  EXPECT_NE(out.substr(0, out.find('\n')).find(" at libworkload.so+0x"), std::string::npos) << out;
 
   args.insert(args.begin() + 1, "--json");
   EXPECT_EQ(run_tool(args, &out), 1) << out;
   EXPECT_NE(out.find("\"behind\":[2],\"waiting\":[0,1,3],\"missing_collective\":" +
                      std::to_string(kCollective)),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("\"site\":\"workload::gather_layer (fsdp.cc:"), std::string::npos) << out;
+  EXPECT_NE(out.find("\"python\":null,\"frames\":[\"workload::gather_layer (fsdp.cc:"),
             std::string::npos)
       << out;
 

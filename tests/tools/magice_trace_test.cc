@@ -997,6 +997,48 @@ TEST_F(PythonCallSites, CallsMadeHoldingTheGilCarryTheirPythonLine) {
   EXPECT_TRUE(contains(dump.out, script_ + ":12 in with_gil")) << dump.out;
 }
 
+// No trace, the recorder alone, and a process killed after its call: `hang` names the Python
+// line from the recorder file.
+TEST_F(PythonCallSites, TheRecorderAloneKeepsThePythonLineForHang) {
+  const std::string script = dir_ + "/killed.py";
+  std::ofstream(script) << R"(import ctypes, os, signal, sys
+held = ctypes.PyDLL(sys.argv[1])
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+uid = UniqueId()
+assert ctypes.PyDLL(sys.argv[2]).ncclGetUniqueId(ctypes.byref(uid)) == 0
+comm = ctypes.c_void_p()
+assert held.ncclCommInitRank(ctypes.byref(comm), 1, uid, 0) == 0
+send, recv = (ctypes.c_float * 64)(), (ctypes.c_float * 64)()
+def forward():
+    return held.ncclAllGather(send, recv, ctypes.c_size_t(64), 7, comm, None)
+assert forward() == 0
+os.kill(os.getpid(), signal.SIGKILL)
+)";
+  const std::string recorder = dir_ + "/recorder";
+  const std::string standin = build_dir() + "/tests/support/libnccl.so.2";
+  const ToolRun python = run_program(
+      {"env", "-u", "MAGI_TRACE_DIR", "MAGI_PY_CALLSITES=1", "MAGI_FLIGHT_RECORDER=16",
+       "MAGI_FLIGHT_RECORDER_DIR=" + recorder, "MAGI_NCCL_LIBRARY=" + standin, "python3", script,
+       build_dir() + "/libmagice.so", standin},
+      dir_);
+  EXPECT_EQ(python.status, -1) << "killed by its own SIGKILL\n" << python.err;
+  std::vector<std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(recorder))
+    files.push_back(entry.path().string());
+  ASSERT_EQ(files.size(), 1u);
+  ASSERT_TRUE(files[0].ends_with(".flight")) << files[0];
+
+  const ToolRun hang = tool({"hang", files[0]});
+  EXPECT_EQ(hang.status, 0) << hang.err;
+  EXPECT_TRUE(contains(hang.out, "last call #0 AllGather float32 x 64 at " + script +
+                                     ":11 in forward (collective #0)"))
+      << hang.out;
+  EXPECT_TRUE(contains(hang.out, "\n      " + script + ":12 in <module>\n")) << hang.out;
+  const ToolRun json = tool({"hang", "--json", files[0]});
+  EXPECT_TRUE(contains(json.out, "\"python\":\"" + script + ":11 in forward\"")) << json.out;
+}
+
 TEST_F(PythonCallSites, TakingTheGilReadsCallsMadeWithoutIt) {
   run("2");
   ASSERT_EQ(reduces_.size(), 2u);
