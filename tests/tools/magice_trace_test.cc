@@ -464,6 +464,34 @@ class MagiceTraceDecisions : public MagiceTrace {
   }
 };
 
+// In a Python program every gather has the same native call site; the decision names its
+// gather's Python line, told apart by its position in the step.
+TEST_F(MagiceTraceDecisions, NameEachGathersPythonLine) {
+  TraceBuilder b(make_file_header(4242, "node0", "train"));
+  b.comm(make_comm(kWorld, 0, 1));
+  b.py_callsite(0xa0, {{"/home/u/model.py", "layer_a", 10}})
+      .py_callsite(0xb0, {{"/home/u/model.py", "layer_b", 20}});
+  for (uint64_t seq = 0; seq < 4; ++seq) {
+    b.call(make_call(kWorld, 0, seq, {Op::AllGather, 9, 1 << 20, -1, -1, 0xa1}));
+    b.py_call({kWorld, seq, seq % 2 == 0 ? 0xa0u : 0xb0u, 0, 0});
+  }
+  b.step({kWorld, 3, 0, 0xd16e57, 2, 2, static_cast<uint8_t>(StepEvent::Found), {}});
+  add_round(b, kWorld, 0,
+            {1, 10, AgreementMode::Identical,
+             {{0, Verdict::Moved, Reason::None, -1, 0, 9, 1 << 20, 0xa1},
+              {1, Verdict::Moved, Reason::None, -1, 1, 9, 1 << 20, 0xa1}}});
+  const std::string file = dir_ + "/py-decisions.trace";
+  b.write(file);
+  const ToolRun run = tool({"decisions", file});
+  EXPECT_EQ(run.status, 0) << run.out << run.err;
+  EXPECT_TRUE(contains(run.out, "(pos 0, bfloat16 x 1048576, bucket 0): moved  at "
+                                "/home/u/model.py:10 in layer_a\n"))
+      << run.out;
+  EXPECT_TRUE(contains(run.out, "(pos 1, bfloat16 x 1048576, bucket 1): moved  at "
+                                "/home/u/model.py:20 in layer_b\n"))
+      << run.out;
+}
+
 TEST_F(MagiceTraceDecisions, PrintsTheLastRoundOfEveryRankGatherByGather) {
   const ToolRun run = tool(with({"decisions"}, write_agreeing_ranks(3)));
   EXPECT_EQ(run.status, 0) << run.out << run.err;
