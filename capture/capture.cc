@@ -72,6 +72,11 @@ bool first_sighting(std::atomic<uint64_t>* set, size_t size, uint64_t key) {
   return slot.exchange(key, std::memory_order_relaxed) != key;
 }
 
+void forget_described(Described& seen) {
+  for (auto& slot : seen.callsites) slot.store(0, std::memory_order_relaxed);
+  for (auto& slot : seen.modules) slot.store(0, std::memory_order_relaxed);
+}
+
 // Module records for the frames' modules not yet described, then the Callsite record: to the
 // trace (`writer`) or to the recorder's file (null `writer`).
 void describe_callsite_to(TraceWriter* writer, Described& seen, uint64_t callsite,
@@ -226,6 +231,10 @@ void close_trace() { trace_close(); }
 void forget_trace_in_child() {
   trace_forget_in_child();
   flight_forget_in_child();
+  // The child writes files of its own: each must describe the sites its calls name again.
+  forget_described(g_in_trace);
+  forget_described(g_in_recorder);
+  python_callsites_forget_in_child();
 }
 
 void group_start() {

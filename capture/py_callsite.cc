@@ -235,6 +235,11 @@ uint64_t walk_frames(TraceWriter* writer, bool recorder) {
 
 }  // namespace
 
+void python_callsites_forget_in_child() {
+  for (auto& slot : g_seen_trace) slot.store(0, std::memory_order_relaxed);
+  for (auto& slot : g_seen_recorder) slot.store(0, std::memory_order_relaxed);
+}
+
 uint64_t python_callsite(TraceWriter* writer, bool recorder, PythonGil gil) {
   ApiState state = g_state.load(std::memory_order_acquire);
   if (__builtin_expect(state == ApiState::Unresolved, 0)) state = resolve_api();

@@ -29,4 +29,7 @@ enum class PythonGil { IfHeld, Take };
 // fingerprints it has described.
 uint64_t python_callsite(TraceWriter* writer, bool recorder, PythonGil gil = PythonGil::IfHeld);
 
+// In a child after fork(): no fingerprint is described yet in the files the child writes.
+void python_callsites_forget_in_child();
+
 }  // namespace magi::capture
