@@ -471,8 +471,13 @@ Finding analyse(uint64_t comm_id, Comm& comm) {
 void append_site(std::string& out, const Call& c) {
   const std::string site = site_text(c);
   out += ",\"site\":" + (site.empty() ? std::string("null") : json_string(site));
-  const bool python = c.python != 0 && c.sites != nullptr && c.sites->py_callsites.count(c.python);
-  out += ",\"python\":" + (python ? json_string(site) : std::string("null"));
+  std::string python;
+  if (c.sites != nullptr && c.python != 0) {
+    const auto frames = c.sites->py_callsites.find(c.python);
+    if (frames != c.sites->py_callsites.end() && !frames->second.empty())
+      python = python_frame_line(frames->second.front());
+  }
+  out += ",\"python\":" + (python.empty() ? std::string("null") : json_string(python));
   out += ",\"frames\":[";
   const std::vector<std::string> frames = site_lines(c, kDetailFrames);
   for (size_t i = 0; i < frames.size(); ++i) out += (i ? "," : "") + json_string(frames[i]);
