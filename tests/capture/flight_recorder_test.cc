@@ -228,6 +228,37 @@ TEST(FlightRecorder, AFullSitesSegmentRefusesMore) {
   EXPECT_EQ(t.callsites.size(), static_cast<size_t>(appended));
 }
 
+// A full segment is followed by a new one (flight_add_site): the reader takes every segment's
+// descriptions, and none of a segment whose size was never written (the process died adding it).
+TEST(FlightRecorder, SitesOfEverySegmentAreRead) {
+  std::vector<char> bytes(flight::kPage + 3 * flight::kSitesSegmentBytes, 0);
+  flight::FileHeader header{};
+  std::memcpy(header.magic, flight::kMagic, sizeof(header.magic));
+  header.version = flight::kVersion;
+  header.header_bytes = flight::kPage;
+  header.capacity = 16;
+  header.record_bytes = sizeof(flight::Record);
+  std::memcpy(bytes.data(), &header, sizeof(header));
+  char* segment = bytes.data() + flight::kPage;
+  ASSERT_TRUE(append_callsite(*flight::init_sites(segment, flight::kSitesSegmentBytes), 0xa));
+  segment += flight::kSitesSegmentBytes;
+  ASSERT_TRUE(append_callsite(*flight::init_sites(segment, flight::kSitesSegmentBytes), 0xb));
+  segment += flight::kSitesSegmentBytes;
+  // A third segment the process died adding: its records are there, its size is not.
+  flight::SitesHeader* dangling = flight::init_sites(segment, flight::kSitesSegmentBytes);
+  ASSERT_TRUE(append_callsite(*dangling, 0xc));
+  dangling->segment.bytes = 0;
+
+  const flight::FileView view =
+      flight::parse_file("sites", std::span<const char>(bytes.data(), bytes.size()));
+  ASSERT_EQ(view.sites.size(), 2u);
+  trace::Trace t;
+  for (const std::string& body : view.sites) trace::parse_records("sites", body, t);
+  EXPECT_EQ(t.callsites.count(0xa), 1u);
+  EXPECT_EQ(t.callsites.count(0xb), 1u);
+  EXPECT_EQ(t.callsites.count(0xc), 0u);
+}
+
 TEST(FlightRecorder, OtherBytesAreRefused) {
   const std::string bytes = "MAGITRC\nnot a recorder file at all, but long enough to hold a header";
   EXPECT_THROW(flight::parse_file("x", std::span<const char>(bytes.data(), bytes.size())),
