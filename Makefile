@@ -228,7 +228,7 @@ test-tsan:
 # libunwind's per-thread cache, freed as a thread that unwound exits, crashes TSan's runtime:
 # the TSan run leaves call sites off (MAGI_CALLSITES=0) and skips the tests that need them on,
 # and the one that unwinds from threads of its own.
-TSAN_TESTS := -Traces.EveryRankRecordsTheSameCommunicatorAndTheSameCallsites:Agreement.DifferentCallSitesAgreeBySlot:TraceTool.DiffReportsAnInjectedCallsiteDivergence*:Callsite.ThreadsAgreeWhileOtherLibrariesLoadAndUnload
+TSAN_TESTS := -Traces.EveryRankRecordsTheSameCommunicatorAndTheSameCallsites:Agreement.DifferentCallSitesAgreeBySlot:TraceTool.DiffReportsAnInjectedCallsiteDivergence*:Callsite.ThreadsAgreeWhileOtherLibrariesLoadAndUnload:FlightRecorder.HangNamesTheStalledCollectivesCallSiteFromKilledRanksFiles
 
 REPORTS := $(abspath $(BUILD))/sanitizer-reports
 SANITIZED_TESTS ?= *

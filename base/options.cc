@@ -362,16 +362,17 @@ constexpr OptionSpec kTable[] = {
         "Size of each of the two trace buffers; a full buffer is handed to the writer thread."),
     bool_option<&O::callsites>("MAGI_CALLSITES", "1",
                                "Fingerprint the call site of each all-gather (of every call when "
-                               "tracing) from its native stack (costs about a quarter of a "
-                               "microsecond)."),
+                               "tracing or with the flight recorder) from its native stack (costs "
+                               "about a quarter of a microsecond)."),
     int_option<&O::callsite_depth>(
         "MAGI_CALLSITE_DEPTH", "16", "an integer from 1 to 64", 1, 64, OptionUnit::Count,
         "Native frames, above the library's own, hashed into a call-site fingerprint."),
     int_option<&O::py_callsites>(
         "MAGI_PY_CALLSITES", "0", "an integer from 0 to 2", 0, 2, OptionUnit::Count,
-        "Traced calls from Python threads also record the innermost Python frames outside torch "
-        "(file, line, function): 1 when the caller holds the GIL, 2 also taking the GIL where "
-        "the caller released it (as PyTorch does; a hang risk, for debugging)."),
+        "Traced or flight-recorded calls from Python threads also record the innermost Python "
+        "frames outside torch (file, line, function): 1 when the caller holds the GIL, 2 also "
+        "taking the GIL where the caller released it (as PyTorch does; a hang risk, for "
+        "debugging)."),
     int_option<&O::max_step_calls>("MAGI_MAX_STEP_CALLS", "4096", "an integer from 2 to 1048576", 2,
                                    1048576, OptionUnit::Count,
                                    "Longest repeating step (in collective calls) the step "

@@ -54,12 +54,17 @@ uint64_t shape_of(const CallArgs& a) {
   return XXH3_64bits(&key, sizeof(key));
 }
 
-// Call sites already described in the trace; a direct-mapped set, so a collision only costs
-// writing the same description twice.
+// Call sites and modules already described, one pair of sets per destination (the trace, the
+// recorder's file), so each holds every description its calls refer to; direct-mapped sets, so
+// a collision only costs writing the same description twice.
 constexpr size_t kSeenCallsites = 4096;
-std::atomic<uint64_t> g_seen_callsites[kSeenCallsites];
 constexpr size_t kSeenModules = 512;
-std::atomic<uint64_t> g_seen_modules[kSeenModules];
+struct Described {
+  std::atomic<uint64_t> callsites[kSeenCallsites];
+  std::atomic<uint64_t> modules[kSeenModules];
+};
+Described g_in_trace;
+Described g_in_recorder;
 
 bool first_sighting(std::atomic<uint64_t>* set, size_t size, uint64_t key) {
   std::atomic<uint64_t>& slot = set[key % size];
@@ -67,22 +72,42 @@ bool first_sighting(std::atomic<uint64_t>* set, size_t size, uint64_t key) {
   return slot.exchange(key, std::memory_order_relaxed) != key;
 }
 
-void describe_callsite(TraceWriter* writer, uint64_t callsite, const trace::Frame* frames,
-                       int count) {
-  if (!first_sighting(g_seen_callsites, kSeenCallsites, callsite)) return;
+void forget_described(Described& seen) {
+  for (auto& slot : seen.callsites) slot.store(0, std::memory_order_relaxed);
+  for (auto& slot : seen.modules) slot.store(0, std::memory_order_relaxed);
+}
+
+// Module records for the frames' modules not yet described, then the Callsite record: to the
+// trace (`writer`) or to the recorder's file (null `writer`).
+void describe_callsite_to(TraceWriter* writer, Described& seen, uint64_t callsite,
+                          const trace::Frame* frames, int count) {
+  if (!first_sighting(seen.callsites, kSeenCallsites, callsite)) return;
+  auto append = [writer](trace::RecordType type, const void* payload, uint32_t payload_bytes,
+                         const void* tail, uint32_t tail_bytes) {
+    if (writer != nullptr)
+      trace_append(writer, type, payload, payload_bytes, tail, tail_bytes);
+    else
+      flight_add_site(type, payload, payload_bytes, tail, tail_bytes);
+  };
   for (int i = 0; i < count; ++i) {
     const uint64_t module = frames[i].module;
-    if (module == 0 || !first_sighting(g_seen_modules, kSeenModules, module)) continue;
+    if (module == 0 || !first_sighting(seen.modules, kSeenModules, module)) continue;
     const ModuleIdentity identity = module_identity(module);
     const std::string tail = identity.path + identity.build_id;
     const trace::ModuleRecord record{module, static_cast<uint32_t>(identity.path.size()),
                                      static_cast<uint32_t>(identity.build_id.size())};
-    trace_append(writer, trace::RecordType::Module, &record, sizeof(record), tail.data(),
-                 static_cast<uint32_t>(tail.size()));
+    append(trace::RecordType::Module, &record, sizeof(record), tail.data(),
+           static_cast<uint32_t>(tail.size()));
   }
   const trace::CallsiteRecord record{callsite, static_cast<uint32_t>(count), 0};
-  trace_append(writer, trace::RecordType::Callsite, &record, sizeof(record), frames,
-               static_cast<uint32_t>(count * sizeof(trace::Frame)));
+  append(trace::RecordType::Callsite, &record, sizeof(record), frames,
+         static_cast<uint32_t>(count * sizeof(trace::Frame)));
+}
+
+void describe_callsite(TraceWriter* writer, bool recorder, uint64_t callsite,
+                       const trace::Frame* frames, int count) {
+  if (writer != nullptr) describe_callsite_to(writer, g_in_trace, callsite, frames, count);
+  if (recorder) describe_callsite_to(nullptr, g_in_recorder, callsite, frames, count);
 }
 
 void record_step_event(TraceWriter* writer, const Communicator& comm, StepDetector::Event event) {
@@ -206,6 +231,10 @@ void close_trace() { trace_close(); }
 void forget_trace_in_child() {
   trace_forget_in_child();
   flight_forget_in_child();
+  // The child writes files of its own: each must describe the sites its calls name again.
+  forget_described(g_in_trace);
+  forget_described(g_in_recorder);
+  python_callsites_forget_in_child();
 }
 
 void group_start() {
@@ -254,19 +283,24 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
   }
 
   TraceWriter* writer = trace_writer();
+  const bool recorder = state.flight != nullptr;
   record.callsite = 0;
-  // Untraced, only an all-gather's call site is ever looked at (rewrite/ compares gathers' call
-  // sites): the unwinding it takes is most of a call's cost with call sites on.
-  if (options.callsites && (writer != nullptr || args.op == trace::Op::AllGather)) {
+  // Unrecorded, only an all-gather's call site is ever looked at (rewrite/ compares gathers'
+  // call sites): the unwinding it takes is most of a call's cost with call sites on. A trace or
+  // the flight recorder keeps every call's site, described at its first sighting.
+  if (options.callsites && (writer != nullptr || recorder || args.op == trace::Op::AllGather)) {
     trace::Frame frames[64];
     int count = 0;
     record.callsite = callsite_fingerprint(static_cast<int>(options.callsite_depth),
                                            std::span<trace::Frame>(frames, 64), &count);
-    if (writer != nullptr) describe_callsite(writer, record.callsite, frames, count);
+    if (writer != nullptr || recorder)
+      describe_callsite(writer, recorder, record.callsite, frames, count);
   }
-  if (options.py_callsites != 0 && writer != nullptr) {
+  uint64_t python = 0;
+  if (options.py_callsites != 0 && (writer != nullptr || recorder)) {
     const auto gil = options.py_callsites == 2 ? PythonGil::Take : PythonGil::IfHeld;
-    if (const uint64_t python = python_callsite(writer, gil)) {
+    python = python_callsite(writer, recorder, gil);
+    if (python != 0 && writer != nullptr) {
       const trace::PyCallRecord py{record.comm_id, record.seq, python, record.rank, 0};
       trace_append(writer, trace::RecordType::PyCall, &py, sizeof(py));
     }
@@ -295,9 +329,9 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
     state.steps_lock.clear(std::memory_order_release);
   }
   if (state.flight != nullptr) {
-    flight_issue(state.flight,
-                 {record.seq, collective, record.count, record.callsite, 0, record.root_or_peer,
-                  record.redop, record.op, record.dtype, record.group_depth, record.flags});
+    flight_issue(state.flight, {record.seq, collective, record.count, record.callsite, python,
+                                record.root_or_peer, record.redop, record.op, record.dtype,
+                                record.group_depth, record.flags});
   }
   // The clock and the capture state are read only when a trace will keep them: they are most of
   // the pass-through cost (rewrite/ asks for the capture state where it needs it).

@@ -117,6 +117,24 @@ FileView parse_file(const std::string& name, std::span<const char> bytes) {
   return view;
 }
 
+SitesHeader* init_sites(void* memory, size_t bytes) {
+  auto* sites = static_cast<SitesHeader*>(memory);
+  sites->segment.kind = kSites;
+  std::atomic_ref<uint64_t>(sites->segment.bytes).store(bytes, std::memory_order_release);
+  return sites;
+}
+
+bool append_site(SitesHeader& sites, trace::RecordType type, const void* payload,
+                 uint32_t payload_bytes, const void* tail, uint32_t tail_bytes) {
+  const uint64_t used = sites.used;  // the only writer
+  const uint32_t bytes = trace::record_bytes(payload_bytes, tail_bytes);
+  if (used + bytes > sites.segment.bytes - sizeof(SitesHeader)) return false;
+  char* body = reinterpret_cast<char*>(&sites + 1);
+  trace::encode_record(body + used, type, payload, payload_bytes, tail, tail_bytes);
+  std::atomic_ref<uint64_t>(sites.used).store(used + bytes, std::memory_order_release);
+  return true;
+}
+
 FileView read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error(path + ": cannot open (" + std::strerror(errno) + ")");
@@ -145,6 +163,8 @@ Mapping g_mappings[kMaxMappings];
 std::atomic<size_t> g_mapping_count{0};
 // Rings live as long as their mappings (until exit), in a fixed array: nothing to free.
 FlightRing g_rings[kMaxMappings];
+
+flight::SitesHeader* g_sites = nullptr;  // the kSites segment being filled, under g_mutex
 
 thread_local FlightRing* t_ring = nullptr;
 thread_local flight::Record* t_slot = nullptr;
@@ -251,6 +271,22 @@ void init_ring(FlightRing* ring, void* memory, uint32_t capacity, uint64_t comm_
   ring->comm_id = comm_id;
 }
 
+// Under g_mutex, with the file open: `bytes` more of it, mapped; null (and errno) on failure.
+void* add_segment_locked(size_t bytes) {
+  if (g_mapping_count.load(std::memory_order_relaxed) >= kMaxMappings) {
+    errno = ENOSPC;
+    return nullptr;
+  }
+  const size_t offset = g_file_bytes;
+  void* at = MAP_FAILED;
+  if (ftruncate(g_fd, static_cast<off_t>(offset + bytes)) == 0)
+    at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, g_fd, static_cast<off_t>(offset));
+  if (at == MAP_FAILED) return nullptr;
+  g_file_bytes = offset + bytes;
+  remember_mapping(at, bytes);
+  return at;
+}
+
 }  // namespace
 
 FlightRing* flight_join(uint64_t comm_id, uint64_t parent_id, int rank, int nranks, uint8_t origin,
@@ -263,19 +299,13 @@ FlightRing* flight_join(uint64_t comm_id, uint64_t parent_id, int rank, int nran
               kMaxMappings - 1, short_id(comm_id));
     return nullptr;
   }
-  const size_t bytes = flight::segment_bytes(g_capacity);
-  const size_t offset = g_file_bytes;
-  void* at = MAP_FAILED;
-  if (ftruncate(g_fd, static_cast<off_t>(offset + bytes)) == 0)
-    at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, g_fd, static_cast<off_t>(offset));
-  if (at == MAP_FAILED) {
+  FlightRing* ring = &g_rings[g_mapping_count.load(std::memory_order_relaxed)];
+  void* at = add_segment_locked(flight::segment_bytes(g_capacity));
+  if (at == nullptr) {
     MAGI_WARN(Trace, "flight recorder: cannot add comm %012llx (%s); it is not recorded",
               short_id(comm_id), std::strerror(errno));
     return nullptr;
   }
-  g_file_bytes = offset + bytes;
-  FlightRing* ring = &g_rings[g_mapping_count.load(std::memory_order_relaxed)];
-  remember_mapping(at, bytes);
   init_ring(ring, at, g_capacity, comm_id, parent_id, rank, nranks, origin, state);
   if (state == flight::kJoining) t_joining = ring;
   return ring;
@@ -340,6 +370,26 @@ void flight_return(uint64_t comm_id, uint64_t seq, int32_t result) {
   t_slot = nullptr;
 }
 
+void flight_add_site(trace::RecordType type, const void* payload, uint32_t payload_bytes,
+                     const void* tail, uint32_t tail_bytes) {
+  constexpr size_t kBody = flight::kSitesSegmentBytes - sizeof(flight::SitesHeader);
+  if (trace::record_bytes(payload_bytes, tail_bytes) > kBody) return;  // not with our records
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_fd < 0) return;
+  if (g_sites != nullptr &&
+      flight::append_site(*g_sites, type, payload, payload_bytes, tail, tail_bytes))
+    return;
+  void* at = add_segment_locked(flight::kSitesSegmentBytes);
+  if (at == nullptr) {
+    MAGI_INFO(Trace, "flight recorder: cannot add call sites (%s); later ones are not kept",
+              std::strerror(errno));
+    g_sites = nullptr;
+    return;
+  }
+  g_sites = flight::init_sites(at, flight::kSitesSegmentBytes);
+  flight::append_site(*g_sites, type, payload, payload_bytes, tail, tail_bytes);
+}
+
 void flight_sync() {
   const size_t n = g_mapping_count.load(std::memory_order_acquire);
   for (size_t i = 0; i < n; ++i) msync(g_mappings[i].at, g_mappings[i].bytes, MS_ASYNC);
@@ -353,6 +403,7 @@ void flight_forget_in_child() {
   g_fd = -1;
   g_failed = false;
   g_file_bytes = 0;
+  g_sites = nullptr;
   t_ring = nullptr;
   t_slot = nullptr;
   t_joining = nullptr;

@@ -27,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include "capture/trace_format.h"
+
 namespace magi::capture {
 
 namespace flight {
@@ -92,12 +94,23 @@ static_assert(sizeof(RingHeader) == 80);
 
 // A kSites segment: call-site descriptions the records' fingerprints refer to, as trace records
 // (trace_format.h) one after another; `used` (release) counts the body's complete bytes.
+// Written at a fingerprint's first sighting only (Module, Callsite and PyCallsite records, as
+// the trace writes them); a full segment is followed by a new one.
 struct SitesHeader {
   SegmentHeader segment;
   uint64_t used;
   uint64_t reserved[5];
 };
 static_assert(sizeof(SitesHeader) == 64);
+inline constexpr size_t kSitesSegmentBytes = 16 * kPage;
+
+// Lays out a kSites segment of `bytes` (page aligned) in zeroed `memory`.
+SitesHeader* init_sites(void* memory, size_t bytes);
+// Appends one record to the segment: its bytes first, then `used` with release order, so a
+// reader (of a killed process too) never takes part of a record. False when it has no room.
+// One writer at a time.
+bool append_site(SitesHeader& sites, trace::RecordType type, const void* payload,
+                 uint32_t payload_bytes, const void* tail, uint32_t tail_bytes);
 
 struct Record {
   // Written through std::atomic_ref, so the struct stays trivially copyable for readers.
@@ -174,6 +187,12 @@ struct FlightCall {
   uint8_t op, dtype, group_depth, flags;
 };
 void flight_issue(FlightRing* ring, const FlightCall& call);
+
+// A call-site description for the process's file (append_site into its kSites segment, a new
+// segment when that one is full), under the file's mutex: callers write a fingerprint's first
+// sighting only. Nothing when the process has no file (no communicator recorded yet).
+void flight_add_site(trace::RecordType type, const void* payload, uint32_t payload_bytes,
+                     const void* tail = nullptr, uint32_t tail_bytes = 0);
 void flight_return(uint64_t comm_id, uint64_t seq, int32_t result);
 
 // MS_ASYNC over the file's mappings (the dump signal); safe from any thread.

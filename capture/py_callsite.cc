@@ -22,6 +22,7 @@
 #include <xxhash.h>
 
 #include "base/base.h"
+#include "capture/flight_recorder.h"
 
 namespace magi::capture {
 namespace {
@@ -143,16 +144,20 @@ const char* code_text(PyObject* code, PyObject* attribute, size_t& bytes) {
   return text;
 }
 
+// Fingerprints already described, one set per destination (the trace, the recorder's file); a
+// direct-mapped set, so a collision only costs writing the same description twice.
 constexpr size_t kSeen = 1024;
-std::atomic<uint64_t> g_seen[kSeen];
+std::atomic<uint64_t> g_seen_trace[kSeen];
+std::atomic<uint64_t> g_seen_recorder[kSeen];
 
-bool first_sighting(uint64_t key) {
-  std::atomic<uint64_t>& slot = g_seen[key % kSeen];
+bool first_sighting(std::atomic<uint64_t>* seen, uint64_t key) {
+  std::atomic<uint64_t>& slot = seen[key % kSeen];
   if (slot.load(std::memory_order_relaxed) == key) return false;
   return slot.exchange(key, std::memory_order_relaxed) != key;
 }
 
-void describe(TraceWriter* writer, uint64_t key, const FrameText* frames, int count) {
+void describe(TraceWriter* writer, bool recorder, uint64_t key, const FrameText* frames,
+              int count) {
   char record[sizeof(trace::PyCallsiteRecord) + kFrames * sizeof(trace::PyFrameEntry) +
               kFrames * 2 * kText];
   char* text = record + sizeof(trace::PyCallsiteRecord) + count * sizeof(trace::PyFrameEntry);
@@ -172,12 +177,16 @@ void describe(TraceWriter* writer, uint64_t key, const FrameText* frames, int co
   const trace::PyCallsiteRecord header{key, static_cast<uint32_t>(count),
                                        static_cast<uint32_t>(text_bytes)};
   std::memcpy(record, &header, sizeof(header));
-  const size_t tail = count * sizeof(trace::PyFrameEntry) + text_bytes;
-  trace_append(writer, trace::RecordType::PyCallsite, record, sizeof(header),
-               record + sizeof(header), static_cast<uint32_t>(tail));
+  const auto tail = static_cast<uint32_t>(count * sizeof(trace::PyFrameEntry) + text_bytes);
+  if (writer != nullptr)
+    trace_append(writer, trace::RecordType::PyCallsite, record, sizeof(header),
+                 record + sizeof(header), tail);
+  if (recorder)
+    flight_add_site(trace::RecordType::PyCallsite, record, sizeof(header), record + sizeof(header),
+                    tail);
 }
 
-uint64_t walk_frames(TraceWriter* writer) {
+uint64_t walk_frames(TraceWriter* writer, bool recorder) {
   const PythonApi& api = g_api;
   PyObject* co_filename = interned(g_co_filename, "co_filename");
   PyObject* co_name = interned(g_co_name, "co_name");
@@ -214,24 +223,34 @@ uint64_t walk_frames(TraceWriter* writer) {
     key = XXH3_64bits_withSeed(&frames[i].line, sizeof(frames[i].line), key);
   }
   if (count != 0 && key == 0) key = 1;  // 0 means "none"
-  if (key != 0 && writer != nullptr && first_sighting(key)) describe(writer, key, frames, count);
+  if (key != 0) {
+    TraceWriter* to_trace =
+        writer != nullptr && first_sighting(g_seen_trace, key) ? writer : nullptr;
+    const bool to_recorder = recorder && first_sighting(g_seen_recorder, key);
+    if (to_trace != nullptr || to_recorder) describe(to_trace, to_recorder, key, frames, count);
+  }
   for (int i = 0; i < count; ++i) api.dec_ref(frames[i].code);
   return key;
 }
 
 }  // namespace
 
-uint64_t python_callsite(TraceWriter* writer, PythonGil gil) {
+void python_callsites_forget_in_child() {
+  for (auto& slot : g_seen_trace) slot.store(0, std::memory_order_relaxed);
+  for (auto& slot : g_seen_recorder) slot.store(0, std::memory_order_relaxed);
+}
+
+uint64_t python_callsite(TraceWriter* writer, bool recorder, PythonGil gil) {
   ApiState state = g_state.load(std::memory_order_acquire);
   if (__builtin_expect(state == ApiState::Unresolved, 0)) state = resolve_api();
   if (state != ApiState::Ready) return 0;
   const PythonApi& api = g_api;
   if (!api.is_initialized() || api.this_thread_state() == nullptr) return 0;
   // Without the GIL no frame may be touched: the interpreter may be running them elsewhere.
-  if (api.gil_check() == 1) return walk_frames(writer);
+  if (api.gil_check() == 1) return walk_frames(writer, recorder);
   if (gil != PythonGil::Take) return 0;
   const int taken = api.gil_ensure();
-  const uint64_t key = walk_frames(writer);
+  const uint64_t key = walk_frames(writer, recorder);
   api.gil_release(taken);
   return key;
 }

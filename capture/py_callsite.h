@@ -24,7 +24,12 @@ namespace magi::capture {
 enum class PythonGil { IfHeld, Take };
 
 // The calling thread's Python call site as a fingerprint (0: none, see above). A fingerprint
-// seen for the first time is described to `writer` in a PyCallsite record.
-uint64_t python_callsite(TraceWriter* writer, PythonGil gil = PythonGil::IfHeld);
+// seen for the first time is described in a PyCallsite record to `writer` (the trace, if not
+// null) and, when `recorder`, to the flight recorder's file: each keeps its own set of the
+// fingerprints it has described.
+uint64_t python_callsite(TraceWriter* writer, bool recorder, PythonGil gil = PythonGil::IfHeld);
+
+// In a child after fork(): no fingerprint is described yet in the files the child writes.
+void python_callsites_forget_in_child();
 
 }  // namespace magi::capture

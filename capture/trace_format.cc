@@ -1,6 +1,7 @@
 #include "capture/trace_format.h"
 
 #include <array>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -127,5 +128,16 @@ std::string_view verdict_name(Verdict verdict) {
 }
 
 bool is_collective(Op op) { return op != Op::Send && op != Op::Recv; }
+
+void encode_record(char* out, RecordType type, const void* payload, uint32_t payload_bytes,
+                   const void* tail, uint32_t tail_bytes) {
+  const uint32_t body = payload_bytes + tail_bytes;
+  const uint32_t bytes = record_bytes(payload_bytes, tail_bytes);
+  const RecordHeader header{static_cast<uint16_t>(type), 0, bytes};
+  std::memcpy(out, &header, sizeof(header));
+  std::memcpy(out + sizeof(header), payload, payload_bytes);
+  if (tail_bytes != 0) std::memcpy(out + sizeof(header) + payload_bytes, tail, tail_bytes);
+  std::memset(out + sizeof(header) + body, 0, bytes - sizeof(header) - body);
+}
 
 }  // namespace magi::trace

@@ -318,6 +318,15 @@ struct DroppedRecord {
 
 inline constexpr uint32_t padded(uint32_t bytes) { return (bytes + 7u) & ~7u; }
 
+// A record's bytes as a file holds them: its RecordHeader, the payload, then the tail and zero
+// padding. The trace writer and the flight recorder's sites segments both write records this way.
+inline constexpr uint32_t record_bytes(uint32_t payload_bytes, uint32_t tail_bytes) {
+  return padded(static_cast<uint32_t>(sizeof(RecordHeader)) + payload_bytes + tail_bytes);
+}
+// Writes record_bytes(payload_bytes, tail_bytes) bytes at `out`.
+void encode_record(char* out, RecordType type, const void* payload, uint32_t payload_bytes,
+                   const void* tail, uint32_t tail_bytes);
+
 std::string_view op_name(Op op);
 std::string_view dtype_name(uint8_t dtype);
 std::string_view origin_name(CommOrigin origin);

@@ -36,6 +36,10 @@ class TraceParser {
     return trace;
   }
 
+  void parse_records(Trace& into) {
+    for (uint64_t offset = 0; offset < size_;) offset += read_record(into, offset);
+  }
+
  private:
   [[noreturn]] void fail(uint64_t offset, const std::string& what) const {
     throw TraceFormatError(name_, offset, what);
@@ -267,6 +271,10 @@ class TraceParser {
 
 Trace parse_trace(const std::string& name, const std::string& bytes) {
   return TraceParser(name, bytes).parse();
+}
+
+void parse_records(const std::string& name, const std::string& bytes, Trace& into) {
+  TraceParser(name, bytes).parse_records(into);
 }
 
 Trace read_trace(const std::string& path) {

@@ -59,5 +59,7 @@ struct Trace {
 
 Trace read_trace(const std::string& path);
 Trace parse_trace(const std::string& name, const std::string& bytes);
+// Records alone, with no file header (a flight recorder's kSites segment), added to `into`.
+void parse_records(const std::string& name, const std::string& bytes, Trace& into);
 
 }  // namespace magi::trace

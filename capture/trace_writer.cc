@@ -47,8 +47,7 @@ class TraceWriter {
 
   void append(trace::RecordType type, const void* payload, uint32_t payload_bytes, const void* tail,
               uint32_t tail_bytes) {
-    const uint32_t body = payload_bytes + tail_bytes;
-    const uint32_t bytes = trace::padded(static_cast<uint32_t>(sizeof(trace::RecordHeader)) + body);
+    const uint32_t bytes = trace::record_bytes(payload_bytes, tail_bytes);
     if (bytes > capacity_) return;  // cannot happen with the record types we write
     std::lock_guard<SpinLock> guard(lock_);
     if (closed_) return;
@@ -115,16 +114,9 @@ class TraceWriter {
  private:
   void put_locked(trace::RecordType type, const void* payload, uint32_t payload_bytes,
                   const void* tail, uint32_t tail_bytes) {
-    const uint32_t body = payload_bytes + tail_bytes;
-    const uint32_t bytes = trace::padded(static_cast<uint32_t>(sizeof(trace::RecordHeader)) + body);
-    const trace::RecordHeader header{static_cast<uint16_t>(type), 0, bytes};
     const size_t at = active_.size();
-    active_.resize(at + bytes);  // within reserved capacity: no allocation
-    char* out = active_.data() + at;
-    std::memcpy(out, &header, sizeof(header));
-    std::memcpy(out + sizeof(header), payload, payload_bytes);
-    if (tail_bytes != 0) std::memcpy(out + sizeof(header) + payload_bytes, tail, tail_bytes);
-    std::memset(out + sizeof(header) + body, 0, bytes - sizeof(header) - body);
+    active_.resize(at + trace::record_bytes(payload_bytes, tail_bytes));  // reserved: no allocation
+    trace::encode_record(active_.data() + at, type, payload, payload_bytes, tail, tail_bytes);
   }
 
   static constexpr size_t kDroppedBytes =

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "capture/trace_format.h"
+#include "capture/trace_reader.h"
 
 namespace magi::capture {
 namespace {
@@ -142,6 +143,120 @@ TEST(FlightRecorder, AnEndedCommunicatorSaysHow) {
   flight_end(file.ring(), static_cast<uint8_t>(trace::CommEndKind::Destroy));
   EXPECT_EQ(file.read().rings[0].header.ended,
             static_cast<uint32_t>(trace::CommEndKind::Destroy) + 1);
+}
+
+// A recorder file's bytes holding one kSites segment, as flight_add_site lays it out.
+class SitesFile {
+ public:
+  SitesFile() : bytes_(flight::kPage + flight::kSitesSegmentBytes, 0) {
+    flight::FileHeader header{};
+    std::memcpy(header.magic, flight::kMagic, sizeof(header.magic));
+    header.version = flight::kVersion;
+    header.header_bytes = flight::kPage;
+    header.capacity = 16;
+    header.record_bytes = sizeof(flight::Record);
+    std::memcpy(bytes_.data(), &header, sizeof(header));
+    sites_ = flight::init_sites(bytes_.data() + flight::kPage, flight::kSitesSegmentBytes);
+  }
+  flight::SitesHeader& sites() { return *sites_; }
+  char* body() { return reinterpret_cast<char*>(sites_ + 1); }
+  // What a reader of the file decodes of its call sites.
+  trace::Trace read() const {
+    const flight::FileView view =
+        flight::parse_file("sites", std::span<const char>(bytes_.data(), bytes_.size()));
+    trace::Trace t;
+    for (const std::string& segment : view.sites) trace::parse_records("sites", segment, t);
+    return t;
+  }
+
+ private:
+  std::vector<char> bytes_;
+  flight::SitesHeader* sites_;
+};
+
+constexpr trace::Frame kFrames[2] = {{0x11, 0x100}, {0x22, 0x200}};
+
+bool append_callsite(flight::SitesHeader& sites, uint64_t callsite) {
+  const trace::CallsiteRecord record{callsite, 2, 0};
+  return flight::append_site(sites, trace::RecordType::Callsite, &record, sizeof(record), kFrames,
+                             sizeof(kFrames));
+}
+
+TEST(FlightRecorder, SiteDescriptionsAreReadAsTraceRecords) {
+  SitesFile file;
+  const std::string path = "/opt/app/libmodel.so";
+  const trace::ModuleRecord module{0x11, static_cast<uint32_t>(path.size()), 0};
+  ASSERT_TRUE(flight::append_site(file.sites(), trace::RecordType::Module, &module,
+                                  sizeof(module), path.data(), static_cast<uint32_t>(path.size())));
+  ASSERT_TRUE(append_callsite(file.sites(), 0xa));
+  const trace::Trace t = file.read();
+  EXPECT_EQ(t.modules.at(0x11), path);
+  ASSERT_EQ(t.callsites.count(0xa), 1u);
+  ASSERT_EQ(t.callsites.at(0xa).frames.size(), 2u);
+  EXPECT_EQ(t.callsites.at(0xa).frames[1].module, 0x22u);
+  EXPECT_EQ(t.callsites.at(0xa).frames[1].offset, 0x200u);
+}
+
+TEST(FlightRecorder, AHalfAppendedSiteDescriptionIsNotRead) {
+  SitesFile file;
+  ASSERT_TRUE(append_callsite(file.sites(), 0xa));
+  // The process dies appending the next description: half its bytes are there, `used` has not
+  // moved past them.
+  const trace::CallsiteRecord next{0xb, 2, 0};
+  std::vector<char> encoded(trace::record_bytes(sizeof(next), sizeof(kFrames)));
+  trace::encode_record(encoded.data(), trace::RecordType::Callsite, &next, sizeof(next), kFrames,
+                       sizeof(kFrames));
+  std::memcpy(file.body() + file.sites().used, encoded.data(), encoded.size() / 2);
+  trace::Trace t = file.read();
+  EXPECT_EQ(t.callsites.count(0xa), 1u);
+  EXPECT_EQ(t.callsites.count(0xb), 0u);
+  // Appended whole, it is read.
+  ASSERT_TRUE(append_callsite(file.sites(), 0xb));
+  t = file.read();
+  EXPECT_EQ(t.callsites.count(0xa), 1u);
+  EXPECT_EQ(t.callsites.count(0xb), 1u);
+}
+
+TEST(FlightRecorder, AFullSitesSegmentRefusesMore) {
+  SitesFile file;
+  int appended = 0;
+  while (append_callsite(file.sites(), 0x100 + appended)) ++appended;
+  const uint32_t each = trace::record_bytes(sizeof(trace::CallsiteRecord), sizeof(kFrames));
+  EXPECT_EQ(appended, static_cast<int>((flight::kSitesSegmentBytes - sizeof(flight::SitesHeader)) /
+                                       each));
+  const trace::Trace t = file.read();
+  EXPECT_EQ(t.callsites.size(), static_cast<size_t>(appended));
+}
+
+// A full segment is followed by a new one (flight_add_site): the reader takes every segment's
+// descriptions, and none of a segment whose size was never written (the process died adding it).
+TEST(FlightRecorder, SitesOfEverySegmentAreRead) {
+  std::vector<char> bytes(flight::kPage + 3 * flight::kSitesSegmentBytes, 0);
+  flight::FileHeader header{};
+  std::memcpy(header.magic, flight::kMagic, sizeof(header.magic));
+  header.version = flight::kVersion;
+  header.header_bytes = flight::kPage;
+  header.capacity = 16;
+  header.record_bytes = sizeof(flight::Record);
+  std::memcpy(bytes.data(), &header, sizeof(header));
+  char* segment = bytes.data() + flight::kPage;
+  ASSERT_TRUE(append_callsite(*flight::init_sites(segment, flight::kSitesSegmentBytes), 0xa));
+  segment += flight::kSitesSegmentBytes;
+  ASSERT_TRUE(append_callsite(*flight::init_sites(segment, flight::kSitesSegmentBytes), 0xb));
+  segment += flight::kSitesSegmentBytes;
+  // A third segment the process died adding: its records are there, its size is not.
+  flight::SitesHeader* dangling = flight::init_sites(segment, flight::kSitesSegmentBytes);
+  ASSERT_TRUE(append_callsite(*dangling, 0xc));
+  dangling->segment.bytes = 0;
+
+  const flight::FileView view =
+      flight::parse_file("sites", std::span<const char>(bytes.data(), bytes.size()));
+  ASSERT_EQ(view.sites.size(), 2u);
+  trace::Trace t;
+  for (const std::string& body : view.sites) trace::parse_records("sites", body, t);
+  EXPECT_EQ(t.callsites.count(0xa), 1u);
+  EXPECT_EQ(t.callsites.count(0xb), 1u);
+  EXPECT_EQ(t.callsites.count(0xc), 0u);
 }
 
 TEST(FlightRecorder, OtherBytesAreRefused) {

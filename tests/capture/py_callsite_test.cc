@@ -10,11 +10,11 @@ namespace magi::capture {
 namespace {
 
 TEST(PythonCallsite, NoInterpreterRecordsNothingAndCostsNothingVisible) {
-  EXPECT_EQ(python_callsite(nullptr), 0u);  // the first call looks for Py_IsInitialized
+  EXPECT_EQ(python_callsite(nullptr, false), 0u);  // the first call looks for Py_IsInitialized
   constexpr int kCalls = 1000000;
   uint64_t any = 0;
   const auto start = std::chrono::steady_clock::now();
-  for (int i = 0; i < kCalls; ++i) any |= python_callsite(nullptr);
+  for (int i = 0; i < kCalls; ++i) any |= python_callsite(nullptr, false);
   const auto elapsed = std::chrono::steady_clock::now() - start;
   EXPECT_EQ(any, 0u);
   const double ns = std::chrono::duration<double, std::nano>(elapsed).count() / kCalls;

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -165,6 +166,48 @@ TEST(FlightRecorder, HangPutsTheCommunicatorThatWaitsFirstAmongSeveral) {
        ++at)
     ++fine;
   EXPECT_EQ(fine, 2u) << out;
+}
+
+// No trace is written: the call sites come from the recorder files alone, named from the
+// workload's debug info (tests/support/workload/fsdp.cc: gather_layer issues the gathers).
+TEST(FlightRecorder, HangNamesTheStalledCollectivesCallSiteFromKilledRanksFiles) {
+  TempDir dir;
+  const support::LaunchResult r = run_fsdp(
+      dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"}, {},
+      4);
+  ASSERT_TRUE(r.timed_out) << r.summary();
+  const std::vector<std::string> files = files_in(dir.path, ".flight");
+  ASSERT_EQ(files.size(), 4u);
+  EXPECT_TRUE(files_in(dir.path, ".trace").empty());
+  std::vector<std::string> args = {"hang"};
+  args.insert(args.end(), files.begin(), files.end());
+  std::string out;
+  EXPECT_EQ(run_tool(args, &out), 1) << out;
+  const std::string verdict = out.substr(0, out.find('\n'));
+  EXPECT_NE(verdict.find("rank 2 never issued collective #" + std::to_string(kCollective)),
+            std::string::npos)
+      << out;
+  const std::regex gather(
+      R"(\(AllGather float32 x \d+ at workload::gather_layer \(fsdp\.cc:\d+\)\))");
+  EXPECT_TRUE(std::regex_search(verdict, gather)) << out;
+  // The details list the frames under each waiting rank's last call.
+  const std::regex step(R"(\n +workload::FsdpModel::step \(fsdp\.cc:\d+\)\n)");
+  EXPECT_TRUE(std::regex_search(out, step)) << out;
+
+  std::vector<std::string> raw = args;
+  raw.insert(raw.begin() + 1, "--no-symbols");
+  EXPECT_EQ(run_tool(raw, &out), 1) << out;
+  EXPECT_NE(out.substr(0, out.find('\n')).find(" at libworkload.so+0x"), std::string::npos) << out;
+
+  args.insert(args.begin() + 1, "--json");
+  EXPECT_EQ(run_tool(args, &out), 1) << out;
+  EXPECT_NE(out.find("\"missing_call\":{\"op\":\"AllGather\",\"dtype\":\"float32\""),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("\"site\":\"workload::gather_layer (fsdp.cc:"), std::string::npos) << out;
+  EXPECT_NE(out.find("\"python\":null,\"frames\":[\"workload::gather_layer (fsdp.cc:"),
+            std::string::npos)
+      << out;
 }
 
 // A rank whose recorder is off (as one that never joined leaves no file): reported absent.

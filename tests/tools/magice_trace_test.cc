@@ -464,6 +464,34 @@ class MagiceTraceDecisions : public MagiceTrace {
   }
 };
 
+// In a Python program every gather has the same native call site; the decision names its
+// gather's Python line, told apart by its position in the step.
+TEST_F(MagiceTraceDecisions, NameEachGathersPythonLine) {
+  TraceBuilder b(make_file_header(4242, "node0", "train"));
+  b.comm(make_comm(kWorld, 0, 1));
+  b.py_callsite(0xa0, {{"/home/u/model.py", "layer_a", 10}})
+      .py_callsite(0xb0, {{"/home/u/model.py", "layer_b", 20}});
+  for (uint64_t seq = 0; seq < 4; ++seq) {
+    b.call(make_call(kWorld, 0, seq, {Op::AllGather, 9, 1 << 20, -1, -1, 0xa1}));
+    b.py_call({kWorld, seq, seq % 2 == 0 ? 0xa0u : 0xb0u, 0, 0});
+  }
+  b.step({kWorld, 3, 0, 0xd16e57, 2, 2, static_cast<uint8_t>(StepEvent::Found), {}});
+  add_round(b, kWorld, 0,
+            {1, 10, AgreementMode::Identical,
+             {{0, Verdict::Moved, Reason::None, -1, 0, 9, 1 << 20, 0xa1},
+              {1, Verdict::Moved, Reason::None, -1, 1, 9, 1 << 20, 0xa1}}});
+  const std::string file = dir_ + "/py-decisions.trace";
+  b.write(file);
+  const ToolRun run = tool({"decisions", file});
+  EXPECT_EQ(run.status, 0) << run.out << run.err;
+  EXPECT_TRUE(contains(run.out, "(pos 0, bfloat16 x 1048576, bucket 0): moved  at "
+                                "/home/u/model.py:10 in layer_a\n"))
+      << run.out;
+  EXPECT_TRUE(contains(run.out, "(pos 1, bfloat16 x 1048576, bucket 1): moved  at "
+                                "/home/u/model.py:20 in layer_b\n"))
+      << run.out;
+}
+
 TEST_F(MagiceTraceDecisions, PrintsTheLastRoundOfEveryRankGatherByGather) {
   const ToolRun run = tool(with({"decisions"}, write_agreeing_ranks(3)));
   EXPECT_EQ(run.status, 0) << run.out << run.err;
@@ -995,6 +1023,48 @@ TEST_F(PythonCallSites, CallsMadeHoldingTheGilCarryTheirPythonLine) {
   const ToolRun dump = tool({"dump", file});
   ASSERT_EQ(dump.status, 0) << dump.err;
   EXPECT_TRUE(contains(dump.out, script_ + ":12 in with_gil")) << dump.out;
+}
+
+// No trace, the recorder alone, and a process killed after its call: `hang` names the Python
+// line from the recorder file.
+TEST_F(PythonCallSites, TheRecorderAloneKeepsThePythonLineForHang) {
+  const std::string script = dir_ + "/killed.py";
+  std::ofstream(script) << R"(import ctypes, os, signal, sys
+held = ctypes.PyDLL(sys.argv[1])
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+uid = UniqueId()
+assert ctypes.PyDLL(sys.argv[2]).ncclGetUniqueId(ctypes.byref(uid)) == 0
+comm = ctypes.c_void_p()
+assert held.ncclCommInitRank(ctypes.byref(comm), 1, uid, 0) == 0
+send, recv = (ctypes.c_float * 64)(), (ctypes.c_float * 64)()
+def forward():
+    return held.ncclAllGather(send, recv, ctypes.c_size_t(64), 7, comm, None)
+assert forward() == 0
+os.kill(os.getpid(), signal.SIGKILL)
+)";
+  const std::string recorder = dir_ + "/recorder";
+  const std::string standin = build_dir() + "/tests/support/libnccl.so.2";
+  const ToolRun python = run_program(
+      {"env", "-u", "MAGI_TRACE_DIR", "MAGI_PY_CALLSITES=1", "MAGI_FLIGHT_RECORDER=16",
+       "MAGI_FLIGHT_RECORDER_DIR=" + recorder, "MAGI_NCCL_LIBRARY=" + standin, "python3", script,
+       build_dir() + "/libmagice.so", standin},
+      dir_);
+  EXPECT_EQ(python.status, -1) << "killed by its own SIGKILL\n" << python.err;
+  std::vector<std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(recorder))
+    files.push_back(entry.path().string());
+  ASSERT_EQ(files.size(), 1u);
+  ASSERT_TRUE(files[0].ends_with(".flight")) << files[0];
+
+  const ToolRun hang = tool({"hang", files[0]});
+  EXPECT_EQ(hang.status, 0) << hang.err;
+  EXPECT_TRUE(contains(hang.out, "last call #0 AllGather float32 x 64 at " + script +
+                                     ":11 in forward (collective #0)"))
+      << hang.out;
+  EXPECT_TRUE(contains(hang.out, "\n      " + script + ":12 in <module>\n")) << hang.out;
+  const ToolRun json = tool({"hang", "--json", files[0]});
+  EXPECT_TRUE(contains(json.out, "\"python\":\"" + script + ":11 in forward\"")) << json.out;
 }
 
 TEST_F(PythonCallSites, TakingTheGilReadsCallsMadeWithoutIt) {

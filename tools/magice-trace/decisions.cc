@@ -19,6 +19,7 @@
 #include "tools/magice-trace/json_writer.h"
 #include "tools/magice-trace/members.h"
 #include "tools/magice-trace/rounds.h"
+#include "tools/magice-trace/symbols.h"
 #include "tools/magice-trace/verbs.h"
 
 namespace magi::tool {
@@ -194,11 +195,70 @@ std::vector<Row> rows_of(const Block& block) {
   return rows;
 }
 
-// The gather's call site as a line ("  at function (file.cc:12)"), from the trace holding it.
+// The Python call sites of a trace's all-gathers (MAGI_PY_CALLSITES=1), by what a decision
+// names of its gather: in a Python program every gather has the same native call site (frames
+// in libtorch), and only the Python line tells them apart.
+class PythonSites {
+ public:
+  explicit PythonSites(const trace::Trace& t) : trace_(t) {
+    if (t.py_calls.empty()) return;
+    std::map<uint64_t, const trace::StepRecord*> steps;  // each communicator's last step found
+    for (const trace::StepRecord& s : t.steps)
+      if (s.event == static_cast<uint8_t>(trace::StepEvent::Found) && s.period != 0)
+        steps[s.comm_id] = &s;
+    std::vector<const trace::CallRecord*> calls;
+    for (const trace::CallRecord& c : t.calls) calls.push_back(&c);
+    std::sort(calls.begin(), calls.end(), [](auto* a, auto* b) {
+      return std::tie(a->comm_id, a->rank, a->seq) < std::tie(b->comm_id, b->rank, b->seq);
+    });
+    std::map<std::pair<uint64_t, int32_t>, uint64_t> collectives;
+    for (const trace::CallRecord* c : calls) {
+      if (!trace::is_collective(static_cast<trace::Op>(c->op))) continue;
+      const uint64_t index = collectives[{c->comm_id, c->rank}]++;
+      if (c->op != static_cast<uint8_t>(trace::Op::AllGather)) continue;
+      const auto python = t.py_calls.find({c->comm_id, c->seq, c->rank});
+      const uint64_t site = python != t.py_calls.end() ? python->second : 0;
+      const auto step = steps.find(c->comm_id);
+      uint32_t position = kAnyPosition;
+      if (step != steps.end() && index >= step->second->origin)
+        position = static_cast<uint32_t>((index - step->second->origin) % step->second->period);
+      Key key{c->comm_id, c->callsite, c->count, c->rank, c->dtype, position};
+      sites_[key].insert(site);
+      std::get<5>(key) = kAnyPosition;
+      sites_[key].insert(site);
+    }
+  }
+
+  // The gather's Python line, or "" when its gathers had none or did not all have the same.
+  std::string line(const DecisionRecord& d) const {
+    Key key{d.comm_id, d.callsite, d.count, d.rank, d.dtype, d.position};
+    auto found = sites_.find(key);
+    if (found == sites_.end()) {
+      std::get<5>(key) = kAnyPosition;
+      found = sites_.find(key);
+    }
+    if (found == sites_.end() || found->second.size() != 1) return "";
+    const auto frames = trace_.py_callsites.find(*found->second.begin());
+    if (frames == trace_.py_callsites.end() || frames->second.empty()) return "";
+    return python_frame_line(frames->second.front());
+  }
+
+ private:
+  static constexpr uint32_t kAnyPosition = UINT32_MAX;
+  using Key = std::tuple<uint64_t, uint64_t, uint64_t, int32_t, uint8_t, uint32_t>;
+  const trace::Trace& trace_;
+  std::map<Key, std::set<uint64_t>> sites_;
+};
+
+// The gather's call site as a line ("  at model.py:42 in forward" when the trace has its
+// Python line, else "  at function (file.cc:12)"), from the trace holding it.
 std::string callsite_text(const std::vector<trace::Trace>& traces, const DecisionRecord& d) {
+  static std::map<const trace::Trace*, PythonSites> python;  // one run reads its files once
   for (const trace::Trace& t : traces) {
     const DecisionRecord* first = t.decisions.data();
     if (&d < first || &d >= first + t.decisions.size()) continue;
+    const std::string line = python.try_emplace(&t, t).first->second.line(d);
+    if (!line.empty()) return "  at " + line;
     const std::string frame = top_frame_text(t, d.callsite);
     return frame.empty() ? "" : "  at " + frame;
   }

@@ -7,6 +7,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -19,14 +20,16 @@
 #include "capture/flight_recorder.h"
 #include "capture/trace_reader.h"
 #include "tools/magice-trace/cli.h"
+#include "tools/magice-trace/describe.h"
 #include "tools/magice-trace/json_writer.h"
+#include "tools/magice-trace/symbols.h"
 #include "tools/magice-trace/verbs.h"
 
 namespace magi::tool {
 namespace {
 
 constexpr std::string_view kUsage =
-    "usage: magice-trace hang [--json] FILE...\n"
+    "usage: magice-trace hang [--json] [--no-symbols] FILE...\n"
     "  Reads flight recorder files (MAGI_FLIGHT_RECORDER=N writes magice.<host>.<pid>.flight,\n"
     "  which survive the process being killed) and trace files, one or more per rank, and says\n"
     "  per communicator which ranks are behind and where: how many collectives each rank\n"
@@ -36,7 +39,14 @@ constexpr std::string_view kUsage =
     "comes first, details after.\n"
     "  Collectives are numbered from 0 per communicator, as diff numbers them; a recorder keeps\n"
     "  only each communicator's last N calls, so a difference older than that is not seen.\n"
-    "  --json  one JSON object instead of text\n"
+    "  Each call named is followed by its call site: the Python line (with MAGI_PY_CALLSITES=1,\n"
+    "  for calls made holding the GIL), else the innermost frames outside libmagice, NCCL and\n"
+    "  the C++/CUDA runtime, as function (file:line) when the binary is on this machine, else\n"
+    "  module+0xoffset. The verdict names one site; the details list a few frames. The files\n"
+    "  describe their own call sites (the recorder keeps them with MAGI_CALLSITES=1, the\n"
+    "  default), so a killed process's file is enough.\n"
+    "  --json        one JSON object instead of text\n"
+    "  --no-symbols  module+0xoffset frames, without reading the binaries\n"
     "  Exit status: 0 no hang seen, 1 a hang or a difference found, 2 bad usage or unreadable\n"
     "  input.\n";
 
@@ -45,6 +55,8 @@ struct Call {
   uint64_t collective = 0;  // index + 1; 0 for Send/Recv
   uint64_t count = 0;
   uint64_t callsite = 0;
+  uint64_t python = 0;  // Python call-site fingerprint, 0 when none
+  const trace::Trace* sites = nullptr;  // the descriptions of the file that holds the call
   int32_t root = -1;
   int32_t redop = -1;
   int32_t result = 0;
@@ -72,7 +84,8 @@ struct Comm {
   std::map<int, RankCalls> ranks;
 };
 
-void add_flight(const capture::flight::FileView& view, std::map<uint64_t, Comm>& comms) {
+void add_flight(const capture::flight::FileView& view, const trace::Trace& sites,
+                std::map<uint64_t, Comm>& comms) {
   for (const auto& ring : view.rings) {
     if (ring.header.rank < 0) continue;  // made out of sight: no rank to compare
     Comm& comm = comms[ring.header.comm_id];
@@ -92,6 +105,8 @@ void add_flight(const capture::flight::FileView& view, std::map<uint64_t, Comm>&
       c.collective = rec.collective;
       c.count = rec.count;
       c.callsite = rec.callsite;
+      c.python = rec.python;
+      c.sites = &sites;
       c.root = rec.root_or_peer;
       c.redop = rec.redop;
       c.result = rec.result;
@@ -135,6 +150,9 @@ void add_trace(const trace::Trace& t, std::map<uint64_t, Comm>& comms) {
     c.collective = collective ? ++collectives[{call->comm_id, call->rank}] : 0;
     c.count = call->count;
     c.callsite = call->callsite;
+    const auto python = t.py_calls.find({call->comm_id, call->seq, call->rank});
+    c.python = python != t.py_calls.end() ? python->second : 0;
+    c.sites = &t;
     c.root = collective ? call->root_or_peer : -1;
     c.redop = call->redop;
     c.result = call->result;
@@ -168,17 +186,94 @@ Shape shape_of(const Call& c) { return {c.op, c.dtype, c.count, c.root, c.redop}
 
 std::string op_text(uint8_t op) { return std::string(trace::op_name(static_cast<trace::Op>(op))); }
 
-// "AllGather float32 x 1024" (+ " root 0" for rooted ones).
+// Modules whose frames say nothing about where the program made the call: ours, NCCL's, and the
+// C++ and CUDA runtimes' (a call through std::function, say), by the file's name.
+bool runtime_module(const trace::Trace& sites, uint64_t module) {
+  static constexpr std::string_view kPrefixes[] = {
+      "libmagice", "libnccl", "libstdc++", "libc.so", "libc-", "libgcc_s", "ld-linux",
+      "libcudart", "libcuda.so", "libpthread"};
+  const auto path = sites.modules.find(module);
+  if (path == sites.modules.end()) return false;
+  const size_t slash = path->second.rfind('/');
+  const std::string_view name =
+      std::string_view(path->second).substr(slash == std::string::npos ? 0 : slash + 1);
+  for (std::string_view prefix : kPrefixes)
+    if (name.substr(0, prefix.size()) == prefix) return true;
+  return false;
+}
+
+// A named frame without what makes it long and says little in a report: "(anonymous
+// namespace)::" and the parameter list ("ns::Model::step(int) const (model.cc:12)" reads
+// "ns::Model::step (model.cc:12)"). The location, after a space, stays.
+std::string without_parameters(std::string line) {
+  static constexpr std::string_view kInlined = " inlined in ";
+  if (const size_t at = line.find(kInlined); at != std::string::npos)
+    return without_parameters(line.substr(0, at)) + std::string(kInlined) +
+           without_parameters(line.substr(at + kInlined.size()));
+  static constexpr std::string_view kAnonymous = "(anonymous namespace)::";
+  for (size_t at; (at = line.find(kAnonymous)) != std::string::npos;)
+    line.erase(at, kAnonymous.size());
+  for (size_t open = line.find('('); open != std::string::npos && open > 0;
+       open = line.find('(', open + 1)) {
+    if (line[open - 1] == ' ') return line;  // the location: no parameter list before it
+    if (line.compare(0, open, "operator") == 0 || line.substr(0, open).ends_with("operator"))
+      continue;  // operator()'s own parentheses
+    int depth = 0;
+    size_t close = open;
+    for (; close < line.size(); ++close) {
+      if (line[close] == '(') ++depth;
+      if (line[close] == ')' && --depth == 0) break;
+    }
+    if (close == line.size()) return line;
+    size_t end = close + 1;
+    if (line.compare(end, 6, " const") == 0) end += 6;
+    line.erase(open, end - open);
+    return line;
+  }
+  return line;
+}
+
+// The call's site as lines a person reads, innermost first, at most `most`: its Python frames
+// when it has them, else its native frames outside the runtimes (all of them, if none is).
+std::vector<std::string> site_lines(const Call& c, size_t most) {
+  std::vector<std::string> lines;
+  if (c.sites == nullptr) return lines;
+  const trace::Trace& sites = *c.sites;
+  if (c.python != 0) {
+    const auto frames = sites.py_callsites.find(c.python);
+    if (frames != sites.py_callsites.end())
+      for (const auto& f : frames->second)
+        if (lines.size() < most) lines.push_back(python_frame_line(f));
+    if (!lines.empty()) return lines;
+  }
+  const auto native = sites.callsites.find(c.callsite);
+  if (c.callsite == 0 || native == sites.callsites.end()) return lines;
+  const std::vector<trace::Frame>& frames = native->second.frames;
+  size_t first = 0;
+  while (first < frames.size() && runtime_module(sites, frames[first].module)) ++first;
+  if (first == frames.size()) first = 0;
+  for (size_t i = first; i < frames.size() && lines.size() < most; ++i)
+    lines.push_back(without_parameters(frame_line(sites, frames[i])));
+  return lines;
+}
+
+// "model.py:123 in forward", "FsdpModel::gather (fsdp.cc:42)", or the fingerprint's leading
+// digits when the files do not describe it ("site 0b8f984b"); "" without a call site.
+std::string site_text(const Call& c) {
+  const std::vector<std::string> lines = site_lines(c, 1);
+  if (!lines.empty()) return lines.front();
+  return c.callsite != 0 ? "site " + callsite_label(c.callsite) : "";
+}
+
+constexpr size_t kDetailFrames = 4;
+
+// "AllGather float32 x 1024" (+ " root 0" for rooted ones) + " at " its site.
 std::string call_text(const Call& c) {
   std::string s = op_text(c.op) + " " + std::string(trace::dtype_name(c.dtype)) + " x " +
                   std::to_string(c.count);
   if (c.collective != 0 && c.root >= 0) s += " root " + std::to_string(c.root);
   if (c.collective == 0 && c.root >= 0) s += " peer " + std::to_string(c.root);
-  if (c.callsite != 0) {
-    char site[24];
-    std::snprintf(site, sizeof(site), " at site %08" PRIx64, c.callsite >> 32);
-    s += site;
-  }
+  if (const std::string site = site_text(c); !site.empty()) s += " at " + site;
   return s;
 }
 
@@ -220,6 +315,7 @@ struct Finding {
   // For --json.
   std::vector<int> absent, behind, waiting, joining, join_failed;
   std::optional<uint64_t> missing_index, differ_index;
+  std::optional<Call> missing;  // the collective the ranks behind never issued, as issued
 };
 
 Finding analyse(uint64_t comm_id, Comm& comm) {
@@ -319,6 +415,7 @@ Finding analyse(uint64_t comm_id, Comm& comm) {
         beyond.push_back(rank);
     }
     f.waiting = waiting;
+    if (missing != nullptr) f.missing = *missing;
     std::string v = name + ": " + ranks_word(stopped) + " never issued collective #" +
                     std::to_string(stop) +
                     (missing != nullptr ? " (" + call_text(*missing) + ")" : "");
@@ -362,8 +459,29 @@ Finding analyse(uint64_t comm_id, Comm& comm) {
     if (r.torn != 0) line += "; " + std::to_string(r.torn) + " torn record(s) ignored";
     line += "  [pid " + std::to_string(r.pid) + " on " + r.host + "]";
     f.details.push_back(line);
+    if (!r.calls.empty())
+      for (const std::string& frame : site_lines(r.calls.back(), kDetailFrames))
+        f.details.push_back("      " + frame);
   }
   return f;
+}
+
+// ,"site":...,"python":...,"frames":[...]: the call's site as text reads it, its Python line
+// (null without one), and the frames the details list.
+void append_site(std::string& out, const Call& c) {
+  const std::string site = site_text(c);
+  out += ",\"site\":" + (site.empty() ? std::string("null") : json_string(site));
+  std::string python;
+  if (c.sites != nullptr && c.python != 0) {
+    const auto frames = c.sites->py_callsites.find(c.python);
+    if (frames != c.sites->py_callsites.end() && !frames->second.empty())
+      python = python_frame_line(frames->second.front());
+  }
+  out += ",\"python\":" + (python.empty() ? std::string("null") : json_string(python));
+  out += ",\"frames\":[";
+  const std::vector<std::string> frames = site_lines(c, kDetailFrames);
+  for (size_t i = 0; i < frames.size(); ++i) out += (i ? "," : "") + json_string(frames[i]);
+  out += "]";
 }
 
 void append_ranks(std::string& out, const std::vector<int>& ranks) {
@@ -396,6 +514,13 @@ std::string json_of(const std::vector<Finding>& findings, std::map<uint64_t, Com
     append_ranks(out, f.waiting);
     out += ",\"missing_collective\":" +
            (f.missing_index ? std::to_string(*f.missing_index) : std::string("null"));
+    if (f.missing) {
+      out += ",\"missing_call\":{\"op\":" + json_string(op_text(f.missing->op)) +
+             ",\"dtype\":" + json_string(std::string(trace::dtype_name(f.missing->dtype))) +
+             ",\"count\":" + std::to_string(f.missing->count);
+      append_site(out, *f.missing);
+      out += "}";
+    }
     out += ",\"first_difference\":" +
            (f.differ_index ? std::to_string(*f.differ_index) : std::string("null"));
     out += ",\"joining\":";
@@ -420,7 +545,9 @@ std::string json_of(const std::vector<Finding>& findings, std::map<uint64_t, Com
                ",\"count\":" + std::to_string(c.count) +
                ",\"root_or_peer\":" + std::to_string(c.root) +
                ",\"callsite\":" + json_string(hex16(c.callsite)) +
-               ",\"returned\":" + (c.returned ? "true" : "false") + "}";
+               ",\"returned\":" + (c.returned ? "true" : "false");
+        append_site(out, c);
+        out += "}";
       }
       out += "}";
     }
@@ -446,11 +573,24 @@ int hang_main(std::span<const std::string> args) {
     }
     if (files.empty()) throw UsageError("no files");
     std::map<uint64_t, Comm> comms;
+    std::deque<trace::Trace> held;  // what the calls' sites point into
     for (const std::string& file : files) {
-      if (is_flight_file(file))
-        add_flight(capture::flight::read_file(file), comms);
-      else
-        add_trace(trace::read_trace(file), comms);
+      if (is_flight_file(file)) {
+        const capture::flight::FileView view = capture::flight::read_file(file);
+        trace::Trace& sites = held.emplace_back();
+        sites.path = file;
+        for (const std::string& segment : view.sites) {
+          try {
+            trace::parse_records(file, segment, sites);
+          } catch (const trace::TraceFormatError& e) {
+            std::fprintf(stderr, "magice-trace hang: call sites of %s: %s\n", file.c_str(),
+                         e.what());
+          }
+        }
+        add_flight(view, sites, comms);
+      } else {
+        add_trace(held.emplace_back(trace::read_trace(file)), comms);
+      }
     }
     std::vector<Finding> findings;
     bool hang = false;
