@@ -248,7 +248,16 @@ uint64_t python_callsite(TraceWriter* writer, bool recorder, PythonGil gil) {
   if (!api.is_initialized() || api.this_thread_state() == nullptr) return 0;
   // Without the GIL no frame may be touched: the interpreter may be running them elsewhere.
   if (api.gil_check() == 1) return walk_frames(writer, recorder);
-  if (gil != PythonGil::Take) return 0;
+  if (gil != PythonGil::Take) {
+    // Say once why the Python lines are missing: with PyTorch this is every collective.
+    static std::atomic<bool> said{false};
+    if (!said.exchange(true, std::memory_order_relaxed))
+      MAGI_WARN(Capture,
+                "MAGI_PY_CALLSITES=1: a Python thread calls NCCL without holding the GIL "
+                "(PyTorch releases it around its collectives); such calls carry no Python line. "
+                "MAGI_PY_CALLSITES=2 takes the GIL back for the walk");
+    return 0;
+  }
   const int taken = api.gil_ensure();
   const uint64_t key = walk_frames(writer, recorder);
   api.gil_release(taken);

@@ -186,8 +186,8 @@ TEST(FlightRecorder, SiteDescriptionsAreReadAsTraceRecords) {
   SitesFile file;
   const std::string path = "/opt/app/libmodel.so";
   const trace::ModuleRecord module{0x11, static_cast<uint32_t>(path.size()), 0};
-  ASSERT_TRUE(flight::append_site(file.sites(), trace::RecordType::Module, &module,
-                                  sizeof(module), path.data(), static_cast<uint32_t>(path.size())));
+  ASSERT_TRUE(flight::append_site(file.sites(), trace::RecordType::Module, &module, sizeof(module),
+                                  path.data(), static_cast<uint32_t>(path.size())));
   ASSERT_TRUE(append_callsite(file.sites(), 0xa));
   const trace::Trace t = file.read();
   EXPECT_EQ(t.modules.at(0x11), path);
@@ -222,8 +222,8 @@ TEST(FlightRecorder, AFullSitesSegmentRefusesMore) {
   int appended = 0;
   while (append_callsite(file.sites(), 0x100 + appended)) ++appended;
   const uint32_t each = trace::record_bytes(sizeof(trace::CallsiteRecord), sizeof(kFrames));
-  EXPECT_EQ(appended, static_cast<int>((flight::kSitesSegmentBytes - sizeof(flight::SitesHeader)) /
-                                       each));
+  EXPECT_EQ(appended,
+            static_cast<int>((flight::kSitesSegmentBytes - sizeof(flight::SitesHeader)) / each));
   const trace::Trace t = file.read();
   EXPECT_EQ(t.callsites.size(), static_cast<size_t>(appended));
 }

@@ -23,8 +23,10 @@ struct TracedRounds {
   // A sink appending to `to`, which must outlive the agreement.
   static TraceSink into(TracedRounds* to) {
     return [to](trace::RecordType type, const void* payload, uint32_t bytes) {
-      if (type == trace::RecordType::Agreement) to->rounds.push_back(copy<trace::AgreementRecord>(payload, bytes));
-      if (type == trace::RecordType::Decision) to->decisions.push_back(copy<trace::DecisionRecord>(payload, bytes));
+      if (type == trace::RecordType::Agreement)
+        to->rounds.push_back(copy<trace::AgreementRecord>(payload, bytes));
+      if (type == trace::RecordType::Decision)
+        to->decisions.push_back(copy<trace::DecisionRecord>(payload, bytes));
     };
   }
 

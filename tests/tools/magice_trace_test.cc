@@ -477,18 +477,22 @@ TEST_F(MagiceTraceDecisions, NameEachGathersPythonLine) {
   }
   b.step({kWorld, 3, 0, 0xd16e57, 2, 2, static_cast<uint8_t>(StepEvent::Found), {}});
   add_round(b, kWorld, 0,
-            {1, 10, AgreementMode::Identical,
+            {1,
+             10,
+             AgreementMode::Identical,
              {{0, Verdict::Moved, Reason::None, -1, 0, 9, 1 << 20, 0xa1},
               {1, Verdict::Moved, Reason::None, -1, 1, 9, 1 << 20, 0xa1}}});
   const std::string file = dir_ + "/py-decisions.trace";
   b.write(file);
   const ToolRun run = tool({"decisions", file});
   EXPECT_EQ(run.status, 0) << run.out << run.err;
-  EXPECT_TRUE(contains(run.out, "(pos 0, bfloat16 x 1048576, bucket 0): moved  at "
-                                "/home/u/model.py:10 in layer_a\n"))
+  EXPECT_TRUE(contains(run.out,
+                       "(pos 0, bfloat16 x 1048576, bucket 0): moved  at "
+                       "/home/u/model.py:10 in layer_a\n"))
       << run.out;
-  EXPECT_TRUE(contains(run.out, "(pos 1, bfloat16 x 1048576, bucket 1): moved  at "
-                                "/home/u/model.py:20 in layer_b\n"))
+  EXPECT_TRUE(contains(run.out,
+                       "(pos 1, bfloat16 x 1048576, bucket 1): moved  at "
+                       "/home/u/model.py:20 in layer_b\n"))
       << run.out;
 }
 
@@ -985,6 +989,7 @@ assert held.ncclCommDestroy(comm) == 0
                                         "python3", script_, build_dir() + "/libmagice.so", standin},
                                        dir_);
     EXPECT_EQ(python.status, 0) << python.err;
+    err_ = python.err;
     std::vector<std::string> files;
     for (const auto& entry : std::filesystem::directory_iterator(traces))
       files.push_back(entry.path().string());
@@ -1003,6 +1008,7 @@ assert held.ncclCommDestroy(comm) == 0
   }
 
   std::string script_;
+  std::string err_;  // the program's stderr: the library's log lines
   Trace trace_;
   std::vector<const CallRecord*> reduces_;
 };
@@ -1013,6 +1019,10 @@ TEST_F(PythonCallSites, CallsMadeHoldingTheGilCarryTheirPythonLine) {
   const std::vector<PyFrameText>* frames = frames_of(*reduces_[0]);
   ASSERT_NE(frames, nullptr) << "the call made holding the GIL";
   EXPECT_EQ(frames_of(*reduces_[1]), nullptr) << "the call made without the GIL";
+  // Which the user is told, once: with PyTorch every collective is such a call.
+  const std::string warning = "MAGI_PY_CALLSITES=1: a Python thread calls NCCL without holding";
+  EXPECT_TRUE(contains(err_, warning)) << err_;
+  EXPECT_EQ(err_.find(warning), err_.rfind(warning)) << err_;
   ASSERT_EQ(frames->size(), 2u);  // with_gil, then the module's code that called it
   EXPECT_EQ((*frames)[0].file, script_);
   EXPECT_EQ((*frames)[0].function, "with_gil");
@@ -1045,11 +1055,11 @@ os.kill(os.getpid(), signal.SIGKILL)
 )";
   const std::string recorder = dir_ + "/recorder";
   const std::string standin = build_dir() + "/tests/support/libnccl.so.2";
-  const ToolRun python = run_program(
-      {"env", "-u", "MAGI_TRACE_DIR", "MAGI_PY_CALLSITES=1", "MAGI_FLIGHT_RECORDER=16",
-       "MAGI_FLIGHT_RECORDER_DIR=" + recorder, "MAGI_NCCL_LIBRARY=" + standin, "python3", script,
-       build_dir() + "/libmagice.so", standin},
-      dir_);
+  const ToolRun python =
+      run_program({"env", "-u", "MAGI_TRACE_DIR", "MAGI_PY_CALLSITES=1", "MAGI_FLIGHT_RECORDER=16",
+                   "MAGI_FLIGHT_RECORDER_DIR=" + recorder, "MAGI_NCCL_LIBRARY=" + standin,
+                   "python3", script, build_dir() + "/libmagice.so", standin},
+                  dir_);
   EXPECT_EQ(python.status, -1) << "killed by its own SIGKILL\n" << python.err;
   std::vector<std::string> files;
   for (const auto& entry : std::filesystem::directory_iterator(recorder))

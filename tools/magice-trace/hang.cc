@@ -55,7 +55,7 @@ struct Call {
   uint64_t collective = 0;  // index + 1; 0 for Send/Recv
   uint64_t count = 0;
   uint64_t callsite = 0;
-  uint64_t python = 0;  // Python call-site fingerprint, 0 when none
+  uint64_t python = 0;                  // Python call-site fingerprint, 0 when none
   const trace::Trace* sites = nullptr;  // the descriptions of the file that holds the call
   int32_t root = -1;
   int32_t redop = -1;
@@ -190,8 +190,8 @@ std::string op_text(uint8_t op) { return std::string(trace::op_name(static_cast<
 // C++ and CUDA runtimes' (a call through std::function, say), by the file's name.
 bool runtime_module(const trace::Trace& sites, uint64_t module) {
   static constexpr std::string_view kPrefixes[] = {
-      "libmagice", "libnccl", "libstdc++", "libc.so", "libc-", "libgcc_s", "ld-linux",
-      "libcudart", "libcuda.so", "libpthread"};
+      "libmagice", "libnccl",  "libstdc++", "libc.so",    "libc-",
+      "libgcc_s",  "ld-linux", "libcudart", "libcuda.so", "libpthread"};
   const auto path = sites.modules.find(module);
   if (path == sites.modules.end()) return false;
   const size_t slash = path->second.rfind('/');
