@@ -309,15 +309,15 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
     state.steps_lock.clear(std::memory_order_release);
   }
   if (state.flight != nullptr) {
-    const FlightSlot slot = flight_issue(
-        state.flight, {record.seq, collective, record.count, record.callsite, 0,
-                       record.root_or_peer, record.redop, record.op, record.dtype,
-                       record.group_depth, record.flags});
+    const FlightSlot slot =
+        flight_issue(state.flight,
+                     {record.seq, collective, record.count, record.callsite, 0, record.root_or_peer,
+                      record.redop, record.op, record.dtype, record.group_depth, record.flags});
     if (slot.record != nullptr) {
       // The "reached" event goes on the stream before the real call; never into a graph.
-      const bool capturing = slot.completion == flight::kCompletionEvents &&
-                             (stream_capturing(args, record) ||
-                              (record.flags & trace::kCallCaptureUnknown) != 0);
+      const bool capturing =
+          slot.completion == flight::kCompletionEvents &&
+          (stream_capturing(args, record) || (record.flags & trace::kCallCaptureUnknown) != 0);
       completion_issue(slot, record.seq, args.stream, capturing);
     }
   }

@@ -14,17 +14,14 @@
 namespace magi::capture {
 
 bool mark_completion(flight::Record& record, uint64_t seq, uint64_t flight::Record::*word) {
-  std::atomic_ref<uint64_t> stamp(record.stamp);
-  if (stamp.load(std::memory_order_acquire) != seq + 1) return false;
-  // An exchange, not a store: if it reads the zero a later call's flight_issue stored (after
-  // zeroing the stamp, behind a release fence), the stamp check below sees that call, and the
-  // word is given back. Readers also count a word only when it names the record's own seq.
-  std::atomic_ref<uint64_t> target(record.*word);
-  target.exchange(seq + 1, std::memory_order_acq_rel);
-  if (stamp.load(std::memory_order_acquire) == seq + 1) return true;
-  uint64_t ours = seq + 1;
-  target.compare_exchange_strong(ours, 0, std::memory_order_acq_rel);
-  return false;
+  if (std::atomic_ref<uint64_t>(record.stamp).load(std::memory_order_acquire) != seq + 1)
+    return false;
+  // A later call may take the slot between the check and the store (another thread on the same
+  // communicator, ring capacity calls later): its word then holds this call's seq + 1 until it
+  // is marked itself, which no reader takes for it (a word counts only when it names the
+  // record's own seq). Closing that window would cost a locked instruction per mark.
+  std::atomic_ref<uint64_t>(record.*word).store(seq + 1, std::memory_order_release);
+  return true;
 }
 
 size_t completion_pass(WatchedCall* calls, size_t n, EventQuery query, WatchedCall* finished,
@@ -186,8 +183,9 @@ bool take_events(const CudaDriver& d, Pool& pool, CUevent* out) {
 void note_unwatched() {
   if (g_unwatched.fetch_add(1, std::memory_order_relaxed) == 0)
     MAGI_INFO(Trace,
-              "flight recorder: %u calls of a context are being watched, the GPU is far behind: "
-              "later calls go unwatched until it catches up (their completion stays 0)",
+              "flight recorder: %u calls of a context are watched at once (the GPU is far "
+              "behind, or calls come faster than the poller gives events back): later calls go "
+              "unwatched until events come back (their completion stays 0)",
               kPoolEvents / 2);
 }
 
@@ -240,8 +238,9 @@ void* poll_events(void*) {
       if (!g_finished_failed[i]) {
         release(g_finished[i]);
       } else if (failures++ == 0) {  // its context is gone or broken: the events with it
-        MAGI_INFO(Trace, "flight recorder: a call's completion could not be queried; such calls "
-                         "stay not completed");
+        MAGI_INFO(Trace,
+                  "flight recorder: a call's completion could not be queried; such calls "
+                  "stay not completed");
       }
     }
     if (stopping) break;
@@ -271,8 +270,10 @@ void start_poller() {
   pthread_attr_destroy(&attr);
   if (err != 0) {
     g_poller_done.store(true, std::memory_order_release);
-    MAGI_WARN(Trace, "flight recorder: no thread to watch completion (%s); calls stay not "
-                     "completed", std::strerror(err));
+    MAGI_WARN(Trace,
+              "flight recorder: no thread to watch completion (%s); calls stay not "
+              "completed",
+              std::strerror(err));
   }
 }
 
@@ -325,20 +326,24 @@ flight::CompletionSource completion_source() {
   }
   if (said.exchange(source, std::memory_order_relaxed) != source) {
     if (source == flight::kCompletionEvents)
-      MAGI_INFO(Trace, "flight recorder: completion watched by CUDA events, polled off the "
-                       "call path");
+      MAGI_INFO(Trace,
+                "flight recorder: completion watched by CUDA events, polled off the "
+                "call path");
     else if (source == flight::kCompletionReturn)
-      MAGI_INFO(Trace, "flight recorder: no CUDA driver in the process: a call counts as "
-                       "completed when it returns");
+      MAGI_INFO(Trace,
+                "flight recorder: no CUDA driver in the process: a call counts as "
+                "completed when it returns");
     else
-      MAGI_INFO(Trace, "flight recorder: the CUDA driver lacks the event calls: completion is "
-                       "not watched");
+      MAGI_INFO(Trace,
+                "flight recorder: the CUDA driver lacks the event calls: completion is "
+                "not watched");
   }
   return source;
 }
 
 void completion_issue(const FlightSlot& slot, uint64_t seq, cudaStream_t stream,
                       bool capturing) noexcept {
+  if (t_current.active) release(t_current.call);  // a call whose end was never recorded
   t_current.active = false;
   if (slot.record == nullptr || g_in_child.load(std::memory_order_relaxed)) return;
   WatchedCall call{slot.record, seq, nullptr, stream, nullptr, nullptr, false};

@@ -43,8 +43,8 @@ class RingFile {
     header.capacity = capacity;
     header.record_bytes = sizeof(flight::Record);
     std::memcpy(bytes_.data(), &header, sizeof(header));
-    ring_ = flight_ring_in(bytes_.data() + flight::kPage, capacity, kComm, rank, nranks,
-                           completion);
+    ring_ =
+        flight_ring_in(bytes_.data() + flight::kPage, capacity, kComm, rank, nranks, completion);
   }
   ~RingFile() { flight_ring_release(ring_); }
 
@@ -202,8 +202,8 @@ class CompletionPass : public ::testing::Test {
   // Call `seq` on `stream` with events 100 + 2 seq (reached) and 101 + 2 seq (completed).
   WatchedCall watched(RingFile& file, uint64_t seq, uintptr_t stream) {
     file.issue(seq);
-    return {&file.slot(seq), seq, tag(1), tag(stream), tag(100 + 2 * seq), tag(101 + 2 * seq),
-            false};
+    return {&file.slot(seq),    seq,  tag(1), tag(stream), tag(100 + 2 * seq),
+            tag(101 + 2 * seq), false};
   }
   void set(uint64_t seq, EventState reached_state, EventState completed_state) {
     events_[tag(100 + 2 * seq)] = reached_state;
@@ -402,6 +402,15 @@ TEST(CompletionHang, NoGpuVerdictWhenEveryCollectiveCompletedOrCompletionWasNotW
             std::string::npos)
       << out;
   EXPECT_EQ(out.find("completed"), std::string::npos) << out;
+
+  // Completed at return (no driver): the words say no more than "returned", so no GPU verdict.
+  TempDir by_return;
+  const auto returned = write_job(by_return.path, flight::kCompletionReturn, {9, 9, 9, 9}, "nnnn");
+  EXPECT_EQ(run_hang(returned, &out), 0) << out;
+  EXPECT_NE(out.find("no hang seen: 4 ranks issued 10 collectives each"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank 1: issued 10, returned from 10, completed 9 collectives"),
+            std::string::npos)
+      << out;
 }
 
 }  // namespace

@@ -221,9 +221,8 @@ TEST(FlightRecorder, CompletionOfAFinishedJobEqualsWhatEachRankIssued) {
   args.insert(args.begin() + 1, "--json");
   EXPECT_EQ(run_tool(args, &out), 0) << out;
   size_t watched = 0;
-  for (size_t at = 0;
-       (at = out.find("\"completion\":\"return\",\"reached\":31,\"completed\":31", at)) !=
-       std::string::npos;
+  for (size_t at = 0; (at = out.find("\"completion\":\"return\",\"reached\":31,\"completed\":31",
+                                     at)) != std::string::npos;
        ++at)
     ++watched;
   EXPECT_EQ(watched, 4u) << out;
@@ -248,16 +247,15 @@ TEST(FlightRecorder, CompletionShowsTheWaitingRanksLastCallNotCompleted) {
   const std::string issued = std::to_string(kCollective + 1);
   const std::string done = std::to_string(kCollective);
   for (int rank : {0, 1, 3}) {
-    const size_t at = out.find("rank " + std::to_string(rank) + ": issued " + issued +
-                               ", returned from " + done + ", completed " + done +
-                               " collectives; last call #" + done + " AllGather");
+    const size_t at =
+        out.find("rank " + std::to_string(rank) + ": issued " + issued + ", returned from " + done +
+                 ", completed " + done + " collectives; last call #" + done + " AllGather");
     ASSERT_NE(at, std::string::npos) << out;
     const std::string line = out.substr(at, out.find('\n', at) - at);
     EXPECT_NE(line.find(", not returned, not reached"), std::string::npos) << line;
   }
   EXPECT_NE(out.find("rank 2: issued " + done + ", returned from " + done + ", completed " + done +
-                     " collectives; last call #" + std::to_string(kCollective - 1) +
-                     " AllReduce"),
+                     " collectives; last call #" + std::to_string(kCollective - 1) + " AllReduce"),
             std::string::npos)
       << out;
 }

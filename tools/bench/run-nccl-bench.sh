@@ -22,3 +22,12 @@ run "call sites on, tracing" allreduce MAGI_CALLSITES=1 MAGI_TRACE_DIR="$trace_d
 # the agreement watches it, decides and reports, which is what passing it through costs.
 run "call sites off, dry run" allgather MAGI_CALLSITES=0 MAGI_DRY_RUN=1
 run "call sites on, dry run" allgather MAGI_CALLSITES=1 MAGI_DRY_RUN=1
+# The flight recorder, and its completion by CUDA events (cuStreamGetCtx and two cuEventRecord
+# per call). NCCL launches nothing for this call, so each event is done at once; but the poller
+# hands events back only every millisecond, so calls beyond 512 in that millisecond find the
+# pool empty and go unwatched (cheaper): the figure of a watched call is the one with calls
+# spaced by at least 2 us, as real collectives are.
+run "call sites off, recorder 1024" allreduce MAGI_CALLSITES=0 MAGI_FLIGHT_RECORDER=1024 \
+  MAGI_FLIGHT_RECORDER_DIR="$trace_dir"
+run "call sites off, + completion" allreduce MAGI_CALLSITES=0 MAGI_FLIGHT_RECORDER=1024 \
+  MAGI_FLIGHT_RECORDER_DIR="$trace_dir" MAGI_FLIGHT_RECORDER_COMPLETION=1

@@ -70,10 +70,11 @@ struct RankCalls {
   std::vector<Call> calls;                   // by seq
   uint64_t issued = 0;                       // collectives issued (index of the last + 1)
   uint64_t returned = 0;                     // collectives returned from
-  uint8_t completion = capture::flight::kCompletionOff;  // how reached/completed were filled
-  uint64_t completed = 0;                                // collectives completed
-  uint64_t reached = 0;                                  // collectives reached
   std::map<uint64_t, const Call*> by_index;  // collective index -> call
+
+  uint8_t completion = capture::flight::kCompletionOff;  // how reached/completed were filled
+  uint64_t completed = 0;                                // collectives completed on the GPU
+  uint64_t reached = 0;                                  // collectives their stream reached
 };
 
 struct Comm {
@@ -245,8 +246,8 @@ std::string gpus_word(const std::vector<int>& ranks) {
 }
 
 // When the host side explains nothing (every rank issued the same collectives) and the rings
-// watched completion: the first collective some rank has not completed, and where each rank's
-// GPU stands with it. Empty when the GPUs show no stall there.
+// watched completion with events: the first collective some rank has not completed, and where each
+// rank's GPU stands with it. Empty when the GPUs show no stall there.
 std::optional<std::string> gpu_verdict(const std::string& name, Comm& comm, Finding& f) {
   uint64_t first = UINT64_MAX, issued = UINT64_MAX;
   for (const auto& [rank, r] : comm.ranks) {
@@ -262,11 +263,11 @@ std::optional<std::string> gpu_verdict(const std::string& name, Comm& comm, Find
     call = it->second;
     (call->completed ? past : call->reached ? inside : not_reached).push_back(rank);
   }
-  const std::string what =
-      " collective #" + std::to_string(first) + " (" + call_text(*call) + ")";
+  const std::string what = " collective #" + std::to_string(first) + " (" + call_text(*call) + ")";
   std::string v;
   if (!not_reached.empty() && past.empty()) {
-    v = name + ": " + gpus_word(not_reached) + " never reached" + what + ": work queued before it " +
+    v = name + ": " + gpus_word(not_reached) + " never reached" + what +
+        ": work queued before it " +
         (not_reached.size() == 1 ? "on its stream has" : "on their streams has") + " not finished";
     if (!inside.empty()) v += "; " + ranks_word(inside) + " wait in it on the GPU";
   } else if (not_reached.empty() && past.empty()) {
@@ -389,10 +390,12 @@ Finding analyse(uint64_t comm_id, Comm& comm) {
     verdicts.push_back(name + ": " + ranks_word(f.absent) + " of " + std::to_string(comm.nranks) +
                        " absent (no file holds them)");
   }
-  bool watched = !comm.ranks.empty();
+  // Only events tell the GPU apart from the host: completion at return says no more than
+  // `returned` does.
+  bool by_events = !comm.ranks.empty();
   for (const auto& [rank, r] : comm.ranks)
-    watched = watched && r.completion != capture::flight::kCompletionOff;
-  if (verdicts.empty() && watched && !all_ended) {
+    by_events = by_events && r.completion == capture::flight::kCompletionEvents;
+  if (verdicts.empty() && by_events && !all_ended) {
     if (auto v = gpu_verdict(name, comm, f)) verdicts.push_back(*v);
   }
   f.hang = !verdicts.empty() && !(all_ended && f.absent.empty() && !f.differ_index);
@@ -475,8 +478,8 @@ std::string json_of(const std::vector<Finding>& findings, std::map<uint64_t, Com
     append_ranks(out, f.joining);
     out += ",\"join_failed\":";
     append_ranks(out, f.join_failed);
-    out += ",\"gpu_collective\":" +
-           (f.gpu_index ? std::to_string(*f.gpu_index) : std::string("null"));
+    out +=
+        ",\"gpu_collective\":" + (f.gpu_index ? std::to_string(*f.gpu_index) : std::string("null"));
     out += ",\"not_reached\":";
     append_ranks(out, f.not_reached);
     out += ",\"inside_on_gpu\":";
