@@ -414,6 +414,10 @@ void completion_forget_in_child() {
   t_pending_count = 0;
 }
 
+void completion_use_driver(const CudaDriver* driver) {
+  g_events_driver.store(driver, std::memory_order_release);
+}
+
 uint64_t completion_unwatched() { return g_unwatched.load(std::memory_order_relaxed); }
 
 }  // namespace magi::capture

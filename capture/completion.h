@@ -24,6 +24,10 @@
 
 #include "capture/flight_recorder.h"
 
+namespace magi {
+struct CudaDriver;
+}
+
 namespace magi::capture {
 
 // The source for a ring joining now: Off when MAGI_FLIGHT_RECORDER_COMPLETION is 0 or in a
@@ -49,6 +53,10 @@ void completion_forget_in_child();
 
 // Calls not watched because the event pool was exhausted, since the process started.
 uint64_t completion_unwatched();
+
+// Test seam: the driver table the event source calls (tests give a fake one, whose events
+// finish when the test says), as completion_source() sets it when it finds the driver.
+void completion_use_driver(const CudaDriver* driver);
 
 // ---- the poller's logic, apart from the driver (tests drive it with a fake query) ----
 

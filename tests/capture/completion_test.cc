@@ -9,17 +9,23 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <span>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
+#include "base/cuda_driver.h"
 #include "capture/trace_format.h"
 
 namespace magi::capture {
@@ -286,6 +292,193 @@ TEST_F(CompletionPass, ACallWhoseSlotWasReusedFinishesWithoutMarkingTheNewCall) 
   EXPECT_EQ(file.slot(16).seq, 16u);
   EXPECT_EQ(reached(file.slot(16)), 0u);
   EXPECT_EQ(completed(file.slot(16)), 0u);
+}
+
+// ---- the event source end to end, with a fake driver: pool, poller thread, group end ----
+
+// A fake CUDA driver: each stream is a queue of recorded events that finish, in order, when the
+// test says; the poller thread queries them like real ones.
+class FakeGpu {
+ public:
+  static FakeGpu& get() {
+    static FakeGpu gpu;
+    return gpu;
+  }
+  // The first `count` records ever made on `stream` are done.
+  void finish(CUstream stream, size_t count) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_[stream] = std::max(done_[stream], count);
+  }
+  void finish_all(CUstream stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_[stream] = recorded_[stream];
+  }
+  size_t recorded(CUstream stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return recorded_[stream];
+  }
+  size_t created() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return created_;
+  }
+  const CudaDriver& driver() const { return driver_; }
+
+  static constexpr uintptr_t kContext = 0xc0;
+
+ private:
+  FakeGpu() {
+    driver_.cuStreamGetCtx_fn = [](CUstream, CUcontext* context) {
+      *context = reinterpret_cast<CUcontext>(kContext);
+      return CUDA_SUCCESS;
+    };
+    driver_.cuCtxGetCurrent_fn = [](CUcontext* context) {
+      *context = reinterpret_cast<CUcontext>(kContext);
+      return CUDA_SUCCESS;
+    };
+    driver_.cuCtxSetCurrent_fn = [](CUcontext context) {
+      return reinterpret_cast<uintptr_t>(context) == kContext ? CUDA_SUCCESS
+                                                              : CUDA_ERROR_INVALID_CONTEXT;
+    };
+    driver_.cuCtxPushCurrent_fn = [](CUcontext) { return CUDA_SUCCESS; };
+    driver_.cuCtxPopCurrent_fn = [](CUcontext*) { return CUDA_SUCCESS; };
+    driver_.cuEventCreate_fn = [](CUevent* event, unsigned flags) {
+      FakeGpu& gpu = get();
+      std::lock_guard<std::mutex> lock(gpu.mutex_);
+      if (flags != CU_EVENT_DISABLE_TIMING) return CUDA_ERROR_INVALID_VALUE;
+      *event = reinterpret_cast<CUevent>(0x10000 + gpu.created_++);
+      return CUDA_SUCCESS;
+    };
+    driver_.cuEventRecord_fn = [](CUevent event, CUstream stream) {
+      FakeGpu& gpu = get();
+      std::lock_guard<std::mutex> lock(gpu.mutex_);
+      gpu.events_[event] = {stream, ++gpu.recorded_[stream]};
+      return CUDA_SUCCESS;
+    };
+    driver_.cuEventQuery_fn = [](CUevent event) {
+      FakeGpu& gpu = get();
+      std::lock_guard<std::mutex> lock(gpu.mutex_);
+      auto it = gpu.events_.find(event);
+      if (it == gpu.events_.end()) return CUDA_ERROR_INVALID_HANDLE;
+      return it->second.second <= gpu.done_[it->second.first] ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    };
+  }
+
+  CudaDriver driver_;
+  std::mutex mutex_;
+  size_t created_ = 0;
+  std::map<CUevent, std::pair<CUstream, size_t>> events_;  // -> stream, position on it
+  std::map<CUstream, size_t> recorded_, done_;
+};
+
+// Waits (at most 5 s) for the poller to make `done` true.
+template <class Done>
+bool eventually(Done done) {
+  for (int i = 0; i < 5000; ++i) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return done();
+}
+
+class CompletionEvents : public ::testing::Test {
+ protected:
+  void SetUp() override { completion_use_driver(&FakeGpu::get().driver()); }
+  // A call on `stream`, issued and returned as the shim's call path does it.
+  FlightSlot call(RingFile& file, uint64_t seq, CUstream stream, int32_t result = ncclSuccess,
+                  int group_depth = 0, bool capturing = false) {
+    const FlightSlot slot = file.issue(seq);
+    completion_issue(slot, seq, reinterpret_cast<cudaStream_t>(stream), capturing);
+    completion_return(result, group_depth);
+    return slot;
+  }
+  static CUstream stream(uintptr_t n) { return reinterpret_cast<CUstream>(0x5000 + n); }
+};
+
+TEST_F(CompletionEvents, ThePollerMarksWhatTheStreamFinishedInOrder) {
+  FakeGpu& gpu = FakeGpu::get();
+  const CUstream s = stream(1);
+  RingFile file(16, 0, 1, flight::kCompletionEvents);
+  for (uint64_t seq = 0; seq < 3; ++seq) call(file, seq, s);
+  // Per call: "reached" before it, "completed" after it.
+  ASSERT_EQ(gpu.recorded(s), 6u);
+  gpu.finish(s, 3);  // call 0 done; call 1 reached
+  ASSERT_TRUE(
+      eventually([&] { return completed(file.slot(0)) == 1 && reached(file.slot(1)) == 2; }));
+  EXPECT_EQ(reached(file.slot(0)), 1u);
+  EXPECT_EQ(completed(file.slot(1)), 0u);
+  EXPECT_EQ(reached(file.slot(2)), 0u);
+  EXPECT_EQ(completed(file.slot(2)), 0u);
+  gpu.finish_all(s);
+  ASSERT_TRUE(eventually([&] { return completed(file.slot(2)) == 3; }));
+  EXPECT_EQ(completed(file.slot(1)), 2u);
+  EXPECT_EQ(reached(file.slot(2)), 3u);
+}
+
+TEST_F(CompletionEvents, AGroupedCallsCompletedEventFollowsTheGroupEnd) {
+  FakeGpu& gpu = FakeGpu::get();
+  const CUstream s = stream(2);
+  RingFile file(16, 0, 1, flight::kCompletionEvents);
+  call(file, 0, s, ncclSuccess, 1);
+  call(file, 1, s, ncclSuccess, 1);
+  EXPECT_EQ(gpu.recorded(s), 2u) << "only the reached events, at the calls";
+  completion_group_ended(ncclSuccess);
+  ASSERT_EQ(gpu.recorded(s), 4u);
+  gpu.finish(s, 2);  // both reached: the group's work has not run
+  ASSERT_TRUE(eventually([&] { return reached(file.slot(1)) == 2; }));
+  EXPECT_EQ(reached(file.slot(0)), 1u);
+  EXPECT_EQ(completed(file.slot(0)), 0u);
+  gpu.finish_all(s);
+  ASSERT_TRUE(eventually([&] { return completed(file.slot(1)) == 2; }));
+  EXPECT_EQ(completed(file.slot(0)), 1u);
+}
+
+TEST_F(CompletionEvents, CapturedFailedAndInProgressCallsAreNotWatchedAndGiveTheirEventsBack) {
+  FakeGpu& gpu = FakeGpu::get();
+  const CUstream s = stream(3);
+  RingFile file(16, 0, 1, flight::kCompletionEvents);
+  call(file, 0, s, ncclSuccess, 0, /*capturing=*/true);
+  EXPECT_EQ(gpu.recorded(s), 0u) << "no event goes into a graph";
+  call(file, 1, s, ncclInternalError);
+  const size_t created = gpu.created();
+  call(file, 2, s, ncclInProgress);
+  call(file, 3, s, ncclSuccess, 1);
+  completion_group_ended(ncclInProgress);  // a non-blocking group end: enqueued later
+  EXPECT_EQ(gpu.created(), created) << "the events of a call not watched are reused";
+  call(file, 4, s);
+  gpu.finish_all(s);
+  ASSERT_TRUE(eventually([&] { return completed(file.slot(4)) == 5; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));  // a pass or more after
+  for (uint64_t seq = 0; seq < 4; ++seq) {
+    EXPECT_EQ(reached(file.slot(seq)), 0u) << seq;
+    EXPECT_EQ(completed(file.slot(seq)), 0u) << seq;
+  }
+}
+
+TEST_F(CompletionEvents, WhenThePoolIsEmptyCallsGoUnwatchedUntilEventsComeBack) {
+  FakeGpu& gpu = FakeGpu::get();
+  const CUstream s = stream(4);
+  RingFile file(1024, 0, 1, flight::kCompletionEvents);
+  const uint64_t unwatched = completion_unwatched();
+  // Every event of the context in flight: 512 calls the GPU has not finished.
+  uint64_t seq = 0;
+  while (completion_unwatched() == unwatched && seq < 1000) call(file, seq++, s);
+  EXPECT_EQ(completion_unwatched(), unwatched + 1);
+  EXPECT_GE(seq, 2u);
+  EXPECT_LE(seq, 513u);
+  EXPECT_EQ(gpu.created(), 1024u) << "the pool's bound";
+  const uint64_t last_watched = seq - 2;
+  const size_t records = gpu.recorded(s);
+  gpu.finish_all(s);
+  ASSERT_TRUE(eventually([&] { return completed(file.slot(last_watched)) == last_watched + 1; }));
+  EXPECT_EQ(completed(file.slot(seq - 1)), 0u) << "the unwatched call";
+  // The events came back: a later call is watched with them, no new event made.
+  ASSERT_TRUE(eventually([&] {
+    call(file, seq, s);
+    return gpu.recorded(s) > records;
+  }));
+  EXPECT_EQ(gpu.created(), 1024u);
+  gpu.finish_all(s);
+  ASSERT_TRUE(eventually([&] { return completed(file.slot(seq)) == seq + 1; }));
 }
 
 // ---- magice-trace hang on ring files made here ----
