@@ -153,8 +153,8 @@ struct FlightRing;
 // When a rank starts joining (before the real init, never on the call path): adds the
 // communicator's ring to this process's file in state `state`, creating the file at the first
 // join. Null when MAGI_FLIGHT_RECORDER=0 or the file failed (one WARN, then the recorder stays
-// off).
-// `completion` says how the ring's reached/completed words will be filled (capture/completion.h).
+// off). `completion`: how the ring's reached/completed words will be filled
+// (capture/completion.h).
 FlightRing* flight_join(uint64_t comm_id, uint64_t parent_id, int rank, int nranks, uint8_t origin,
                         flight::JoinState state, flight::CompletionSource completion);
 // The ring this thread started joining for `comm_id` (flight_join with kJoining), if any; the
