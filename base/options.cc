@@ -439,6 +439,11 @@ constexpr OptionSpec kTable[] = {
     path_option<&O::flight_recorder_dir>("MAGI_FLIGHT_RECORDER_DIR", "a directory path",
                                          "(MAGI_TRACE_DIR, else /tmp)",
                                          "Where the flight recorder's files go (mode 0600)."),
+    bool_option<&O::flight_recorder_completion>(
+        "MAGI_FLIGHT_RECORDER_COMPLETION", "0",
+        "With the flight recorder on: also record when each call's stream reached it and when "
+        "its work finished on the GPU (CUDA events polled off the call path), for magice-trace "
+        "hang. Without a CUDA driver in the process a call counts as finished when it returns."),
     enum_option<&O::dump_signal, kDumpSignals>(
         "MAGI_DUMP_SIGNAL", "none", "none|USR1|USR2",
         "On this signal the trace is written out and the flight recorder synced, without "

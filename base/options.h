@@ -85,6 +85,7 @@ struct Options {
   uint64_t bind_max_bytes{};        // MAGI_BIND_MAX_MIB
   int64_t flight_recorder_calls{};  // MAGI_FLIGHT_RECORDER: calls kept per communicator, 0: off
   std::string flight_recorder_dir;
+  bool flight_recorder_completion{};  // the recorder also watches each call finish on the GPU
   enum class DumpSignal : uint8_t { None, Usr1, Usr2 };
   DumpSignal dump_signal{};
 

@@ -16,6 +16,7 @@
 
 #include "base/base.h"
 #include "capture/callsite.h"
+#include "capture/completion.h"
 #include "capture/dump_signal.h"
 #include "capture/flight_recorder.h"
 #include "capture/py_callsite.h"
@@ -182,7 +183,8 @@ CommInfo unseen_comm_info(ncclComm_t comm) {
 }
 
 void comm_joining(uint64_t identity, int rank, int nranks, CommOrigin origin) {
-  (void)flight_join(identity, 0, rank, nranks, static_cast<uint8_t>(origin), flight::kJoining);
+  (void)flight_join(identity, 0, rank, nranks, static_cast<uint8_t>(origin), flight::kJoining,
+                    completion_source());
 }
 
 void comm_join_failed(uint64_t identity) {
@@ -205,11 +207,13 @@ void comm_joined(ncclComm_t comm, Communicator& state) {
   record.origin = static_cast<uint8_t>(info.origin);
   trace_append(trace_writer(), trace::RecordType::Comm, &record, sizeof(record));
   state.flight = flight_take_joining(info.identity);
-  if (state.flight != nullptr)
+  if (state.flight != nullptr) {
     flight_set_joined(state.flight, flight::kJoined, info.parent_identity);
-  else
+    flight_set_completion(state.flight, completion_source());
+  } else {
     state.flight = flight_join(info.identity, info.parent_identity, info.rank, info.nranks,
-                               record.origin, flight::kJoined);
+                               record.origin, flight::kJoined, completion_source());
+  }
   MAGI_INFO(Capture, "comm %012llx joined: rank %d of %d (%s)", short_id(info.identity), info.rank,
             info.nranks, std::string(trace::origin_name(info.origin)).c_str());
 }
@@ -235,10 +239,12 @@ void forget_trace_in_child() {
   forget_described(g_in_trace);
   forget_described(g_in_recorder);
   python_callsites_forget_in_child();
+  completion_forget_in_child();
 }
 
 void group_start() {
   if (t_group_depth++ == 0) {
+    completion_group_discarded();  // calls of a group this thread never ended: never watched
     ++t_group_ordinal;
     t_group_point_to_point = false;
     t_group_calls = 0;
@@ -247,6 +253,14 @@ void group_start() {
 
 void group_end() {
   if (t_group_depth > 0) --t_group_depth;
+}
+
+void group_launched(ncclResult_t result) {
+  if (t_group_depth == 0) completion_group_ended(result);
+}
+
+void group_simulated() {
+  if (t_group_depth == 0) completion_group_discarded();
 }
 
 int group_depth() { return t_group_depth; }
@@ -329,9 +343,17 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
     state.steps_lock.clear(std::memory_order_release);
   }
   if (state.flight != nullptr) {
-    flight_issue(state.flight, {record.seq, collective, record.count, record.callsite, python,
-                                record.root_or_peer, record.redop, record.op, record.dtype,
-                                record.group_depth, record.flags});
+    const FlightSlot slot =
+        flight_issue(state.flight, {record.seq, collective, record.count, record.callsite, python,
+                                    record.root_or_peer, record.redop, record.op, record.dtype,
+                                    record.group_depth, record.flags});
+    if (slot.record != nullptr) {
+      // The "reached" event goes on the stream before the real call; never into a graph.
+      const bool capturing =
+          slot.completion == flight::kCompletionEvents &&
+          (stream_capturing(args, record) || (record.flags & trace::kCallCaptureUnknown) != 0);
+      completion_issue(slot, record.seq, args.stream, capturing);
+    }
   }
   // The clock and the capture state are read only when a trace will keep them: they are most of
   // the pass-through cost (rewrite/ asks for the capture state where it needs it).
@@ -355,6 +377,7 @@ bool stream_capturing(const CallArgs& args, CallRecord& record) {
 void end_call(CallRecord& record, ncclResult_t result) {
   record.result = static_cast<int32_t>(result);
   flight_return(record.comm_id, record.seq, record.result);
+  completion_return(record.result, t_group_depth);
   if (TraceWriter* writer = trace_writer()) {
     const uint64_t elapsed = clock_ns() - record.time_ns;
     record.duration_ns = elapsed > UINT32_MAX ? UINT32_MAX : static_cast<uint32_t>(elapsed);

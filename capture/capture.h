@@ -67,6 +67,11 @@ void comm_joined(ncclComm_t comm, Communicator& state);
 void comm_ended(const Communicator& state, CommEndKind how);
 void group_start();
 void group_end();
+// After the outermost ncclGroupEnd (and what rewrite/ launched at it) returned `result`: the
+// flight recorder's completion watches the group's calls from here.
+void group_launched(ncclResult_t result);
+// After the outermost ncclGroupSimulateEnd: the group's calls never run.
+void group_simulated();
 // Hands every buffered record to the disk and waits until it is there (never opens a trace
 // file); close_trace also closes it, at exit. After fork(), the child's trace is a file of its
 // own, opened at its first record.

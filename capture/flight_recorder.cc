@@ -25,6 +25,7 @@ struct FlightRing {
   flight::Record* records;
   uint64_t mask;  // capacity - 1
   uint64_t comm_id;
+  flight::CompletionSource completion;
 };
 
 namespace flight {
@@ -251,7 +252,8 @@ bool open_file_locked() {
 }
 
 void init_ring(FlightRing* ring, void* memory, uint32_t capacity, uint64_t comm_id,
-               uint64_t parent_id, int rank, int nranks, uint8_t origin, flight::JoinState state) {
+               uint64_t parent_id, int rank, int nranks, uint8_t origin, flight::JoinState state,
+               flight::CompletionSource completion) {
   auto* header = static_cast<flight::RingHeader*>(memory);
   header->segment.kind = flight::kRing;
   header->joined = state;
@@ -262,6 +264,7 @@ void init_ring(FlightRing* ring, void* memory, uint32_t capacity, uint64_t comm_
   header->nranks = nranks;
   header->capacity = capacity;
   header->origin = origin;
+  header->completion = completion;
   // Last: a reader takes a segment whose size is written as complete.
   std::atomic_ref<uint64_t>(header->segment.bytes)
       .store(flight::segment_bytes(capacity), std::memory_order_release);
@@ -269,6 +272,7 @@ void init_ring(FlightRing* ring, void* memory, uint32_t capacity, uint64_t comm_
   ring->records = reinterpret_cast<flight::Record*>(header + 1);
   ring->mask = capacity - 1;
   ring->comm_id = comm_id;
+  ring->completion = completion;
 }
 
 // Under g_mutex, with the file open: `bytes` more of it, mapped; null (and errno) on failure.
@@ -290,7 +294,7 @@ void* add_segment_locked(size_t bytes) {
 }  // namespace
 
 FlightRing* flight_join(uint64_t comm_id, uint64_t parent_id, int rank, int nranks, uint8_t origin,
-                        flight::JoinState state) {
+                        flight::JoinState state, flight::CompletionSource completion) {
   if (Options::get().flight_recorder_calls == 0) return nullptr;
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!open_file_locked()) return nullptr;
@@ -306,7 +310,7 @@ FlightRing* flight_join(uint64_t comm_id, uint64_t parent_id, int rank, int nran
               short_id(comm_id), std::strerror(errno));
     return nullptr;
   }
-  init_ring(ring, at, g_capacity, comm_id, parent_id, rank, nranks, origin, state);
+  init_ring(ring, at, g_capacity, comm_id, parent_id, rank, nranks, origin, state, completion);
   if (state == flight::kJoining) t_joining = ring;
   return ring;
 }
@@ -323,13 +327,19 @@ void flight_set_joined(FlightRing* ring, flight::JoinState state, uint64_t paren
   std::atomic_ref<uint8_t>(ring->header->joined).store(state, std::memory_order_release);
 }
 
+void flight_set_completion(FlightRing* ring, flight::CompletionSource completion) {
+  if (ring == nullptr) return;
+  ring->completion = completion;
+  ring->header->completion = completion;
+}
+
 void flight_end(FlightRing* ring, uint8_t how) {
   if (ring == nullptr) return;
   std::atomic_ref<uint32_t>(ring->header->ended)
       .store(static_cast<uint32_t>(how) + 1, std::memory_order_release);
 }
 
-void flight_issue(FlightRing* ring, const FlightCall& call) {
+FlightSlot flight_issue(FlightRing* ring, const FlightCall& call) {
   flight::Record& r = ring->records[call.seq & ring->mask];
   std::atomic_ref<uint64_t> stamp(r.stamp);
   // The zero lands before the fields. TSan models no fences (and refuses them): an exchange
@@ -358,6 +368,8 @@ void flight_issue(FlightRing* ring, const FlightCall& call) {
   stamp.store(call.seq + 1, std::memory_order_release);
   t_ring = ring;
   t_slot = &r;
+  if (ring->completion == flight::kCompletionOff) return {};
+  return {&r, ring->completion};
 }
 
 // The calling thread's last issued record is the one returning: the shim brackets each call by
@@ -409,10 +421,10 @@ void flight_forget_in_child() {
   t_joining = nullptr;
 }
 
-FlightRing* flight_ring_in(void* memory, uint32_t capacity, uint64_t comm_id, int rank,
-                           int nranks) {
+FlightRing* flight_ring_in(void* memory, uint32_t capacity, uint64_t comm_id, int rank, int nranks,
+                           flight::CompletionSource completion) {
   auto* ring = new FlightRing{};
-  init_ring(ring, memory, capacity, comm_id, 0, rank, nranks, 0, flight::kJoined);
+  init_ring(ring, memory, capacity, comm_id, 0, rank, nranks, 0, flight::kJoined, completion);
   return ring;
 }
 

@@ -166,13 +166,17 @@ struct FlightRing;
 // When a rank starts joining (before the real init, never on the call path): adds the
 // communicator's ring to this process's file in state `state`, creating the file at the first
 // join. Null when MAGI_FLIGHT_RECORDER=0 or the file failed (one WARN, then the recorder stays
-// off).
+// off). `completion`: how the ring's reached/completed words will be filled
+// (capture/completion.h).
 FlightRing* flight_join(uint64_t comm_id, uint64_t parent_id, int rank, int nranks, uint8_t origin,
-                        flight::JoinState state);
+                        flight::JoinState state, flight::CompletionSource completion);
 // The ring this thread started joining for `comm_id` (flight_join with kJoining), if any; the
 // next call forgets it.
 FlightRing* flight_take_joining(uint64_t comm_id);
 void flight_set_joined(FlightRing* ring, flight::JoinState state, uint64_t parent_id);
+// Before the ring's first call: the source decided again once the init returned (the CUDA
+// driver may have been loaded by the init).
+void flight_set_completion(FlightRing* ring, flight::CompletionSource completion);
 void flight_end(FlightRing* ring, uint8_t how);
 
 // The call path: stores only.
@@ -186,7 +190,13 @@ struct FlightCall {
   int32_t redop;
   uint8_t op, dtype, group_depth, flags;
 };
-void flight_issue(FlightRing* ring, const FlightCall& call);
+// The slot a call was written to, for the completion watcher: `record` is null when the ring's
+// completion is off.
+struct FlightSlot {
+  flight::Record* record = nullptr;
+  flight::CompletionSource completion = flight::kCompletionOff;
+};
+FlightSlot flight_issue(FlightRing* ring, const FlightCall& call);
 
 // A call-site description for the process's file (append_site into its kSites segment, a new
 // segment when that one is full), under the file's mutex: callers write a fingerprint's first
@@ -203,7 +213,8 @@ void flight_forget_in_child();
 
 // Test seam: the ring in memory the caller owns (no file): `memory` holds
 // segment_bytes(capacity) bytes, zeroed.
-FlightRing* flight_ring_in(void* memory, uint32_t capacity, uint64_t comm_id, int rank, int nranks);
+FlightRing* flight_ring_in(void* memory, uint32_t capacity, uint64_t comm_id, int rank, int nranks,
+                           flight::CompletionSource completion = flight::kCompletionOff);
 void flight_ring_release(FlightRing* ring);
 
 }  // namespace magi::capture

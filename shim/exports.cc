@@ -326,7 +326,10 @@ MAGI_EXPORT ncclResult_t ncclGroupEnd() {
   const ncclResult_t r = MAGI_FORWARD(GroupEnd);
   if (nested) return r;
   magi::capture::group_end();
-  return magi::capture::group_depth() == 0 ? magi::rewrite::group_ended(r) : r;
+  if (magi::capture::group_depth() != 0) return r;
+  const ncclResult_t ended = magi::rewrite::group_ended(r);
+  magi::capture::group_launched(ended);
+  return ended;
 }
 
 MAGI_EXPORT ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
@@ -334,7 +337,10 @@ MAGI_EXPORT ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t* simInfo) {
   const ncclResult_t r = MAGI_FORWARD(GroupSimulateEnd, simInfo);
   if (!nested) {
     magi::capture::group_end();  // it closes the group, like ncclGroupEnd, but runs nothing
-    if (magi::capture::group_depth() == 0) magi::rewrite::group_discarded();
+    if (magi::capture::group_depth() == 0) {
+      magi::rewrite::group_discarded();
+      magi::capture::group_simulated();
+    }
   }
   return r;
 }

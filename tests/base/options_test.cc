@@ -152,6 +152,7 @@ Fields fields_of(const Options& o) {
       {"bind_max_bytes", number(o.bind_max_bytes)},
       {"flight_recorder_calls", number(o.flight_recorder_calls)},
       {"flight_recorder_dir", o.flight_recorder_dir},
+      {"flight_recorder_completion", o.flight_recorder_completion ? "true" : "false"},
       {"dump_signal", number(static_cast<uint64_t>(o.dump_signal))},
   };
 }
@@ -182,6 +183,7 @@ const Fields kDocumentedDefaults = {
     {"bind_max_bytes", "17179869184"},  // 16384 MiB
     {"flight_recorder_calls", "0"},
     {"flight_recorder_dir", ""},
+    {"flight_recorder_completion", "false"},
     {"dump_signal", "0"},  // None
 };
 
@@ -219,6 +221,7 @@ const std::vector<Setting> kEveryOptionChanged = {
     {"MAGI_INJECT_FAULT", "Attach:5", {{"inject_fault.where", "2"}, {"inject_fault.rank", "5"}}},
     {"MAGI_FLIGHT_RECORDER", "1024", {{"flight_recorder_calls", "1024"}}},
     {"MAGI_FLIGHT_RECORDER_DIR", "/var/tmp/fr", {{"flight_recorder_dir", "/var/tmp/fr"}}},
+    {"MAGI_FLIGHT_RECORDER_COMPLETION", "1", {{"flight_recorder_completion", "true"}}},
     {"MAGI_DUMP_SIGNAL", "usr2", {{"dump_signal", "2"}}},
 };
 

@@ -123,6 +123,7 @@ else
   # The static-weights programs (reused, swap, alternate, rehome) on device memory, both modes.
   standin_weights_runs
   standin_groupskew_run
+  standin_completion_run
   standin_sanitized_run "fsdp-memcheck" 2 -- fsdp --device 1 --layers 6 --steps 8 --rewrite 1
   standin_profiled_run "fsdp-kernels" 2 -- fsdp --device 1 --layers 6 --steps 24 --rewrite 1
   echo "== faults with the CUDA transport"

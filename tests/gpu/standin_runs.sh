@@ -111,6 +111,35 @@ standin_profiled_run() {
   fi
 }
 
+# The flight recorder with completion (MAGI_FLIGHT_RECORDER_COMPLETION=1) on device memory: the
+# driver is in the process, so completion is watched by CUDA events. After a run that finished,
+# magice-trace hang must say, for every rank, completed == issued (the poller's last pass at exit
+# marks what finished in its last millisecond), and the rings must say "events".
+standin_completion_run() {
+  local name=completion-fsdp-4 n=4
+  local fr="$work/$name/flight"
+  mkdir -p "$fr"
+  if ! launch_ranks "$name" "$n" "" MAGI_FLIGHT_RECORDER=1024 MAGI_FLIGHT_RECORDER_COMPLETION=1 \
+    MAGI_FLIGHT_RECORDER_DIR="$fr" -- fsdp --device 1 --layers 6 --steps 24 --rewrite 1; then
+    fail "$name: $n ranks with the recorder's completion, every rank exit 0"
+    grep -v " MAGI INFO " "$work/$name/log" | tail -n 20 | sed 's/^/  /'
+    return
+  fi
+  standin_log_check "$name" "completion watched by CUDA events" "completion watched by CUDA events"
+  "$build/magice-trace" hang "$fr"/*.flight >"$work/$name/hang" 2>&1
+  "$build/magice-trace" hang --json "$fr"/*.flight >"$work/$name/hang.json" 2>&1
+  local equal events
+  equal=$(grep -cE "^  rank [0-9]+: issued ([0-9]+), returned from \1, completed \1 collectives" \
+    "$work/$name/hang")
+  events=$(grep -o '"completion":"events"' "$work/$name/hang.json" | wc -l)
+  if [ "$equal" = "$n" ] && [ "$events" = "$n" ] && grep -q "no hang seen" "$work/$name/hang"; then
+    pass "$name: magice-trace hang: completed == issued on every rank, by CUDA events"
+  else
+    fail "$name: magice-trace hang: completed == issued on every rank, by CUDA events ($equal of $n ranks equal, $events of $n by events)"
+  fi
+  sed 's/^/  /' "$work/$name/hang" | head -n 8
+}
+
 # Faults with the CUDA transport (issue 6): the launcher's summary line says how each rank ended
 # ("rank 2 killed by signal 9 (Killed); rank 0 exited 3 ..."; ranks that exited 0 are not named).
 launch_summary() { grep "^magi-launch: " "$work/$1/log" | tail -n 1; }

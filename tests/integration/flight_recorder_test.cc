@@ -268,6 +268,68 @@ TEST(FlightRecorder, HangSeesNoHangInAJobThatFinished) {
       << out;
 }
 
+// MAGI_FLIGHT_RECORDER_COMPLETION=1 under the stand-in: no CUDA driver in the process, so a call
+// counts as reached and completed when it returns, and the rings say so.
+TEST(FlightRecorder, CompletionOfAFinishedJobEqualsWhatEachRankIssued) {
+  TempDir dir;
+  const support::LaunchResult r =
+      run_fsdp(dir.path, {}, {{"MAGI_FLIGHT_RECORDER_COMPLETION", "1"}}, 60);
+  ASSERT_TRUE(r.all_ok()) << r.summary();
+  std::vector<std::string> args = {"hang"};
+  for (const std::string& f : files_in(dir.path, ".flight")) args.push_back(f);
+  ASSERT_EQ(args.size(), 5u);
+  std::string out;
+  EXPECT_EQ(run_tool(args, &out), 0) << out;
+  EXPECT_NE(out.find("no hang seen: 4 ranks issued 31 collectives each, ended"), std::string::npos)
+      << out;
+  for (int rank = 0; rank < 4; ++rank)
+    EXPECT_NE(out.find("rank " + std::to_string(rank) +
+                       ": issued 31, returned from 31, completed 31 collectives; last call #30 "),
+              std::string::npos)
+        << out;
+  EXPECT_EQ(out.find("not completed"), std::string::npos) << out;
+  args.insert(args.begin() + 1, "--json");
+  EXPECT_EQ(run_tool(args, &out), 0) << out;
+  size_t watched = 0;
+  for (size_t at = 0; (at = out.find("\"completion\":\"return\",\"reached\":31,\"completed\":31",
+                                     at)) != std::string::npos;
+       ++at)
+    ++watched;
+  EXPECT_EQ(watched, 4u) << out;
+}
+
+// A stalled rank: the others wait inside their last call, which neither returned nor completed.
+TEST(FlightRecorder, CompletionShowsTheWaitingRanksLastCallNotCompleted) {
+  TempDir dir;
+  const support::LaunchResult r = run_fsdp(
+      dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"},
+      {{"MAGI_FLIGHT_RECORDER_COMPLETION", "1"}}, 4);
+  ASSERT_TRUE(r.timed_out) << r.summary();
+  std::vector<std::string> args = {"hang"};
+  for (const std::string& f : files_in(dir.path, ".flight")) args.push_back(f);
+  ASSERT_EQ(args.size(), 5u);
+  std::string out;
+  EXPECT_EQ(run_tool(args, &out), 1) << out;
+  const std::string verdict = out.substr(0, out.find('\n'));
+  EXPECT_NE(verdict.find("rank 2 never issued collective #" + std::to_string(kCollective)),
+            std::string::npos)
+      << out;
+  const std::string issued = std::to_string(kCollective + 1);
+  const std::string done = std::to_string(kCollective);
+  for (int rank : {0, 1, 3}) {
+    const size_t at =
+        out.find("rank " + std::to_string(rank) + ": issued " + issued + ", returned from " + done +
+                 ", completed " + done + " collectives; last call #" + done + " AllGather");
+    ASSERT_NE(at, std::string::npos) << out;
+    const std::string line = out.substr(at, out.find('\n', at) - at);
+    EXPECT_NE(line.find(", not returned, not reached"), std::string::npos) << line;
+  }
+  EXPECT_NE(out.find("rank 2: issued " + done + ", returned from " + done + ", completed " + done +
+                     " collectives; last call #" + std::to_string(kCollective - 1) + " AllReduce"),
+            std::string::npos)
+      << out;
+}
+
 // The stand-in blocks on a mismatch as NCCL does; the launcher then kills every rank. Rank 1
 // gathers one element less (count) or all-reduces instead (op).
 class HangDivergence : public testing::TestWithParam<const char*> {};

@@ -4,11 +4,13 @@
 // each are interleaved; the per-call median over the batches is reported. Needs a GPU.
 //
 //   magice-nccl-bench --nccl /path/to/libnccl.so.2 --shim build/libmagice.so
-//                     [--op allreduce|allgather] [--calls N] [--batches B]
+//                     [--op allreduce|allgather] [--calls N] [--batches B] [--spacing-ns S]
 //
 // Options (MAGI_*) are read once per process: run-nccl-bench.sh runs one process per
 // configuration. --op allgather times an in-place all-gather instead (on a 1-rank communicator
-// NCCL launches nothing for it either), the call rewrite/ looks at most closely.
+// NCCL launches nothing for it either), the call rewrite/ looks at most closely. --spacing-ns S
+// starts calls at least S ns apart, as real collectives are (what the flight recorder's
+// completion needs: it hands its events back once a millisecond), and times each call alone.
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <nccl.h>
@@ -44,7 +46,7 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   std::string nccl_path, shim_path, op = "allreduce";
-  long calls = 20000, batches = 31;
+  long calls = 20000, batches = 31, spacing_ns = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string key = argv[i];
     if (key == "--nccl")
@@ -57,12 +59,14 @@ int main(int argc, char** argv) {
       calls = std::atol(argv[i + 1]);
     else if (key == "--batches")
       batches = std::atol(argv[i + 1]);
+    else if (key == "--spacing-ns")
+      spacing_ns = std::atol(argv[i + 1]);
   }
-  if (nccl_path.empty() || shim_path.empty() || calls < 1 || batches < 1 ||
+  if (nccl_path.empty() || shim_path.empty() || calls < 1 || batches < 1 || spacing_ns < 0 ||
       (op != "allreduce" && op != "allgather")) {
     std::fprintf(stderr,
                  "usage: magice-nccl-bench --nccl LIBNCCL --shim LIBMAGICE [--op allreduce|"
-                 "allgather] [--calls N] [--batches B]\n");
+                 "allgather] [--calls N] [--batches B] [--spacing-ns S]\n");
     return 2;
   }
   // RTLD_LOCAL, as PyTorch loads NCCL.
@@ -89,22 +93,33 @@ int main(int argc, char** argv) {
   must(get_id(&id) == ncclSuccess && init(&comm, 1, id, 0) == ncclSuccess,
        "making a 1-rank communicator");
 
+  auto call = [&](bool through_shim) {
+    const ncclResult_t r = op == "allreduce"
+                               ? (through_shim ? shim_reduce : direct_reduce)(
+                                     buffer, buffer, 1, ncclFloat32, ncclSum, comm, stream)
+                               : (through_shim ? shim_gather : direct_gather)(
+                                     buffer, buffer, 1, ncclFloat32, comm, stream);
+    if (r != ncclSuccess) must(false, "a call");
+  };
+  using Clock = std::chrono::steady_clock;
+  // Mean ns per call of one batch: back to back, or each call timed alone, S ns apart.
   auto batch = [&](bool through_shim) {
-    const auto start = std::chrono::steady_clock::now();
-    for (long i = 0; i < calls; ++i) {
-      ncclResult_t r;
-      if (op == "allreduce")
-        r = (through_shim ? shim_reduce : direct_reduce)(buffer, buffer, 1, ncclFloat32, ncclSum,
-                                                         comm, stream);
-      else
-        r = (through_shim ? shim_gather : direct_gather)(buffer, buffer, 1, ncclFloat32, comm,
-                                                         stream);
-      if (r != ncclSuccess) must(false, "a call");
+    double ns = 0;
+    if (spacing_ns == 0) {
+      const auto start = Clock::now();
+      for (long i = 0; i < calls; ++i) call(through_shim);
+      ns = std::chrono::duration<double, std::nano>(Clock::now() - start).count();
+    } else {
+      for (long i = 0; i < calls; ++i) {
+        const auto start = Clock::now();
+        call(through_shim);
+        const auto end = Clock::now();
+        ns += std::chrono::duration<double, std::nano>(end - start).count();
+        while (Clock::now() - start < std::chrono::nanoseconds(spacing_ns)) {}
+      }
     }
-    const auto end = std::chrono::steady_clock::now();
     must(cudaStreamSynchronize(stream) == cudaSuccess, "cudaStreamSynchronize");
-    return std::chrono::duration<double, std::nano>(end - start).count() /
-           static_cast<double>(calls);
+    return ns / static_cast<double>(calls);
   };
   batch(false);  // warm both paths up (the shim reads its options, finds its step)
   batch(true);
@@ -121,9 +136,11 @@ int main(int argc, char** argv) {
   }
   const double d = median(direct), s = median(shim);
   std::printf(
-      "%s in place, 1 rank, %ld calls x %ld batches: direct %.1f ns  shim %.1f ns  "
+      "%s in place, 1 rank, %ld calls x %ld batches%s: direct %.1f ns  shim %.1f ns  "
       "added %.1f ns\n",
-      op.c_str(), calls, batches, d, s, s - d);
+      op.c_str(), calls, batches,
+      spacing_ns != 0 ? (", " + std::to_string(spacing_ns) + " ns apart").c_str() : "", d, s,
+      s - d);
   destroy(comm);
   cudaStreamDestroy(stream);
   cudaFree(buffer);

@@ -28,3 +28,5 @@ run "call sites off, flight recorder 1024" MAGI_CALLSITES=0 MAGI_FLIGHT_RECORDER
   MAGI_FLIGHT_RECORDER_DIR="$trace_dir"
 run "call sites on, flight recorder 1024" MAGI_CALLSITES=1 MAGI_FLIGHT_RECORDER=1024 \
   MAGI_FLIGHT_RECORDER_DIR="$trace_dir"
+run "call sites off, recorder + completion" MAGI_CALLSITES=0 MAGI_FLIGHT_RECORDER=1024 \
+  MAGI_FLIGHT_RECORDER_COMPLETION=1 MAGI_FLIGHT_RECORDER_DIR="$trace_dir"

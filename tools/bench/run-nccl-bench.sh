@@ -13,14 +13,16 @@ rounds=${ROUNDS:-3}
 trace_dir=$(mktemp -d)
 results=$(mktemp)
 trap 'rm -rf "$trace_dir" "$results"' EXIT
-run() {  # label, op, env...
+run() {  # label, op, env... (bench options in $spaced)
   local label=$1 op=$2 line
   shift 2
+  # shellcheck disable=SC2086  # $spaced is a list of options
   line=$(env "$@" taskset -c "${BENCH_CPU:-0}" "$build/magice-nccl-bench" --nccl "$nccl" \
-    --shim "$build/libmagice.so" --op "$op")
+    --shim "$build/libmagice.so" --op "$op" $spaced)
   printf '%-34s %s\n' "$label" "$line"
   printf '%s\t%s\n' "$label" "$(sed -n 's/.*added \([-0-9.]*\) ns.*/\1/p' <<<"$line")" >>"$results"
 }
+spaced=""
 recorder=(MAGI_FLIGHT_RECORDER=1024 MAGI_FLIGHT_RECORDER_DIR="$trace_dir")
 echo "Added cost per call over the real NCCL ($nccl), $rounds rounds"
 for round in $(seq 1 "$rounds"); do
@@ -31,8 +33,14 @@ for round in $(seq 1 "$rounds"); do
   # The flight recorder (MAGI_FLIGHT_RECORDER): its cost is the difference with the rows above.
   run "call sites off, recorder" allreduce MAGI_CALLSITES=0 "${recorder[@]}"
   run "call sites on, recorder" allreduce MAGI_CALLSITES=1 "${recorder[@]}"
-  run "call sites on, recorder, completion" allreduce MAGI_CALLSITES=1 "${recorder[@]}" \
+  # Completion by CUDA events (cuStreamGetCtx, two cuEventRecord and the capture query per
+  # call) needs calls spaced as real collectives are: its poller gives events back once a
+  # millisecond, and back to back calls would empty the pool and go unwatched (and cheaper).
+  spaced="--spacing-ns 4000 --calls 5000"
+  run "call sites on, recorder, 4 us apart" allreduce MAGI_CALLSITES=1 "${recorder[@]}"
+  run "  + completion, 4 us apart" allreduce MAGI_CALLSITES=1 "${recorder[@]}" \
     MAGI_FLIGHT_RECORDER_COMPLETION=1
+  spaced=""
   # A 1-rank all-gather would be moved off NCCL once agreed: MAGI_DRY_RUN=1 keeps it on NCCL
   # while the agreement watches it, decides and reports, which is what passing it through costs.
   run "call sites off, dry run" allgather MAGI_CALLSITES=0 MAGI_DRY_RUN=1

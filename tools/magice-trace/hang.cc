@@ -1,5 +1,6 @@
 // magice-trace hang: from the flight recorder files of a hung (or killed) job, which rank
-// stopped where. Per communicator: how many collectives each rank issued and returned from, the
+// stopped where. Per communicator: how many collectives each rank issued, returned from (and
+// completed on the GPU, where the recorder watched completion), the
 // ranks behind and their last call, the first collective the ranks issued differently, and the
 // ranks with no file. Ordinary traces are read too (their calls all returned: a trace records a
 // call when it ends).
@@ -37,6 +38,9 @@ constexpr std::string_view kUsage =
     "  issued differently (op, datatype, count, root, reduction), the ranks still inside the\n"
     "  communicator's init, and the ranks none of the files holds. A verdict line per communicator "
     "comes first, details after.\n"
+    "  Files written with MAGI_FLIGHT_RECORDER_COMPLETION=1 also say how many collectives each\n"
+    "  rank completed on its GPU, and when every rank issued the same: the rank whose GPU never\n"
+    "  reached a collective the others wait in, or that all are inside one on the GPU.\n"
     "  Collectives are numbered from 0 per communicator, as diff numbers them; a recorder keeps\n"
     "  only each communicator's last N calls, so a difference older than that is not seen.\n"
     "  Each call named is followed by its call site: the Python line (with MAGI_PY_CALLSITES=1,\n"
@@ -63,6 +67,8 @@ struct Call {
   uint8_t op = 0;
   uint8_t dtype = 0;
   bool returned = false;
+  bool reached = false;    // its stream reached it (the ring watched completion)
+  bool completed = false;  // its work finished on its stream
 };
 
 struct RankCalls {
@@ -77,6 +83,10 @@ struct RankCalls {
   uint64_t issued = 0;                       // collectives issued (index of the last + 1)
   uint64_t returned = 0;                     // collectives returned from
   std::map<uint64_t, const Call*> by_index;  // collective index -> call
+
+  uint8_t completion = capture::flight::kCompletionOff;  // how reached/completed were filled
+  uint64_t completed = 0;                                // collectives completed on the GPU
+  uint64_t reached = 0;                                  // collectives their stream reached
 };
 
 struct Comm {
@@ -99,6 +109,7 @@ void add_flight(const capture::flight::FileView& view, const trace::Trace& sites
     r.ended = ring.header.ended != 0 && !r.aborted;
     r.join = ring.header.joined;
     r.torn += ring.torn;
+    r.completion = ring.header.completion;
     for (const auto& rec : ring.records) {
       Call c;
       c.seq = rec.seq;
@@ -113,6 +124,9 @@ void add_flight(const capture::flight::FileView& view, const trace::Trace& sites
       c.op = rec.op;
       c.dtype = rec.dtype;
       c.returned = rec.returned == rec.seq + 1;
+      // A word counts only when it names this record's call (not one the slot held before).
+      c.reached = rec.reached == rec.seq + 1;
+      c.completed = rec.completed == rec.seq + 1;
       r.calls.push_back(c);
     }
   }
@@ -178,6 +192,8 @@ void index_calls(RankCalls& r) {
     r.by_index[c.collective - 1] = &c;
     r.issued = std::max(r.issued, c.collective);
     if (c.returned) r.returned = std::max(r.returned, c.collective);
+    if (c.reached) r.reached = std::max(r.reached, c.collective);
+    if (c.completed) r.completed = std::max(r.completed, c.collective);
   }
 }
 
@@ -315,8 +331,52 @@ struct Finding {
   // For --json.
   std::vector<int> absent, behind, waiting, joining, join_failed;
   std::optional<uint64_t> missing_index, differ_index;
-  std::optional<Call> missing;  // the collective the ranks behind never issued, as issued
+  std::optional<Call> missing;           // the collective the ranks behind never issued, as issued
+  std::vector<int> not_reached, inside;  // on the GPU, at gpu_index
+  std::optional<uint64_t> gpu_index;
 };
+
+// "rank 3's GPU" / "ranks 3,5's GPUs".
+std::string gpus_word(const std::vector<int>& ranks) {
+  return ranks_word(ranks) + (ranks.size() == 1 ? "'s GPU" : "'s GPUs");
+}
+
+// When the host side explains nothing (every rank issued the same collectives) and the rings
+// watched completion with events: the first collective some rank has not completed, and where each
+// rank's GPU stands with it. Empty when the GPUs show no stall there.
+std::optional<std::string> gpu_verdict(const std::string& name, Comm& comm, Finding& f) {
+  uint64_t first = UINT64_MAX, issued = UINT64_MAX;
+  for (const auto& [rank, r] : comm.ranks) {
+    first = std::min(first, r.completed);
+    issued = std::min(issued, r.issued);
+  }
+  if (comm.ranks.empty() || first >= issued) return std::nullopt;
+  std::vector<int> not_reached, inside, past;
+  const Call* call = nullptr;
+  for (const auto& [rank, r] : comm.ranks) {
+    auto it = r.by_index.find(first);
+    if (it == r.by_index.end()) return std::nullopt;  // older than a ring holds
+    call = it->second;
+    (call->completed ? past : call->reached ? inside : not_reached).push_back(rank);
+  }
+  const std::string what = " collective #" + std::to_string(first) + " (" + call_text(*call) + ")";
+  std::string v;
+  if (!not_reached.empty() && past.empty()) {
+    v = name + ": " + gpus_word(not_reached) + " never reached" + what +
+        ": work queued before it " +
+        (not_reached.size() == 1 ? "on its stream has" : "on their streams has") + " not finished";
+    if (!inside.empty()) v += "; " + ranks_word(inside) + " wait in it on the GPU";
+  } else if (not_reached.empty() && past.empty()) {
+    v = name + ": " + ranks_word(inside) + " are all inside" + what +
+        " on the GPU: none completed it";
+  } else {
+    return std::nullopt;
+  }
+  f.gpu_index = first;
+  f.not_reached = not_reached;
+  f.inside = inside;
+  return v;
+}
 
 Finding analyse(uint64_t comm_id, Comm& comm) {
   Finding f;
@@ -427,6 +487,14 @@ Finding analyse(uint64_t comm_id, Comm& comm) {
     verdicts.push_back(name + ": " + ranks_word(f.absent) + " of " + std::to_string(comm.nranks) +
                        " absent (no file holds them)");
   }
+  // Only events tell the GPU apart from the host: completion at return says no more than
+  // `returned` does.
+  bool by_events = !comm.ranks.empty();
+  for (const auto& [rank, r] : comm.ranks)
+    by_events = by_events && r.completion == capture::flight::kCompletionEvents;
+  if (verdicts.empty() && by_events && !all_ended) {
+    if (auto v = gpu_verdict(name, comm, f)) verdicts.push_back(*v);
+  }
   f.hang = !verdicts.empty() && !(all_ended && f.absent.empty() && !f.differ_index);
   if (verdicts.empty()) {
     std::vector<int> in_call;
@@ -444,13 +512,21 @@ Finding analyse(uint64_t comm_id, Comm& comm) {
 
   for (const auto& [rank, r] : comm.ranks) {
     std::string line = "  rank " + std::to_string(rank) + ": issued " + std::to_string(r.issued) +
-                       ", returned from " + std::to_string(r.returned) + " collectives";
+                       ", returned from " + std::to_string(r.returned) +
+                       (r.completion != capture::flight::kCompletionOff
+                            ? ", completed " + std::to_string(r.completed)
+                            : std::string()) +
+                       " collectives";
     if (!r.calls.empty()) {
       const Call& last = r.calls.back();
       line += "; last call #" + std::to_string(last.seq) + " " + call_text(last) +
               (last.collective != 0 ? " (collective #" + std::to_string(last.collective - 1) + ")"
                                     : "") +
               (last.returned ? ", returned " + std::to_string(last.result) : ", not returned");
+      if (r.completion != capture::flight::kCompletionOff)
+        line += last.completed ? ", completed"
+                : last.reached ? ", reached, not completed"
+                               : ", not reached";
     }
     if (r.join == capture::flight::kJoining) line += "; inside the communicator's init";
     if (r.join == capture::flight::kJoinFailed) line += "; the communicator's init failed";
@@ -527,14 +603,28 @@ std::string json_of(const std::vector<Finding>& findings, std::map<uint64_t, Com
     append_ranks(out, f.joining);
     out += ",\"join_failed\":";
     append_ranks(out, f.join_failed);
+    out +=
+        ",\"gpu_collective\":" + (f.gpu_index ? std::to_string(*f.gpu_index) : std::string("null"));
+    out += ",\"not_reached\":";
+    append_ranks(out, f.not_reached);
+    out += ",\"inside_on_gpu\":";
+    append_ranks(out, f.inside);
     out += ",\"ranks\":[";
     bool first = true;
     for (const auto& [rank, r] : comm.ranks) {
       if (!first) out += ",";
       first = false;
       out += "{\"rank\":" + std::to_string(rank) + ",\"issued\":" + std::to_string(r.issued) +
-             ",\"returned\":" + std::to_string(r.returned) +
-             ",\"ended\":" + (r.ended ? "true" : "false") +
+             ",\"returned\":" + std::to_string(r.returned);
+      // Collectives reached and completed on the GPU: null where the ring did not watch.
+      const bool watched = r.completion != capture::flight::kCompletionOff;
+      out += std::string(",\"completion\":") +
+             (r.completion == capture::flight::kCompletionEvents   ? "\"events\""
+              : r.completion == capture::flight::kCompletionReturn ? "\"return\""
+                                                                   : "null") +
+             ",\"reached\":" + (watched ? std::to_string(r.reached) : std::string("null")) +
+             ",\"completed\":" + (watched ? std::to_string(r.completed) : std::string("null"));
+      out += std::string(",\"ended\":") + (r.ended ? "true" : "false") +
              ",\"aborted\":" + (r.aborted ? "true" : "false") + ",\"file\":" + json_string(r.file);
       if (!r.calls.empty()) {
         const Call& c = r.calls.back();
@@ -547,6 +637,9 @@ std::string json_of(const std::vector<Finding>& findings, std::map<uint64_t, Com
                ",\"callsite\":" + json_string(hex16(c.callsite)) +
                ",\"returned\":" + (c.returned ? "true" : "false");
         append_site(out, c);
+        if (watched)
+          out += std::string(",\"reached\":") + (c.reached ? "true" : "false") +
+                 ",\"completed\":" + (c.completed ? "true" : "false");
         out += "}";
       }
       out += "}";
