@@ -61,16 +61,17 @@ else
   fail "torch collectives run without the shim (environment problem)"; tail -20 "$work/plain.log"
 fi
 
-# 1b. The same program with the flight recorder and Python call sites on (MAGI_PY_CALLSITES=1
-# and =2: PyTorch may release the GIL around its collectives, where only =2 walks): the bytes
-# stay the same, the trace names a Python line of torch_collectives.py for the program's calls,
-# and the recorder's files, read by magice-trace hang, show no hang.
+# 1b. The same program with the flight recorder, its completion by CUDA events and Python call
+# sites on (MAGI_PY_CALLSITES=1 and =2: PyTorch releases the GIL around its collectives, where
+# only =2 walks): the bytes stay the same, the trace names a Python line of torch_collectives.py
+# for the program's calls, and the recorder's files, read by magice-trace hang, show no hang and
+# every collective completed on the GPU.
 if [ -s "$work/plain.pt" ]; then
   for py in 1 2; do
     d="$work/py$py"
     mkdir -p "$d/trace" "$d/flight"
     if LD_PRELOAD="$build/libmagice.so" MAGI_TRACE_DIR="$d/trace" MAGI_FLIGHT_RECORDER=4096 \
-        MAGI_FLIGHT_RECORDER_DIR="$d/flight" MAGI_PY_CALLSITES=$py \
+        MAGI_FLIGHT_RECORDER_DIR="$d/flight" MAGI_PY_CALLSITES=$py MAGI_FLIGHT_RECORDER_COMPLETION=1 \
         python3 "$here/torch_collectives.py" "$d/out.pt" >"$d/log" 2>&1 &&
         python3 "$here/compare_results.py" "$work/plain.pt" "$d/out.pt" >/dev/null; then
       pass "torch collectives with the recorder and MAGI_PY_CALLSITES=$py: bytes equal"
@@ -86,10 +87,11 @@ if [ -s "$work/plain.pt" ]; then
     "$build/magice-trace" hang "$d"/flight/*.flight >"$d/hang.txt" 2>&1
     status=$?
     sed 's/^/  /' "$d/hang.txt" | head -n 6
-    if [ "$status" = 0 ] && grep -q "no hang seen" "$d/hang.txt"; then
-      pass "MAGI_PY_CALLSITES=$py: magice-trace hang reads the recorder files: no hang (exit 0)"
+    if [ "$status" = 0 ] && grep -q "no hang seen" "$d/hang.txt" &&
+        grep -qE "^  rank 0: issued ([0-9]+), returned from \1, completed \1 collectives" "$d/hang.txt"; then
+      pass "MAGI_PY_CALLSITES=$py: magice-trace hang reads the recorder files: no hang, every collective completed on the GPU (exit 0)"
     else
-      fail "MAGI_PY_CALLSITES=$py: magice-trace hang reads the recorder files: no hang (exit $status)"
+      fail "MAGI_PY_CALLSITES=$py: magice-trace hang reads the recorder files: no hang, every collective completed on the GPU (exit $status)"
     fi
   done
   if [ "$named" -gt 0 ] && [ "$named" = "$calls" ]; then

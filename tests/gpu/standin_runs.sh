@@ -367,7 +367,8 @@ standin_hang_report_runs() {
   local name=hang-killed-in-moved-gather dir="$work/hang-killed-in-moved-gather"
   mkdir -p "$dir/flight"
   launch_ranks "$name" 3 "" MAGI_CE_FORCE=1 MAGI_FLIGHT_RECORDER=256 \
-    MAGI_FLIGHT_RECORDER_DIR="$dir/flight" -- fsdp --device 1 --layers 6 --steps 24 \
+    MAGI_FLIGHT_RECORDER_COMPLETION=1 MAGI_FLIGHT_RECORDER_DIR="$dir/flight" -- fsdp --device 1 \
+    --layers 6 --steps 24 \
     --die-rank 2 --die-step 14 --die-in-gather 1 --watchdog-s 5 --watchdog-grace-s 30
   local summary status moved
   summary=$(launch_summary "$name")
@@ -386,7 +387,7 @@ standin_hang_report_runs() {
   else
     fail "$name: magice-trace hang names rank 2 and collective #100 (exit $status)"
   fi
-  head -n 8 "$dir/hang" | sed 's/^/  /'
+  head -n 30 "$dir/hang" | grep -v "^      " | sed 's/^/  /'
 }
 
 # Some of the same runs with the ranks as MPS clients, when the MPS control daemon is installed:
