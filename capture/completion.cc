@@ -24,6 +24,14 @@ bool mark_completion(flight::Record& record, uint64_t seq, uint64_t flight::Reco
   return true;
 }
 
+bool mark_unwatched(flight::Record& record, uint64_t seq, flight::UnwatchedReason why) {
+  if (std::atomic_ref<uint64_t>(record.stamp).load(std::memory_order_acquire) != seq + 1)
+    return false;
+  std::atomic_ref<uint64_t>(record.unwatched)
+      .store(uint64_t{why} << 56 | (seq + 1), std::memory_order_release);
+  return true;
+}
+
 size_t completion_pass(WatchedCall* calls, size_t n, EventQuery query, WatchedCall* finished,
                        bool* failed, size_t* finished_count) {
   // Streams with a call found pending in this pass; a full set only costs extra queries.
@@ -194,6 +202,13 @@ void release(const WatchedCall& call) {
   give_events(static_cast<CUcontext>(call.context), events, 2);
 }
 
+// A call given up: its record says why, so a reader does not take it for one the GPU never
+// reached.
+void unwatch(const WatchedCall& call, flight::UnwatchedReason why) {
+  mark_unwatched(*call.record, call.seq, why);
+  release(call);
+}
+
 CUcontext g_poller_context = nullptr;  // the poller thread's current context
 
 EventState query_event(const WatchedCall& call, void* event) {
@@ -237,7 +252,10 @@ void* poll_events(void*) {
     for (size_t i = 0; i < finished; ++i) {
       if (!g_finished_failed[i]) {
         release(g_finished[i]);
-      } else if (failures++ == 0) {  // its context is gone or broken: the events with it
+        continue;
+      }
+      mark_unwatched(*g_finished[i].record, g_finished[i].seq, flight::kUnwatchedDriver);
+      if (failures++ == 0) {  // its context is gone or broken: the events with it
         MAGI_INFO(Trace,
                   "flight recorder: a call's completion could not be queried; such calls "
                   "stay not completed");
@@ -287,7 +305,7 @@ void hand_to_poller(const WatchedCall& call) {
     }
   }
   if (!queued) {
-    release(call);
+    unwatch(call, flight::kUnwatchedBusy);
     return;
   }
   if (!g_poller_started.load(std::memory_order_relaxed)) start_poller();
@@ -303,7 +321,7 @@ void finish(const WatchedCall& call) {
   const CudaDriver* d = g_events_driver.load(std::memory_order_acquire);
   if (d->cuEventRecord_fn(static_cast<CUevent>(call.completed),
                           static_cast<CUstream>(call.stream)) != CUDA_SUCCESS) {
-    release(call);
+    unwatch(call, flight::kUnwatchedDriver);
     return;
   }
   hand_to_poller(call);
@@ -349,23 +367,29 @@ void completion_issue(const FlightSlot& slot, uint64_t seq, cudaStream_t stream,
   WatchedCall call{slot.record, seq, nullptr, stream, nullptr, nullptr, false};
   if (slot.completion == flight::kCompletionEvents) {
     const CudaDriver* d = g_events_driver.load(std::memory_order_acquire);
-    if (capturing || d == nullptr) return;  // an event in a graph is no record of this run
+    if (d == nullptr) return;
+    if (capturing) {  // an event in a graph is no record of this run
+      unwatch(call, flight::kUnwatchedCaptured);
+      return;
+    }
     CUcontext context = nullptr;
     if (d->cuStreamGetCtx_fn(static_cast<CUstream>(stream), &context) != CUDA_SUCCESS ||
-        context == nullptr)
+        context == nullptr) {
+      unwatch(call, flight::kUnwatchedDriver);
       return;
+    }
     Pool* pool = pool_for(context);
     CUevent events[2];
-    if (pool == nullptr) return;
-    if (!take_events(*d, *pool, events)) {
+    if (pool == nullptr || !take_events(*d, *pool, events)) {
       note_unwatched();
+      unwatch(call, flight::kUnwatchedBusy);
       return;
     }
     call.context = context;
     call.reached = events[0];
     call.completed = events[1];
     if (d->cuEventRecord_fn(events[0], static_cast<CUstream>(stream)) != CUDA_SUCCESS) {
-      release(call);
+      unwatch(call, flight::kUnwatchedDriver);
       return;
     }
   } else if (slot.completion != flight::kCompletionReturn) {
@@ -380,7 +404,8 @@ void completion_return(int32_t result, int group_depth) noexcept {
   const WatchedCall& call = t_current.call;
   // An error enqueued nothing; ncclInProgress (a non-blocking communicator) enqueues later.
   if (result != ncclSuccess) {
-    release(call);
+    unwatch(call,
+            result == ncclInProgress ? flight::kUnwatchedInProgress : flight::kUnwatchedFailed);
     return;
   }
   if (group_depth == 0) {
@@ -388,24 +413,34 @@ void completion_return(int32_t result, int group_depth) noexcept {
     return;
   }
   if (t_pending_count == kMaxPending) {
-    release(call);
+    unwatch(call, flight::kUnwatchedBusy);
     return;
   }
   t_pending[t_pending_count++] = call;
 }
 
-void completion_group_ended(int32_t result) noexcept {
+namespace {
+
+void end_group(int32_t result, flight::UnwatchedReason why_not) {
   const size_t count = t_pending_count;
   t_pending_count = 0;
   for (size_t i = 0; i < count; ++i) {
     if (result == ncclSuccess)
       finish(t_pending[i]);
     else
-      release(t_pending[i]);
+      unwatch(t_pending[i], result == ncclInProgress ? flight::kUnwatchedInProgress : why_not);
   }
 }
 
-void completion_group_discarded() noexcept { completion_group_ended(ncclInvalidUsage); }
+}  // namespace
+
+void completion_group_ended(int32_t result) noexcept {
+  end_group(result, flight::kUnwatchedFailed);
+}
+
+void completion_group_discarded() noexcept {
+  end_group(ncclInvalidUsage, flight::kUnwatchedNotRun);
+}
 
 void completion_forget_in_child() {
   g_in_child.store(true, std::memory_order_relaxed);

@@ -64,6 +64,8 @@ void completion_use_driver(const CudaDriver* driver);
 // the slot still holds call `seq`: after wraparound a later call owns it and is left alone.
 // True when marked.
 bool mark_completion(flight::Record& record, uint64_t seq, uint64_t flight::Record::*word);
+// Marks call `seq` of `record` as not watched, and why (Record::unwatched), under the same rule.
+bool mark_unwatched(flight::Record& record, uint64_t seq, flight::UnwatchedReason why);
 
 // One watched call between the call path and the poller.
 struct WatchedCall {

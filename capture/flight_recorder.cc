@@ -36,6 +36,18 @@ uint32_t capacity_for(int64_t calls) {
   return capacity;
 }
 
+std::string_view unwatched_text(uint8_t reason) {
+  switch (reason) {
+    case kUnwatchedCaptured: return "captured into a CUDA graph";
+    case kUnwatchedFailed: return "the call failed";
+    case kUnwatchedInProgress: return "enqueued later (ncclInProgress)";
+    case kUnwatchedBusy: return "no event free";
+    case kUnwatchedDriver: return "an event call failed";
+    case kUnwatchedNotRun: return "its group never ran";
+    default: return "unknown reason";
+  }
+}
+
 size_t segment_bytes(uint32_t capacity) {
   static_assert(sizeof(RingHeader) == 80);
   const size_t bytes = sizeof(RingHeader) + size_t{capacity} * sizeof(Record);
@@ -353,6 +365,7 @@ FlightSlot flight_issue(FlightRing* ring, const FlightCall& call) {
   std::atomic_ref<uint64_t>(r.returned).store(0, std::memory_order_relaxed);
   std::atomic_ref<uint64_t>(r.reached).store(0, std::memory_order_relaxed);
   std::atomic_ref<uint64_t>(r.completed).store(0, std::memory_order_relaxed);
+  std::atomic_ref<uint64_t>(r.unwatched).store(0, std::memory_order_relaxed);
   r.seq = call.seq;
   r.collective = call.collective;
   r.count = call.count;

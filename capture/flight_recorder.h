@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "capture/trace_format.h"
@@ -73,6 +74,18 @@ enum CompletionSource : uint8_t {
   kCompletionReturn = 1,  // no asynchronous work (no CUDA driver): complete when returned
   kCompletionEvents = 2,  // CUDA events recorded on the call's stream, polled off the call path
 };
+
+// Why a call's completion is not watched (Record::unwatched's top byte).
+enum UnwatchedReason : uint8_t {
+  kUnwatchedCaptured = 1,    // issued into a CUDA graph: its work runs at each replay
+  kUnwatchedFailed = 2,      // the call (or its group's end) returned an error: nothing ran
+  kUnwatchedInProgress = 3,  // ncclInProgress: a non-blocking communicator enqueues it later
+  kUnwatchedBusy = 4,        // no event free: the GPU is far behind, or calls come very fast
+  kUnwatchedDriver = 5,      // an event call of the driver failed
+  kUnwatchedNotRun = 6,      // its group was simulated or never ended
+};
+inline constexpr uint64_t kUnwatchedSeqMask = (uint64_t{1} << 56) - 1;
+std::string_view unwatched_text(uint8_t reason);
 
 struct RingHeader {
   SegmentHeader segment;
@@ -130,7 +143,9 @@ struct Record {
   uint8_t dtype;
   uint8_t group_depth;
   uint8_t flags;  // trace::kCall* as begin_call set them
-  uint64_t reserved;
+  // (UnwatchedReason << 56) | (seq + 1) when completion was on but this call is not watched:
+  // `reached` and `completed` then say nothing about it.
+  uint64_t unwatched;
 };
 static_assert(sizeof(Record) == 96);
 static_assert(std::atomic_ref<uint64_t>::is_always_lock_free);

@@ -119,6 +119,11 @@ TEST(Completion, ACallThatFailedOrIsInProgressIsNotMarked) {
     EXPECT_EQ(reached(*r), 0u);
     EXPECT_EQ(completed(*r), 0u);
   }
+  // Each says why it is not watched, so a reader does not take it for one never reached.
+  EXPECT_EQ(word(std::atomic_ref<uint64_t>(failed.record->unwatched)),
+            uint64_t{flight::kUnwatchedFailed} << 56 | 1);
+  EXPECT_EQ(word(std::atomic_ref<uint64_t>(pending.record->unwatched)),
+            uint64_t{flight::kUnwatchedInProgress} << 56 | 2);
   completion_return(ncclSuccess, 0);  // no call outstanding: marks nothing
   EXPECT_EQ(completed(*pending.record), 0u);
 }
@@ -452,6 +457,14 @@ TEST_F(CompletionEvents, CapturedFailedAndInProgressCallsAreNotWatchedAndGiveThe
     EXPECT_EQ(reached(file.slot(seq)), 0u) << seq;
     EXPECT_EQ(completed(file.slot(seq)), 0u) << seq;
   }
+  const flight::UnwatchedReason why[4] = {flight::kUnwatchedCaptured, flight::kUnwatchedFailed,
+                                          flight::kUnwatchedInProgress,
+                                          flight::kUnwatchedInProgress};
+  for (uint64_t seq = 0; seq < 4; ++seq)
+    EXPECT_EQ(word(std::atomic_ref<uint64_t>(file.slot(seq).unwatched)),
+              uint64_t{why[seq]} << 56 | (seq + 1))
+        << seq;
+  EXPECT_EQ(word(std::atomic_ref<uint64_t>(file.slot(4).unwatched)), 0u);
 }
 
 TEST_F(CompletionEvents, WhenThePoolIsEmptyCallsGoUnwatchedUntilEventsComeBack) {
@@ -512,7 +525,8 @@ int run_hang(const std::vector<std::string>& args, std::string* out) {
 
 // Four ranks issued and returned from collectives #0..#9 (AllGather float32 x 256); on its GPU,
 // each completed those before `first_open[rank]` and, of collective first_open, `state[rank]`:
-// 'c' completed, 'r' reached only, 'n' not reached.
+// 'c' completed, 'r' reached only, 'n' not reached, 'u' it and those after captured into a
+// graph (not watched).
 std::vector<std::string> write_job(const std::string& dir, flight::CompletionSource completion,
                                    const std::vector<uint64_t>& first_open,
                                    const std::string& state) {
@@ -527,6 +541,8 @@ std::vector<std::string> write_job(const std::string& dir, flight::CompletionSou
       const bool in = done || (seq == first_open[rank] && state[rank] == 'r');
       if (in) mark_completion(r, seq, &flight::Record::reached);
       if (done) mark_completion(r, seq, &flight::Record::completed);
+      if (state[rank] == 'u' && seq >= first_open[rank])
+        mark_unwatched(r, seq, flight::kUnwatchedCaptured);
     }
     files.push_back(dir + "/magice.testhost." + std::to_string(1000 + rank) + ".flight");
     file.write(files.back());
@@ -574,6 +590,27 @@ TEST(CompletionHang, SaysWhenEveryRankIsInsideTheSameCollectiveOnTheGpu) {
             "comm 77881a2b3c4d: ranks 0-3 are all inside collective #7 (AllGather float32 x 256) "
             "on the GPU: none completed it")
       << out;
+}
+
+// The last collectives were captured into a graph on every rank: their GPU side is unknown, the
+// report says so instead of calling them not reached, and gives no GPU verdict.
+TEST(CompletionHang, CallsNotWatchedAreSaidSoAndGiveNoGpuVerdict) {
+  TempDir dir;
+  const auto files = write_job(dir.path, flight::kCompletionEvents, {8, 8, 8, 8}, "uuuu");
+  std::string out;
+  EXPECT_EQ(run_hang(files, &out), 0) << out;
+  EXPECT_NE(out.find("no hang seen: 4 ranks issued 10 collectives each"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank 1: issued 10, returned from 10, completed 8 collectives, then 2 not "
+                     "watched (2 captured into a CUDA graph); last call #9 AllGather float32 x "
+                     "256 (collective #9), returned 0, not watched (captured into a CUDA graph)"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("not reached"), std::string::npos) << out;
+  std::vector<std::string> json = {"--json"};
+  json.insert(json.end(), files.begin(), files.end());
+  EXPECT_EQ(run_hang(json, &out), 0) << out;
+  EXPECT_NE(out.find("\"completed\":8,\"unwatched_after\":2"), std::string::npos) << out;
+  EXPECT_NE(out.find("\"unwatched\":\"captured into a CUDA graph\""), std::string::npos) << out;
 }
 
 TEST(CompletionHang, NoGpuVerdictWhenEveryCollectiveCompletedOrCompletionWasNotWatched) {

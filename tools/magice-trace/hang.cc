@@ -69,6 +69,7 @@ struct Call {
   bool returned = false;
   bool reached = false;    // its stream reached it (the ring watched completion)
   bool completed = false;  // its work finished on its stream
+  uint8_t unwatched = 0;   // flight::UnwatchedReason when completion was on but not watched
 };
 
 struct RankCalls {
@@ -87,6 +88,8 @@ struct RankCalls {
   uint8_t completion = capture::flight::kCompletionOff;  // how reached/completed were filled
   uint64_t completed = 0;                                // collectives completed on the GPU
   uint64_t reached = 0;                                  // collectives their stream reached
+  // Collectives after the last completed one whose completion was not watched, by reason.
+  std::map<uint8_t, uint64_t> unwatched_after;
 };
 
 struct Comm {
@@ -127,6 +130,8 @@ void add_flight(const capture::flight::FileView& view, const trace::Trace& sites
       // A word counts only when it names this record's call (not one the slot held before).
       c.reached = rec.reached == rec.seq + 1;
       c.completed = rec.completed == rec.seq + 1;
+      if ((rec.unwatched & capture::flight::kUnwatchedSeqMask) == rec.seq + 1)
+        c.unwatched = static_cast<uint8_t>(rec.unwatched >> 56);
       r.calls.push_back(c);
     }
   }
@@ -195,6 +200,24 @@ void index_calls(RankCalls& r) {
     if (c.reached) r.reached = std::max(r.reached, c.collective);
     if (c.completed) r.completed = std::max(r.completed, c.collective);
   }
+  for (const Call& c : r.calls)
+    if (c.collective > r.completed && c.unwatched != 0) ++r.unwatched_after[c.unwatched];
+}
+
+std::string unwatched_text(uint8_t reason) {
+  return std::string(capture::flight::unwatched_text(reason));
+}
+
+// ", then 4 not watched (4 captured into a CUDA graph)": what the completed count leaves out.
+std::string unwatched_after_text(const RankCalls& r) {
+  if (r.unwatched_after.empty()) return "";
+  uint64_t total = 0;
+  std::string why;
+  for (const auto& [reason, n] : r.unwatched_after) {
+    total += n;
+    why += (why.empty() ? "" : ", ") + std::to_string(n) + " " + unwatched_text(reason);
+  }
+  return ", then " + std::to_string(total) + " not watched (" + why + ")";
 }
 
 using Shape = std::tuple<uint8_t, uint8_t, uint64_t, int32_t, int32_t>;
@@ -357,6 +380,7 @@ std::optional<std::string> gpu_verdict(const std::string& name, Comm& comm, Find
     auto it = r.by_index.find(first);
     if (it == r.by_index.end()) return std::nullopt;  // older than a ring holds
     call = it->second;
+    if (call->unwatched != 0) return std::nullopt;  // its GPU side is not known
     (call->completed ? past : call->reached ? inside : not_reached).push_back(rank);
   }
   const std::string what = " collective #" + std::to_string(first) + " (" + call_text(*call) + ")";
@@ -516,7 +540,7 @@ Finding analyse(uint64_t comm_id, Comm& comm) {
                        (r.completion != capture::flight::kCompletionOff
                             ? ", completed " + std::to_string(r.completed)
                             : std::string()) +
-                       " collectives";
+                       " collectives" + unwatched_after_text(r);
     if (!r.calls.empty()) {
       const Call& last = r.calls.back();
       line += "; last call #" + std::to_string(last.seq) + " " + call_text(last) +
@@ -524,9 +548,10 @@ Finding analyse(uint64_t comm_id, Comm& comm) {
                                     : "") +
               (last.returned ? ", returned " + std::to_string(last.result) : ", not returned");
       if (r.completion != capture::flight::kCompletionOff)
-        line += last.completed ? ", completed"
-                : last.reached ? ", reached, not completed"
-                               : ", not reached";
+        line += last.unwatched != 0 ? ", not watched (" + unwatched_text(last.unwatched) + ")"
+                : last.completed    ? ", completed"
+                : last.reached      ? ", reached, not completed"
+                                    : ", not reached";
     }
     if (r.join == capture::flight::kJoining) line += "; inside the communicator's init";
     if (r.join == capture::flight::kJoinFailed) line += "; the communicator's init failed";
@@ -624,6 +649,11 @@ std::string json_of(const std::vector<Finding>& findings, std::map<uint64_t, Com
                                                                    : "null") +
              ",\"reached\":" + (watched ? std::to_string(r.reached) : std::string("null")) +
              ",\"completed\":" + (watched ? std::to_string(r.completed) : std::string("null"));
+      if (watched) {
+        uint64_t unwatched = 0;
+        for (const auto& [reason, n] : r.unwatched_after) unwatched += n;
+        out += ",\"unwatched_after\":" + std::to_string(unwatched);
+      }
       out += std::string(",\"ended\":") + (r.ended ? "true" : "false") +
              ",\"aborted\":" + (r.aborted ? "true" : "false") + ",\"file\":" + json_string(r.file);
       if (!r.calls.empty()) {
@@ -639,7 +669,8 @@ std::string json_of(const std::vector<Finding>& findings, std::map<uint64_t, Com
         append_site(out, c);
         if (watched)
           out += std::string(",\"reached\":") + (c.reached ? "true" : "false") +
-                 ",\"completed\":" + (c.completed ? "true" : "false");
+                 ",\"completed\":" + (c.completed ? "true" : "false") + ",\"unwatched\":" +
+                 (c.unwatched != 0 ? json_string(unwatched_text(c.unwatched)) : "null");
         out += "}";
       }
       out += "}";
