@@ -235,6 +235,16 @@ constexpr OptionSpec bool_option(const char* name, const char* default_text, con
           doc,  assign_bool<Field>, show_bool<Field>};
 }
 
+// A level that was once on/off: the words a boolean takes still mean 0 and 1.
+template <auto Field>
+bool assign_level(const OptionSpec& spec, Options& o, std::string_view text) {
+  if (const std::optional<bool> on = parse_bool(text)) {
+    o.*Field = *on ? 1 : 0;
+    return true;
+  }
+  return assign_int<Field>(spec, o, text);
+}
+
 template <auto Field>
 constexpr OptionSpec int_option(const char* name, const char* default_text, const char* accepted,
                                 int64_t min, int64_t max, OptionUnit unit, const char* doc) {
@@ -253,6 +263,14 @@ constexpr OptionSpec int_option(const char* name, const char* default_text, cons
   if (!states_range(accepted, min, max)) throw "the accepted text does not state the range";
   return {name, OptionKind::Int,   default_text,   accepted, min, max, unit, nullptr,
           doc,  assign_int<Field>, show_int<Field>};
+}
+
+template <auto Field>
+constexpr OptionSpec level_option(const char* name, const char* default_text, const char* accepted,
+                                  int64_t max, const char* doc) {
+  OptionSpec spec = int_option<Field>(name, default_text, accepted, 0, max, OptionUnit::Count, doc);
+  spec.assign = assign_level<Field>;
+  return spec;
 }
 
 template <auto Field, const auto& Names>
@@ -360,10 +378,11 @@ constexpr OptionSpec kTable[] = {
         "MAGI_TRACE_BUFFER_KIB", "1024", "an integer from 16 to 1048576", 16, 1048576,
         OptionUnit::KiB,
         "Size of each of the two trace buffers; a full buffer is handed to the writer thread."),
-    bool_option<&O::callsites>("MAGI_CALLSITES", "1",
-                               "Fingerprint the call site of each all-gather (of every call when "
-                               "tracing or with the flight recorder) from its native stack (costs "
-                               "about a quarter of a microsecond)."),
+    level_option<&O::callsites>(
+        "MAGI_CALLSITES", "1", "an integer from 0 to 2", 2,
+        "Fingerprint call sites from the native stack (a quarter to a third of a microsecond a "
+        "call): 1 each all-gather's, and every call's when tracing; 2 also every call's for the "
+        "flight recorder alone (its reports then name every call, not only all-gathers)."),
     int_option<&O::callsite_depth>(
         "MAGI_CALLSITE_DEPTH", "16", "an integer from 1 to 64", 1, 64, OptionUnit::Count,
         "Native frames, above the library's own, hashed into a call-site fingerprint."),
@@ -371,8 +390,8 @@ constexpr OptionSpec kTable[] = {
         "MAGI_PY_CALLSITES", "0", "an integer from 0 to 2", 0, 2, OptionUnit::Count,
         "Traced or flight-recorded calls from Python threads also record the innermost Python "
         "frames outside torch (file, line, function): 1 when the caller holds the GIL, 2 also "
-        "taking the GIL where the caller released it (as PyTorch does; a hang risk, for "
-        "debugging)."),
+        "taking the GIL back where the caller released it (PyTorch releases it around its "
+        "collectives: use 2 there)."),
     int_option<&O::max_step_calls>("MAGI_MAX_STEP_CALLS", "4096", "an integer from 2 to 1048576", 2,
                                    1048576, OptionUnit::Count,
                                    "Longest repeating step (in collective calls) the step "

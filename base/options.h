@@ -59,7 +59,7 @@ struct Options {
   uint32_t log_subsystems{};  // bit per magi::Subsystem
   std::string trace_dir;
   uint64_t trace_buffer_bytes{};  // MAGI_TRACE_BUFFER_KIB
-  bool callsites{};
+  int64_t callsites{};            // 0 off, 1 all-gathers (every call when tracing), 2 every call
   int64_t callsite_depth{};
   int64_t py_callsites{};  // 0 off, 1 with the GIL held, 2 also taking it (capture/py_callsite.h)
   int64_t max_step_calls{};

@@ -299,10 +299,12 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
   TraceWriter* writer = trace_writer();
   const bool recorder = state.flight != nullptr;
   record.callsite = 0;
-  // Unrecorded, only an all-gather's call site is ever looked at (rewrite/ compares gathers'
-  // call sites): the unwinding it takes is most of a call's cost with call sites on. A trace or
-  // the flight recorder keeps every call's site, described at its first sighting.
-  if (options.callsites && (writer != nullptr || recorder || args.op == trace::Op::AllGather)) {
+  // Untraced, only an all-gather's call site is looked at (rewrite/ compares gathers' call
+  // sites): the unwinding is most of a call's cost with call sites on, more than the flight
+  // recorder's whole cost, so the recorder alone names every call only with MAGI_CALLSITES=2. A
+  // trace or the recorder describes each site it names at its first sighting.
+  if (options.callsites != 0 && (writer != nullptr || args.op == trace::Op::AllGather ||
+                                 (recorder && options.callsites == 2))) {
     trace::Frame frames[64];
     int count = 0;
     record.callsite = callsite_fingerprint(static_cast<int>(options.callsite_depth),

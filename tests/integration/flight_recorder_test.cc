@@ -210,6 +210,31 @@ TEST(FlightRecorder, HangNamesTheStalledCollectivesCallSiteFromKilledRanksFiles)
       << out;
 }
 
+// With MAGI_CALLSITES=1 (the default) the recorder alone names the all-gathers' sites only (the
+// unwinding would be most of its cost); with 2 every call's, the stalled rank's last
+// all-reduce too.
+TEST(FlightRecorder, HangNamesEveryCallsSiteWithCallSitesAtTwo) {
+  for (const char* level : {"1", "2"}) {
+    TempDir dir;
+    const support::LaunchResult r = run_fsdp(
+        dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"},
+        {{"MAGI_CALLSITES", level}}, 4);
+    ASSERT_TRUE(r.timed_out) << r.summary();
+    std::vector<std::string> args = {"hang"};
+    for (const std::string& f : files_in(dir.path, ".flight")) args.push_back(f);
+    ASSERT_EQ(args.size(), 5u);
+    std::string out;
+    EXPECT_EQ(run_tool(args, &out), 1) << out;
+    const std::regex named(R"(rank 2: issued \d+, returned from \d+ collectives; last call #\d+ )"
+                           R"(AllReduce float32 x 32 at .*FsdpModel::step \(collective #)");
+    const std::regex unnamed(R"(rank 2: issued \d+, returned from \d+ collectives; last call #\d+ )"
+                             R"(AllReduce float32 x 32 \(collective #)");
+    EXPECT_TRUE(std::regex_search(out, std::string(level) == "2" ? named : unnamed))
+        << "MAGI_CALLSITES=" << level << "\n"
+        << out;
+  }
+}
+
 // A rank whose recorder is off (as one that never joined leaves no file): reported absent.
 TEST(FlightRecorder, HangReportsARankWithoutAFileAsAbsent) {
   TempDir dir;
