@@ -33,6 +33,7 @@ for round in $(seq 1 "$rounds"); do
   # The flight recorder (MAGI_FLIGHT_RECORDER): its cost is the difference with the rows above.
   run "call sites off, recorder" allreduce MAGI_CALLSITES=0 "${recorder[@]}"
   run "call sites on, recorder" allreduce MAGI_CALLSITES=1 "${recorder[@]}"
+  run "every call's site, recorder" allreduce MAGI_CALLSITES=2 "${recorder[@]}"
   # Completion by CUDA events (cuStreamGetCtx, two cuEventRecord and the capture query per
   # call) needs calls spaced as real collectives are: its poller gives events back once a
   # millisecond, and back to back calls would empty the pool and go unwatched (and cheaper).
