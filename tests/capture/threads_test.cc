@@ -303,16 +303,34 @@ TEST(ThreadedCalls, ThreadsMakingAndEndingCommunicatorsAtOnceLoseNoRecord) {
 
 // The smallest buffers make the writer thread fall behind the callers; a record it has no room
 // for is counted, never waited for. Every record the threads made is in the file or in the
-// Dropped count, and what is in the file is in each communicator's order.
+// Dropped count, and what is in the file is in each communicator's order. What "every record"
+// is comes from the same run with buffers large enough to drop nothing: besides each
+// communicator's Comm record, calls, Step and CommEnd, its settings check (the hello round)
+// writes Agreement records. MAGI_TRANSPORT=nccl keeps that the only round, so both runs make the
+// same records; call sites off, since their records depend on the build.
 TEST(ThreadedCalls, WithTheSmallestBuffersEveryRecordIsWrittenOrCountedAsDropped) {
-  trace::Trace t;
-  // Call sites off: their records depend on the build; all the others are known in advance.
-  ASSERT_TRUE(
-      run_child("independent", {{"MAGI_TRACE_BUFFER_KIB", "16"}, {"MAGI_CALLSITES", "0"}}, t));
+  const auto all_written = [](const trace::Trace& t) {
+    return t.comms.size() + t.calls.size() + t.steps.size() + t.comm_ends.size() +
+           t.agreements.size() + t.decisions.size();
+  };
+  trace::Trace full;
+  ASSERT_TRUE(run_child(
+      "independent",
+      {{"MAGI_TRACE_BUFFER_KIB", "1024"}, {"MAGI_CALLSITES", "0"}, {"MAGI_TRANSPORT", "nccl"}},
+      full));
+  ASSERT_EQ(full.dropped, 0u);
   // Each communicator: its Comm record, its calls, one Step (found once, never lost: the calls
-  // repeat to the end), its CommEnd.
-  const uint64_t made = uint64_t{kThreads} * (1 + kCallsPerThread + 1 + 1);
-  const uint64_t written = t.comms.size() + t.calls.size() + t.steps.size() + t.comm_ends.size();
+  // repeat to the end), its CommEnd; and its hello's records.
+  EXPECT_EQ(full.comms.size() + full.calls.size() + full.steps.size() + full.comm_ends.size(),
+            uint64_t{kThreads} * (1 + kCallsPerThread + 1 + 1));
+  EXPECT_FALSE(full.agreements.empty());
+  const uint64_t made = all_written(full);
+
+  trace::Trace t;
+  ASSERT_TRUE(run_child(
+      "independent",
+      {{"MAGI_TRACE_BUFFER_KIB", "16"}, {"MAGI_CALLSITES", "0"}, {"MAGI_TRANSPORT", "nccl"}}, t));
+  const uint64_t written = all_written(t);
   EXPECT_EQ(written + t.dropped, made) << written << " written, " << t.dropped << " dropped";
   for (const auto& [key, calls] : calls_by_communicator(t))
     for (size_t i = 1; i < calls.size(); ++i) ASSERT_LT(calls[i - 1].seq, calls[i].seq);
