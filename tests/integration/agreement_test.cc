@@ -3,7 +3,6 @@
 // wrong one), has a timeout (a hang fails), and then reads every rank's trace: the ranks must
 // have taken the same route for every call and reached the same decisions.
 #include <gtest/gtest.h>
-#include <regex.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -21,6 +20,7 @@
 
 #include "base/options.h"
 #include "capture/trace_reader.h"
+#include "tests/support/has_line.h"
 #include "tests/support/launch.h"
 
 namespace magi {
@@ -153,22 +153,7 @@ AgreedRun run_agreed(int n, std::vector<std::string> args, EnvList env = {}, dou
 
 std::string transcript(const AgreedRun& r) { return r.result.summary() + "\n" + r.log; }
 
-// Whether some line of `log` matches the regular expression `pattern` (anywhere in the line).
-// Whether some line of `log` matches the POSIX extended regular expression `pattern`. (POSIX's
-// rather than <regex>, which GCC 12 cannot compile warning-free under the sanitizers.)
-bool has_line(const std::string& log, const std::string& pattern) {
-  regex_t re;
-  if (regcomp(&re, pattern.c_str(), REG_EXTENDED | REG_NOSUB) != 0) {
-    ADD_FAILURE() << "not a regular expression: " << pattern;
-    return false;
-  }
-  bool found = false;
-  std::istringstream lines(log);
-  for (std::string line; !found && std::getline(lines, line);)
-    found = regexec(&re, line.c_str(), 0, nullptr, 0) == 0;
-  regfree(&re);
-  return found;
-}
+using test::has_line;
 
 // The heart of it: for every communicator, every rank took the same route for every call, went
 // through the same rounds at the same calls, and reached the same verdict for every gather.

@@ -1,0 +1,28 @@
+// Whether some line of a text matches a POSIX extended regular expression: the tests' way to
+// look for a log or report line. (POSIX's rather than <regex>, which GCC 12 cannot compile
+// warning-free under the sanitizers.)
+#pragma once
+
+#include <gtest/gtest.h>
+#include <regex.h>
+
+#include <sstream>
+#include <string>
+
+namespace magi::test {
+
+inline bool has_line(const std::string& text, const std::string& pattern) {
+  regex_t re;
+  if (regcomp(&re, pattern.c_str(), REG_EXTENDED | REG_NOSUB) != 0) {
+    ADD_FAILURE() << "not a regular expression: " << pattern;
+    return false;
+  }
+  bool found = false;
+  std::istringstream lines(text);
+  for (std::string line; !found && std::getline(lines, line);)
+    found = regexec(&re, line.c_str(), 0, nullptr, 0) == 0;
+  regfree(&re);
+  return found;
+}
+
+}  // namespace magi::test
