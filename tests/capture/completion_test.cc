@@ -27,6 +27,7 @@
 
 #include "base/cuda_driver.h"
 #include "capture/trace_format.h"
+#include "tests/support/tool_run.h"
 
 namespace magi::capture {
 namespace {
@@ -496,31 +497,11 @@ TEST_F(CompletionEvents, WhenThePoolIsEmptyCallsGoUnwatchedUntilEventsComeBack) 
 
 // ---- magice-trace hang on ring files made here ----
 
-std::string build_dir() {
-  const char* dir = std::getenv("TEST_BUILD_DIR");
-  return dir ? dir : fs::absolute("build").string();
-}
+using test::TempDir;
 
-struct TempDir {
-  TempDir() {
-    char tmpl[] = "/tmp/magice-completion.XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string path;
-};
-
-int run_hang(const std::vector<std::string>& args, std::string* out) {
-  std::string cmd = build_dir() + "/magice-trace hang";
-  for (const auto& a : args) cmd += " '" + a + "'";
-  cmd += " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  char buf[4096];
-  size_t n;
-  out->clear();
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out->append(buf, n);
-  const int status = pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+int run_hang(std::vector<std::string> args, std::string* out) {
+  args.insert(args.begin(), "hang");
+  return test::run_magice_trace(args, out);
 }
 
 // Four ranks issued and returned from collectives #0..#9 (AllGather float32 x 256); on its GPU,

@@ -20,51 +20,24 @@
 #include "capture/trace_reader.h"
 #include "tests/support/has_line.h"
 #include "tests/support/launch.h"
+#include "tests/support/tool_run.h"
 
 namespace magi {
 namespace {
 
 namespace fs = std::filesystem;
+using test::build_dir;
+using test::files_in;
+using test::TempDir;
 
-std::string build_dir() {
-  const char* dir = std::getenv("TEST_BUILD_DIR");
-  return dir ? dir : fs::absolute("build").string();
+int run_tool(const std::vector<std::string>& args, std::string* out) {
+  return test::run_magice_trace(args, out);
 }
 
 std::string preload() {
   const std::string shim = build_dir() + "/libmagice.so";
   const char* first = std::getenv("TEST_PRELOAD_FIRST");
   return first != nullptr && *first != '\0' ? std::string(first) + " " + shim : shim;
-}
-
-struct TempDir {
-  TempDir() {
-    char tmpl[] = "/tmp/magice-flight.XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string path;
-};
-
-std::vector<std::string> files_in(const std::string& dir, const std::string& extension) {
-  std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator(dir))
-    if (e.path().extension() == extension) out.push_back(e.path().string());
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-int run_tool(const std::vector<std::string>& args, std::string* out) {
-  std::string cmd = build_dir() + "/magice-trace";
-  for (const auto& a : args) cmd += " '" + a + "'";
-  cmd += " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  char buf[4096];
-  size_t n;
-  out->clear();
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out->append(buf, n);
-  const int status = pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 // fsdp with 4 layers issues one all-reduce, then per step 4 gathers and one all-reduce: step K's

@@ -16,6 +16,7 @@
 
 #include "capture/trace_reader.h"
 #include "tests/support/launch.h"
+#include "tests/support/tool_run.h"
 
 namespace magi {
 namespace {
@@ -410,16 +411,7 @@ TEST(Traces, InitAllRecordsEveryRankOfItsCommunicatorInOneFile) {
 // ---- magice-trace over real traces ----
 
 int run_tool(const std::vector<std::string>& args, std::string* out) {
-  std::string cmd = build_dir() + "/magice-trace";
-  for (const auto& a : args) cmd += " '" + a + "'";
-  cmd += " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  char buf[4096];
-  size_t n;
-  out->clear();
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out->append(buf, n);
-  const int status = pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return test::run_magice_trace(args, out);
 }
 
 TEST(TraceTool, RanksOfOneProgramDiffClean) {
