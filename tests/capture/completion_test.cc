@@ -27,6 +27,7 @@
 
 #include "base/cuda_driver.h"
 #include "capture/trace_format.h"
+#include "tests/capture/ring_file.h"
 #include "tests/support/tool_run.h"
 
 namespace magi::capture {
@@ -36,54 +37,11 @@ namespace fs = std::filesystem;
 
 constexpr uint64_t kComm = 0x5e6f77881a2b3c4dull;
 
-// A recorder file's bytes with one communicator's ring, as the library lays it out.
-class RingFile {
- public:
+// A ring file of rank `rank` of `nranks`, whose process is pid 1000 + rank.
+struct RingFile : TestRingFile {
   RingFile(uint32_t capacity, int rank, int nranks, flight::CompletionSource completion)
-      : capacity_(capacity), bytes_(flight::kPage + flight::segment_bytes(capacity), 0) {
-    flight::FileHeader header{};
-    std::memcpy(header.magic, flight::kMagic, sizeof(header.magic));
-    header.version = flight::kVersion;
-    header.header_bytes = flight::kPage;
-    header.pid = 1000 + static_cast<uint64_t>(rank);
-    std::snprintf(header.host, sizeof(header.host), "testhost");
-    header.capacity = capacity;
-    header.record_bytes = sizeof(flight::Record);
-    std::memcpy(bytes_.data(), &header, sizeof(header));
-    ring_ =
-        flight_ring_in(bytes_.data() + flight::kPage, capacity, kComm, rank, nranks, completion);
-  }
-  ~RingFile() { flight_ring_release(ring_); }
-
-  // Collective `seq` (every call a collective here): an all-gather of `count` floats.
-  FlightSlot issue(uint64_t seq, uint64_t count = 256) {
-    FlightCall call{};
-    call.seq = seq;
-    call.collective = seq + 1;
-    call.count = count;
-    call.root_or_peer = -1;
-    call.redop = -1;
-    call.op = static_cast<uint8_t>(trace::Op::AllGather);
-    call.dtype = static_cast<uint8_t>(ncclFloat32);
-    return flight_issue(ring_, call);
-  }
-  flight::Record& slot(uint64_t seq) {
-    auto* records = reinterpret_cast<flight::Record*>(bytes_.data() + flight::kPage +
-                                                      sizeof(flight::RingHeader));
-    return records[seq % capacity_];
-  }
-  flight::FileView read() const {
-    return flight::parse_file("ring", std::span<const char>(bytes_.data(), bytes_.size()));
-  }
-  void write(const std::string& path) const {
-    std::ofstream out(path, std::ios::binary);
-    out.write(bytes_.data(), static_cast<std::streamsize>(bytes_.size()));
-  }
-
- private:
-  uint32_t capacity_;
-  std::vector<char> bytes_;
-  FlightRing* ring_;
+      : TestRingFile(capacity, kComm, rank, nranks, 1000 + static_cast<uint64_t>(rank),
+                     completion) {}
 };
 
 uint64_t word(const std::atomic_ref<uint64_t>& w) { return w.load(); }

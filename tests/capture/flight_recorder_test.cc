@@ -11,53 +11,17 @@
 
 #include "capture/trace_format.h"
 #include "capture/trace_reader.h"
+#include "tests/capture/ring_file.h"
 
 namespace magi::capture {
 namespace {
 
 constexpr uint64_t kComm = 0x1a2b3c4d5e6f7788ull;
 
-// A recorder file's bytes with one communicator's ring, as the library lays it out.
-class RingFile {
- public:
+// Rank 3 of 8, in process 42; completion not watched.
+struct RingFile : TestRingFile {
   explicit RingFile(uint32_t capacity)
-      : bytes_(flight::kPage + flight::segment_bytes(capacity), 0) {
-    flight::FileHeader header{};
-    std::memcpy(header.magic, flight::kMagic, sizeof(header.magic));
-    header.version = flight::kVersion;
-    header.header_bytes = flight::kPage;
-    header.pid = 42;
-    header.capacity = capacity;
-    header.record_bytes = sizeof(flight::Record);
-    std::memcpy(bytes_.data(), &header, sizeof(header));
-    ring_ = flight_ring_in(bytes_.data() + flight::kPage, capacity, kComm, 3, 8);
-  }
-  ~RingFile() { flight_ring_release(ring_); }
-
-  void issue(uint64_t seq, uint64_t count) {
-    FlightCall call{};
-    call.seq = seq;
-    call.collective = seq + 1;
-    call.count = count;
-    call.root_or_peer = -1;
-    call.redop = -1;
-    call.op = static_cast<uint8_t>(trace::Op::AllGather);
-    call.dtype = 7;
-    flight_issue(ring_, call);
-  }
-  flight::Record& slot(uint64_t seq, uint32_t capacity) {
-    auto* records = reinterpret_cast<flight::Record*>(bytes_.data() + flight::kPage +
-                                                      sizeof(flight::RingHeader));
-    return records[seq % capacity];
-  }
-  flight::FileView read() const {
-    return flight::parse_file("ring", std::span<const char>(bytes_.data(), bytes_.size()));
-  }
-  FlightRing* ring() { return ring_; }
-
- private:
-  std::vector<char> bytes_;
-  FlightRing* ring_;
+      : TestRingFile(capacity, kComm, 3, 8, 42, flight::kCompletionOff) {}
 };
 
 std::vector<uint64_t> seqs(const flight::RingView& ring) {
@@ -104,7 +68,7 @@ TEST(FlightRecorder, ARecordTheProcessDiedWritingIsIgnored) {
   for (uint64_t seq = 0; seq < 20; ++seq) file.issue(seq, 1000 + seq);
   // As a kill between the stamp's zeroing and its publication leaves it: call 35's fields half
   // written over seq 19's slot, no stamp.
-  flight::Record& torn = file.slot(19, 16);
+  flight::Record& torn = file.slot(19);
   std::atomic_ref<uint64_t>(torn.stamp).store(0);
   torn.seq = 35;
   torn.count = 777;
@@ -117,7 +81,7 @@ TEST(FlightRecorder, ARecordTheProcessDiedWritingIsIgnored) {
   for (const auto& r : view.rings[0].records) EXPECT_NE(r.count, 777u);
 
   // A stamp that names another seq than the slot holds is not a complete record either.
-  std::atomic_ref<uint64_t>(file.slot(18, 16).stamp).store(99);
+  std::atomic_ref<uint64_t>(file.slot(18).stamp).store(99);
   EXPECT_EQ(file.read().rings[0].records.size(), 14u);
 }
 
