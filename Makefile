@@ -198,8 +198,19 @@ $(BUILD)/magice-ce-bench: $(BUILD)/obj/tools/bench/ce_gather_bench.o $(filter-ou
 $(BUILD)/magice-nccl-bench: $(BUILD)/obj/tools/bench/nccl_overhead.o
 	$(CXX) -o $@ $^ -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -pthread
 
-bench: all $(STANDIN) $(BENCH) $(BUILD)/magice-ce-bench
+# The nccl-tests-like all-gather loop and the FSDP-like pool program: one source for the real NCCL
+# and the stand-in. Linked against libnccl.so.2 with no path of its own, so the loader takes the
+# NCCL that LD_LIBRARY_PATH names (the stand-in: tools/bench/allgather_bench.py sets it) or the
+# system's (the GPU machine, with build/ carried: tools/bench/run-allgather-bench-gpu.sh).
+ALLGATHER_BENCH := $(BUILD)/magice-allgather-bench
+$(ALLGATHER_BENCH): $(BUILD)/obj/tools/bench/allgather_bench.o $(BUILD)/obj/tests/support/bootstrap.o \
+                    $(STANDIN)
+	$(CXX) -o $@ $(filter %.o,$^) -L$(SUPPORT) -l:libnccl.so.2 -L$(CUDA_HOME)/lib64 -lcudart_static \
+	  -ldl -lrt -pthread
+
+bench: all $(STANDIN) $(BENCH) $(BUILD)/magice-ce-bench $(ALLGATHER_BENCH) $(LAUNCH)
 	@tools/bench/run-bench.sh $(BUILD)
+	@tools/bench/run-allgather-bench.sh $(BUILD)
 
 # Runs what is already built (build here, carry build/ to the GPU machine): no compiler needed there.
 gpu-test:
