@@ -126,14 +126,18 @@ class Runner:
                 plan_lines = [line.split() for line in f]
             calls = rank0_gathers(self.build, trace_dir)
             if self.keep:
-                subprocess.run(["cp", "-r", trace_dir, plan,
-                                f"{self.keep}/launch{self.launches:03d}-{ranks}r-counted"],
-                               check=False, capture_output=True)
+                kept = f"{self.keep}/launch{self.launches:03d}-{ranks}r-counted"
+                os.makedirs(kept, exist_ok=True)
+                subprocess.run(["cp", "-r", trace_dir, plan, kept], check=False)
         totals = None
+        rounds = set()  # rank 0's agreement rounds: each is one more all-gather on NCCL
         for line in err.splitlines():
             m = re.search(r"\[0\] MAGI INFO REWRITE comm \w+: (\d+) of (\d+) all-gathers", line)
             if m:
                 totals = (int(m.group(1)), int(m.group(2)))
+            m = re.search(r"\[0\] MAGI INFO REWRITE comm \w+ round (\d+):", line)
+            if m:
+                rounds.add(int(m.group(1)))
         if len(calls) != len(plan_lines):
             sys.exit(f"allgather_bench: rank 0's trace holds {len(calls)} all-gathers, the plan "
                      f"{len(plan_lines)}")
@@ -144,7 +148,8 @@ class Runner:
         moved_total = sum(m for _, m in calls)
         check = "?" if totals is None else ("agrees" if totals == (moved_total, len(calls)) else
                                             f"DISAGREES: log says {totals[0]} of {totals[1]}")
-        return calls, plan_lines, f"{moved_total} of {len(calls)} moved (end-of-comm line {check})"
+        return calls, plan_lines, (f"{moved_total} of {len(calls)} moved (end-of-comm line "
+                                   f"{check}), {len(rounds)} agreement rounds")
 
 
 def rank0_gathers(build, trace_dir):
