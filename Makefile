@@ -208,6 +208,16 @@ $(ALLGATHER_BENCH): $(BUILD)/obj/tools/bench/allgather_bench.o $(BUILD)/obj/test
 	$(CXX) -o $@ $(filter %.o,$^) -L$(SUPPORT) -l:libnccl.so.2 -L$(CUDA_HOME)/lib64 -lcudart_static \
 	  -ldl -lrt -pthread
 
+# What tools/bench/run-allgather-bench-gpu.sh needs and nothing more (about 30 MB): carry
+# $(BUILD)/allgather-kit to the GPU machine and pass it as the build directory.
+ALLGATHER_KIT := $(BUILD)/allgather-kit
+.PHONY: allgather-kit
+allgather-kit: all $(ALLGATHER_BENCH) $(LAUNCH)
+	rm -rf $(ALLGATHER_KIT) && mkdir -p $(ALLGATHER_KIT)/tests/support
+	cp $(LIB) $(BUILD)/libunwind.so.8 $(TOOL) $(ALLGATHER_BENCH) $(ALLGATHER_KIT)/
+	for l in $(TOOL_LIBS); do [ ! -f $(BUILD)/$$l ] || cp $(BUILD)/$$l $(ALLGATHER_KIT)/; done
+	cp $(LAUNCH) $(ALLGATHER_KIT)/tests/support/
+
 bench: all $(STANDIN) $(BENCH) $(BUILD)/magice-ce-bench $(ALLGATHER_BENCH) $(LAUNCH)
 	@tools/bench/run-bench.sh $(BUILD)
 	@tools/bench/run-allgather-bench.sh $(BUILD)

@@ -323,8 +323,12 @@ def main():
     args = parse_args()
     runner = Runner(args)
     ranks_list = [int(r) for r in args.ranks.split(",")]
-    commit = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "describe",
-                             "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
+    try:  # a machine the tree was copied to may have no git, or no .git
+        commit = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)),
+                                 "describe", "--always", "--dirty"], capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = ""
     print(f"## all-gather benchmark: library {commit or '?'}, NCCL {args.nccl}, "
           f"{runner.memory} memory, {args.rounds} rounds")
     if not args.no_perf:
