@@ -409,14 +409,16 @@ constexpr OptionSpec kTable[] = {
     int_option<&O::warmup_steps>("MAGI_WARMUP_STEPS", "3", "an integer from 1 to 1000000", 1,
                                  1000000, OptionUnit::Count,
                                  "Steps a gather must recur unchanged (position, count, type, "
-                                 "call site, send buffer) to be a candidate."),
+                                 "call site, group; with static weights its send buffer too) to "
+                                 "be a candidate."),
     int_option<&O::reagree_steps>("MAGI_REAGREE_STEPS", "256", "an integer from 0 to 1000000000", 0,
                                   1000000000, OptionUnit::Count,
                                   "Steps to the next agreement round after one that moved all "
                                   "it could; after one that could move more later, the next "
-                                  "comes sooner (every other step while the step is young, then "
-                                  "backing off 1, 2, 4 ... up to this). 0: no re-agreement once "
-                                  "all moved, no bound on the back-off."),
+                                  "comes sooner, backing off 1, 2, 4 ... steps up to this (with "
+                                  "static weights every other step while the step is young "
+                                  "first). 0: no re-agreement once all moved, no bound on the "
+                                  "back-off."),
     int_option<&O::symm_min_shard_bytes>(
         "MAGI_SYMM_MIN_SHARD_MIB", "0", "an integer from 0 to 1048576", 0, 1048576, OptionUnit::MiB,
         "Smallest per-rank shard (MiB) a gather needs to leave NCCL; 0: any size."),
@@ -444,7 +446,9 @@ constexpr OptionSpec kTable[] = {
                                    "gathers beyond stay on NCCL."),
     bool_option<&O::ce_force>("MAGI_CE_FORCE", "0",
                               "Skip the trial that times each moved bucket both ways: agreed "
-                              "gathers always move."),
+                              "gathers always move. Also explores a communicator of one rank, "
+                              "which otherwise stays on NCCL (its all-gather is one local "
+                              "copy)."),
     fault_option<&O::inject_fault, kFaultPlaces>(
         "MAGI_INJECT_FAULT", "none", "none, or prepare:RANK, attach:RANK, gather:RANK or slow:RANK",
         "For tests: the transport of that rank of every communicator fails there, as a CUDA "

@@ -300,11 +300,14 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
   const bool recorder = state.flight != nullptr;
   record.callsite = 0;
   // Untraced, only an all-gather's call site is looked at (rewrite/ compares gathers' call
-  // sites): the unwinding is most of a call's cost with call sites on, more than the flight
-  // recorder's whole cost, so the recorder alone names every call only with MAGI_CALLSITES=2. A
-  // trace or the recorder describes each site it names at its first sighting.
-  if (options.callsites != 0 && (writer != nullptr || args.op == trace::Op::AllGather ||
-                                 (recorder && options.callsites == 2))) {
+  // sites, while the communicator may explore; the recorder names gathers): the unwinding is
+  // most of a call's cost with call sites on, more than the flight recorder's whole cost, so the
+  // recorder alone names every call only with MAGI_CALLSITES=2. A trace or the recorder
+  // describes each site it names at its first sighting.
+  const bool gather_site = args.op == trace::Op::AllGather &&
+                           (recorder || state.gather_callsites.load(std::memory_order_relaxed));
+  if (options.callsites != 0 &&
+      (writer != nullptr || gather_site || (recorder && options.callsites == 2))) {
     trace::Frame frames[64];
     int count = 0;
     record.callsite = callsite_fingerprint(static_cast<int>(options.callsite_depth),

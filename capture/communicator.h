@@ -40,6 +40,10 @@ struct Communicator {
   uint64_t collectives = 0;  // collectives fed to `steps` (guarded by steps_lock)
 
   FlightRing* flight = nullptr;  // MAGI_FLIGHT_RECORDER: set at the join, before any call
+  // Whether an untraced all-gather's call site is wanted (rewrite/ keys gathers on it while the
+  // communicator may explore). The shim clears it for good once the communicator never will: the
+  // unwinding is most of a watched gather's cost.
+  std::atomic<bool> gather_callsites{true};
 };
 
 }  // namespace magi::capture

@@ -91,7 +91,8 @@ std::string_view round_event_name(RoundEvent event) {
 std::string_view reason_name(Reason reason) {
   static const auto names = names_with_fallback<static_cast<size_t>(Reason::Count)>(
       {"none",
-       "not stable for MAGI_WARMUP_STEPS steps (count, call site or send buffer changed)",
+       "not stable for MAGI_WARMUP_STEPS steps (count, call site or group changed; static "
+       "weights: or the send buffer)",
        "host memory",
        "device memory (the host backend serves host memory)",
        "managed memory",
@@ -117,7 +118,9 @@ std::string_view reason_name(Reason reason) {
        "NCCL was faster for its bucket (timed both ways)",
        "the ranks' schedule settings differ (MAGI_WARMUP_STEPS, ...), or a rank cannot take part",
        "the step was refined: every rank sees a step of several shape steps, each gather its "
-       "own position"},
+       "own position",
+       "a communicator of one rank: NCCL's one local copy cannot be beaten (MAGI_CE_FORCE=1 "
+       "moves anyway)"},
       0, "reason#");
   return names[static_cast<uint8_t>(reason)];
 }

@@ -202,7 +202,8 @@ enum class RoundEvent : uint8_t {
 // Why a gather (or a whole communicator) stays on NCCL. Names: reason_name().
 enum class Reason : uint8_t {
   None = 0,
-  NotStable,          // count, call site or send buffer changed within MAGI_WARMUP_STEPS steps
+  NotStable,          // count, call site or group changed within MAGI_WARMUP_STEPS steps (static
+                      // weights: or its send buffer)
   HostMemory,         // a host buffer (the cuda backend needs device memory)
   DeviceMemory,       // a device buffer (the host backend serves host memory only)
   ManagedMemory,      // managed (unified) memory
@@ -228,6 +229,7 @@ enum class Reason : uint8_t {
   NcclFaster,         // timed both ways during the trial: NCCL completed its bucket sooner
   SettingsDiffer,     // the ranks' schedule settings differ, or some rank cannot take part
   StepRefined,        // every rank proposed the same longer step: rounds restart on it
+  SingleRank,         // a communicator of one rank: NCCL's one local copy cannot be beaten
   Count
 };
 

@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <string>
 
+#include "base/clock.h"
+
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
@@ -35,12 +37,23 @@ CommAgreement::CommAgreement(ncclComm_t comm, const capture::CommInfo& info, Agr
       options_(world_.options),
       backend_(backend_of(options_)),
       settings_(schedule_settings(options_, ce::backend_available(backend_))),
-      schedule_(options_),
+      policy_(options_),
       flush_(world_.nccl, info_.identity),
       serving_(world_, info_, comm) {
-  hello_due_ = unagreeable(info_) == Reason::None && world_.nccl.all_gather != nullptr;
+  const Reason never = unagreeable(info_) == Reason::None
+                           ? ExplorationPolicy::never_explores(options_, info_.nranks)
+                           : Reason::CommNotAgreeable;
+  hello_due_ = never == Reason::None && world_.nccl.all_gather != nullptr;
   agreeable_ = hello_due_ && takes_part(settings_);
-  if (!hello_due_) {
+  seen_.key_on_buffers(options_.static_weights);
+  if (never == Reason::SingleRank) {
+    quiet_ = never;
+    MAGI_INFO(Rewrite,
+              "comm %012llx: one rank: NCCL's all-gather is one local copy there, which the copy "
+              "engine cannot beat; no agreement on this communicator (MAGI_CE_FORCE=1 moves its "
+              "gathers anyway)",
+              short_id(info_.identity));
+  } else if (!hello_due_) {
     MAGI_INFO(Rewrite, "comm %012llx: no agreement on this communicator (%s)",
               short_id(info_.identity),
               info_.nonblocking ? "non-blocking communicator" : "ncclCommInitAll or unknown");
@@ -67,14 +80,14 @@ CommAgreement::~CommAgreement() {
     const Coverage& c = coverage_;
     const std::string first =
         c.moved != 0 ? "; the first at collective #" + std::to_string(c.first_moved) : "";
-    MAGI_INFO(Rewrite,
-              "comm %012llx: %llu of %llu all-gathers (%llu of %llu bytes sent) served off NCCL, "
-              "%llu fell back to NCCL%s",
-              short_id(info_.identity), static_cast<unsigned long long>(c.moved),
-              static_cast<unsigned long long>(c.gathers),
-              static_cast<unsigned long long>(c.moved_bytes),
-              static_cast<unsigned long long>(c.bytes),
-              static_cast<unsigned long long>(c.fell_back), first.c_str());
+    MAGI_INFO(
+        Rewrite,
+        "comm %012llx: %llu of %llu all-gathers (%llu of %llu bytes sent) served off NCCL, "
+        "%llu fell back to NCCL%s; exploring cost %s",
+        short_id(info_.identity), static_cast<unsigned long long>(c.moved),
+        static_cast<unsigned long long>(c.gathers), static_cast<unsigned long long>(c.moved_bytes),
+        static_cast<unsigned long long>(c.bytes), static_cast<unsigned long long>(c.fell_back),
+        first.c_str(), policy_.cost_summary().c_str());
   }
   serving_.drop();
   if (hello_ && !agreeable_) look_at_hello(last_seq_);
@@ -103,6 +116,7 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   // programs capture the same calls on every rank (one graph, replayed by all).
   if (hello_due_ && !capture::stream_capturing(args, record)) issue_hello(view.collective_index);
   last_seq_ = view.collective_index;
+  if (quiet_ != Reason::None) stay_quiet(quiet_, view.collective_index);
   if (!agreeable_) {
     if (hello_) look_at_hello(view.collective_index);
     if (!retired_.empty()) free_retired_ready();
@@ -123,8 +137,8 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   if (seen_.has_gathers()) watch_own_facts(record, view);
   uint32_t position = position_of(view);
   if (position == 0) seen_.begin_step();
-  if (position == schedule_.anchor()) {
-    schedule_.pass_anchor();
+  if (position == policy_.anchor()) {
+    policy_.pass_anchor();
     if (anchor_has_work() && !capture::stream_capturing(args, record)) {
       at_anchor(view);
       position = position_of(view);  // a refinement read here renumbers this very call
@@ -133,12 +147,14 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   seen_.observe(position, facts, backend_);
 
   const bool capturing = (record.flags & trace::kCallCapturing) != 0;  // asked for gathers
+  if (committing_ && !capturing && view.digest == step_digest_)
+    return route_while_committing(position, gather);
   if (active_ && !capturing && view.digest == active_digest_ && gather &&
       position < layout_.offset_by_position.size()) {
     const size_t offset = layout_.offset_by_position[position];
     if (offset != SIZE_MAX) {
       Route::Kind kind = active_dry_ ? Route::Kind::WouldMove : Route::Kind::Move;
-      if (trial_.sends_to_nccl(schedule_.steps())) kind = Route::Kind::TrialNccl;
+      if (trial_.sends_to_nccl(policy_.steps())) kind = Route::Kind::TrialNccl;
       Route route{kind, offset, layout_.bucket_by_position[position]};
       route.plan = active_plan_;
       if (kind == Route::Kind::Move && !sources_.empty()) {
@@ -159,6 +175,20 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
     }
   }
   return {};
+}
+
+Route CommAgreement::route_while_committing(uint32_t position, bool gather) const {
+  if (!gather || position >= layout_.offset_by_position.size()) return {};
+  const size_t offset = layout_.offset_by_position[position];
+  if (offset == SIZE_MAX) return {};
+  Route route{Route::Kind::TrialNccl, offset, layout_.bucket_by_position[position]};
+  route.plan = active_plan_ + 1;  // the plan it would be served by once active
+  return route;
+}
+
+void CommAgreement::stay_quiet(Reason why, uint64_t seq) {
+  quiet_ = Reason::None;
+  record(RoundKind::Hello, trace::RoundEvent::Read, seq, AgreementMode::None, why, 0);
 }
 
 ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket,
@@ -191,7 +221,7 @@ void CommAgreement::restart(const capture::StepView& view) {
   recent_.seed(seen_, view.origin, view.period, view.collective_index, backend_);
   serving_.forget_stale();
   step_digest_ = view.digest;
-  schedule_.restart(view.position);
+  policy_.restart(view.digest, view.position);
   forget_refinement(view);
 }
 
@@ -209,7 +239,10 @@ void CommAgreement::forget_refinement(const capture::StepView& view) {
 void CommAgreement::watch_own_facts(const capture::CallRecord& record,
                                     const capture::StepView& view) {
   if (!own_steps_) return;
-  const uint64_t facts[3] = {view.position, record.callsite, record.sendbuf};
+  // Default mode keys gathers without their buffers: a period only the buffers show (layers
+  // that share a call site) is no reason to refine there.
+  const uint64_t facts[3] = {view.position, record.callsite,
+                             seen_.keyed_on_buffers() ? record.sendbuf : 0};
   own_steps_->push(XXH3_64bits(facts, sizeof facts));
 }
 
@@ -246,8 +279,9 @@ void CommAgreement::refine(const Decision& d, uint64_t seq) {
       (refined_phase_ + refined_period_ - shape_run_origin_ % refined_period_) % refined_period_;
   recent_.seed(seen_, first, refined_period_, seq, backend_);
   serving_.forget_stale();
-  schedule_.restart(static_cast<uint32_t>(
-      (seq % refined_period_ + refined_period_ - refined_phase_) % refined_period_));
+  policy_.restart(step_digest_ ^ refined_period_,
+                  static_cast<uint32_t>((seq % refined_period_ + refined_period_ - refined_phase_) %
+                                        refined_period_));
   MAGI_INFO(Rewrite,
             "comm %012llx round %u: the step is %u collectives (%u shape steps): each gather "
             "keeps its own position",
@@ -267,6 +301,10 @@ void CommAgreement::on_lost(uint64_t seq) {
 }
 
 void CommAgreement::abandon_pending(uint64_t seq) {
+  if (committing_) {
+    committing_ = false;
+    trial_.stop();
+  }
   if (!pending_) return;
   record(pending_->kind, trace::RoundEvent::Abandoned, seq, AgreementMode::None, Reason::Deviated,
          0);
@@ -279,7 +317,7 @@ bool CommAgreement::anchor_has_work() const {
 }
 
 bool CommAgreement::propose_due() const {
-  return seen_.has_gathers() && schedule_.propose_due(seen_.complete_steps());
+  return seen_.has_gathers() && policy_.propose_due(seen_.complete_steps());
 }
 
 void CommAgreement::free_retired_ready() {
@@ -298,7 +336,7 @@ void CommAgreement::at_anchor(const capture::StepView& view) {
   trial_.collect();
   if (pending_) {
     read_round(view.collective_index);
-  } else if (trial_.due(schedule_.steps()) && active_) {
+  } else if (trial_.due(policy_.steps()) && active_) {
     issue_cost(view.collective_index);
   } else if (propose_due() && read_hello_round(view.collective_index)) {
     propose(view.collective_index);
@@ -322,7 +360,7 @@ Contribution CommAgreement::header_for(RoundKind kind) const {
 }
 
 void CommAgreement::propose(uint64_t seq) {
-  schedule_.next_round();
+  policy_.next_round();
   Contribution c = header_for(RoundKind::Propose);
   c.entries = seen_.entries(options_, backend_, serving_.stale_positions());
   if (serving_.failed()) {
@@ -350,10 +388,10 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
     c.header.flags |= kIssuedInGroup;
     c.header.flags &= ~kCanServe;
   }
-  c.header.round = schedule_.rounds();
+  c.header.round = policy_.rounds();
   auto round = std::make_unique<Round>();
   round->kind = kind;
-  round->number = schedule_.rounds();
+  round->number = policy_.rounds();
   round->voted_no = in_group;
   round->decision_hash = c.header.decision_hash;
   try {
@@ -398,7 +436,9 @@ void CommAgreement::read_round(uint64_t seq) {
     read_voted_no(*round, seq);
     return;
   }
+  const uint64_t asked = clock_ns();
   const std::span<const uint8_t> all = round->exchange->result();
+  policy_.count_round_wait(clock_ns() - asked);
   struct KeepSpare {  // once the result has been used, whatever path the round takes
     std::unique_ptr<ce::Exchange>& spare;
     std::unique_ptr<ce::Exchange>& used;
@@ -408,8 +448,7 @@ void CommAgreement::read_round(uint64_t seq) {
   } keep{spare_, round->exchange};
   switch (round->kind) {
     case RoundKind::Propose:
-      take_decision(read_propose(all, info_.nranks, info_.rank, nccl_faster_hash_), round->number,
-                    seq);
+      take_decision(judged(decide(all, info_.nranks, info_.rank)), round->number, seq);
       break;
     case RoundKind::Publish: read_publish(all, *round, seq); break;
     case RoundKind::Confirm: read_confirm(all, *round, seq); break;
@@ -436,8 +475,10 @@ void CommAgreement::read_voted_no(Round& round, uint64_t seq) {
     case RoundKind::Confirm:
       record(round.kind, trace::RoundEvent::Read, seq, AgreementMode::None, Reason::AnchorInGroup,
              0);
+      committing_ = false;
+      trial_.stop();
       serving_.drop();
-      schedule_.retry_soon();
+      policy_.retry_soon();
       break;
   }
 }
@@ -464,7 +505,10 @@ void CommAgreement::issue_hello(uint64_t seq) {
 bool CommAgreement::read_hello_round(uint64_t seq) {
   if (!hello_) return agreeable_;
   const std::unique_ptr<Round> round = std::move(hello_);
-  take_hello(read_hello(round->exchange->result(), info_.nranks), seq);
+  const uint64_t asked = clock_ns();
+  const std::span<const uint8_t> all = round->exchange->result();
+  policy_.count_round_wait(clock_ns() - asked);
+  take_hello(read_hello(all, info_.nranks), seq);
   if (!spare_) spare_ = std::move(round->exchange);
   return agreeable_;
 }
@@ -489,6 +533,60 @@ void CommAgreement::take_hello(const HelloOutcome& hello, uint64_t seq) {
     MAGI_INFO(Rewrite, "comm %012llx: %s", short_id(info_.identity), hello.why.c_str());
 }
 
+// Buckets of the decision being committed (the largest moving bucket index + 1).
+size_t CommAgreement::plan_buckets() const {
+  size_t buckets = 0;
+  for (const GatherDecision& g : decision_.gathers)
+    if (g.moves) buckets = std::max<size_t>(buckets, g.bucket + 1u);
+  return buckets;
+}
+
+// A bucket's bytes as served: its moving gathers' shards, each aligned as in a slot. Shapes
+// only, so equal on every rank.
+uint64_t CommAgreement::bucket_bytes_of(const Decision& d, uint16_t bucket) const {
+  uint64_t bytes = 0;
+  for (const GatherDecision& g : d.gathers) {
+    if (!g.moves || g.bucket != bucket || g.position >= seen_.period()) continue;
+    const PositionSeen& p = seen_.at(g.position);
+    bytes += round_up(p.count * datatype_bytes(p.dtype), kSlotAlignment);
+  }
+  return bytes;
+}
+
+Decision CommAgreement::judged(Decision d) const {
+  if (!d.moves_anything()) return d;
+  if (policy_.nccl_won(d.hash)) {
+    // This very plan was timed and NCCL won every bucket: trying it again would only disturb
+    // the program every MAGI_REAGREE_STEPS. A plan that differs in any way is tried afresh.
+    for (GatherDecision& g : d.gathers) {
+      if (!g.moves) continue;
+      g.moves = false;
+      g.reason = Reason::NcclFaster;
+    }
+  } else if (!options_.ce_force) {
+    // Buckets of sizes NCCL already won stay without being tried.
+    std::vector<uint16_t> stays;
+    for (const GatherDecision& g : d.gathers)
+      if (g.moves && std::find(stays.begin(), stays.end(), g.bucket) == stays.end() &&
+          policy_.size_verdict(bucket_bytes_of(d, g.bucket)) ==
+              ExplorationPolicy::SizeVerdict::Stays)
+        stays.push_back(g.bucket);
+    if (stays.empty()) return d;
+    for (GatherDecision& g : d.gathers) {
+      if (g.moves && std::find(stays.begin(), stays.end(), g.bucket) != stays.end()) {
+        g.moves = false;
+        g.reason = Reason::NcclFaster;
+      }
+    }
+  } else {
+    return d;
+  }
+  recount(d, step_digest_);
+  // Measured, not unsettled: the next propose keeps its usual distance.
+  if (!d.moves_anything()) d.retry_soon = false;
+  return d;
+}
+
 void CommAgreement::take_decision(const Decision& d, uint32_t round, uint64_t seq) {
   decision_ = d;
   decision_round_ = round;
@@ -510,8 +608,10 @@ void CommAgreement::read_publish(std::span<const uint8_t> all, const Round& roun
               "everything stays on NCCL",
               short_id(info_.identity), round.number,
               std::string(trace::reason_name(c.reason)).c_str());
+    committing_ = false;
+    trial_.stop();
     serving_.drop();
-    schedule_.retry_soon();
+    policy_.retry_soon();
     return;
   }
   Contribution confirm = header_for(RoundKind::Confirm);
@@ -542,9 +642,11 @@ void CommAgreement::read_confirm(std::span<const uint8_t> all, const Round& roun
   const CommitOutcome c = decide_commit(all, info_.nranks, RoundKind::Confirm, round.decision_hash);
   record(RoundKind::Confirm, trace::RoundEvent::Read, seq, decision_.mode, c.reason,
          c.agreed ? decision_.moved : 0);
+  committing_ = false;
   if (c.agreed) {
     activate(seq);
   } else {
+    trial_.stop();
     MAGI_INFO(Rewrite,
               "comm %012llx round %u: the commit was not confirmed by every rank (%s); "
               "everything stays on NCCL",
@@ -559,17 +661,23 @@ void CommAgreement::read_confirm(std::span<const uint8_t> all, const Round& roun
 // MAGI_REAGREE_STEPS.
 void CommAgreement::schedule_after(bool short_of_what_could_move) {
   if (short_of_what_could_move)
-    schedule_.retry_soon();
+    policy_.retry_soon();
   else
-    schedule_.reagree_later();
+    policy_.reagree_later();
 }
 
 void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
   // Where a publish follows, its read or its confirm's sets when the next propose comes.
   const bool stands = active_ && d.hash == active_hash_ && d.dry_run == active_dry_;
   if (!d.moves_anything() || d.dry_run || stands) schedule_after(d.retry_soon);
-  if (d.reason == Reason::AnchorInGroup && seen_.period() > 1)
-    schedule_.move_anchor(seen_.period());
+  if (d.reason == Reason::AnchorInGroup && seen_.period() > 1) policy_.move_anchor(seen_.period());
+  if (d.reason == Reason::PeerOffNode || d.reason == Reason::PeerNotAccessible) {
+    // Where the ranks run never changes for a communicator: no round will ever move anything.
+    policy_.stop(d.reason);
+    MAGI_INFO(Rewrite, "comm %012llx round %u: %s: no more agreement rounds on this communicator",
+              short_id(info_.identity), decision_round_,
+              std::string(trace::reason_name(d.reason)).c_str());
+  }
   if (!d.moves_anything()) {
     if (active_) deactivate(seq, d.reason != Reason::None ? d.reason : Reason::OtherRankRefused);
     serving_.drop();
@@ -586,11 +694,24 @@ void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
               short_id(info_.identity), decision_round_,
               static_cast<long long>(d.transient_position), d.transient_rank,
               d.transient_flags & kEntryBufferReused ? "buffer reused" : "in place");
+  const size_t buckets = plan_buckets();
   if (d.dry_run) {
+    trial_.begin(false, buckets);
     active_dry_ = true;
     activate(seq);
     return;
   }
+  // Timed unless forced, or unless every moving bucket's size already has a verdict.
+  bool timed = !options_.ce_force;
+  for (uint16_t b = 0; timed && b < buckets; ++b)
+    timed = policy_.size_verdict(bucket_bytes_of(d, b)) != ExplorationPolicy::SizeVerdict::Moves;
+  if (!timed && !options_.ce_force)
+    MAGI_INFO(Rewrite,
+              "comm %012llx round %u: every moving bucket is as large as one the copy engine "
+              "already won: not timed again",
+              short_id(info_.identity), decision_round_);
+  trial_.begin(timed, buckets);
+  committing_ = timed;
   publish(seq);
 }
 
@@ -644,11 +765,7 @@ void CommAgreement::activate(uint64_t seq) {
   ++active_plan_;
   active_digest_ = step_digest_;
   active_hash_ = decision_.hash;
-  size_t buckets = 0;
-  for (const GatherDecision& g : decision_.gathers)
-    if (g.moves) buckets = std::max<size_t>(buckets, g.bucket + 1u);
-  trial_.start(!active_dry_ && !options_.ce_force, schedule_.steps(),
-               static_cast<uint64_t>(options_.warmup_steps), buckets);
+  trial_.start(policy_.steps(), static_cast<uint64_t>(options_.warmup_steps));
   record(active_dry_ ? RoundKind::Propose : RoundKind::Confirm, trace::RoundEvent::Activated, seq,
          decision_.mode, Reason::None, decision_.moved);
   MAGI_INFO(Rewrite,
@@ -671,6 +788,10 @@ void CommAgreement::issue_cost(uint64_t seq) {
 void CommAgreement::after_cost(std::span<const uint8_t> all, uint64_t seq) {
   const std::vector<CostVerdict> costs = decide_cost(all, info_.nranks, trial_.buckets());
   log_costs(info_.identity, decision_round_, costs);
+  for (uint16_t b = 0; b < costs.size(); ++b)
+    if (costs[b].measured) policy_.learn_size(bucket_bytes_of(decision_, b), costs[b].keep);
+  policy_.count_timed_calls(trial_.launches_timed());
+  policy_.count_slower_calls(trial_.launches_slower(costs));
   const uint32_t moved = keep_faster(costs, decision_, layout_);
   const bool changed = moved != decision_.moved;
   decision_.moved = moved;
@@ -685,7 +806,7 @@ void CommAgreement::after_cost(std::span<const uint8_t> all, uint64_t seq) {
   }
   record_decision(world_.trace, info_, seen_, decision_, decision_round_);
   if (moved == 0) {
-    nccl_faster_hash_ = active_hash_;
+    policy_.nccl_won_plan(active_hash_);
     deactivate(seq, Reason::NcclFaster);
     serving_.drop();
     return;
@@ -729,7 +850,7 @@ void CommAgreement::record(RoundKind kind, trace::RoundEvent event, uint64_t seq
   stamp.rank = info_.rank;
   stamp.step_digest = step_digest_;
   stamp.round = event == trace::RoundEvent::Issued || event == trace::RoundEvent::Abandoned
-                    ? schedule_.rounds()
+                    ? policy_.rounds()
                     : decision_round_;
   stamp.period = seen_.period();
   stamp.gathers = static_cast<uint32_t>(decision_.gathers.size());

@@ -16,10 +16,10 @@
 // A round is read one step after it was issued: the host waits there only if the round is
 // somehow still in flight. The observation is seeded, when the step is found, with the step's
 // calls the detector already saw repeat (RecentCalls), so the W steps may be complete at once.
-// The next propose comes MAGI_REAGREE_STEPS steps after a round that moved all it could (or
-// that NCCL won by measurement), and 1, 2, 4 … steps after one that moved less than it could (a
-// candidate not yet stable on some rank, groups not settled, a publish or confirm refused): the
-// decision says which (Decision::retry_soon), from bytes every rank read alike.
+// When the next propose comes, what is remembered between rounds and when exploring stops is the
+// exploration policy's (rewrite/exploration.h), fed only what every rank read alike: the
+// decision says whether a round moved less than it could (Decision::retry_soon). A communicator
+// of one rank never explores (MAGI_CE_FORCE=1 aside): no hello, no round.
 //
 // Before all of that, one hello round (rewrite/hello.h) at the communicator's first collective
 // not captured into a graph, on every rank agreeable by program facts, MAGI_TRANSPORT=nccl
@@ -49,17 +49,19 @@
 //  - A call that deviates in a shared fact (count, type, order) changes the shape sequence: the
 //    detector loses the step at that very call on every rank, the plan is dropped there, and that
 //    call and all after it go to NCCL until a new agreement.
-//  - A rank-local change (a new send buffer, another call site) changes no route. It cannot break
-//    bytes either: the default transport copies the send buffer on every call, so it reads
-//    whatever buffer the call names. The change shows in the next propose round, where it makes
-//    the gather "not stable" on that rank, which the AND spreads to every rank.
+//  - A rank-local change (another call site; with static weights a new send buffer) changes no
+//    route. It cannot break bytes either: the default transport copies the send buffer on every
+//    call, so it reads whatever buffer the call names (which is why the default mode's key holds
+//    no buffer at all). The change shows in the next propose round, where it makes the gather
+//    "not stable" on that rank, which the AND spreads to every rank.
 //  - A transport failure on one rank returns an error for that call and makes that rank refuse
 //    every gather in the next propose, so routes go back to NCCL everywhere at one call.
 //
 // Refined steps. A step of identical shapes (L layers of one shard size, nothing else on the
-// communicator) is, by shapes, a step of one call whose one position sees L send buffers in
-// turn: never stable. So each rank also watches its own facts (shape position, call site, send
-// buffer) with a second detector, fed only while the shape step is found and started afresh
+// communicator) is, by shapes, a step of one call whose one position sees L call sites or (static
+// weights, which key on buffers) L send buffers in turn: never stable. So each rank also watches
+// its own facts (shape position, call site, and with static weights the send buffer) with a
+// second detector, fed only while the shape step is found and started afresh
 // with it. When their period is a longer multiple of the step rounds follow, the propose carries
 // it, with a phase taken from shared facts (a shape position 0). Only when every rank proposed
 // the same (period, phase) does decide() say "refine"; then every rank, at that same read,
@@ -89,13 +91,13 @@
 #include "ce_transport/ce_transport.h"
 #include "rewrite/contribution.h"
 #include "rewrite/cost_trial.h"
+#include "rewrite/exploration.h"
 #include "rewrite/group_flush.h"
 #include "rewrite/hello.h"
 #include "rewrite/observation.h"
 #include "rewrite/recent_calls.h"
 #include "rewrite/rewrite.h"
 #include "rewrite/round_log.h"
-#include "rewrite/round_schedule.h"
 #include "rewrite/serving.h"
 #include "rewrite/world.h"
 
@@ -119,8 +121,9 @@ struct Route {
   uint32_t plan = 0;
 };
 
-// Coordinates the parts for one communicator: the round schedule, the rounds themselves (issued
-// through a GroupFlush, recorded through round_log), the active plan, its Serving and CostTrial.
+// Coordinates the parts for one communicator: the exploration policy, the rounds themselves
+// (issued through a GroupFlush, recorded through round_log), the active plan, its Serving and
+// CostTrial.
 class CommAgreement {
  public:
   CommAgreement(ncclComm_t comm, const capture::CommInfo& info, AgreementWorld world);
@@ -155,6 +158,9 @@ class CommAgreement {
   // A moved gather failed outside the transport (`why`, said once): the communicator refuses
   // every gather at its next propose, as after a transport error.
   void fail_transport(const char* why) noexcept { serving_.fail(why); }
+  // Whether this communicator may still explore (issue rounds, watch its gathers' call sites):
+  // false for good once it cannot take part or its ranks can never gain (ExplorationPolicy).
+  bool watching() const { return agreeable_ && !policy_.stopped(); }
 
  private:
   struct Round {
@@ -184,6 +190,13 @@ class CommAgreement {
   // collect): only then is the call's capture state asked.
   bool anchor_has_work() const;
   bool propose_due() const;
+  // Before the plan being committed is active, its gathers go to NCCL anyway: timed there, they
+  // are the cost trial's NCCL side, so no call has to run the slower way on purpose.
+  Route route_while_committing(uint32_t position, bool gather) const;
+  // What remembered verdicts say of a propose every rank read alike (ExplorationPolicy).
+  Decision judged(Decision decision) const;
+  uint64_t bucket_bytes_of(const Decision& decision, uint16_t bucket) const;
+  size_t plan_buckets() const;
   void at_anchor(const capture::StepView& view);
   void read_round(uint64_t seq);
   void read_voted_no(Round& round, uint64_t seq);
@@ -195,6 +208,7 @@ class CommAgreement {
   void take_decision(const Decision& decision, uint32_t round, uint64_t seq);
   void after_propose(const Decision& decision, uint64_t seq);
   void schedule_after(bool short_of_what_could_move);
+  void stay_quiet(Reason why, uint64_t seq);
   void publish(uint64_t seq);
   void activate(uint64_t seq);
   void issue_cost(uint64_t seq);
@@ -216,12 +230,15 @@ class CommAgreement {
   const ce::Backend backend_;
   const ScheduleSettings settings_;
   bool agreeable_ = true;  // this rank issues rounds (until the hello says otherwise)
+  // Why this communicator never explores, said in the trace at its first collective (None: it
+  // may, or it was said).
+  Reason quiet_ = Reason::None;
   // The hello: owed at the first collective not captured (agreeable by program facts, even
   // when this rank takes no part), then in flight until read.
   bool hello_due_ = false;
   std::unique_ptr<Round> hello_;
 
-  RoundSchedule schedule_;
+  ExplorationPolicy policy_;
   GroupFlush flush_;
   StepObservation seen_;
   RecentCalls recent_;        // what seeds seen_ when the step is found
@@ -255,7 +272,8 @@ class CommAgreement {
   uint64_t last_seq_ = 0;  // the latest call's collective index
   Serving serving_;
   CostTrial trial_;
-  uint64_t nccl_faster_hash_ = 0;  // a plan whose cost round kept no bucket: not tried again
+  // A plan read and being committed (publish, confirm) whose trial times its NCCL side now.
+  bool committing_ = false;
 
   // The active plan: routes follow it while the step digest is this one.
   bool active_ = false;

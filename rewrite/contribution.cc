@@ -237,11 +237,17 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
     if (d.transient_rank >= 0) d.bound = false;
   }
 
+  recount(d, mine.header.step_digest);
+  return d;
+}
+
+void recount(Decision& d, uint64_t step_digest) {
   XXH3_state_t state;
   XXH3_64bits_reset(&state);
-  XXH3_64bits_update(&state, &mine.header.step_digest, sizeof(mine.header.step_digest));
+  XXH3_64bits_update(&state, &step_digest, sizeof(step_digest));
   XXH3_64bits_update(&state, &d.mode, sizeof(d.mode));
   XXH3_64bits_update(&state, &d.bound, sizeof(d.bound));
+  d.moved = 0;
   for (const GatherDecision& g : d.gathers) {
     if (!g.moves) continue;
     ++d.moved;
@@ -249,6 +255,13 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
     XXH3_64bits_update(&state, &g.bucket, sizeof(g.bucket));
   }
   d.hash = d.moved != 0 ? XXH3_64bits_digest(&state) | 1u : 0;
+}
+
+Decision void_propose(const std::vector<GatherEntry>& entries) {
+  Decision d;
+  d.reason = Reason::AnchorInGroup;
+  for (const GatherEntry& e : entries)
+    d.gathers.push_back({e.position, e.bucket, false, Reason::AnchorInGroup, -1});
   return d;
 }
 

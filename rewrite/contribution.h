@@ -131,7 +131,7 @@ struct Decision {
   uint32_t moved = 0;
   uint64_t hash = 0;  // of step digest, mode and the moving positions; 0 if none move
   // Less moved than later may: some rank's candidate was not yet stable, or its groups had not
-  // settled. The next propose comes soon (RoundSchedule::retry_soon), on every rank alike.
+  // settled. The next propose comes soon (ExplorationPolicy::retry_soon), on every rank alike.
   bool retry_soon = false;
   // Every rank proposed this refinement (Reason::StepRefined): nothing moves, and every rank
   // restarts its rounds on a step of refine_period collectives from here. 0: none.
@@ -143,6 +143,11 @@ struct Decision {
 
 // The ladder. `all` holds nranks contributions of kContributionBytes, rank order.
 Decision decide(std::span<const uint8_t> all, int nranks, int my_rank);
+// A propose this rank issued inside an open group: void, without reading it.
+Decision void_propose(const std::vector<GatherEntry>& entries);
+// After gathers of a decision were made to stay (by verdicts every rank holds alike): its moved
+// count and hash again, as decide() computes them for the step `step_digest`.
+void recount(Decision& decision, uint64_t step_digest);
 
 // Publish and confirm rounds: true when every rank can serve `decision_hash`; else the reason.
 struct CommitOutcome {

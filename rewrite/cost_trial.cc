@@ -6,13 +6,24 @@
 
 namespace magi::rewrite {
 
-void CostTrial::start(bool timed, uint64_t steps, uint64_t warmup_steps, size_t buckets) {
+void CostTrial::begin(bool timed, size_t buckets) {
   running_ = timed;
-  start_ = steps;
-  end_ = steps + 2 * warmup_steps;
+  started_ = false;
+  alternating_ = false;
   timings_.clear();
   moved_ns_.assign(buckets, {});
   nccl_ns_.assign(buckets, {});
+  nccl_on_purpose_.assign(buckets, 0);
+}
+
+void CostTrial::start(uint64_t steps, uint64_t warmup_steps) {
+  if (!running_) return;
+  collect();
+  started_ = true;
+  start_ = steps;
+  alternating_ = std::any_of(nccl_ns_.begin(), nccl_ns_.end(),
+                             [](const std::vector<uint64_t>& ns) { return ns.empty(); });
+  end_ = steps + (alternating_ ? 2 : 1) * warmup_steps;
 }
 
 void CostTrial::stop() {
@@ -37,7 +48,8 @@ void CostTrial::end_timing(std::unique_ptr<ce::CompletionTimer> timer, void* str
   if (!timer) return;
   try {
     timer->stop(stream);
-    timings_.push_back({bucket, via_nccl, std::move(timer)});
+    const bool on_purpose = via_nccl && started_;
+    timings_.push_back({bucket, via_nccl, on_purpose, std::move(timer)});
   } catch (...) {
     // Unmeasured: the cost round keeps the bucket moving.
   }
@@ -48,6 +60,7 @@ void CostTrial::collect() {
     const uint64_t ns = t.timer->elapsed_ns();  // a step later: long complete
     if (ns == 0 || t.bucket >= moved_ns_.size()) continue;
     (t.via_nccl ? nccl_ns_ : moved_ns_)[t.bucket].push_back(ns);
+    if (t.on_purpose) ++nccl_on_purpose_[t.bucket];
   }
   timings_.clear();
 }
@@ -63,6 +76,19 @@ std::vector<BucketCost> CostTrial::medians() {
   for (size_t b = 0; b < moved_ns_.size(); ++b)
     costs.push_back({median(moved_ns_[b]), median(nccl_ns_[b])});
   return costs;
+}
+
+uint64_t CostTrial::launches_timed() const {
+  uint64_t n = 0;
+  for (size_t b = 0; b < moved_ns_.size(); ++b) n += moved_ns_[b].size() + nccl_ns_[b].size();
+  return n;
+}
+
+uint64_t CostTrial::launches_slower(const std::vector<CostVerdict>& costs) const {
+  uint64_t n = 0;
+  for (size_t b = 0; b < moved_ns_.size() && b < costs.size(); ++b)
+    n += costs[b].keep ? nccl_on_purpose_[b] : moved_ns_[b].size();
+  return n;
 }
 
 uint32_t keep_faster(const std::vector<CostVerdict>& costs, Decision& decision,

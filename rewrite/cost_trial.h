@@ -1,7 +1,13 @@
-// The cost trial (unless MAGI_CE_FORCE=1): for 2 × MAGI_WARMUP_STEPS steps after activation, the
-// moved buckets alternate, step by step, between the transport and NCCL, each timed to
-// completion; then a cost round keeps, per bucket, the route that was faster on the slowest rank.
-// Which steps go where is a function of the anchor count: shared by every rank.
+// The cost trial (unless MAGI_CE_FORCE=1, or the sizes of every moving bucket already have a
+// verdict: ExplorationPolicy): each moving bucket is timed both ways, then a cost round keeps,
+// per bucket, the route that was faster on the slowest rank.
+// Its NCCL side is timed first, on calls that go to NCCL anyway: those of the plan's gathers
+// between the propose read and the activation (the publish and confirm rounds take two steps).
+// Its copy-engine side is the first MAGI_WARMUP_STEPS steps after activation. So no call runs the
+// slower way on purpose, but for the copy-engine calls of a bucket NCCL then wins. Where a bucket
+// has no NCCL timing by the activation (a timer that could not start, a step lost and found), the
+// trial falls back to alternating, step by step, for 2 × MAGI_WARMUP_STEPS steps. Which steps go
+// where is a function of the anchor count and of what every rank read: shared by every rank.
 #pragma once
 
 #include <cstdint>
@@ -16,8 +22,11 @@ namespace magi::rewrite {
 
 class CostTrial {
  public:
-  // A plan of `buckets` buckets was activated at anchor count `steps`; `timed`: the trial runs.
-  void start(bool timed, uint64_t steps, uint64_t warmup_steps, size_t buckets);
+  // A plan of `buckets` buckets was read and is being committed; `timed`: the trial runs, and
+  // times its gathers sent to NCCL from here (the NCCL side).
+  void begin(bool timed, size_t buckets);
+  // The plan was activated at anchor count `steps`: the copy-engine side is timed from here.
+  void start(uint64_t steps, uint64_t warmup_steps);
   // The plan ended: nothing more is timed, measurements waiting to be read are dropped.
   void stop();
   // The cost round is issued: from here every agreed bucket moves again.
@@ -27,9 +36,12 @@ class CostTrial {
   // Timings wait to be collected.
   bool timing() const { return !timings_.empty(); }
   // The trial is over at anchor count `steps`: time for the cost round.
-  bool due(uint64_t steps) const { return running_ && steps >= end_; }
-  // During the trial, every other step's moved buckets go to NCCL (TrialNccl), timed.
-  bool sends_to_nccl(uint64_t steps) const { return running_ && (steps - start_) % 2 == 0; }
+  bool due(uint64_t steps) const { return running_ && started_ && steps >= end_; }
+  // Alternating (no NCCL timing by the activation): every other step's moved buckets go to NCCL
+  // (TrialNccl), timed.
+  bool sends_to_nccl(uint64_t steps) const {
+    return running_ && started_ && alternating_ && (steps - start_) % 2 == 0;
+  }
   size_t buckets() const { return moved_ns_.size(); }
 
   // Around one served bucket: a started timer while the trial runs (null when it does not, or
@@ -44,19 +56,27 @@ class CostTrial {
 
   // This rank's median per bucket, each way (0: not measured), for the cost round.
   std::vector<BucketCost> medians();
+  // Bucket launches timed so far, and those of them that ran the way `costs` found slower
+  // (moved ones of a bucket NCCL won; ones sent to NCCL on purpose of a bucket that kept moving).
+  uint64_t launches_timed() const;
+  uint64_t launches_slower(const std::vector<CostVerdict>& costs) const;
 
  private:
   struct Timing {
     uint16_t bucket;
     bool via_nccl;
+    bool on_purpose;  // sent to NCCL by the alternation, not on its way there anyway
     std::unique_ptr<ce::CompletionTimer> timer;
   };
   bool running_ = false;
-  uint64_t start_ = 0;  // anchor count at activation
+  bool started_ = false;      // the plan is active
+  bool alternating_ = false;  // some bucket had no NCCL timing at the activation
+  uint64_t start_ = 0;        // anchor count at activation
   uint64_t end_ = 0;
   std::vector<Timing> timings_;                  // waiting to be read
   std::vector<std::vector<uint64_t>> moved_ns_;  // by bucket
   std::vector<std::vector<uint64_t>> nccl_ns_;
+  std::vector<uint64_t> nccl_on_purpose_;  // by bucket: launches the alternation sent to NCCL
 };
 
 // The cost round read: the gathers of every bucket NCCL served faster stay from now on (their

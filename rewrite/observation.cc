@@ -68,12 +68,14 @@ void StepObservation::observe(uint32_t position, const CallFacts& call, ce::Back
   }
   const bool gather = call.op == trace::Op::AllGather;
   has_gathers_ = has_gathers_ || gather;
+  const bool identify = gather && keyed_on_buffers_;
   const ce::BufferIdentity send =
-      gather ? ce::identify_buffer(backend, reinterpret_cast<const void*>(call.sendbuf))
-             : ce::BufferIdentity{};
+      identify ? ce::identify_buffer(backend, reinterpret_cast<const void*>(call.sendbuf))
+               : ce::BufferIdentity{};
+  const bool same_buffer = !keyed_on_buffers_ || (p.sendbuf == call.sendbuf &&
+                                                  p.send.allocation_id == send.allocation_id);
   const bool same = p.seen && p.count == call.count && p.dtype == call.dtype &&
-                    p.callsite == call.callsite && p.sendbuf == call.sendbuf &&
-                    p.send.allocation_id == send.allocation_id && p.group == group;
+                    p.callsite == call.callsite && p.group == group && same_buffer;
   p.stable_steps = same ? p.stable_steps + 1 : 1;
   p.seen = true;
   p.op = static_cast<uint8_t>(call.op);
@@ -88,8 +90,8 @@ void StepObservation::observe(uint32_t position, const CallFacts& call, ce::Back
   p.in_place = gather && p.send_bytes != 0 &&
                p.sendbuf == p.recvbuf + static_cast<uint64_t>(rank_) * p.send_bytes;
   p.send = send;
-  p.recv = gather ? ce::identify_buffer(backend, reinterpret_cast<const void*>(call.recvbuf))
-                  : ce::BufferIdentity{};
+  p.recv = identify ? ce::identify_buffer(backend, reinterpret_cast<const void*>(call.recvbuf))
+                    : ce::BufferIdentity{};
 }
 
 uint64_t StepObservation::callsite_digest() const {
@@ -147,6 +149,12 @@ Reason memory_refusal(const ce::BufferIdentity& id, ce::Backend backend) {
 
 }  // namespace
 
+ce::BufferIdentity StepObservation::identity(const ce::BufferIdentity& seen, uint64_t buffer,
+                                             ce::Backend backend) const {
+  return keyed_on_buffers_ ? seen
+                           : ce::identify_buffer(backend, reinterpret_cast<const void*>(buffer));
+}
+
 std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Backend backend,
                                                   const std::vector<uint32_t>& stale) const {
   std::vector<GatherEntry> out;
@@ -170,9 +178,11 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
     const uint64_t min_bytes = options.symm_min_shard_bytes;
     if (p.stable_steps < static_cast<uint64_t>(options.warmup_steps))
       why = Reason::NotStable;
-    else if (Reason m = memory_refusal(p.send, backend); m != Reason::None)
+    else if (Reason m = memory_refusal(identity(p.send, p.sendbuf, backend), backend);
+             m != Reason::None)
       why = m;
-    else if (Reason m2 = memory_refusal(p.recv, backend); m2 != Reason::None)
+    else if (Reason m2 = memory_refusal(identity(p.recv, p.recvbuf, backend), backend);
+             m2 != Reason::None)
       why = m2;
     else if (p.capturing)
       why = Reason::GraphCapture;

@@ -1,6 +1,15 @@
 // What this rank saw at each position of its communicator's step, step after step: the facts a
-// candidate needs (same count, type, call site and send buffer for MAGI_WARMUP_STEPS steps), how
-// the step's calls are grouped, and the buckets and staging offsets that follow from it.
+// candidate needs (the same count, type, call site and group for MAGI_WARMUP_STEPS steps; with
+// static weights the same send buffer too), how the step's calls are grouped, and the buckets and
+// staging offsets that follow from it.
+//
+// Why the default mode ignores buffers: its transport copies each call's shard from whatever
+// buffer the call names and writes whatever buffer it names, so a gather's addresses may differ
+// at every call (nccl-tests shifts them by the message size; a caching allocator hands out
+// copy-in and output buffers anew each step) and its bytes stay exact. Static weights read
+// shards in place, so there a buffer's identity is part of what must be stable; and only there
+// is each gather's buffer identified at every call (a driver query, the largest part of a
+// watched gather's cost). Elsewhere the last buffers are identified when a propose needs them.
 #pragma once
 
 #include <cstdint>
@@ -44,13 +53,17 @@ struct PositionSeen {
   uint64_t recvbuf = 0;
   uint64_t send_bytes = 0;  // the send range is [sendbuf, sendbuf + send_bytes)
   bool in_place = false;    // sendbuf == recvbuf + rank × send_bytes
-  ce::BufferIdentity send;
+  ce::BufferIdentity send;  // identified at each call only when keyed on buffers
   ce::BufferIdentity recv;
-  uint32_t stable_steps = 0;  // consecutive steps with the same count, type, call site, send buffer
+  uint32_t stable_steps = 0;  // consecutive steps with the same key (count, type, call site, ...)
 };
 
 class StepObservation {
  public:
+  // Static weights: a gather's send buffer (and the allocation holding it) is part of its key.
+  // Kept across reset().
+  void key_on_buffers(bool keyed) { keyed_on_buffers_ = keyed; }
+  bool keyed_on_buffers() const { return keyed_on_buffers_; }
   // Starts over for a step of `period` collectives (step found, lost or changed). `rank`: this
   // rank in the communicator (what makes a gather in place).
   void reset(uint32_t period, int rank = 0);
@@ -84,7 +97,13 @@ class StepObservation {
                                    const std::vector<uint32_t>& stale = {}) const;
 
  private:
+  // A position's buffer as entries() judges it: identified at its call when keyed on buffers,
+  // else now (its last call's).
+  ce::BufferIdentity identity(const ce::BufferIdentity& seen, uint64_t buffer,
+                              ce::Backend backend) const;
+
   std::vector<PositionSeen> positions_;
+  bool keyed_on_buffers_ = false;
   int rank_ = 0;
   uint64_t complete_steps_ = 0;
   bool step_open_ = false;

@@ -50,7 +50,12 @@ void forget_in_child() noexcept;
 struct Outcome {
   bool served = false;                // the call left NCCL: do not forward it
   ncclResult_t result = ncclSuccess;  // what the program gets when served
+  // The communicator may still explore; once false, it stays false (its gathers' call sites are
+  // no longer needed).
+  bool watching = true;
 };
+// Whether a communicator that just joined may explore at all (one rank, say, never does).
+bool watching(const CommAgreement& agreement) noexcept;
 
 // For every recorded call of a communicator (`agreement` is null for one created out of sight).
 // May first issue or read an agreement round on the communicator (one all-gather of its own

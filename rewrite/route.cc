@@ -72,6 +72,8 @@ std::shared_ptr<CommAgreement> join(ncclComm_t comm, const capture::CommInfo& in
   return make_comm_agreement(comm, info, g_nccl);
 }
 
+bool watching(const CommAgreement& agreement) noexcept { return agreement.watching(); }
+
 void abandon(CommAgreement& agreement) noexcept {
   guarded("abandoning a communicator's windows", [&] { agreement.abandon(); });
 }
@@ -102,6 +104,7 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
   // Until its route is known, whatever is thrown leaves the call to NCCL, unmarked.
   if (!guarded("rewrite", [&] { route = agreement->on_collective(args, record, view); }))
     return outcome;
+  outcome.watching = agreement->watching();
   if (route.kind == Route::Kind::WouldMove) record.flags |= trace::kCallWouldMove;
   if (route.kind != Route::Kind::Move && route.kind != Route::Kind::TrialNccl) return outcome;
   const bool via_nccl = route.kind == Route::Kind::TrialNccl;

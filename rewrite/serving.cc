@@ -74,7 +74,9 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<cons
                             cudaStream_t stream, uint16_t bucket_id, bool via_nccl,
                             CostTrial& trial, const SlotLayout& layout, bool& moved) {
   moved = false;
-  if (!transport_) return ncclInternalError;  // routes say Move only with a transport
+  // A trial's NCCL side needs no transport: before the activation it is timed while the window
+  // may not be there on every rank (routes never depend on it).
+  if (!transport_ && !via_nccl) return ncclInternalError;  // routes say Move only with one
   struct Timed {  // stops the timer once the bucket is served, whichever way it leaves
     CostTrial& trial;
     std::unique_ptr<ce::CompletionTimer> timer;

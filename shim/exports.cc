@@ -62,6 +62,7 @@ ncclResult_t recorded(const char* entry_point, ncclComm_t comm, const CallArgs& 
   });
   const rewrite::Outcome outcome =
       seen ? rewrite::intercept(state->agreement, args, record, view) : rewrite::Outcome{};
+  if (!outcome.watching) state->capture.gather_callsites.store(false, std::memory_order_relaxed);
   const ncclResult_t result = outcome.served ? outcome.result : forward();
   if (seen) guarded(entry_point, [&] { capture::end_call(record, result); });
   return result;

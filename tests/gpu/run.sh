@@ -16,9 +16,11 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | s
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 # 1. PyTorch at world size 1: the same bytes with and without the shim, and the trace shows the calls.
+# A communicator of one rank never explores (NCCL's all-gather there is one local copy):
+# MAGI_CE_FORCE=1 makes it move anyway, so that the transport is exercised; 1a checks the default.
 if python3 "$here/torch_collectives.py" "$work/plain.pt" >"$work/plain.log" 2>&1; then
   mkdir -p "$work/trace"
-  if LD_PRELOAD="$build/libmagice.so" MAGI_TRACE_DIR="$work/trace" MAGI_LOG=INFO \
+  if LD_PRELOAD="$build/libmagice.so" MAGI_TRACE_DIR="$work/trace" MAGI_LOG=INFO MAGI_CE_FORCE=1 \
       NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL \
       python3 "$here/torch_collectives.py" "$work/shim.pt" >"$work/shim.log" 2>&1; then
     pass "torch collectives run under the shim"
@@ -59,6 +61,26 @@ if python3 "$here/torch_collectives.py" "$work/plain.pt" >"$work/plain.log" 2>&1
   fi
 else
   fail "torch collectives run without the shim (environment problem)"; tail -20 "$work/plain.log"
+fi
+
+# 1a. The same program with the defaults: one rank, so no agreement round and nothing moved; the
+# log says why, and the trace holds exactly the collectives NCCL ran.
+if [ -s "$work/plain.pt" ]; then
+  d="$work/defaults"
+  mkdir -p "$d/trace"
+  LD_PRELOAD="$build/libmagice.so" MAGI_TRACE_DIR="$d/trace" MAGI_LOG=INFO \
+    python3 "$here/torch_collectives.py" "$d/out.pt" >"$d/log" 2>&1
+  "$build/magice-trace" dump "$d"/trace/*.trace >"$d/dump.txt" 2>&1
+  moved=$(awk 'length($1) == 12 && $2 ~ /^[0-9]+$/ && $3 ~ /^[A-Z]/ && $NF == "moved"' "$d/dump.txt" | wc -l)
+  rounds=$(awk 'length($1) == 12 && $4 ~ /^(propose|publish|confirm|cost|hello)$/ && $5 == "issued"' "$d/dump.txt" | wc -l)
+  if python3 "$here/compare_results.py" "$work/plain.pt" "$d/out.pt" >/dev/null &&
+      grep -q "one rank: NCCL's all-gather is one local copy" "$d/log" &&
+      [ "$moved" = 0 ] && [ "$rounds" = 0 ]; then
+    pass "world size 1 with the defaults: bytes equal, no round, nothing moved, the log says why"
+  else
+    fail "world size 1 with the defaults: bytes equal, no round, nothing moved, the log says why ($moved moved, $rounds rounds)"
+    grep " MAGI " "$d/log" | head -5
+  fi
 fi
 
 # 1b. The same program with the flight recorder, its completion by CUDA events and Python call

@@ -318,25 +318,24 @@ TEST(Agreement, DifferentGroupingAbortsAndNothingMoves) {
       << r.log;
 }
 
-TEST(Agreement, ASendBufferMovedAfterCommitKeepsOneRouteAndCorrectBytes) {
-  // Rank 1's layer-0 shard moves to a new buffer at step 10, long after the commit; rounds every
-  // 2 steps see it as "not stable" on rank 1, which every rank then honours.
+// Rank 1's layer-0 shard moves to a new buffer at step 10, long after the commit. The default
+// transport copies whatever buffer a call names, so the gather keeps moving with correct bytes,
+// and no round finds it unstable.
+TEST(Agreement, ASendBufferMovedAfterCommitKeepsMovingWithCorrectBytes) {
   const AgreedRun r = run_agreed(4, fsdp({"--newbuf-rank", "1", "--newbuf-step", "10"}, 30),
                                  {{"MAGI_REAGREE_STEPS", "2"}});
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   const uint64_t comm = r.comm_ids()[0];
-  bool refused_by_rank1 = false;
-  for (const auto& d : r.view(comm, 1).decisions)
-    if (d.position == 0 && d.reason == static_cast<uint8_t>(Reason::NotStable))
-      refused_by_rank1 = true;
-  EXPECT_TRUE(refused_by_rank1);
-  bool others_followed = false;
-  for (const auto& d : r.view(comm, 0).decisions)
-    if (d.reason == static_cast<uint8_t>(Reason::OtherRankRefused) && d.refused_by == 1)
-      others_followed = true;
-  EXPECT_TRUE(others_followed);
-  EXPECT_GE(rounds_with(r.view(comm, 0), RoundKind::Confirm, RoundEvent::Activated).size(), 1u);
+  for (int rank = 0; rank < 4; ++rank) {
+    for (const auto& d : r.view(comm, rank).decisions)
+      EXPECT_NE(d.reason, static_cast<uint8_t>(Reason::NotStable)) << "rank " << rank;
+    // Calls of the last ten steps (6 collectives each) still move.
+    const RankView& v = r.view(comm, rank);
+    size_t late_moved = 0;
+    for (const uint64_t seq : v.moved) late_moved += seq > 1 + 20 * 6;
+    EXPECT_GT(late_moved, 10u) << "rank " << rank << "\n" << transcript(r);
+  }
 }
 
 TEST(Agreement, ACountChangeAfterCommitSendsTheGatherBackToNcclOnEveryRankAtOnce) {
@@ -1085,18 +1084,18 @@ TEST(Agreement, AStepThatIsOneGroupMoves) {
   }
 }
 
-// Buffers that settle late (every shard in a new buffer at each of the first 15 steps): the
-// rounds keep coming while the step is young, so the gathers move within MAGI_WARMUP_STEPS + 4
-// steps of settling, not MAGI_REAGREE_STEPS later.
-TEST(Agreement, BuffersThatSettleLateMoveSoonAfter) {
+// Buffers that change at each of the first 15 steps (every shard in a new buffer): the default
+// mode keys gathers without their buffers, so they move as soon as the warmup allows, changing
+// buffers and all, with every byte right (the program checks each).
+TEST(Agreement, BuffersThatChangeEveryStepMoveFromTheWarmupOn) {
   constexpr int kSettle = 15;
   const AgreedRun r = run_agreed(2, fsdp({"--settle-step", std::to_string(kSettle)}, 30));
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   for (const auto& [rank, v] : r.comms.begin()->second) {
     const int64_t first = first_moved_step(v, kFsdpCallsPerStep);
-    EXPECT_GE(first, kSettle) << "rank " << rank;
-    EXPECT_LE(first, kSettle + 3 + 4) << "rank " << rank << "\n" << transcript(r);
+    EXPECT_GE(first, 0) << "rank " << rank << ": nothing moved\n" << transcript(r);
+    EXPECT_LE(first, 3 + 4) << "rank " << rank << "\n" << transcript(r);
   }
 }
 

@@ -320,9 +320,9 @@ TEST(AgreementRounds, APeerThatRefusesKeepsEverythingOnNcclUntilTheNextPropose) 
 }
 
 // Gathers not yet stable on a peer: the round moved less than it could, so the next propose
-// comes soon, not MAGI_REAGREE_STEPS later: a step after each read while the step is young
-// (RoundSchedule::kEagerSteps), then 1, 2, 4 … steps after; once the peer's gathers are stable,
-// the plan moves at the same call on every rank.
+// comes soon, not MAGI_REAGREE_STEPS later: 1, 2, 4 … steps after each read, doubling from the
+// first (ExplorationPolicy); once the peer's gathers are stable, the plan moves at the same call
+// on every rank.
 TEST(AgreementRounds, AGatherNotYetStableOnAPeerIsProposedAgainSoonBackingOff) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_REAGREE_STEPS", "64"}});
   bool settled = false;
@@ -331,27 +331,24 @@ TEST(AgreementRounds, AGatherNotYetStableOnAPeerIsProposedAgainSoonBackingOff) {
       for (GatherEntry& e : c.entries) e.reason = static_cast<uint8_t>(Reason::NotStable);
   };
   // Step s (counted at the anchor from 1) begins at index 3 (s - 1). Propose at step 3, read at
-  // 4, again at 5, … every other step up to the read at step 32; then 33 (read 34) + 2 = 36,
-  // (read 37) + 4 = 41, (read 42) + 8 = 50, (read 51) + 16 = 67.
+  // 4 + 1 = 5, (read 6) + 2 = 8, (read 9) + 4 = 13, (read 14) + 8 = 22, (read 23) + 16 = 39.
   Issued expected = {{0, RoundKind::Hello}};
-  for (uint64_t step = 3; step <= 33; step += 2)
+  for (const uint64_t step : {3, 5, 8, 13, 22, 39})
     expected.push_back({3 * (step - 1), RoundKind::Propose});
-  for (const uint64_t step : {36, 41, 50, 67})
-    expected.push_back({3 * (step - 1), RoundKind::Propose});
-  rank.run_to(3 * 67);  // up to the read of the propose of step 67, excluded
+  rank.run_to(3 * 39);  // up to the read of the propose of step 39, excluded
   EXPECT_EQ(rank.issued(), expected);
   EXPECT_EQ(rank.fakes.rounds_launched, static_cast<int>(expected.size()));
   ASSERT_FALSE(rank.fakes.decisions.empty());
   EXPECT_EQ(rank.fakes.decisions.back().reason, static_cast<uint8_t>(Reason::OtherRankRefused));
-  // Settled when that propose is read (step 68): publish there, confirm at 69, the plan moves
-  // from the read at step 70 (index 207).
+  // Settled when that propose is read (step 40): publish there, confirm at 41, the plan moves
+  // from the read at step 42 (index 123).
   settled = true;
   std::vector<Kind> kinds;
   for (int i = 0; i < 4 * static_cast<int>(kPeriod); ++i) kinds.push_back(rank.call());
-  EXPECT_EQ(rank.issued().back(), (std::pair<uint64_t, RoundKind>{204, RoundKind::Confirm}));
+  EXPECT_EQ(rank.issued().back(), (std::pair<uint64_t, RoundKind>{120, RoundKind::Confirm}));
   for (size_t i = 0; i < kinds.size(); ++i) {
-    const uint64_t index = 201 + i;
-    const Kind expected_kind = index > 207 && index % kPeriod != 0 ? Kind::Move : Kind::Nccl;
+    const uint64_t index = 117 + i;
+    const Kind expected_kind = index > 123 && index % kPeriod != 0 ? Kind::Move : Kind::Nccl;
     EXPECT_EQ(kinds[i], expected_kind) << "call " << index;
   }
 }
@@ -531,24 +528,26 @@ TEST(AgreementRounds, AStepLostDropsThePlanAndTheWarmupStartsOver) {
   EXPECT_EQ(rank.issued().back(), (std::pair<uint64_t, RoundKind>{27, RoundKind::Propose}));
 }
 
-// Activation at step 6 starts the trial: steps 6 and 8 go to NCCL (timed), 7 and 9 move
-// (timed); the cost round is issued at step 10 and read at step 11. The fake transport is five
-// times slower than NCCL, so every bucket goes back to NCCL, and the same plan is not tried again.
-TEST(AgreementRounds, TheCostTrialAlternatesAndKeepsNcclWhereNcclWasFaster) {
+// The plan read at step 4 is committed (publish, confirm) over steps 4 and 5: its gathers go to
+// NCCL there anyway, and are timed there (TrialNccl: the trial's NCCL side). Activated at step 6,
+// they move, timed, for MAGI_WARMUP_STEPS = 2 steps; the cost round is issued at step 8 and read
+// at step 9. No call went to NCCL on purpose. The fake transport is five times slower than
+// NCCL, so every bucket goes back to NCCL, and the same plan is not tried again.
+TEST(AgreementRounds, TheCostTrialTimesNcclWhileCommittingAndKeepsNcclWhereNcclWasFaster) {
   Rank0 rank(Env{});
   const std::vector<Kind> kinds = rank.steps(16);
   auto at = [&](int step, uint32_t position) {
     return kinds[static_cast<size_t>((step - 1) * 3) + position];
   };
-  for (const int step : {6, 8}) {
+  for (const int step : {4, 5}) {
     EXPECT_EQ(at(step, 1), Kind::TrialNccl) << "step " << step;
     EXPECT_EQ(at(step, 2), Kind::TrialNccl) << "step " << step;
   }
-  for (const int step : {7, 9, 10}) {
+  for (const int step : {6, 7, 8}) {
     EXPECT_EQ(at(step, 1), Kind::Move) << "step " << step;
     EXPECT_EQ(at(step, 2), Kind::Move) << "step " << step;
   }
-  for (int step = 11; step <= 16; ++step) {
+  for (int step = 9; step <= 16; ++step) {
     EXPECT_EQ(at(step, 1), Kind::Nccl) << "step " << step;
     EXPECT_EQ(at(step, 2), Kind::Nccl) << "step " << step;
   }
@@ -556,7 +555,7 @@ TEST(AgreementRounds, TheCostTrialAlternatesAndKeepsNcclWhereNcclWasFaster) {
                                    {6, RoundKind::Propose},
                                    {9, RoundKind::Publish},
                                    {12, RoundKind::Confirm},
-                                   {27, RoundKind::Cost},
+                                   {21, RoundKind::Cost},
                                    {39, RoundKind::Propose}}));
   const Contribution& cost = rank.fakes.contributed[4];
   ASSERT_EQ(cost.costs.size(), 2u);
@@ -566,7 +565,7 @@ TEST(AgreementRounds, TheCostTrialAlternatesAndKeepsNcclWhereNcclWasFaster) {
   }
   const trace::AgreementRecord* off = rank.find(trace::RoundEvent::Deactivated, RoundKind::Propose);
   ASSERT_NE(off, nullptr);
-  EXPECT_EQ(off->seq, 30u);
+  EXPECT_EQ(off->seq, 24u);
   EXPECT_EQ(off->reason, static_cast<uint8_t>(Reason::NcclFaster));
   // The propose at step 14 agrees the same plan again: read at step 15, it moves nothing.
   const trace::AgreementRecord& last = rank.fakes.rounds.back();
@@ -587,14 +586,16 @@ TEST(AgreementRounds, TheCostRoundKeepsMovingWhatWasFaster) {
 }
 
 // Timers that cannot stop leave every bucket unmeasured: the calls are still served, and the
-// cost round keeps the plan moving.
+// cost round keeps the plan moving. Without an NCCL timing by the activation, the trial falls
+// back to alternating: step 6 goes to NCCL on purpose, 7 moves, and so on.
 TEST(AgreementRounds, ATimerThatCannotStopLeavesTheTrialUnmeasured) {
   Rank0 rank(Env{});
   rank.fakes.timer_stop_throws = true;
   const std::vector<Kind> kinds = rank.steps(14);
-  EXPECT_EQ(kinds[16], Kind::TrialNccl);
+  EXPECT_EQ(kinds[10], Kind::TrialNccl);  // committing (steps 4 and 5)
+  EXPECT_EQ(kinds[16], Kind::TrialNccl);  // alternating (steps 6 and 8)
   EXPECT_EQ(kinds[19], Kind::Move);
-  EXPECT_EQ(rank.fakes.nccl_gathers, 4);
+  EXPECT_EQ(rank.fakes.nccl_gathers, 8);
   ASSERT_GE(rank.fakes.contributed.size(), 5u);
   const Contribution& cost = rank.fakes.contributed[4];
   ASSERT_EQ(cost.costs.size(), 2u);

@@ -175,19 +175,22 @@ TEST(StepObservation, GathersAreCandidatesOnceStableForTheWarmup) {
   EXPECT_EQ(seen.at(1).stable_steps, 2u);
   EXPECT_EQ(reasons(seen.entries(options, ce::Backend::Host)),
             (std::vector<Reason>{Reason::None, Reason::None}));
-  // A new send buffer at one position starts its count over; the other stays a candidate.
+  // A new send buffer changes nothing in the default mode: its transport copies whatever buffer
+  // a call names.
   std::vector<Call> moved = step;
   moved[2].sendbuf = 0x40000;
   observe_step(seen, moved);
-  EXPECT_EQ(seen.at(2).stable_steps, 1u);
+  EXPECT_EQ(seen.at(2).stable_steps, 3u);
   EXPECT_EQ(reasons(seen.entries(options, ce::Backend::Host)),
-            (std::vector<Reason>{Reason::None, Reason::NotStable}));
-  // So does a new count or call site.
+            (std::vector<Reason>{Reason::None, Reason::None}));
+  // A new count or call site starts its count over; the other stays a candidate.
   std::vector<Call> other = moved;
   other[1].count = 999;
   observe_step(seen, other);
   EXPECT_EQ(seen.at(1).stable_steps, 1u);
-  EXPECT_EQ(seen.at(2).stable_steps, 2u);
+  EXPECT_EQ(seen.at(2).stable_steps, 4u);
+  EXPECT_EQ(reasons(seen.entries(options, ce::Backend::Host)),
+            (std::vector<Reason>{Reason::NotStable, Reason::None}));
   other[2].callsite = 9;
   observe_step(seen, other);
   EXPECT_EQ(seen.at(1).stable_steps, 2u);
@@ -196,6 +199,30 @@ TEST(StepObservation, GathersAreCandidatesOnceStableForTheWarmup) {
   seen.reset(3);
   EXPECT_EQ(seen.complete_steps(), 0u);
   EXPECT_FALSE(seen.at(1).seen);
+}
+
+// Static weights read shards in place: there a new send buffer starts the count over.
+TEST(StepObservation, KeyedOnBuffersANewSendBufferIsNotStable) {
+  const Options options = options_with({});
+  const std::vector<Call> step = {{trace::Op::AllReduce, 10, 1, 0x1000},
+                                  {trace::Op::AllGather, 1000, 2, 0x20000},
+                                  {trace::Op::AllGather, 64, 3, 0x30000}};
+  StepObservation seen;
+  seen.key_on_buffers(true);
+  seen.reset(3);  // the key is kept across resets
+  EXPECT_TRUE(seen.keyed_on_buffers());
+  observe_step(seen, step);
+  observe_step(seen, step);
+  observe_step(seen, step);
+  EXPECT_EQ(reasons(seen.entries(options, ce::Backend::Host)),
+            (std::vector<Reason>{Reason::None, Reason::None}));
+  std::vector<Call> moved = step;
+  moved[2].sendbuf = 0x40000;
+  observe_step(seen, moved);
+  EXPECT_EQ(seen.at(1).stable_steps, 4u);
+  EXPECT_EQ(seen.at(2).stable_steps, 1u);
+  EXPECT_EQ(reasons(seen.entries(options, ce::Backend::Host)),
+            (std::vector<Reason>{Reason::None, Reason::NotStable}));
 }
 
 TEST(StepObservation, CallsBeforeTheFirstStepBeginsAreNotObserved) {

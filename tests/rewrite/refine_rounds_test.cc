@@ -1,7 +1,9 @@
 // Refined steps, with every rank of one communicator played in this process, call by call in
 // lockstep: each rank's round bytes go to a table shared by the fake exchanges, so every rank
 // reads what every rank really contributed. The program's step is, by shapes, one all-gather;
-// by each rank's own facts it is L layers, each with its own send buffer.
+// by each rank's own facts it is L layers, each with its own send buffer. Buffers are part of a
+// gather's key with static weights only: there the step is refined; the default mode moves the
+// one position as it is.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -83,13 +85,17 @@ struct Rank : fakes::TracedRounds {
   std::shared_ptr<CommAgreement> agreement;
 };
 
+enum class Mode { Default, StaticWeights };
+
 class World {
  public:
-  World()
-      : options_(test::options_from({{"MAGI_BACKEND", "host"},
-                                     {"MAGI_WARMUP_STEPS", "2"},
-                                     {"MAGI_REAGREE_STEPS", "8"},
-                                     {"MAGI_CE_FORCE", "1"}})) {
+  explicit World(Mode mode)
+      : options_(test::options_from(
+            {{"MAGI_BACKEND", "host"},
+             {"MAGI_WARMUP_STEPS", "2"},
+             {"MAGI_REAGREE_STEPS", "8"},
+             {"MAGI_CE_FORCE", "1"},
+             {"MAGI_STATIC_WEIGHTS", mode == Mode::StaticWeights ? "1" : "0"}})) {
     g_rounds = &rounds_;
     for (int r = 0; r < kRanks; ++r) {
       auto rank = std::make_unique<Rank>();
@@ -175,11 +181,42 @@ class World {
   uint64_t next_ = 0;
 };
 
-// The shape step is one call, never stable; each rank's own facts repeat every L calls. Every
+// Default mode: a gather's buffers are no part of its key, so the one position of the shape step
+// is stable from the start, moves without a refinement, and keeps moving when a rank sends a
+// layer from other buffers (the staging transport copies whatever buffer a call names).
+TEST(RefinedStep, DefaultModeMovesIdenticalShapesWithoutRefiningWhateverTheBuffers) {
+  World world(Mode::Default);
+  std::vector<float> other(kShard, 1.0f);
+  uint64_t layer1_calls = 0;
+  const auto changing = [&](Rank& r, int layer) {
+    if (r.rank != 2 || layer != 1) return r.layers[static_cast<size_t>(layer)].data();
+    return layer1_calls++ % 2 == 0 ? other.data() : r.layers[1].data();
+  };
+  world.run_to(200, changing);
+  uint64_t first_moved = UINT64_MAX;
+  for (const auto& r : world.ranks) {
+    EXPECT_EQ(World::first(*r, trace::RoundEvent::Read, Reason::StepRefined), UINT64_MAX)
+        << "rank " << r->rank;
+    EXPECT_EQ(r->routes, world.ranks[0]->routes) << "rank " << r->rank;
+  }
+  const std::vector<Kind>& routes = world.ranks[0]->routes;
+  for (uint64_t i = 0; i < routes.size() && first_moved == UINT64_MAX; ++i)
+    if (routes[i] == Kind::Move) first_moved = i;
+  // Warmup (2 steps), then propose, publish and confirm: a step each.
+  ASSERT_LE(first_moved, 8u) << "moved late, or never";
+  size_t moved = 0;
+  for (uint64_t i = first_moved; i < routes.size(); ++i) moved += routes[i] == Kind::Move;
+  // Every call from the first move on moves but those where a reagree round is read (every
+  // MAGI_REAGREE_STEPS = 8 calls).
+  EXPECT_GE(moved, (routes.size() - first_moved) * 7 / 8 - 1);
+}
+
+// Static weights: the shape step is one call, never stable; each rank's own facts repeat every L
+// calls. Every
 // rank proposes the same refinement, reads it at the same call, and from there the gathers move
 // at the same call on every rank, each layer at its own position.
 TEST(RefinedStep, IdenticalShapesWithABufferPerLayerMoveOnceRefined) {
-  World world;
+  World world(Mode::StaticWeights);
   world.run_to(200);
   const uint64_t refined =
       World::first(*world.ranks[0], trace::RoundEvent::Read, Reason::StepRefined);
@@ -219,7 +256,7 @@ TEST(RefinedStep, IdenticalShapesWithABufferPerLayerMoveOnceRefined) {
 // so routes stay equal on every rank; the next propose finds that position not stable on rank 2
 // and the AND keeps it on NCCL everywhere, while the other layers keep moving.
 TEST(RefinedStep, ARankLocalBufferChangeNeverSplitsRoutes) {
-  World world;
+  World world(Mode::StaticWeights);
   world.run_to(120);
   ASSERT_NE(World::first(*world.ranks[0], trace::RoundEvent::Read, Reason::StepRefined),
             UINT64_MAX);
@@ -255,7 +292,7 @@ TEST(RefinedStep, ARankLocalBufferChangeNeverSplitsRoutes) {
 // One rank whose own facts repeat with another period (its layers share a buffer) proposes no
 // refinement: nobody refines, and routes stay on NCCL, equal everywhere.
 TEST(RefinedStep, ARankWithoutTheRefinementKeepsEveryRankOnTheShapeStep) {
-  World world;
+  World world(Mode::StaticWeights);
   const auto shared = [](Rank& r, int layer) {
     return r.rank == 3 ? r.layers[0].data() : r.layers[static_cast<size_t>(layer)].data();
   };
