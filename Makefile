@@ -4,8 +4,8 @@
 #   make demo       a 4-rank FSDP-style inference run under the shim, then its skeleton and diff
 #   make bench      per-call overhead benchmark (tools/bench)
 #   make gpu-test   tests/gpu on a machine with a GPU
-#   make install PREFIX=/usr/local   lib/libmagice.so, bin/magice-trace and the libraries they
-#                   carry: a self-contained prefix, to copy as it is onto a GPU node
+#   make install PREFIX=/usr/local   lib/libmagice.so, bin/magice-trace and, in lib/magice/, the
+#                   libraries they carry: a self-contained prefix, to copy as it is onto a GPU node
 
 CUDA_HOME ?= /usr/local/cuda
 PREFIX    ?= /usr/local
@@ -27,9 +27,8 @@ CXXFLAGS  += $(CXXSTD) $(OPT) $(WARNINGS) $(INCLUDES) -fPIC -pthread -MMD -MP
 
 # The library: hidden by default, only the NCCL entry points are exported (see shim/exports.cc).
 # cudart is linked statically and the driver is reached at run time, so a machine without a
-# driver still loads the shim; libunwind is linked dynamically (Debian's .a is not PIC), carried
-# beside the library (below) and found there through its run path ($ORIGIN), in build/ and in an
-# installed PREFIX/lib alike.
+# driver still loads the shim; libunwind is linked dynamically (Debian's .a is not PIC) and
+# carried (below): beside the library in build/, in PREFIX/lib/magice/ once installed.
 LIB_SRCS  := $(filter-out capture/trace_reader.cc,$(wildcard base/*.cc shim/*.cc capture/*.cc rewrite/*.cc ce_transport/*.cc))
 LIB_OBJS  := $(LIB_SRCS:%.cc=$(BUILD)/obj/%.o)
 LIB_LDLIBS:= -L$(CUDA_HOME)/lib64 -lcudart_static -lunwind -ldl -lrt -pthread
@@ -44,7 +43,9 @@ TOOL_OBJS := $(TOOL_SRCS:%.cc=$(BUILD)/obj/%.o)
 TOOL      := $(BUILD)/magice-trace
 
 # The libraries an installed prefix carries (tools/install/libraries: those a GPU node may lack)
-# are copied beside the binaries, so build/ runs wherever it is copied, as the prefix does.
+# are copied beside the binaries, so build/ runs wherever it is copied, as the prefix does. The
+# prefix keeps them in lib/magice/, off the system's search path: with PREFIX=/usr/local, lib/
+# is searched by every program, and our copies must not stand in for the machine's own.
 CARRIED       := $(shell awk '$$1 == "carried" {print $$2}' tools/install/libraries)
 CARRIED_FILES := $(addprefix $(BUILD)/,$(CARRIED))
 
@@ -92,19 +93,25 @@ $(BUILD)/obj/%.o: %.cc | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) -c $< -o $@
 
-# A run path ($ORIGIN, new dtags: DT_RUNPATH) serves only the library's own dependencies:
-# libunwind's are all base (tools/install/libraries), which tests/tools/install_test.cc checks.
+# The run path is a DT_RUNPATH (new dtags): it serves only the library's own dependencies, not
+# what the program dlopens (NCCL), which a DT_RPATH of a preloaded library would also serve.
+# libunwind's dependencies are all base (tools/install/libraries; tests/tools/install_test.cc).
+# $ORIGIN/magice comes first: installed, $ORIGIN is PREFIX/lib (/usr/local/lib), where the
+# machine may have a libunwind of its own; $ORIGIN finds the carried copy in build/.
 $(LIB): $(LIB_OBJS) shim/exports.map
-	$(CXX) -shared -o $@ $(LIB_OBJS) $(LIB_LDLIBS) -Wl,-rpath,'$$ORIGIN' -Wl,--no-undefined -Wl,-z,defs \
+	$(CXX) -shared -o $@ $(LIB_OBJS) $(LIB_LDLIBS) -Wl,-rpath,'$$ORIGIN/magice:$$ORIGIN' \
+	  -Wl,--no-undefined -Wl,-z,defs \
 	  -Wl,--version-script=shim/exports.map
 
 # libdw names frames offline (tools/magice-trace/symbols.cc): the tool links it, the library never.
 # libdw's own dependencies (libelf, libbz2) must be found too, and a DT_RUNPATH would serve only
 # the tool's: the tool takes a DT_RPATH (old dtags), which the loader also searches for the
 # dependencies of every library the tool loads that has no run path of its own. $ORIGIN finds the
-# libraries in build/, $ORIGIN/../lib in an installed prefix.
+# libraries in build/, $ORIGIN/../lib/magice in an installed prefix. $ORIGIN comes first here:
+# from build/, $ORIGIN/../lib/magice lies outside build/; installed, $ORIGIN is bin/, no library's.
 $(TOOL): $(TOOL_OBJS) $(CORE_OBJS)
-	$(CXX) -o $@ $^ -ldw -lelf -pthread -Wl,--disable-new-dtags -Wl,-rpath,'$$ORIGIN:$$ORIGIN/../lib'
+	$(CXX) -o $@ $^ -ldw -lelf -pthread -Wl,--disable-new-dtags \
+	  -Wl,-rpath,'$$ORIGIN:$$ORIGIN/../lib/magice'
 
 # The carried libraries, copied from the build machine's.
 $(CARRIED_FILES): $(BUILD)/%: | $(DEPS_STAMP)
@@ -220,10 +227,11 @@ bench: all $(STANDIN) $(BENCH) $(BUILD)/magice-ce-bench
 gpu-test:
 	@tests/gpu/run.sh $(BUILD)
 
-# PREFIX/lib/libmagice.so, PREFIX/bin/magice-trace and the carried libraries in PREFIX/lib: the
-# prefix needs nothing of the machine but its base (tools/install/libraries) and the CUDA driver,
-# so it can be built here and copied to a GPU node. The copying is tools/install/install.sh, which
-# builds nothing: tests/gpu/run.sh installs a carried build/ with it where no compiler is.
+# PREFIX/lib/libmagice.so, PREFIX/bin/magice-trace and the carried libraries in PREFIX/lib/magice/:
+# the prefix needs nothing of the machine but its base (tools/install/libraries) and the CUDA
+# driver, so it can be built here and copied to a GPU node. The copying is
+# tools/install/install.sh, which builds nothing: tests/gpu/run.sh installs a carried build/ with
+# it where no compiler is.
 install: all
 	DESTDIR=$(DESTDIR) tools/install/install.sh $(BUILD) $(PREFIX)
 

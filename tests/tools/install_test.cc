@@ -15,6 +15,8 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <system_error>
+#include <utility>
 #include <vector>
 
 #include "tests/support/tool_run.h"
@@ -262,10 +264,44 @@ const char* installed_prefix() {
   return prefix != nullptr && *prefix != 0 ? prefix : nullptr;
 }
 
+// Where an installed prefix keeps the carried libraries: not lib/, which may be on the system's
+// search path (PREFIX=/usr/local), where they would stand in for the machine's own.
+constexpr const char* kCarriedDir = "lib/magice";
+
 // A prefix made of some of build/'s files, laid out as the install lays them out.
 void place(const std::string& prefix, const std::string& built, const std::string& where) {
   fs::create_directories(prefix + "/" + where);
   fs::copy_file(magi::test::build_dir() + "/" + built, prefix + "/" + where + "/" + built);
+}
+
+// What the loader takes when `command` runs as ldd runs it (LD_TRACE_LOADED_OBJECTS=1), without
+// LD_LIBRARY_PATH: each library name with the path it is taken from ("\tNAME => PATH (0x...)").
+struct LoaderTrace {
+  int status = -1;
+  std::string shown;
+  std::vector<std::pair<std::string, std::string>> taken;
+};
+
+LoaderTrace trace_loader(const std::string& command) {
+  LoaderTrace out;
+  FILE* p =
+      popen(("env -u LD_LIBRARY_PATH LD_TRACE_LOADED_OBJECTS=1 " + command + " 2>&1").c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof(buf), p)) > 0;) out.shown.append(buf, n);
+  out.status = pclose(p);
+  std::istringstream lines(out.shown);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream words(line);
+    std::string name, arrow, path;
+    if (words >> name >> arrow >> path && arrow == "=>") out.taken.emplace_back(name, path);
+  }
+  return out;
+}
+
+bool same_file(const std::string& a, const std::string& b) {
+  std::error_code error;
+  return fs::equivalent(a, b, error);
 }
 
 TEST(Install, TheBaseAndCarriedListsAreReadable) {
@@ -285,43 +321,76 @@ TEST(Install, EveryLibraryThePrefixNeedsIsInItOrBase) {
   EXPECT_TRUE(walk.problems().empty()) << "in " << prefix << ":\n" << joined(walk.problems());
   // Every carried library is installed and needed: the list says what the binaries really need.
   for (const std::string& carried : listed("carried")) {
-    EXPECT_TRUE(walk.reached().count(at + "lib/" + carried))
+    EXPECT_TRUE(walk.reached().count(at + kCarriedDir + "/" + carried))
         << carried << " is carried but no installed file needs it (or it is not installed)";
   }
 }
 
 // The walk's reading of the loader, checked against the loader itself (as ldd asks it): every
-// carried library comes from the prefix, also where the system has a copy of its own.
+// carried library comes from the prefix, also where the system has a copy of its own, and every
+// other one is base.
 TEST(Install, TheLoaderTakesTheCarriedLibrariesFromThePrefix) {
   const char* prefix = installed_prefix();
   if (prefix == nullptr) GTEST_SKIP() << "TEST_INSTALL_PREFIX is unset (make test sets it)";
-  const std::string lib = std::string(prefix) + "/lib/";
+  const std::string carried_dir = std::string(prefix) + "/" + kCarriedDir + "/";
   const std::string runs[] = {
-      "LD_TRACE_LOADED_OBJECTS=1 '" + std::string(prefix) + "/bin/magice-trace'",
-      "LD_TRACE_LOADED_OBJECTS=1 LD_PRELOAD='" + lib + "libmagice.so' /bin/true"};
+      "'" + std::string(prefix) + "/bin/magice-trace'",
+      "LD_PRELOAD='" + std::string(prefix) + "/lib/libmagice.so' /bin/true"};
   const std::set<std::string> carried = listed("carried");
+  const std::set<std::string> base = listed("base");
   std::set<std::string> taken_from_prefix;
   for (const std::string& run : runs) {
-    FILE* p = popen(("env -u LD_LIBRARY_PATH " + run + " 2>&1").c_str(), "r");
-    ASSERT_NE(p, nullptr);
-    std::string shown;
-    char buf[4096];
-    for (size_t n; (n = fread(buf, 1, sizeof(buf), p)) > 0;) shown.append(buf, n);
-    ASSERT_EQ(pclose(p), 0) << run << ":\n" << shown;
-    EXPECT_EQ(shown.find("not found"), std::string::npos) << run << ":\n" << shown;
-    // Lines "\tNAME => PATH (0x...)": where the loader took each library from.
-    std::istringstream lines(shown);
-    for (std::string line; std::getline(lines, line);) {
-      std::istringstream words(line);
-      std::string name, arrow, path;
-      if (!(words >> name >> arrow >> path) || arrow != "=>") continue;
-      const bool from_prefix = fs::exists(lib + name) && fs::equivalent(path, lib + name);
+    const LoaderTrace trace = trace_loader(run);
+    ASSERT_EQ(trace.status, 0) << run << ":\n" << trace.shown;
+    EXPECT_EQ(trace.shown.find("not found"), std::string::npos) << run << ":\n" << trace.shown;
+    for (const auto& [name, path] : trace.taken) {
+      const bool from_prefix = same_file(path, carried_dir + name);
       EXPECT_EQ(carried.count(name) > 0, from_prefix) << run << ": " << name << " from " << path;
+      EXPECT_TRUE(from_prefix || base.count(name)) << run << ": " << name << " from " << path;
       if (from_prefix) taken_from_prefix.insert(name);
     }
   }
   EXPECT_EQ(taken_from_prefix, carried) << "the library and the tool load other libraries than "
                                         << kLibraryList << " says they carry";
+}
+
+// PREFIX/lib holds the library alone: the system's search path names lib/ (/usr/local/lib is in
+// ld.so.conf), never its folders, so a carried library in lib/ itself would replace the
+// machine's own in every program once ldconfig runs.
+TEST(Install, TheCarriedLibrariesLieOffTheSearchPath) {
+  const char* prefix = installed_prefix();
+  if (prefix == nullptr) GTEST_SKIP() << "TEST_INSTALL_PREFIX is unset (make test sets it)";
+  const std::string lib = std::string(prefix) + "/lib";
+  std::set<std::string> files_in_lib;
+  for (const auto& e : fs::directory_iterator(lib))
+    if (!e.is_directory()) files_in_lib.insert(e.path().filename().string());
+  EXPECT_EQ(files_in_lib, std::set<std::string>{"libmagice.so"}) << "in " << lib;
+  for (const std::string& carried : listed("carried")) {
+    EXPECT_TRUE(fs::is_regular_file(std::string(prefix) + "/" + kCarriedDir + "/" + carried))
+        << carried << " is not installed in " << kCarriedDir;
+  }
+}
+
+// A machine may have a libunwind.so.8 of its own in PREFIX/lib (/usr/local/lib, from a source
+// build): the library's run path tries its private folder first and takes the carried copy.
+TEST(Install, TheLibraryTakesItsCarriedLibunwindBeforeOneBesideIt) {
+  magi::test::TempDir prefix;
+  place(prefix.path, "libmagice.so", "lib");
+  place(prefix.path, "libunwind.so.8", kCarriedDir);
+  place(prefix.path, "libunwind.so.8", "lib");  // stands for the machine's own
+  const std::string carried = prefix.path + "/" + kCarriedDir + "/libunwind.so.8";
+
+  const PrefixWalk walk(prefix.path, listed("base"));
+  EXPECT_TRUE(walk.reached().count(carried)) << joined(walk.reached());
+  EXPECT_FALSE(walk.reached().count(prefix.path + "/lib/libunwind.so.8"));
+
+  const std::string run = "LD_PRELOAD='" + prefix.path + "/lib/libmagice.so' /bin/true";
+  const LoaderTrace trace = trace_loader(run);
+  ASSERT_EQ(trace.status, 0) << run << ":\n" << trace.shown;
+  const auto unwind = std::find_if(trace.taken.begin(), trace.taken.end(),
+                                   [](const auto& t) { return t.first == "libunwind.so.8"; });
+  ASSERT_NE(unwind, trace.taken.end()) << trace.shown;
+  EXPECT_TRUE(same_file(unwind->second, carried)) << trace.shown;
 }
 
 TEST(Install, APrefixWithoutLibunwindIsReported) {
@@ -330,7 +399,7 @@ TEST(Install, APrefixWithoutLibunwindIsReported) {
   const PrefixWalk walk(prefix.path, listed("base"));
   EXPECT_TRUE(any_names(walk.problems(), "lib/libmagice.so", "libunwind.so.8"))
       << joined(walk.problems());
-  place(prefix.path, "libunwind.so.8", "lib");
+  place(prefix.path, "libunwind.so.8", kCarriedDir);
   EXPECT_FALSE(any_names(PrefixWalk(prefix.path, listed("base")).problems(), "lib/libmagice.so",
                          "libunwind.so.8"));
 }
@@ -340,19 +409,20 @@ TEST(Install, APrefixWithoutLibunwindIsReported) {
 TEST(Install, ALibraryThatACarriedLibraryNeedsIsFollowedAndReported) {
   magi::test::TempDir prefix;
   place(prefix.path, "magice-trace", "bin");
-  place(prefix.path, "libdw.so.1", "lib");
-  place(prefix.path, "libelf.so.1", "lib");
+  place(prefix.path, "libdw.so.1", kCarriedDir);
+  place(prefix.path, "libelf.so.1", kCarriedDir);
   const std::set<std::string> problems = PrefixWalk(prefix.path, listed("base")).problems();
-  EXPECT_TRUE(any_names(problems, "lib/libdw.so.1", "libbz2.so.1.0")) << joined(problems);
+  EXPECT_TRUE(any_names(problems, "lib/magice/libdw.so.1", "libbz2.so.1.0")) << joined(problems);
   for (const char* found_or_base : {"libelf.so.1", "libz.so.1", "liblzma.so.5", "libc.so.6"}) {
-    for (const char* file : {"bin/magice-trace", "lib/libdw.so.1", "lib/libelf.so.1"}) {
+    for (const char* file :
+         {"bin/magice-trace", "lib/magice/libdw.so.1", "lib/magice/libelf.so.1"}) {
       EXPECT_FALSE(any_names(problems, file, found_or_base)) << joined(problems);
     }
   }
   // Alone, with no program whose run path serves it, libdw finds neither.
   fs::remove(prefix.path + "/bin/magice-trace");
   const std::set<std::string> alone = PrefixWalk(prefix.path, listed("base")).problems();
-  EXPECT_TRUE(any_names(alone, "lib/libdw.so.1", "libelf.so.1")) << joined(alone);
+  EXPECT_TRUE(any_names(alone, "lib/magice/libdw.so.1", "libelf.so.1")) << joined(alone);
 }
 
 TEST(Install, ARunPathLeavingThePrefixIsReported) {
