@@ -4,7 +4,8 @@
 #   make demo       a 4-rank FSDP-style inference run under the shim, then its skeleton and diff
 #   make bench      per-call overhead benchmark (tools/bench)
 #   make gpu-test   tests/gpu on a machine with a GPU
-#   make install PREFIX=/usr/local
+#   make install PREFIX=/usr/local   lib/libmagice.so, bin/magice-trace and, in lib/magice/, the
+#                   libraries they carry: a self-contained prefix, to copy as it is onto a GPU node
 
 CUDA_HOME ?= /usr/local/cuda
 PREFIX    ?= /usr/local
@@ -27,7 +28,7 @@ CXXFLAGS  += $(CXXSTD) $(OPT) $(WARNINGS) $(INCLUDES) -fPIC -pthread -MMD -MP
 # The library: hidden by default, only the NCCL entry points are exported (see shim/exports.cc).
 # cudart is linked statically and the driver is reached at run time, so a machine without a
 # driver still loads the shim; libunwind is linked dynamically (Debian's .a is not PIC) and
-# looked for next to the library first ($ORIGIN), so build/ can travel with it.
+# carried (below): beside the library in build/, in PREFIX/lib/magice/ once installed.
 LIB_SRCS  := $(filter-out capture/trace_reader.cc,$(wildcard base/*.cc shim/*.cc capture/*.cc rewrite/*.cc ce_transport/*.cc))
 LIB_OBJS  := $(LIB_SRCS:%.cc=$(BUILD)/obj/%.o)
 LIB_LDLIBS:= -L$(CUDA_HOME)/lib64 -lcudart_static -lunwind -ldl -lrt -pthread
@@ -40,6 +41,13 @@ CORE_OBJS := $(BUILD)/obj/capture/trace_reader.o $(BUILD)/obj/capture/skeleton.o
 TOOL_SRCS := $(wildcard tools/magice-trace/*.cc)
 TOOL_OBJS := $(TOOL_SRCS:%.cc=$(BUILD)/obj/%.o)
 TOOL      := $(BUILD)/magice-trace
+
+# The libraries an installed prefix carries (tools/install/libraries: those a GPU node may lack)
+# are copied beside the binaries, so build/ runs wherever it is copied, as the prefix does. The
+# prefix keeps them in lib/magice/, off the system's search path: with PREFIX=/usr/local, lib/
+# is searched by every program, and our copies must not stand in for the machine's own.
+CARRIED       := $(shell awk '$$1 == "carried" {print $$2}' tools/install/libraries)
+CARRIED_FILES := $(addprefix $(BUILD)/,$(CARRIED))
 
 # Test support: the NCCL stand-in (a real libnccl.so.2 over shared memory), the launcher, the
 # workload programs, and the extension library a workload opens with RTLD_LOCAL.
@@ -60,7 +68,7 @@ BENCH     := $(BUILD)/magice-bench
 DEPS_STAMP := $(BUILD)/.deps-ok
 
 .PHONY: all test demo bench gpu-test install clean deps format format-check layers-check
-all: $(LIB) $(TOOL)
+all: $(LIB) $(TOOL) $(CARRIED_FILES)
 
 # Debian packages the build needs; installed when missing (CI runs as root on a clean machine).
 deps: $(DEPS_STAMP)
@@ -85,20 +93,31 @@ $(BUILD)/obj/%.o: %.cc | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) -c $< -o $@
 
-# libunwind.so.8 is copied beside the library: machines without it (the GPU image) then find it
-# through $ORIGIN when build/ travels.
+# The run path is a DT_RUNPATH (new dtags): it serves only the library's own dependencies, not
+# what the program dlopens (NCCL), which a DT_RPATH of a preloaded library would also serve.
+# libunwind's dependencies are all base (tools/install/libraries; tests/tools/install_test.cc).
+# $ORIGIN/magice comes first: installed, $ORIGIN is PREFIX/lib (/usr/local/lib), where the
+# machine may have a libunwind of its own; $ORIGIN finds the carried copy in build/.
 $(LIB): $(LIB_OBJS) shim/exports.map
-	$(CXX) -shared -o $@ $(LIB_OBJS) $(LIB_LDLIBS) -Wl,-rpath,'$$ORIGIN' -Wl,--no-undefined -Wl,-z,defs \
+	$(CXX) -shared -o $@ $(LIB_OBJS) $(LIB_LDLIBS) -Wl,-rpath,'$$ORIGIN/magice:$$ORIGIN' \
+	  -Wl,--no-undefined -Wl,-z,defs \
 	  -Wl,--version-script=shim/exports.map
-	cp -L $$($(CXX) -print-file-name=libunwind.so.8) $(BUILD)/libunwind.so.8
 
 # libdw names frames offline (tools/magice-trace/symbols.cc): the tool links it, the library never.
-# It and the libraries it needs that a bare image may lack are copied beside the tool, found
-# through $ORIGIN, as libunwind is for the library.
-TOOL_LIBS := libdw.so.1 libelf.so.1 libbz2.so.1.0
+# libdw's own dependencies (libelf, libbz2) must be found too, and a DT_RUNPATH would serve only
+# the tool's: the tool takes a DT_RPATH (old dtags), which the loader also searches for the
+# dependencies of every library the tool loads that has no run path of its own. $ORIGIN finds the
+# libraries in build/, $ORIGIN/../lib/magice in an installed prefix. $ORIGIN comes first here:
+# from build/, $ORIGIN/../lib/magice lies outside build/; installed, $ORIGIN is bin/, no library's.
 $(TOOL): $(TOOL_OBJS) $(CORE_OBJS)
-	$(CXX) -o $@ $^ -ldw -lelf -pthread -Wl,-rpath,'$$ORIGIN'
-	for l in $(TOOL_LIBS); do p=$$($(CXX) -print-file-name=$$l); [ "$$p" = "$$l" ] || cp -L "$$p" $(BUILD)/; done
+	$(CXX) -o $@ $^ -ldw -lelf -pthread -Wl,--disable-new-dtags \
+	  -Wl,-rpath,'$$ORIGIN:$$ORIGIN/../lib/magice'
+
+# The carried libraries, copied from the build machine's.
+$(CARRIED_FILES): $(BUILD)/%: | $(DEPS_STAMP)
+	@p=$$($(CXX) -print-file-name=$*); \
+	 [ "$$p" != "$*" ] || { echo "$*: $(CXX) finds no such library to carry"; exit 1; }; \
+	 echo "cp -L $$p $@"; cp -L "$$p" $@
 
 # ---- test support -------------------------------------------------------------------------
 # The stand-in exports only the NCCL names (tests/support/standin/export.h); all else is hidden,
@@ -177,9 +196,12 @@ $(TESTS): $(TEST_OBJS) $(filter-out $(BUILD)/obj/shim/exports.o,$(LIB_OBJS)) \
 	$(CXX) -o $@ $(filter %.o,$^) -lgtest $(LIB_LDLIBS) -Wl,-rpath,'$$ORIGIN/..'
 
 # ---- user-facing targets ------------------------------------------------------------------
+# The installed layout is tested too: installed under build/, its path in TEST_INSTALL_PREFIX.
+TEST_PREFIX := $(abspath $(BUILD))/installed
 test: all $(TEST_BINS) $(TESTS) $(GPU_FAULTS)
 	@$(MAKE) --no-print-directory format-check layers-check
-	TEST_BUILD_DIR=$(abspath $(BUILD)) $(TESTS)
+	@rm -rf $(TEST_PREFIX) && DESTDIR= tools/install/install.sh $(BUILD) $(TEST_PREFIX)
+	TEST_BUILD_DIR=$(abspath $(BUILD)) TEST_INSTALL_PREFIX=$(TEST_PREFIX) $(TESTS)
 	$(MAKE) --no-print-directory test-asan
 	$(MAKE) --no-print-directory test-tsan
 	$(MAKE) --no-print-directory test-fuzz
@@ -226,10 +248,13 @@ bench: all $(STANDIN) $(BENCH) $(BUILD)/magice-ce-bench $(ALLGATHER_BENCH) $(LAU
 gpu-test:
 	@tests/gpu/run.sh $(BUILD)
 
+# PREFIX/lib/libmagice.so, PREFIX/bin/magice-trace and the carried libraries in PREFIX/lib/magice/:
+# the prefix needs nothing of the machine but its base (tools/install/libraries) and the CUDA
+# driver, so it can be built here and copied to a GPU node. The copying is
+# tools/install/install.sh, which builds nothing: tests/gpu/run.sh installs a carried build/ with
+# it where no compiler is.
 install: all
-	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/bin
-	install -m 0755 $(LIB) $(DESTDIR)$(PREFIX)/lib/libmagice.so
-	install -m 0755 $(TOOL) $(DESTDIR)$(PREFIX)/bin/magice-trace
+	DESTDIR=$(DESTDIR) tools/install/install.sh $(BUILD) $(PREFIX)
 
 # ---- sanitizers and fuzzing ---------------------------------------------------------------
 # test-asan and test-tsan build everything again, instrumented, in a BUILD of their own and run

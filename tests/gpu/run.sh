@@ -129,6 +129,55 @@ if [ -s "$work/plain.pt" ]; then
   fi
 fi
 
+# 1c. The installed prefix: build/ installed by tools/install/install.sh (what make install runs; it
+# copies, builds nothing), then PyTorch under the prefix's library and the prefix's magice-trace.
+# A GPU node lacks libunwind and libdw: they run only if the prefix carries what they need. A
+# library that cannot be preloaded is only skipped by the loader, so the trace must exist too.
+prefix="$work/prefix"
+echo "== the installed prefix"
+ldconfig -p 2>/dev/null | grep -E "(libunwind\.so\.8|libdw\.so\.1|libelf\.so\.1|libbz2\.so\.1\.0) " |
+  sed 's/^[[:space:]]*/this machine has its own: /'
+if ! DESTDIR='' "$here/../../tools/install/install.sh" "$build" "$prefix" >"$work/install.log" 2>&1; then
+  fail "install.sh installs $build into a prefix"; cat "$work/install.log"
+else
+  ldd "$prefix/lib/libmagice.so" "$prefix/bin/magice-trace" >"$work/ldd.txt" 2>&1
+  grep -F "$prefix/" "$work/ldd.txt" | sed 's/^[[:space:]]*/  /; s/ (0x[0-9a-f]*)$//'
+  if grep -q "not found" "$work/ldd.txt"; then
+    fail "the prefix's library and tool find every library they need (ldd)"; grep "not found" "$work/ldd.txt"
+  else
+    pass "the prefix's library and tool find every library they need (ldd)"
+  fi
+  if "$prefix/bin/magice-trace" --help >"$work/help.txt" 2>&1 && grep -q "^usage: magice-trace" "$work/help.txt"; then
+    pass "the prefix's magice-trace --help"
+  else
+    fail "the prefix's magice-trace --help"; head -5 "$work/help.txt"
+  fi
+  if [ -s "$work/plain.pt" ]; then
+    d="$work/installed"
+    mkdir -p "$d/trace"
+    if LD_PRELOAD="$prefix/lib/libmagice.so" MAGI_TRACE_DIR="$d/trace" \
+        python3 "$here/torch_collectives.py" "$d/out.pt" >"$d/log" 2>&1 &&
+        python3 "$here/compare_results.py" "$work/plain.pt" "$d/out.pt" >/dev/null; then
+      pass "torch collectives under the prefix's library: bytes equal"
+    else
+      fail "torch collectives under the prefix's library: bytes equal"; tail -n 10 "$d/log"
+    fi
+    grep -i "cannot be preloaded" "$d/log"
+    trace=$(find "$d/trace" -name "*.trace" 2>/dev/null | head -1)
+    calls=0
+    if [ -n "$trace" ] && "$prefix/bin/magice-trace" dump "$trace" >"$d/dump.txt" 2>&1; then
+      calls=$(awk 'length($1) == 12 && $1 ~ /^[0-9a-f]+$/ && $2 ~ /^[0-9]+$/ && $3 ~ /^[A-Z]/' "$d/dump.txt" | wc -l)
+    fi
+    if [ "$calls" -gt 0 ]; then
+      pass "the prefix's library wrote a trace the prefix's magice-trace dumps ($calls calls)"
+    else
+      fail "the prefix's library wrote a trace the prefix's magice-trace dumps"; tail -n 5 "$d/dump.txt" 2>/dev/null
+    fi
+  else
+    fail "torch collectives under the prefix's library: no run without the shim to compare with"
+  fi
+fi
+
 # 2. Multi-process on one GPU with the stand-in. Real NCCL refuses two ranks on one GPU, so these
 # runs use the NCCL stand-in (tests/support/standin), which stages device memory through host
 # memory. Every rank checks every byte it receives; the shim must leave them right whatever its
