@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "base/ids.h"
 #include "base/options.h"
 #include "capture/trace_reader.h"
 #include "tests/support/has_line.h"
@@ -160,18 +161,19 @@ using test::has_line;
 void expect_ranks_agree(const AgreedRun& r) {
   for (const auto& [id, ranks] : r.comms) {
     const RankView& first = ranks.begin()->second;
+    const std::string comm = "comm " + short_id_text(id);  // as the log lines name it
     for (const auto& [rank, v] : ranks) {
-      EXPECT_EQ(v.moved, first.moved) << "comm " << id << " rank " << rank << " moved other calls";
-      EXPECT_EQ(v.would_move, first.would_move) << "comm " << id << " rank " << rank;
-      ASSERT_EQ(v.rounds.size(), first.rounds.size()) << "comm " << id << " rank " << rank;
+      EXPECT_EQ(v.moved, first.moved) << comm << " rank " << rank << " moved other calls";
+      EXPECT_EQ(v.would_move, first.would_move) << comm << " rank " << rank;
+      ASSERT_EQ(v.rounds.size(), first.rounds.size()) << comm << " rank " << rank;
       for (size_t i = 0; i < v.rounds.size(); ++i) {
         const auto& a = v.rounds[i];
         const auto& b = first.rounds[i];
         EXPECT_EQ(std::tie(a.round, a.kind, a.event, a.seq, a.moved, a.mode),
                   std::tie(b.round, b.kind, b.event, b.seq, b.moved, b.mode))
-            << "comm " << id << " rank " << rank << " round record " << i;
+            << comm << " rank " << rank << " round record " << i;
       }
-      ASSERT_EQ(v.decisions.size(), first.decisions.size()) << "comm " << id << " rank " << rank;
+      ASSERT_EQ(v.decisions.size(), first.decisions.size()) << comm << " rank " << rank;
       for (size_t i = 0; i < v.decisions.size(); ++i) {
         const auto& a = v.decisions[i];
         const auto& b = first.decisions[i];
@@ -182,10 +184,10 @@ void expect_ranks_agree(const AgreedRun& r) {
                            b.verdict == static_cast<uint8_t>(Verdict::Stays);
         EXPECT_EQ(std::tie(a.round, a.position, a.verdict),
                   std::tie(b.round, b.position, b.verdict))
-            << "comm " << id << " rank " << rank << " decision " << i;
+            << comm << " rank " << rank << " decision " << i;
         EXPECT_TRUE(stays || a.bucket == b.bucket)
-            << "comm " << id << " rank " << rank << " decision " << i << ": bucket " << a.bucket
-            << " vs " << b.bucket << " (reason " << int(a.reason) << "/" << int(b.reason) << ")";
+            << comm << " rank " << rank << " decision " << i << ": bucket " << a.bucket << " vs "
+            << b.bucket << " (reason " << int(a.reason) << "/" << int(b.reason) << ")";
       }
     }
   }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "capture/trace_reader.h"
+#include "tests/support/has_line.h"
 #include "tests/support/launch.h"
 #include "tests/support/tool_run.h"
 
@@ -460,6 +461,70 @@ TEST(TraceTool, DiffReportsAnInjectedCallsiteDivergenceAtTheRightCollective) {
       << out;
   args.insert(args.begin() + 1, "--shapes-only");
   EXPECT_EQ(run_tool(args, &out), 0) << out;
+}
+
+// The ids that a rank's log lines name as joined ("comm 0c1d9e7b0001 joined: rank 0 of 2"), in
+// the order it joined them.
+std::vector<std::string> joined_ids(const std::string& log) {
+  const std::string before = " comm ", after = " joined: ";
+  std::vector<std::string> ids;
+  std::istringstream lines(log);
+  for (std::string line; std::getline(lines, line);) {
+    const size_t at = line.find(before);
+    if (at != std::string::npos && line.find(after) == at + before.size() + 12)
+      ids.push_back(line.substr(at + before.size(), 12));
+  }
+  return ids;
+}
+
+// An id copied from a log line finds the same communicator in every output of magice-trace,
+// and `dump --comm` takes it (or the whole 64-bit id) and shows that communicator alone.
+TEST(TraceTool, TheIdALogLineShowsNamesTheSameCommunicatorInEveryOutput) {
+  TempDir dir;
+  FsdpRun run = run_fsdp(2, dir.path, {"--comms", "2"}, {{"MAGI_LOG", "INFO"}});
+  ASSERT_TRUE(run.result.all_ok()) << describe(run.result);
+  ASSERT_EQ(run.traces.size(), 2u);
+  const std::vector<std::string> ids = joined_ids(run.result.ranks[0].stderr_text);
+  ASSERT_EQ(ids.size(), 2u) << run.result.ranks[0].stderr_text;
+  const std::string& world = ids[0];
+  const std::string& split = ids[1];
+  ASSERT_NE(world, split);
+  const trace::Trace& rank0 = run.traces[0];
+  ASSERT_EQ(rank0.comms.size(), 2u);
+  const std::string file = rank0.path;
+
+  std::string shown;
+  ASSERT_EQ(run_tool({"dump", "--comm", world, file}, &shown), 0) << shown;
+  EXPECT_TRUE(test::has_line(shown, "^  " + world + "  0/2 ")) << shown;
+  EXPECT_TRUE(test::has_line(shown, "^  " + world + " +[0-9]+  AllGather ")) << shown;
+  EXPECT_EQ(shown.find(split), std::string::npos) << shown;
+  // The whole id, as a program holds it, selects the same communicator.
+  char whole[17];
+  std::snprintf(whole, sizeof(whole), "%016llx",
+                static_cast<unsigned long long>(rank0.comms[0].comm_id));
+  std::string out;
+  ASSERT_EQ(run_tool({"dump", "--comm", whole, file}, &out), 0) << out;
+  EXPECT_EQ(out, shown);
+  ASSERT_EQ(run_tool({"dump", "--comm", split, file}, &out), 0) << out;
+  EXPECT_TRUE(test::has_line(out, "^  " + split + "  0/1 ")) << out;
+  EXPECT_FALSE(test::has_line(out, "^  " + world + " ")) << out;
+
+  ASSERT_EQ(run_tool({"skeleton", file}, &out), 0) << out;
+  EXPECT_TRUE(test::has_line(out, "^comm " + world + " rank 0/2: ")) << out;
+  EXPECT_TRUE(test::has_line(out, "^comm " + split + " rank 0/1: ")) << out;
+
+  std::vector<std::string> args = {"decisions"};
+  for (const trace::Trace& t : run.traces) args.push_back(t.path);
+  EXPECT_EQ(run_tool(args, &out), 0) << out;
+  EXPECT_TRUE(test::has_line(out, "^comm " + world + "[ :]")) << out;
+  EXPECT_TRUE(test::has_line(out, "^comm " + split + "[ :]")) << out;
+
+  args[0] = "diff";
+  EXPECT_EQ(run_tool(args, &out), 0) << out;
+  EXPECT_TRUE(test::has_line(out, "^comm " + world + ": 2 ranks")) << out;
+
+  ASSERT_EQ(run_tool({"export", "--chrome", file, "-o", "-"}, &out), 0) << out;
+  EXPECT_NE(out.find("\"comm " + world + "\""), std::string::npos) << out;
 }
 
 }  // namespace

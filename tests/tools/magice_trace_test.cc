@@ -20,6 +20,7 @@
 #include "base/options.h"
 #include "capture/callsite.h"
 #include "capture/trace_reader.h"
+#include "tests/support/has_line.h"
 #include "tests/support/trace_builder.h"
 
 namespace magi::trace {
@@ -35,8 +36,9 @@ using testing::make_decision;
 using testing::make_file_header;
 using testing::TraceBuilder;
 
-constexpr uint64_t kWorld = 0x3f2a0c1d9e7b0001ull;
-constexpr uint64_t kHalf = 0x7c00ffee12340002ull;
+// Shown as 3f2a0c1d9e7b and 7c00ffee1234: a communicator's low 48 bits, as the library logs it.
+constexpr uint64_t kWorld = 0x5eed3f2a0c1d9e7bull;
+constexpr uint64_t kHalf = 0x6a1f7c00ffee1234ull;
 constexpr auto kTimeout = std::chrono::seconds(60);
 
 struct ToolRun {
@@ -333,6 +335,40 @@ TEST_F(MagiceTrace, DumpListsEveryCallAndFiltersByCommunicator) {
   EXPECT_FALSE(contains(half.out, " 111 ")) << half.out;
   EXPECT_FALSE(contains(half.out, " 333 ")) << half.out;
   EXPECT_TRUE(contains(half.out, "libtrain.so+0x1a2b")) << half.out;
+}
+
+// `--comm` takes the id as logs and every output show it (the low 48 bits), any leading part of
+// it, or the whole 64-bit id; digits of the id that are never shown select nothing.
+TEST_F(MagiceTrace, DumpCommTakesTheIdAsShownOrWhole) {
+  TraceBuilder b(make_file_header(4242, "node9", "serve"));
+  b.comm(make_comm(kWorld, 0, 2)).comm(make_comm(kHalf, 0, 1, CommOrigin::Split, kWorld));
+  b.call(make_call(kWorld, 0, 0, {Op::AllGather, 9, 111, -1, -1, 0}));
+  b.call(make_call(kHalf, 0, 0, {Op::AllReduce, 7, 222, -1, ncclMax, 0}));
+  const std::string file = dir_ + "/ids.trace";
+  b.write(file);
+
+  const ToolRun all = tool({"dump", file});
+  EXPECT_EQ(all.status, 0) << all.err;
+  // The split's row names it and its parent the same way.
+  EXPECT_TRUE(test::has_line(all.out, "^  7c00ffee1234  .* Split +3f2a0c1d9e7b ")) << all.out;
+
+  for (const char* id : {"7c00ffee1234", "7C00F", "0x7c00ffee1234", "6a1f7c00ffee1234"}) {
+    const ToolRun half = tool({"dump", "--comm", id, file});
+    EXPECT_EQ(half.status, 0) << id << ": " << half.err;
+    EXPECT_TRUE(contains(half.out, " 222 ")) << id << ": " << half.out;
+    EXPECT_FALSE(contains(half.out, " 111 ")) << id << ": " << half.out;
+  }
+  for (const char* id : {"6a1f", "6a1f7c00ffee", "5eed3f2a0c1d9e7c"}) {
+    const ToolRun none = tool({"dump", "--comm", id, file});
+    EXPECT_EQ(none.status, 0) << id << ": " << none.err;
+    EXPECT_FALSE(contains(none.out, " 222 ")) << id << ": " << none.out;
+    EXPECT_FALSE(contains(none.out, " 111 ")) << id << ": " << none.out;
+  }
+  for (const char* id : {"6a1f7c00ffee1", "7c00g", ""}) {
+    const ToolRun bad = tool({"dump", "--comm", id, file});
+    EXPECT_EQ(bad.status, 2) << id << ": " << bad.out;
+    EXPECT_TRUE(contains(bad.err, "--comm wants")) << id << ": " << bad.err;
+  }
 }
 
 TEST_F(MagiceTrace, ExportWritesChromeJsonThatParses) {
@@ -716,7 +752,7 @@ TEST_F(MagiceTraceDecisions, JsonHoldsTheSameRoundsAndParses) {
       "d=json.load(open(sys.argv[1]))\n"
       "assert d['agree'] is False\n"
       "[c]=d['communicators']\n"
-      "assert c['comm']=='3f2a0c1d9e7b0001', c['comm']\n"
+      "assert c['comm']=='3f2a0c1d9e7b', c['comm']\n"
       "r=[(x['rank'],x['round'],x['mode']) for x in c['rounds']]\n"
       "assert r==[(0,2,'slot'),(1,2,'slot')], r\n"
       "g=c['rounds'][1]['decisions']\n"

@@ -62,7 +62,7 @@ void compare(Block& block) {
   for (const RankRound& r : block.ranks) {
     by_round[r.round ? std::optional(r.round->round) : std::nullopt].push_back(r);
   }
-  const std::string comm = comm_label(block.comm->comm_id);
+  const std::string comm = short_id_text(block.comm->comm_id);
   if (by_round.size() > 1) {
     std::string line = "ranks disagree on comm " + comm;
     if (block.round) {
@@ -266,7 +266,7 @@ std::string callsite_text(const std::vector<trace::Trace>& traces, const Decisio
 }
 
 void print_block(const std::vector<trace::Trace>& traces, const Block& block) {
-  const std::string comm = comm_label(block.comm->comm_id);
+  const std::string comm = short_id_text(block.comm->comm_id);
   for (const RankRound& r : block.ranks) {
     const std::string who = "comm " + comm + " rank " + std::to_string(r.rank) + ": ";
     if (r.round == nullptr) {
@@ -333,7 +333,7 @@ void print_coverage(uint64_t comm_id, const CoverageMap& coverage, bool agreed) 
     if (c.moved != 0) first = "; the first at collective #" + std::to_string(c.first_moved);
     std::printf("comm %s rank %d: %" PRIu64 " of %" PRIu64 " all-gathers (%" PRIu64 " of %" PRIu64
                 " bytes sent) served off NCCL, %" PRIu64 " fell back to NCCL%s\n",
-                comm_label(comm_id).c_str(), it->first.second, c.moved, c.gathers, c.moved_bytes,
+                short_id_text(comm_id).c_str(), it->first.second, c.moved, c.gathers, c.moved_bytes,
                 c.bytes, c.fell_back, first.c_str());
   }
 }
@@ -343,14 +343,14 @@ void print_text(const std::vector<trace::Trace>& traces, const std::vector<CommR
   if (comms.empty()) std::printf("no communicators in these traces\n");
   for (size_t c = 0; c < comms.size(); ++c) {
     if (!comms[c].any_read()) {
-      std::printf("comm %s: no agreement rounds%s\n", comm_label(comms[c].comm_id).c_str(),
+      std::printf("comm %s: no agreement rounds%s\n", short_id_text(comms[c].comm_id).c_str(),
                   comms[c].any_agreement ? " read" : "");
     } else {
       for (const Block& block : blocks[c]) print_block(traces, block);
     }
     for (const RankRounds& r : comms[c].ranks)
       if (r.hello_refused != nullptr)
-        std::printf("comm %s rank %d: %s\n", comm_label(comms[c].comm_id).c_str(), r.rank,
+        std::printf("comm %s rank %d: %s\n", short_id_text(comms[c].comm_id).c_str(), r.rank,
                     route_change_text(*r.hello_refused).c_str());
     print_coverage(comms[c].comm_id, coverage, comms[c].any_read());
   }
@@ -399,7 +399,7 @@ void print_json(const std::vector<CommRounds>& comms, const std::vector<std::vec
   std::string out = "{\"communicators\":[";
   for (size_t c = 0; c < comms.size(); ++c) {
     out += (c == 0 ? "\n" : ",\n");
-    out += "{\"comm\":" + json_string(hex16(comms[c].comm_id)) + ",\"rounds\":[";
+    out += "{\"comm\":" + json_string(short_id_text(comms[c].comm_id)) + ",\"rounds\":[";
     std::vector<std::string> disagreements;
     bool first = true;
     for (const Block& block : blocks[c]) {

@@ -190,7 +190,7 @@ bool diff_communicator(uint64_t comm_id, std::vector<RankView> ranks, size_t fil
   std::stable_sort(ranks.begin(), ranks.end(), [](const RankView& a, const RankView& b) {
     return a.member->rank < b.member->rank;
   });
-  std::string line = "comm " + comm_label(comm_id) + ": ";
+  std::string line = "comm " + short_id_text(comm_id) + ": ";
   bool differs = false;
 
   // Ranks that never joined: a communicator its other ranks created is one they will wait on.

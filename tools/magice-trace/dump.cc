@@ -1,5 +1,4 @@
 // magice-trace dump: every record of each file, as tables.
-#include <cctype>
 #include <cinttypes>
 #include <cstdio>
 #include <string>
@@ -22,24 +21,17 @@ constexpr std::string_view kUsage =
     "  (static weights: bytes read in place and bytes copied), ends. A call that left NCCL\n"
     "  is marked \"moved\" (\"would move\" under MAGI_DRY_RUN); one routed off NCCL whose bucket\n"
     "  fell back to NCCL, \"fell back\".\n"
-    "  --comm ID   only communicators whose hex id starts with ID\n"
+    "  --comm ID   only the communicators whose id starts with ID: the 12 hex digits every log\n"
+    "              line and every magice-trace output show (comm 3f2a0c1d9e7b), any leading\n"
+    "              part of them, or the whole 16-digit id\n"
     "  --frames    also print each call site's frames once: function (file:line) where the\n"
     "              binary is on this machine, else module+0xoffset (--no-symbols: always)\n";
 
 struct DumpOptions {
-  std::string comm_prefix;  // lower-case hex, no 0x
+  CommFilter comms;
   bool frames = false;
   std::vector<std::string> files;
 };
-
-std::string normalized_prefix(std::string text) {
-  if (text.size() > 2 && text[0] == '0' && (text[1] == 'x' || text[1] == 'X')) text.erase(0, 2);
-  for (char& c : text) {
-    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    if (!std::isxdigit(static_cast<unsigned char>(c))) throw UsageError("--comm wants a hex id");
-  }
-  return text;
-}
 
 std::string flags_text(const trace::CallRecord& call) {
   std::string text;
@@ -75,9 +67,7 @@ class Dumper {
   }
 
  private:
-  bool wanted(uint64_t comm_id) const {
-    return o_.comm_prefix.empty() || hex16(comm_id).starts_with(o_.comm_prefix);
-  }
+  bool wanted(uint64_t comm_id) const { return o_.comms.selects(comm_id); }
 
   void print_comms() const {
     std::printf("communicators\n  %-12s  %-9s  %-16s  %-12s  %s\n", "id", "rank", "origin",
@@ -85,9 +75,10 @@ class Dumper {
     for (const trace::CommRecord& c : t_.comms) {
       if (!wanted(c.comm_id)) continue;
       const std::string rank = std::to_string(c.rank) + "/" + std::to_string(c.nranks);
-      std::printf("  %-12s  %-9s  %-16s  %-12s  %s\n", comm_label(c.comm_id).c_str(), rank.c_str(),
+      std::printf("  %-12s  %-9s  %-16s  %-12s  %s\n", short_id_text(c.comm_id).c_str(),
+                  rank.c_str(),
                   std::string(trace::origin_name(static_cast<trace::CommOrigin>(c.origin))).c_str(),
-                  c.parent_id == 0 ? "-" : comm_label(c.parent_id).c_str(),
+                  c.parent_id == 0 ? "-" : short_id_text(c.parent_id).c_str(),
                   c.cuda_device < 0 ? "-" : std::to_string(c.cuda_device).c_str());
     }
   }
@@ -100,7 +91,7 @@ class Dumper {
       if (!wanted(c.comm_id)) continue;
       if (c.callsite != 0) used_callsites_.insert(c.callsite);
       std::printf("  %-12s  %8" PRIu64 "  %-13s %-8s %12" PRIu64 "  %-9s %-5s %5u  %-5s  %-8s  %s",
-                  comm_label(c.comm_id).c_str(), c.seq,
+                  short_id_text(c.comm_id).c_str(), c.seq,
                   std::string(trace::op_name(static_cast<trace::Op>(c.op))).c_str(),
                   std::string(trace::dtype_name(c.dtype)).c_str(), c.count,
                   root_text(c.root_or_peer).c_str(), redop_text(c.redop).c_str(),
@@ -126,7 +117,7 @@ class Dumper {
                           : s.event == static_cast<uint8_t>(trace::StepEvent::Lost) ? "lost"
                                                                                     : "?";
       std::printf("  %-12s  %-5s  %10" PRIu64 "  %6u  %10" PRIu64 "  %8" PRIu64 "  %s\n",
-                  comm_label(s.comm_id).c_str(), event, s.seq, s.period, s.origin, s.repeats,
+                  short_id_text(s.comm_id).c_str(), event, s.seq, s.period, s.origin, s.repeats,
                   hex16(s.digest).c_str());
     }
   }
@@ -142,7 +133,7 @@ class Dumper {
       if (!wanted(a.comm_id)) continue;
       const std::string moved = std::to_string(a.moved) + "/" + std::to_string(a.gathers);
       std::printf("  %-12s  %5d  %5u  %-8s  %-11s  %10" PRIu64 "  %-9s  %7s  %6u  %-16s  %s\n",
-                  comm_label(a.comm_id).c_str(), a.rank, a.round,
+                  short_id_text(a.comm_id).c_str(), a.rank, a.round,
                   name(trace::round_kind_name(static_cast<trace::RoundKind>(a.kind))).c_str(),
                   name(trace::round_event_name(static_cast<trace::RoundEvent>(a.event))).c_str(),
                   a.seq, name(trace::mode_name(static_cast<trace::AgreementMode>(a.mode))).c_str(),
@@ -162,7 +153,7 @@ class Dumper {
       if (d.reason != 0) verdict += ": " + reason_text(d.reason);
       if (d.refused_by >= 0) verdict += " (rank " + std::to_string(d.refused_by) + ")";
       std::printf("  %-12s  %5d  %5u  %8u  %6u  %-8s %12" PRIu64 "  %-8s  %-9s  %s\n",
-                  comm_label(d.comm_id).c_str(), d.rank, d.round, d.position,
+                  short_id_text(d.comm_id).c_str(), d.rank, d.round, d.position,
                   static_cast<unsigned>(d.bucket), name(trace::dtype_name(d.dtype)).c_str(),
                   d.count, callsite_label(d.callsite).c_str(),
                   name(trace::mode_name(static_cast<trace::AgreementMode>(d.mode))).c_str(),
@@ -184,7 +175,7 @@ class Dumper {
       const std::string bound =
           std::to_string(w.bound_bytes) + " (" + std::to_string(w.bound_shards) + ")";
       std::printf("  %-12s  %5d  %5u  %10" PRIu64 "  %-9s  %12" PRIu64 "  %22s  %18s  %8u\n",
-                  comm_label(w.comm_id).c_str(), w.rank, w.round, w.seq,
+                  short_id_text(w.comm_id).c_str(), w.rank, w.round, w.seq,
                   name(trace::mode_name(static_cast<trace::AgreementMode>(w.mode))).c_str(),
                   w.window_bytes, exported.c_str(), bound.c_str(), w.peer_mappings);
     }
@@ -200,7 +191,7 @@ class Dumper {
     std::printf("ends\n  %-12s  %-12s  %s\n", "comm", "how", "calls");
     for (const trace::CommEndRecord& e : t_.comm_ends) {
       if (!wanted(e.comm_id)) continue;
-      std::printf("  %-12s  %-12s  %" PRIu64 "\n", comm_label(e.comm_id).c_str(),
+      std::printf("  %-12s  %-12s  %" PRIu64 "\n", short_id_text(e.comm_id).c_str(),
                   std::string(trace::end_name(static_cast<trace::CommEndKind>(e.how))).c_str(),
                   e.calls);
     }
@@ -252,8 +243,8 @@ int dump_main(std::span<const std::string> args) {
     while (!cursor.done()) {
       if (cursor.flag("--frames")) {
         options.frames = true;
-      } else if (auto prefix = cursor.value("--comm")) {
-        options.comm_prefix = normalized_prefix(*prefix);
+      } else if (auto id = cursor.value("--comm")) {
+        options.comms = CommFilter(*id);
       } else {
         cursor.operand(options.files);
       }

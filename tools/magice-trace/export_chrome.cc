@@ -84,7 +84,7 @@ class ChromeExport {
     for (size_t i = 0; i < members.size(); ++i) {
       const Member& m = members[i];
       const size_t tid = i + 1;
-      std::string name = "comm " + comm_label(m.comm_id);
+      std::string name = "comm " + short_id_text(m.comm_id);
       if (ranks_per_comm[m.comm_id] > 1) name += " rank " + std::to_string(m.rank);
       metadata(pid, tid, "thread_name", name);
       for (const trace::CallRecord* call : m.calls) write_call(pid, tid, t, *call);

@@ -23,6 +23,7 @@
 #include "tools/magice-trace/cli.h"
 #include "tools/magice-trace/describe.h"
 #include "tools/magice-trace/json_writer.h"
+#include "tools/magice-trace/members.h"
 #include "tools/magice-trace/symbols.h"
 #include "tools/magice-trace/verbs.h"
 
@@ -336,18 +337,6 @@ std::string ranks_word(const std::vector<int>& ranks) {
   return (ranks.size() == 1 ? "rank " : "ranks ") + ranks_text(ranks);
 }
 
-std::string comm_text(uint64_t id) {
-  char s[20];
-  std::snprintf(s, sizeof(s), "%012" PRIx64, static_cast<uint64_t>(id & 0xffffffffffffu));
-  return s;
-}
-
-std::string hex16(uint64_t value) {
-  char s[20];
-  std::snprintf(s, sizeof(s), "%016" PRIx64, value);
-  return s;
-}
-
 struct Finding {
   uint64_t comm_id = 0;
   bool hang = false;
@@ -407,7 +396,7 @@ std::optional<std::string> gpu_verdict(const std::string& name, Comm& comm, Find
 Finding analyse(uint64_t comm_id, Comm& comm) {
   Finding f;
   f.comm_id = comm_id;
-  const std::string name = "comm " + comm_text(comm_id);
+  const std::string name = "comm " + short_id_text(comm_id);
   for (auto& [rank, r] : comm.ranks) index_calls(r);
   for (int rank = 0; rank < comm.nranks; ++rank)
     if (!comm.ranks.count(rank)) f.absent.push_back(rank);
@@ -606,7 +595,7 @@ std::string json_of(const std::vector<Finding>& findings, std::map<uint64_t, Com
     const Finding& f = findings[k];
     Comm& comm = comms[f.comm_id];
     if (k) out += ",";
-    out += "{\"comm\":" + json_string(comm_text(f.comm_id)) +
+    out += "{\"comm\":" + json_string(short_id_text(f.comm_id)) +
            ",\"nranks\":" + std::to_string(comm.nranks) +
            ",\"hang\":" + (f.hang ? "true" : "false") + ",\"verdict\":" + json_string(f.verdict);
     out += ",\"absent\":";
@@ -735,7 +724,7 @@ int hang_main(std::span<const std::string> args) {
     if (findings.empty()) std::printf("no communicators in these files\n");
     for (const Finding& f : findings) std::printf("%s\n", f.verdict.c_str());
     for (const Finding& f : findings) {
-      std::printf("\ncomm %s:\n", comm_text(f.comm_id).c_str());
+      std::printf("\ncomm %s:\n", short_id_text(f.comm_id).c_str());
       for (const std::string& d : f.details) std::printf("%s\n", d.c_str());
     }
     return hang ? 1 : 0;

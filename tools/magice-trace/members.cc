@@ -1,11 +1,14 @@
 #include "tools/magice-trace/members.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
 #include <map>
 #include <utility>
+
+#include "tools/magice-trace/cli.h"
 
 namespace magi::tool {
 
@@ -73,10 +76,20 @@ std::vector<trace::Trace> load_traces(const std::vector<std::string>& paths) {
   return traces;
 }
 
-std::string comm_label(uint64_t comm_id) {
-  char text[16];
-  std::snprintf(text, sizeof(text), "%012" PRIx64, comm_id >> 16);
-  return text;
+CommFilter::CommFilter(std::string_view id) {
+  if (id.size() > 2 && id[0] == '0' && (id[1] == 'x' || id[1] == 'X')) id.remove_prefix(2);
+  for (char c : id) {
+    if (!std::isxdigit(static_cast<unsigned char>(c))) throw UsageError("--comm wants a hex id");
+    digits_ += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
+  if (digits_.empty() || (digits_.size() > kShortIdDigits && digits_.size() != 16)) {
+    throw UsageError("--comm wants up to 12 hex digits of the id as shown, or all 16");
+  }
+}
+
+bool CommFilter::selects(uint64_t comm_id) const {
+  if (digits_.size() == 16) return hex16(comm_id) == digits_;
+  return short_id_text(comm_id).starts_with(digits_);
 }
 
 std::string hex16(uint64_t value) {

@@ -5,8 +5,10 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "base/ids.h"
 #include "capture/trace_reader.h"
 
 namespace magi::tool {
@@ -28,9 +30,21 @@ std::vector<Member> members_of(const trace::Trace& trace);
 // Loads every file; the first unreadable or malformed one raises TraceFormatError.
 std::vector<trace::Trace> load_traces(const std::vector<std::string>& paths);
 
-// 12 hex digits: the leading 48 bits of the id, as `--comm` prefixes match it.
-std::string comm_label(uint64_t comm_id);
-// Full 16-digit hex, for prefix matching and digests.
+// A communicator is shown as short_id_text(comm_id) (base/ids.h), as the library's logs show it.
+
+// What `--comm ID` selects: up to 12 hex digits match the start of the id as shown; 16 digits,
+// the whole 64-bit id. A leading "0x" and upper case are accepted; anything else is a UsageError.
+class CommFilter {
+ public:
+  CommFilter() = default;  // selects every communicator
+  explicit CommFilter(std::string_view id);
+  bool selects(uint64_t comm_id) const;
+
+ private:
+  std::string digits_;  // lower-case hex, no "0x"
+};
+
+// Full 16-digit hex, for digests and call sites.
 std::string hex16(uint64_t value);
 
 }  // namespace magi::tool

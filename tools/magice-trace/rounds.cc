@@ -213,7 +213,7 @@ std::vector<std::string> verdict_disagreements(uint64_t comm_id, std::span<const
       if (!holds) without.push_back(rank);
     }
     if (groups.size() < 2 && (without.empty() || !some_leave_nccl)) continue;
-    std::string line = "ranks disagree on comm " + comm_label(comm_id) + " gather #" +
+    std::string line = "ranks disagree on comm " + short_id_text(comm_id) + " gather #" +
                        std::to_string(held.ordinal) + " (round " + std::to_string(held.round) +
                        ", pos " + std::to_string(position) + "): ";
     for (size_t i = 0; i < groups.size(); ++i) {

@@ -133,7 +133,7 @@ void print_skeleton(const trace::Trace& trace, const SkeletonOptions& options) {
     const std::vector<StepRun> runs = find_runs(member, options.max_step_calls);
     const std::string rank = member.rank < 0 ? "?" : std::to_string(member.rank);
     const std::string nranks = member.nranks < 0 ? "?" : std::to_string(member.nranks);
-    std::printf("comm %s rank %s/%s: %s\n", comm_label(member.comm_id).c_str(), rank.c_str(),
+    std::printf("comm %s rank %s/%s: %s\n", short_id_text(member.comm_id).c_str(), rank.c_str(),
                 nranks.c_str(), summary(runs, member.collectives.size()).c_str());
     for (size_t i = 0; i < std::min(runs.size(), kRunsShown); ++i) {
       const StepRun& run = runs[i];

@@ -47,8 +47,8 @@ def main() -> int:
         if m and line.rstrip().endswith(" moved"):
             moved[m.group(1)] += 1
 
-    # dump labels a communicator by the first 12 hex digits of the id decisions prints whole
-    per_comm = "; ".join(f"{c[:12]}: modes {'/'.join(m)}, {moved[c[:12]]} calls moved"
+    # dump and decisions name a communicator alike: the 12 hex digits its log lines show
+    per_comm = "; ".join(f"{c}: modes {'/'.join(m)}, {moved[c]} calls moved"
                          for c, m in agreeing.items())
     print(f"trace_check: {len(traces)} traces, {len(agreeing)} communicators agreeing "
           f"({per_comm or 'none'}); ranks {'agree' if report['agree'] else 'DISAGREE'}")
