@@ -28,7 +28,8 @@ namespace magi {
   X(cuCtxPopCurrent, PFN_cuCtxPopCurrent_v4000, 4000)               \
   X(cuEventCreate, PFN_cuEventCreate_v2000, 2000)                   \
   X(cuEventRecord, PFN_cuEventRecord_v2000, 2000)                   \
-  X(cuEventQuery, PFN_cuEventQuery_v2000, 2000)
+  X(cuEventQuery, PFN_cuEventQuery_v2000, 2000)                     \
+  X(cuThreadExchangeStreamCaptureMode, PFN_cuThreadExchangeStreamCaptureMode_v10010, 10010)
 
 // One pointer per entry point, named after it (`cuStreamBatchMemOp_fn`); nullptr where the
 // driver lacks it. The `##` keeps cuda.h's renaming macros (cuMemGetAddressRange ->

@@ -211,6 +211,15 @@ void unwatch(const WatchedCall& call, flight::UnwatchedReason why) {
 
 CUcontext g_poller_context = nullptr;  // the poller thread's current context
 
+// While another thread captures a CUDA graph in the global mode (torch.cuda.graph's default),
+// the driver may refuse a query from this thread as potentially unsafe. The event itself is
+// fine: it is asked again at the next pass. (The poller asks for the relaxed mode first, which
+// exempts it; this covers a driver that refuses anyway.)
+bool refused_while_capturing(CUresult result) {
+  return result == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED ||
+         result == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+}
+
 EventState query_event(const WatchedCall& call, void* event) {
   const CudaDriver& d = *g_events_driver.load(std::memory_order_acquire);
   if (call.context != g_poller_context) {
@@ -220,7 +229,8 @@ EventState query_event(const WatchedCall& call, void* event) {
   }
   const CUresult result = d.cuEventQuery_fn(static_cast<CUevent>(event));
   if (result == CUDA_SUCCESS) return EventState::Done;
-  return result == CUDA_ERROR_NOT_READY ? EventState::Pending : EventState::Failed;
+  return result == CUDA_ERROR_NOT_READY || refused_while_capturing(result) ? EventState::Pending
+                                                                           : EventState::Failed;
 }
 
 WatchedCall g_watching[kMaxWatched];  // the poller's own
@@ -229,6 +239,14 @@ bool g_finished_failed[kMaxWatched];
 
 void* poll_events(void*) {
   pthread_setname_np(pthread_self(), "magice-complete");
+  // The poller only queries events of calls already issued: it takes no part in any capture,
+  // and another thread's capture in the global mode must not refuse its queries (calls in
+  // flight when a program starts capturing were once given up as "an event call failed").
+  if (const CudaDriver* d = g_events_driver.load(std::memory_order_acquire);
+      d != nullptr && d->cuThreadExchangeStreamCaptureMode_fn != nullptr) {
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    d->cuThreadExchangeStreamCaptureMode_fn(&mode);
+  }
   size_t n = 0;
   uint64_t failures = 0;
   for (;;) {

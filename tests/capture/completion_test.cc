@@ -286,6 +286,11 @@ class FakeGpu {
     return created_;
   }
   const CudaDriver& driver() const { return driver_; }
+  // Another thread captures a graph in the global mode: the driver refuses every query.
+  void capture_elsewhere(bool on) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    capturing_elsewhere_ = on;
+  }
 
   static constexpr uintptr_t kContext = 0xc0;
 
@@ -321,6 +326,7 @@ class FakeGpu {
     driver_.cuEventQuery_fn = [](CUevent event) {
       FakeGpu& gpu = get();
       std::lock_guard<std::mutex> lock(gpu.mutex_);
+      if (gpu.capturing_elsewhere_) return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
       auto it = gpu.events_.find(event);
       if (it == gpu.events_.end()) return CUDA_ERROR_INVALID_HANDLE;
       return it->second.second <= gpu.done_[it->second.first] ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
@@ -329,6 +335,7 @@ class FakeGpu {
 
   CudaDriver driver_;
   std::mutex mutex_;
+  bool capturing_elsewhere_ = false;
   size_t created_ = 0;
   std::map<CUevent, std::pair<CUstream, size_t>> events_;  // -> stream, position on it
   std::map<CUstream, size_t> recorded_, done_;
@@ -376,6 +383,29 @@ TEST_F(CompletionEvents, ThePollerMarksWhatTheStreamFinishedInOrder) {
   ASSERT_TRUE(eventually([&] { return completed(file.slot(2)) == 3; }));
   EXPECT_EQ(completed(file.slot(1)), 2u);
   EXPECT_EQ(reached(file.slot(2)), 3u);
+}
+
+// Calls in flight while another thread captures a CUDA graph (queries refused as unsafe) are
+// watched on, and marked complete once the capture ends: never given up as "an event call
+// failed".
+TEST_F(CompletionEvents, QueriesRefusedDuringAnotherThreadsCaptureAreAskedAgain) {
+  FakeGpu& gpu = FakeGpu::get();
+  const CUstream s = stream(5);
+  RingFile file(16, 0, 1, flight::kCompletionEvents);
+  gpu.capture_elsewhere(true);
+  for (uint64_t seq = 0; seq < 3; ++seq) call(file, seq, s);
+  gpu.finish_all(s);
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));  // several passes, all refused
+  for (uint64_t seq = 0; seq < 3; ++seq) {
+    EXPECT_EQ(completed(file.slot(seq)), 0u) << seq;
+    EXPECT_EQ(word(std::atomic_ref<uint64_t>(file.slot(seq).unwatched)), 0u) << seq;
+  }
+  gpu.capture_elsewhere(false);
+  ASSERT_TRUE(eventually([&] { return completed(file.slot(2)) == 3; }));
+  for (uint64_t seq = 0; seq < 3; ++seq) {
+    EXPECT_EQ(reached(file.slot(seq)), seq + 1) << seq;
+    EXPECT_EQ(word(std::atomic_ref<uint64_t>(file.slot(seq).unwatched)), 0u) << seq;
+  }
 }
 
 TEST_F(CompletionEvents, AGroupedCallsCompletedEventFollowsTheGroupEnd) {
