@@ -456,7 +456,7 @@ TEST(TraceTool, DiffReportsAnInjectedCallsiteDivergenceAtTheRightCollective) {
   for (const auto& f : traces_in(dir.path)) args.push_back(f);
   std::string out;
   EXPECT_EQ(run_tool(args, &out), 1) << out;
-  EXPECT_NE(out.find("call sites differ from #" + std::to_string(kDivergentCollective)),
+  EXPECT_NE(out.find("call sites differ from collective #" + std::to_string(kDivergentCollective)),
             std::string::npos)
       << out;
   args.insert(args.begin() + 1, "--shapes-only");
