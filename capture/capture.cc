@@ -388,7 +388,7 @@ void end_call(CallRecord& record, ncclResult_t result) {
     record.duration_ns = elapsed > UINT32_MAX ? UINT32_MAX : static_cast<uint32_t>(elapsed);
     trace_append(writer, trace::RecordType::Call, &record, sizeof(record));
   }
-  MAGI_TRACE(Capture, "comm %012llx #%llu %s count %llu -> %d", short_id(record.comm_id),
+  MAGI_TRACE(Capture, "comm %012llx call #%llu %s count %llu -> %d", short_id(record.comm_id),
              static_cast<unsigned long long>(record.seq),
              std::string(trace::op_name(static_cast<trace::Op>(record.op))).c_str(),
              static_cast<unsigned long long>(record.count), record.result);

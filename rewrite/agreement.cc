@@ -193,7 +193,8 @@ void CommAgreement::stay_quiet(Reason why, uint64_t seq) {
 
 ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket,
                                   std::span<const NcclGather> calls, cudaStream_t stream,
-                                  uint16_t bucket_id, bool via_nccl, uint32_t plan, bool* moved) {
+                                  uint16_t bucket_id, bool via_nccl, uint32_t plan,
+                                  uint64_t first_collective, bool* moved) {
   bool by_transport = false;
   const bool plan_ended = !active_ || active_dry_ || plan != active_plan_;
   const ncclResult_t r = plan_ended && !via_nccl
@@ -205,7 +206,7 @@ ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket,
     if (by_transport) {
       ++coverage_.moved;
       coverage_.moved_bytes += g.count * datatype_bytes(static_cast<uint8_t>(g.dtype));
-      coverage_.first_moved = std::min(coverage_.first_moved, last_seq_);
+      coverage_.first_moved = std::min(coverage_.first_moved, first_collective);
     } else if (!via_nccl) {
       ++coverage_.fell_back;
     }

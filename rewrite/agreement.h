@@ -141,10 +141,12 @@ class CommAgreement {
   // `plan`: Route::plan of its gathers. A bucket queued in a group under a plan that ended
   // before the group did (a round read at an anchor inside the group dropped or replaced it) goes
   // to NCCL: every rank read the same round at the same call, so every rank does the same.
-  // `moved` (if given): whether the transport served it, rather than NCCL.
+  // `first_collective`: the collective index of the bucket's first call (a group's bucket is
+  // served at its ncclGroupEnd, after its last call). `moved` (if given): whether the transport
+  // served it, rather than NCCL.
   ncclResult_t serve(std::span<const ce::GatherOp> bucket, std::span<const NcclGather> calls,
                      cudaStream_t stream, uint16_t bucket_id, bool via_nccl, uint32_t plan,
-                     bool* moved = nullptr);
+                     uint64_t first_collective, bool* moved = nullptr);
 
   uint64_t identity() const { return info_.identity; }
   ncclComm_t comm() const { return comm_; }
@@ -267,7 +269,7 @@ class CommAgreement {
     uint64_t gathers = 0, bytes = 0;
     uint64_t moved = 0, moved_bytes = 0;
     uint64_t fell_back = 0;
-    uint64_t first_moved = UINT64_MAX;  // collective index (the call that served it)
+    uint64_t first_moved = UINT64_MAX;  // collective index of the first call moved
   } coverage_;
   uint64_t last_seq_ = 0;  // the latest call's collective index
   Serving serving_;

@@ -25,6 +25,7 @@ struct Queued {
   bool via_nccl;
   cudaStream_t stream;
   uint32_t plan;
+  uint64_t collective;  // the call's collective index
   ce::GatherOp op;
   NcclGather call;
   bool served = false;  // its bucket was served at the group's end
@@ -123,11 +124,12 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
                           route.own_offset};
     const NcclGather call{args.sendbuf, args.recvbuf, args.count, args.dtype};
     if (agreement->world().group().depth > 0) {
-      t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, route.plan, op, call});
+      t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, route.plan,
+                          view.collective_index, op, call});
       outcome.result = ncclSuccess;
     } else {
       outcome.result = agreement->serve({&op, 1}, {&call, 1}, args.stream, route.bucket, via_nccl,
-                                        route.plan, &moved);
+                                        route.plan, view.collective_index, &moved);
     }
   });
   if (done) {
@@ -172,8 +174,10 @@ ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
         members.push_back(j);
         done[j] = true;
       }
-      const ncclResult_t served = queued[i].agreement->serve(
-          bucket, calls, queued[i].stream, queued[i].bucket, queued[i].via_nccl, queued[i].plan);
+      // queued[i] is the bucket's first call: the group queued them in call order.
+      const ncclResult_t served =
+          queued[i].agreement->serve(bucket, calls, queued[i].stream, queued[i].bucket,
+                                     queued[i].via_nccl, queued[i].plan, queued[i].collective);
       for (const size_t j : members) queued[j].served = true;
       if (result == ncclSuccess) result = served;
     }

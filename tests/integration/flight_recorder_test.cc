@@ -346,7 +346,7 @@ TEST_P(HangDivergence, NamesTheFirstCollectiveTheRanksIssuedDifferently) {
   std::string out;
   EXPECT_EQ(run_tool(args, &out), 1) << out;
   const std::string verdict = out.substr(0, out.find('\n'));
-  EXPECT_NE(verdict.find("the ranks issued different collectives at #" +
+  EXPECT_NE(verdict.find("the ranks issued different collectives at collective #" +
                          std::to_string(kCollective) + ": "),
             std::string::npos)
       << out;

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "base/ids.h"
 #include "capture/trace_reader.h"
 #include "tests/support/has_line.h"
 #include "tests/support/launch.h"
@@ -456,7 +458,7 @@ TEST(TraceTool, DiffReportsAnInjectedCallsiteDivergenceAtTheRightCollective) {
   for (const auto& f : traces_in(dir.path)) args.push_back(f);
   std::string out;
   EXPECT_EQ(run_tool(args, &out), 1) << out;
-  EXPECT_NE(out.find("call sites differ from #" + std::to_string(kDivergentCollective)),
+  EXPECT_NE(out.find("call sites differ from collective #" + std::to_string(kDivergentCollective)),
             std::string::npos)
       << out;
   args.insert(args.begin() + 1, "--shapes-only");
@@ -527,5 +529,67 @@ TEST(TraceTool, TheIdALogLineShowsNamesTheSameCommunicatorInEveryOutput) {
   EXPECT_NE(out.find("\"comm " + world + "\""), std::string::npos) << out;
 }
 
+// The number that follows `marker` on the first line of `text` holding both `marker` and
+// `context`; -1 when there is none.
+int64_t number_after(const std::string& text, const std::string& context,
+                     const std::string& marker) {
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    const size_t at = line.find(marker);
+    if (at == std::string::npos || line.find(context) == std::string::npos) continue;
+    return std::strtoll(line.c_str() + at + marker.size(), nullptr, 10);
+  }
+  return -1;
+}
+
+// "collective #N" is one call wherever it is shown: the library's end-of-communicator line
+// names the first all-gather served off NCCL by its collective index, and decisions and dump
+// name that same call so. The step is one group (served at its ncclGroupEnd, after the group's
+// last call) and a Send/Recv pair comes first (a call's seq runs ahead of its collective index).
+TEST(TraceTool, TheFirstMovedCollectiveALogLineNamesIsTheSameCallInDecisionsAndDump) {
+  TempDir dir;
+  FsdpRun run = run_fsdp(2, dir.path, {"--step-group", "1", "--p2p", "1", "--steps", "14"},
+                         {{"MAGI_LOG", "INFO"}, {"MAGI_BACKEND", "host"}, {"MAGI_CE_FORCE", "1"}});
+  ASSERT_TRUE(run.result.all_ok()) << describe(run.result);
+  ASSERT_EQ(run.traces.size(), 2u);
+  const trace::Trace& rank0 = run.traces[0];
+  ASSERT_EQ(rank0.comms.size(), 1u);
+  const std::string world = short_id_text(rank0.comms[0].comm_id);
+
+  // What the trace says: the first call marked moved, as a collective index and as a seq.
+  std::vector<trace::CallRecord> calls = rank0.calls;
+  std::sort(calls.begin(), calls.end(), [](const auto& a, const auto& b) { return a.seq < b.seq; });
+  int64_t first_collective = -1, first_seq = -1, collectives = 0;
+  for (const trace::CallRecord& call : calls) {
+    if (!trace::is_collective(static_cast<trace::Op>(call.op))) continue;
+    if ((call.flags & trace::kCallMoved) != 0 && first_collective < 0) {
+      first_collective = collectives;
+      first_seq = static_cast<int64_t>(call.seq);
+    }
+    ++collectives;
+  }
+  ASSERT_GE(first_collective, 0) << "nothing moved\n" << describe(run.result);
+  ASSERT_GT(first_seq, first_collective) << "the Send/Recv pair is missing";
+
+  const std::string& log = run.result.ranks[0].stderr_text;
+  EXPECT_EQ(number_after(log, "comm " + world + ": ", "the first at collective #"),
+            first_collective)
+      << log;
+
+  std::vector<std::string> args = {"decisions"};
+  for (const trace::Trace& t : run.traces) args.push_back(t.path);
+  std::string out;
+  EXPECT_EQ(run_tool(args, &out), 0) << out;
+  EXPECT_EQ(number_after(out, "comm " + world + " rank 0: ", "the first at collective #"),
+            first_collective)
+      << out;
+
+  ASSERT_EQ(run_tool({"dump", rank0.path}, &out), 0) << out;
+  // Its row: the call's seq, its op, its collective index, and the mark.
+  EXPECT_TRUE(test::has_line(out, "^  " + world + " +" + std::to_string(first_seq) +
+                                      "  AllGather +" + std::to_string(first_collective) +
+                                      "  .*  moved( |$)"))
+      << out;
+}
 }  // namespace
 }  // namespace magi

@@ -246,8 +246,11 @@ TEST_F(MagiceTrace, DiffReportsCallSitesThatDifferWhenShapesAgree) {
 
   const ToolRun run = tool(with({"diff"}, files));
   EXPECT_EQ(run.status, 1) << run.out << run.err;
-  EXPECT_TRUE(contains(run.out, "call sites differ from #" + std::to_string(kMoved))) << run.out;
+  EXPECT_TRUE(contains(run.out, "call sites differ from collective #" + std::to_string(kMoved)))
+      << run.out;
   EXPECT_FALSE(contains(run.out, "diverges")) << run.out;
+  // Its row: collective #12 is call #13, after the Send or Recv each rank issued.
+  EXPECT_TRUE(contains(run.out, "  > #12     call #13     ReduceScatter ")) << run.out;
 
   const ToolRun shapes = tool(with({"diff", "--shapes-only"}, files));
   EXPECT_EQ(shapes.status, 0) << shapes.out;
@@ -292,7 +295,7 @@ TEST_F(MagiceTrace, SkeletonFindsThePrologueAndTheRepeatingStep) {
   EXPECT_EQ(run.status, 0) << run.err;
   EXPECT_TRUE(contains(run.out,
                        "comm 3f2a0c1d9e7b rank 1/4: prologue 1 call; "
-                       "step of 3 calls × 12 repeats (calls 1–36)"))
+                       "step of 3 calls × 12 repeats (collectives #1–#36)"))
       << run.out;
   // The step's calls, one per line.
   EXPECT_TRUE(contains(run.out, "AllGather     bfloat16      1048576")) << run.out;
@@ -857,14 +860,56 @@ TEST_F(MagiceTraceDecisions, SaysPerRankHowManyGathersLeftNcclAndHowManyFellBack
   b.write(file);
   const ToolRun run = tool({"decisions", file});
   EXPECT_EQ(run.status, 0) << run.err;
+  // The file starts at call #2: how many collectives came before is unknown, so the first moved
+  // is named by its seq, and dump shows its collective index as unknown.
   EXPECT_TRUE(contains(run.out,
                        "comm 3f2a0c1d9e7b rank 1: 2 of 4 all-gathers (64 of 128 bytes sent) "
-                       "served off NCCL, 1 fell back to NCCL; the first at collective #3\n"))
+                       "served off NCCL, 1 fell back to NCCL; the first at call #3\n"))
       << run.out;
   const ToolRun dump = tool({"dump", file});
   EXPECT_EQ(dump.status, 0) << dump.err;
   EXPECT_TRUE(contains(dump.out, "  fell back\n")) << dump.out;
   EXPECT_TRUE(contains(dump.out, "  moved\n")) << dump.out;
+  EXPECT_TRUE(contains(dump.out, "  3f2a0c1d9e7b         3  AllGather              ?  float32"))
+      << dump.out;
+}
+
+// A call's seq counts Send and Recv, its collective index does not: the first moved gather is
+// "collective #N" by the index, as the library's end-of-communicator line names it, and dump
+// and export show both numbers of every call.
+TEST_F(MagiceTraceDecisions, NamesTheFirstMovedGatherByItsCollectiveIndexNotItsSeq) {
+  TraceBuilder b(make_file_header(4242, "node9", "serve"));
+  b.comm(make_comm(kWorld, 0, 2));
+  b.call(make_call(kWorld, 0, 0, {Op::AllReduce, 7, 8, -1, 0, 0}));
+  b.call(make_call(kWorld, 0, 1, {Op::Send, 7, 8, 1, -1, 0}));
+  b.call(make_call(kWorld, 0, 2, {Op::Recv, 7, 8, 1, -1, 0}));
+  for (uint64_t seq = 3; seq < 6; ++seq) {
+    CallRecord call = make_call(kWorld, 0, seq, {Op::AllGather, 7, 8, -1, -1, 0});
+    if (seq >= 4) call.flags = kCallMoved;
+    b.call(call);
+  }
+  const std::string file = dir_ + "/numbers.trace";
+  b.write(file);
+
+  const ToolRun run = tool({"decisions", file});
+  EXPECT_EQ(run.status, 0) << run.err;
+  EXPECT_TRUE(
+      contains(run.out, "served off NCCL, 0 fell back to NCCL; the first at collective #2\n"))
+      << run.out;
+
+  const ToolRun dump = tool({"dump", file});
+  EXPECT_EQ(dump.status, 0) << dump.err;
+  EXPECT_TRUE(contains(dump.out, "  comm              call  op            collective  dtype"))
+      << dump.out;
+  EXPECT_TRUE(contains(dump.out, "  3f2a0c1d9e7b         1  Send                   -  float32"))
+      << dump.out;
+  EXPECT_TRUE(contains(dump.out, "  3f2a0c1d9e7b         4  AllGather              2  float32"))
+      << dump.out;
+
+  const ToolRun json = tool({"export", "--chrome", file, "-o", "-"});
+  EXPECT_EQ(json.status, 0) << json.err;
+  EXPECT_TRUE(contains(json.out, "\"seq\":4,\"collective\":2,")) << json.out;
+  EXPECT_TRUE(contains(json.out, "\"seq\":1,\"callsite\"")) << json.out;
 }
 
 TEST_F(MagiceTraceDecisions, TruncatedDecisionRecordExitsTwo) {

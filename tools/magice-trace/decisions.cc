@@ -35,9 +35,10 @@ constexpr std::string_view kUsage =
     "  gather and rank, by position in the step: moved, would move (MAGI_DRY_RUN), or stays and\n"
     "  why. Checks that the ranks of each communicator read the same round and decided the same\n"
     "  verdict for every gather. Last, per communicator and rank, what it got: its all-gathers\n"
-    "  (and bytes) served off NCCL, those that fell back to NCCL, and the first moved. A\n"
-    "  communicator kept on NCCL by its first collective's settings check (settings that\n"
-    "  differ between ranks) says so, per rank.\n"
+    "  (and bytes) served off NCCL, those that fell back to NCCL, and the first moved, as\n"
+    "  collective #N like the library's line (call #N, its seq, where the file misses earlier\n"
+    "  calls). A communicator kept on NCCL by its first collective's settings check (settings\n"
+    "  that differ between ranks) says so, per rank.\n"
     "  --all   every round read, not only the last\n"
     "  --json  the same as JSON on stdout\n"
     "  Exit status: 0 the ranks agree, 1 they do not (\"ranks disagree on comm ...\"), 2 bad\n"
@@ -294,25 +295,34 @@ void print_block(const std::vector<trace::Trace>& traces, const Block& block) {
 // and those routed to it whose bucket fell back to NCCL, from the call records.
 struct Coverage {
   uint64_t gathers = 0, bytes = 0, moved = 0, moved_bytes = 0, fell_back = 0;
-  uint64_t first_moved = UINT64_MAX;
+  // The first moved call, by its collective index as the library's line names it; by its seq
+  // ("call #N") where the file misses earlier calls and so that index.
+  const trace::CallRecord* first_moved = nullptr;
+  std::optional<uint64_t> first_moved_collective;
 };
 using CoverageMap = std::map<std::pair<uint64_t, int32_t>, Coverage>;  // (comm, rank)
 
 CoverageMap coverage_of(const std::vector<trace::Trace>& traces) {
   CoverageMap out;
   for (const trace::Trace& t : traces) {
-    for (const trace::CallRecord& call : t.calls) {
-      if (call.op != static_cast<uint8_t>(trace::Op::AllGather)) continue;
-      Coverage& c = out[{call.comm_id, call.rank}];
-      const uint64_t bytes = call.count * datatype_bytes(call.dtype);
-      ++c.gathers;
-      c.bytes += bytes;
-      if (call.flags & trace::kCallMoved) {
-        ++c.moved;
-        c.moved_bytes += bytes;
-        c.first_moved = std::min(c.first_moved, call.seq);
+    for (const Member& m : members_of(t)) {
+      for (size_t i = 0; i < m.collectives.size(); ++i) {
+        const trace::CallRecord& call = *m.collectives[i];
+        if (call.op != static_cast<uint8_t>(trace::Op::AllGather)) continue;
+        Coverage& c = out[{call.comm_id, call.rank}];
+        const uint64_t bytes = call.count * datatype_bytes(call.dtype);
+        ++c.gathers;
+        c.bytes += bytes;
+        if (call.flags & trace::kCallMoved) {
+          ++c.moved;
+          c.moved_bytes += bytes;
+          if (c.first_moved == nullptr) {
+            c.first_moved = &call;
+            if (i < m.numbered) c.first_moved_collective = i;
+          }
+        }
+        if (call.flags & trace::kCallFellBack) ++c.fell_back;
       }
-      if (call.flags & trace::kCallFellBack) ++c.fell_back;
     }
   }
   return out;
@@ -330,7 +340,10 @@ void print_coverage(uint64_t comm_id, const CoverageMap& coverage, bool agreed) 
        it != coverage.end() && it->first.first == comm_id; ++it) {
     const Coverage& c = it->second;
     std::string first;
-    if (c.moved != 0) first = "; the first at collective #" + std::to_string(c.first_moved);
+    if (c.first_moved_collective)
+      first = "; the first at collective #" + std::to_string(*c.first_moved_collective);
+    else if (c.first_moved != nullptr)
+      first = "; the first at call #" + std::to_string(c.first_moved->seq);
     std::printf("comm %s rank %d: %" PRIu64 " of %" PRIu64 " all-gathers (%" PRIu64 " of %" PRIu64
                 " bytes sent) served off NCCL, %" PRIu64 " fell back to NCCL%s\n",
                 short_id_text(comm_id).c_str(), it->first.second, c.moved, c.gathers, c.moved_bytes,

@@ -23,9 +23,11 @@ namespace {
 
 constexpr std::string_view kUsage =
     "usage: magice-trace diff [--shapes-only] FILE...\n"
-    "  Compares the collectives of each communicator across the files (one per rank), by index\n"
-    "  (Send/Recv left out: they differ between ranks by design). Reports per communicator\n"
-    "  whether the ranks agree, and shows the calls around the first difference.\n"
+    "  Compares the collectives of each communicator across the files (one per rank), by\n"
+    "  collective index, collective #N as the logs number them (Send/Recv left out: they differ\n"
+    "  between ranks by design). Reports per communicator whether the ranks agree, and shows\n"
+    "  the calls around the first difference, each as #N and call #N (its seq, Send/Recv\n"
+    "  counted).\n"
     "  A communicator whose ranks are not all among the files is reported as a difference.\n"
     "  --shapes-only  compare op, datatype, count, root and reduction only, not call sites\n"
     "  Exit status: 0 identical, 1 differences found, 2 bad usage or unreadable input.\n";
@@ -157,7 +159,7 @@ void print_context(const std::vector<RankView>& ranks, uint64_t at, bool by_call
       }
       const trace::CallRecord& call = *calls[i];
       const std::string frame = call_site_line(*r.trace, call);
-      std::printf("  %c #%-6" PRIu64 " seq %-6" PRIu64 " %s callsite %-8s%s%s%s\n",
+      std::printf("  %c #%-6" PRIu64 " call #%-6" PRIu64 " %s callsite %-8s%s%s%s\n",
                   i == at ? '>' : ' ', i, call.seq, shape_text(call).c_str(),
                   callsite_label(call.callsite).c_str(), frame.empty() ? "" : "  ", frame.c_str(),
                   i == at && odd_one ? "  <-- differs" : "");
@@ -212,7 +214,7 @@ bool diff_communicator(uint64_t comm_id, std::vector<RankView> ranks, size_t fil
 
   const Comparison c = compare(ranks, shapes_only);
   if (c.callsites_differ < c.shapes_diverge) {
-    line += ", call sites differ from #" + std::to_string(c.callsites_differ);
+    line += ", call sites differ from collective #" + std::to_string(c.callsites_differ);
     if (c.shapes_diverge != kNone) {
       line += ", diverges at collective #" + std::to_string(c.shapes_diverge);
     }

@@ -20,7 +20,10 @@ constexpr std::string_view kUsage =
     "  agreement rounds, the decisions of each round, the memory of each plan's window\n"
     "  (static weights: bytes read in place and bytes copied), ends. A call that left NCCL\n"
     "  is marked \"moved\" (\"would move\" under MAGI_DRY_RUN); one routed off NCCL whose bucket\n"
-    "  fell back to NCCL, \"fell back\".\n"
+    "  fell back to NCCL, \"fell back\". Each call shows both its numbers: call (its seq, "
+    "counting\n"
+    "  every call, Send/Recv too) and collective (collective #N of the logs and of the other\n"
+    "  verbs; - for Send/Recv, ? when the file misses earlier calls of the communicator).\n"
     "  --comm ID   only the communicators whose id starts with ID: the 12 hex digits every log\n"
     "              line and every magice-trace output show (comm 3f2a0c1d9e7b), any leading\n"
     "              part of them, or the whole 16-digit id\n"
@@ -83,17 +86,26 @@ class Dumper {
     }
   }
 
+  // Each call under both its numbers: "call" (seq) and "collective" (- for Send/Recv, ? where
+  // the file misses earlier calls). The collective column comes after op so that scripts reading
+  // comm, call and op by position keep working.
   void print_calls() {
-    std::printf("calls\n  %-12s  %8s  %-13s %-8s %12s  %-9s %-5s %5s  %-5s  %-8s  %s\n", "comm",
-                "seq", "op", "dtype", "count", "root/peer", "redop", "depth", "flags", "callsite",
-                "duration");
+    std::printf("calls\n  %-12s  %8s  %-13s %10s  %-8s %12s  %-9s %-5s %5s  %-5s  %-8s  %s\n",
+                "comm", "call", "op", "collective", "dtype", "count", "root/peer", "redop", "depth",
+                "flags", "callsite", "duration");
+    const std::vector<Member> members = members_of(t_);
+    const auto numbers = collective_numbers(members);
     for (const trace::CallRecord& c : t_.calls) {
       if (!wanted(c.comm_id)) continue;
       if (c.callsite != 0) used_callsites_.insert(c.callsite);
-      std::printf("  %-12s  %8" PRIu64 "  %-13s %-8s %12" PRIu64 "  %-9s %-5s %5u  %-5s  %-8s  %s",
+      const auto number = numbers.find(&c);
+      std::string collective = trace::is_collective(static_cast<trace::Op>(c.op)) ? "?" : "-";
+      if (number != numbers.end()) collective = std::to_string(number->second);
+      std::printf("  %-12s  %8" PRIu64 "  %-13s %10s  %-8s %12" PRIu64
+                  "  %-9s %-5s %5u  %-5s  %-8s  %s",
                   short_id_text(c.comm_id).c_str(), c.seq,
                   std::string(trace::op_name(static_cast<trace::Op>(c.op))).c_str(),
-                  std::string(trace::dtype_name(c.dtype)).c_str(), c.count,
+                  collective.c_str(), std::string(trace::dtype_name(c.dtype)).c_str(), c.count,
                   root_text(c.root_or_peer).c_str(), redop_text(c.redop).c_str(),
                   static_cast<unsigned>(c.group_depth), flags_text(c).c_str(),
                   callsite_label(c.callsite).c_str(), duration_text(c.duration_ns).c_str());

@@ -20,9 +20,12 @@ namespace {
 constexpr std::string_view kUsage =
     "usage: magice-trace export --chrome FILE... -o OUT.json\n"
     "  Writes Chrome trace-event JSON (open it in ui.perfetto.dev): one process per file, one\n"
-    "  row per communicator, one slice per call, step events as instants.\n"
+    "  row per communicator, one slice per call, step events as instants. A call's args hold\n"
+    "  its seq (call #N) and, for a collective, its collective index (collective #N).\n"
     "  --chrome      the output format (the only one so far)\n"
     "  -o OUT.json   where to write it (\"-\" for stdout)\n";
+
+constexpr uint64_t kUnnumbered = UINT64_MAX;
 
 // Nanoseconds since the earliest trace start, on the realtime clock all files share.
 class Timeline {
@@ -87,7 +90,12 @@ class ChromeExport {
       std::string name = "comm " + short_id_text(m.comm_id);
       if (ranks_per_comm[m.comm_id] > 1) name += " rank " + std::to_string(m.rank);
       metadata(pid, tid, "thread_name", name);
-      for (const trace::CallRecord* call : m.calls) write_call(pid, tid, t, *call);
+      size_t collective = 0;  // of the next collective of m
+      for (const trace::CallRecord* call : m.calls) {
+        const bool numbered = collective < m.numbered && m.collectives[collective] == call;
+        write_call(pid, tid, t, *call, numbered ? collective : kUnnumbered);
+        if (numbered) ++collective;
+      }
       if (m.comm != nullptr) {
         instant(
             pid, tid, t, m.comm->time_ns, "comm created",
@@ -106,7 +114,9 @@ class ChromeExport {
 
   // The hot loop of a large export: one reused buffer, no printf. Op, datatype and reduction
   // names are this tool's own and need no escaping.
-  void write_call(size_t pid, size_t tid, const trace::Trace& t, const trace::CallRecord& c) {
+  // `collective`: the call's collective index, or kUnnumbered (Send/Recv, or not known).
+  void write_call(size_t pid, size_t tid, const trace::Trace& t, const trace::CallRecord& c,
+                  uint64_t collective) {
     const auto op = static_cast<trace::Op>(c.op);
     std::string& s = line_;
     s.assign("{\"name\":\"").append(trace::op_name(op)).append("\",\"ph\":\"X\",\"pid\":");
@@ -122,6 +132,10 @@ class ChromeExport {
     append_integer(s, c.count);
     s += ",\"seq\":";
     append_integer(s, c.seq);
+    if (collective != kUnnumbered) {
+      s += ",\"collective\":";
+      append_integer(s, collective);
+    }
     s.append(",\"callsite\":\"").append(callsite_label(c.callsite)).append("\"");
     if (c.root_or_peer >= 0) {
       s += trace::is_collective(op) ? ",\"root\":" : ",\"peer\":";

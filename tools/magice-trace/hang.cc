@@ -467,8 +467,8 @@ Finding analyse(uint64_t comm_id, Comm& comm) {
       if (!parts.empty()) parts += "; ";
       parts += ranks_word(ranks) + " " + call_text(*example[shape]);
     }
-    verdicts.push_back(name + ": the ranks issued different collectives at #" + std::to_string(i) +
-                       ": " + parts);
+    verdicts.push_back(name + ": the ranks issued different collectives at collective #" +
+                       std::to_string(i) + ": " + parts);
   }
   if (!f.behind.empty()) {
     // The lowest stopping point first: that collective is the one the others wait in.

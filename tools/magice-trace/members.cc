@@ -62,11 +62,24 @@ std::vector<Member> members_of(const trace::Trace& trace) {
       std::stable_sort(m.calls.begin(), m.calls.end(), by_seq);
     }
     m.collectives.reserve(m.calls.size());
-    for (const trace::CallRecord* call : m.calls) {
-      if (trace::is_collective(static_cast<trace::Op>(call->op))) m.collectives.push_back(call);
+    bool whole = true;  // every call before this one is in the file
+    for (size_t i = 0; i < m.calls.size(); ++i) {
+      const trace::CallRecord* call = m.calls[i];
+      whole = whole && call->seq == i;
+      if (!trace::is_collective(static_cast<trace::Op>(call->op))) continue;
+      m.collectives.push_back(call);
+      if (whole) m.numbered = m.collectives.size();
     }
   }
   return members;
+}
+
+std::unordered_map<const trace::CallRecord*, uint64_t> collective_numbers(
+    const std::vector<Member>& members) {
+  std::unordered_map<const trace::CallRecord*, uint64_t> numbers;
+  for (const Member& m : members)
+    for (size_t i = 0; i < m.numbered; ++i) numbers.emplace(m.collectives[i], i);
+  return numbers;
 }
 
 std::vector<trace::Trace> load_traces(const std::vector<std::string>& paths) {

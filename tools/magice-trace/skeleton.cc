@@ -20,7 +20,8 @@ namespace {
 constexpr std::string_view kUsage =
     "usage: magice-trace skeleton [--max-step N] [--calls N] FILE...\n"
     "  For each communicator in each file: the calls before, between and after runs of a\n"
-    "  repeating step, and each step's collectives (Send/Recv are not part of steps).\n"
+    "  repeating step, and each step's collectives (Send/Recv are not part of steps). Runs are\n"
+    "  placed by collective index, collective #N as the logs number them.\n"
     "  --max-step N  longest step looked for, in collectives (default: MAGI_MAX_STEP_CALLS's)\n"
     "  --calls N     list at most N calls of each step (default 32; 0 lists all)\n";
 
@@ -82,7 +83,8 @@ std::string summary(const std::vector<StepRun>& runs, uint64_t collectives) {
     }
     char line[160];
     std::snprintf(line, sizeof(line),
-                  "step of %s × %" PRIu64 " repeats (calls %" PRIu64 "–%" PRIu64 "), digest %s",
+                  "step of %s × %" PRIu64 " repeats (collectives #%" PRIu64 "–#%" PRIu64
+                  "), digest %s",
                   calls_text(run.period).c_str(), run.repeats, run.origin, run.last(),
                   hex16(run.digest).c_str());
     add(line);
@@ -114,12 +116,12 @@ void print_runtime_steps(const trace::Trace& trace, uint64_t comm_id) {
     if (++total > 2 * kRunsShown) continue;
     ++shown;
     if (s.event == static_cast<uint8_t>(trace::StepEvent::Found)) {
-      std::printf("  runtime: found at collective %" PRIu64 ": step of %s from %" PRIu64
-                  ", digest %s\n",
+      std::printf("  runtime: found at collective #%" PRIu64
+                  ": step of %s from collective #%" PRIu64 ", digest %s\n",
                   s.seq, calls_text(s.period).c_str(), s.origin, hex16(s.digest).c_str());
     } else if (s.event == static_cast<uint8_t>(trace::StepEvent::Lost)) {
-      std::printf("  runtime: lost at collective %" PRIu64 " after %" PRIu64
-                  " repeats of %s from %" PRIu64 "\n",
+      std::printf("  runtime: lost at collective #%" PRIu64 " after %" PRIu64
+                  " repeats of %s from collective #%" PRIu64 "\n",
                   s.seq, s.repeats, calls_text(s.period).c_str(), s.origin);
     }
   }
@@ -138,14 +140,14 @@ void print_skeleton(const trace::Trace& trace, const SkeletonOptions& options) {
     for (size_t i = 0; i < std::min(runs.size(), kRunsShown); ++i) {
       const StepRun& run = runs[i];
       if (runs.size() > 1) {
-        std::printf("  step at calls %" PRIu64 "–%" PRIu64 ":", run.origin, run.last());
+        std::printf("  step at collectives #%" PRIu64 "–#%" PRIu64 ":", run.origin, run.last());
       }
       // A step that comes back after a disturbance is listed once.
       const auto earlier = std::find_if(runs.begin(), runs.begin() + i, [&](const StepRun& r) {
         return r.digest == run.digest && r.period == run.period;
       });
       if (earlier != runs.begin() + i) {
-        std::printf(" the step at calls %" PRIu64 "–%" PRIu64 " again\n", earlier->origin,
+        std::printf(" the step at collectives #%" PRIu64 "–#%" PRIu64 " again\n", earlier->origin,
                     earlier->last());
         continue;
       }

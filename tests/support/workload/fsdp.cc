@@ -2,7 +2,7 @@
 //      [--exit-without-destroy 1] [--fork-child 1]
 //      [--rewrite 1] [--callsite-rank R] [--group-rank R] [--newbuf-rank R --newbuf-step K]
 //      [--count-step K] [--mixed-group 1] [--comms 2 [--perturb-comm 1|2]] [--device 1]
-//      [--step-group 1] [--settle-step K]
+//      [--step-group 1] [--settle-step K] [--p2p 1]
 //      [--static-change-rank R --static-change-step K] [--die-rank R --die-step K] [--abort-step K]
 //      [--stall-rank R --stall-step K --stall-s T] [--watchdog-s S [--watchdog-grace-s G]]
 //
@@ -46,6 +46,9 @@
 //   --uniform 1        every layer's shard has the same size and the step has no all-reduce:
 //                      by shapes a step of one gather, each layer with its own buffer
 //   --nonblocking 1    the communicator is made with config.blocking = 0
+//   --p2p 1            after the start-up all-reduce, each rank sends a token to the next rank
+//                      and receives one from the previous (ncclSend/ncclRecv in one group): the
+//                      calls' numbers (seq) then run ahead of the collectives' numbers
 //   --comms 2          a second communicator (ncclCommSplit, color rank % 2) runs a model of its
 //                      own, step for step with the first; --perturb-comm picks which one the
 //                      changes above apply to (default 1)
@@ -162,6 +165,25 @@ class FsdpModel {
       throw ScenarioFailure(format("rank %d: prologue all-reduce gave {%d, %d}", rank_,
                                    ints(config)[0], ints(config)[1]));
     }
+  }
+
+  // A token round the ring: this rank's to the next, the previous rank's from it.
+  void pass_token() {
+    Buffer token(placement_, 2 * sizeof(int));
+    ints(token)[0] = rank_;
+    ints(token)[1] = -1;
+    token.upload(0, token.bytes());
+    WORKLOAD_CHECK(ncclGroupStart());
+    WORKLOAD_CHECK(
+        ncclSend(token.nccl(), 1, ncclInt32, (rank_ + 1) % n_, comm_, placement_.stream()));
+    WORKLOAD_CHECK(ncclRecv(static_cast<int*>(token.nccl()) + 1, 1, ncclInt32,
+                            (rank_ + n_ - 1) % n_, comm_, placement_.stream()));
+    WORKLOAD_CHECK(ncclGroupEnd());
+    placement_.synchronize();
+    token.download(0, token.bytes());
+    if (ints(token)[1] != (rank_ + n_ - 1) % n_)
+      throw ScenarioFailure(
+          format("rank %d: token from the previous rank is %d", rank_, ints(token)[1]));
   }
 
   void step(int s) {
@@ -503,6 +525,7 @@ int run_fsdp(const ScenarioOptions& options) {
   }
   model.prologue();
   if (sub_model) sub_model->prologue();
+  if (options.number("p2p", 0) != 0) model.pass_token();
   const int die_rank = die_in_gather ? -1 : static_cast<int>(options.number("die-rank", -1));
   const int die_step = static_cast<int>(options.number("die-step", -1));
   const int abort_step = static_cast<int>(options.number("abort-step", -1));
