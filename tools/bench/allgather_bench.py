@@ -19,7 +19,8 @@ what moves does not depend on timing, without it the cost trial's timings decide
       [--lib-env KEY=VALUE]... [--timeout S] [--keep DIR]
 
 --nccl standin (the default) runs over the stand-in of BUILD/tests/support on host memory with
-MAGI_BACKEND=host MAGI_CE_FORCE=1 for the library; system runs over the NCCL the loader finds;
+MAGI_BACKEND=host MAGI_CE_FORCE=1 for the library (at one rank without MAGI_CE_FORCE, which would
+make that communicator explore: there the defaults are the do-no-harm case); system runs over the NCCL the loader finds;
 DIR puts DIR first on LD_LIBRARY_PATH. --lib-env adds to (or overrides) the library's settings.
 Goals printed against: the do-no-harm bound (with the library at most max(2 %, 0.3 us) more per
 call than without) wherever nothing moved, next to the noise (the interquartile range of the
@@ -86,6 +87,10 @@ class Runner:
         for item in args.lib_env:
             key, _, value = item.partition("=")
             self.lib_env[key] = value
+        # One rank never explores unless forced (its all-gather is one local copy): there the
+        # library runs with its defaults, the do-no-harm case, unless --lib-env forces it.
+        self.unforced_at_one_rank = args.nccl == "standin" and not any(
+            item.startswith("MAGI_CE_FORCE=") for item in args.lib_env)
         self.keep = args.keep
         self.launches = 0
         if self.keep:
@@ -96,6 +101,8 @@ class Runner:
         env = dict(self.base_env)
         if with_library:
             env.update(self.lib_env)
+            if ranks == 1 and self.unforced_at_one_rank:
+                env.pop("MAGI_CE_FORCE", None)
             env["LD_PRELOAD"] = f"{self.build}/libmagice.so"
         env.update(extra_env or {})
         cmd = [f"{self.build}/tests/support/magi-launch", "-n", str(ranks), "--timeout",

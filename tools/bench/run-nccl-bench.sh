@@ -42,10 +42,13 @@ for round in $(seq 1 "$rounds"); do
   run "  + completion, 4 us apart" allreduce MAGI_CALLSITES=1 "${recorder[@]}" \
     MAGI_FLIGHT_RECORDER_COMPLETION=1
   spaced=""
-  # A 1-rank all-gather would be moved off NCCL once agreed: MAGI_DRY_RUN=1 keeps it on NCCL
-  # while the agreement watches it, decides and reports, which is what passing it through costs.
-  run "call sites off, dry run" allgather MAGI_CALLSITES=0 MAGI_DRY_RUN=1
-  run "call sites on, dry run" allgather MAGI_CALLSITES=1 MAGI_DRY_RUN=1
+  # A 1-rank communicator never explores (its all-gather is one local copy): with the defaults an
+  # all-gather passes straight through. MAGI_CE_FORCE=1 explores it anyway, and MAGI_DRY_RUN=1
+  # keeps it on NCCL while the agreement watches it, decides and reports: what watching a
+  # gather costs where a communicator may explore.
+  run "all-gather, defaults" allgather
+  run "all-gather, call sites off" allgather MAGI_CALLSITES=0
+  run "all-gather watched (forced, dry run)" allgather MAGI_CE_FORCE=1 MAGI_DRY_RUN=1
 done
 echo "median added ns over $rounds rounds"
 cut -f1 "$results" | awk '!seen[$0]++' | while IFS= read -r label; do
