@@ -117,19 +117,19 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   if (hello_due_ && !capture::stream_capturing(args, record)) issue_hello(view.collective_index);
   last_seq_ = view.collective_index;
   if (quiet_ != Reason::None) stay_quiet(quiet_, view.collective_index);
+  const bool gather = args.op == trace::Op::AllGather;
+  if (gather) {  // counted where nothing explores too: the end line says what the program got
+    ++coverage_.gathers;
+    coverage_.bytes += args.count * datatype_bytes(static_cast<uint8_t>(args.dtype));
+  }
   if (!agreeable_) {
     if (hello_) look_at_hello(view.collective_index);
     if (!retired_.empty()) free_retired_ready();
     return {};
   }
-  const bool gather = args.op == trace::Op::AllGather;
   if (gather) capture::stream_capturing(args, record);  // a fact of the observation
   const CallFacts facts = CallFacts::of(args, record);
   recent_.add(view.collective_index, facts);
-  if (gather) {
-    ++coverage_.gathers;
-    coverage_.bytes += args.count * datatype_bytes(static_cast<uint8_t>(args.dtype));
-  }
   if (view.event == capture::StepDetector::Event::Lost) on_lost(view.collective_index);
   if (!view.found) return {};
   if (view.event == capture::StepDetector::Event::Found || view.digest != step_digest_)
@@ -427,6 +427,7 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
     return;
   }
   exchange.issued();
+  policy_.count_round_issued();
   pending_ = std::move(round);
   record(kind, trace::RoundEvent::Issued, seq, AgreementMode::None, Reason::None, 0);
 }

@@ -89,13 +89,14 @@ ExplorationPolicy::SizeVerdict ExplorationPolicy::size_verdict(uint64_t bytes) c
 }
 
 std::string ExplorationPolicy::cost_summary() const {
-  char text[160];
-  std::snprintf(text, sizeof text,
-                "%u rounds (%.1f us waiting on them), %llu calls timed, %llu of them the slower "
-                "way",
-                rounds_, static_cast<double>(cost_.wait_ns) / 1e3,
-                static_cast<unsigned long long>(cost_.timed_calls),
-                static_cast<unsigned long long>(cost_.slower_calls));
+  char text[192];
+  std::snprintf(
+      text, sizeof text,
+      "%llu round%s (%.1f us waiting on them), %llu call%s timed, %llu of them the "
+      "slower way",
+      static_cast<unsigned long long>(cost_.rounds_issued), cost_.rounds_issued == 1 ? "" : "s",
+      static_cast<double>(cost_.wait_ns) / 1e3, static_cast<unsigned long long>(cost_.timed_calls),
+      cost_.timed_calls == 1 ? "" : "s", static_cast<unsigned long long>(cost_.slower_calls));
   return text;
 }
 

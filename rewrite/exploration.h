@@ -94,11 +94,15 @@ class ExplorationPolicy {
   SizeVerdict size_verdict(uint64_t bytes) const;
 
   // ---- what it cost ----
+  // One round's all-gather issued (hello, propose, publish, confirm or cost).
+  void count_round_issued() { ++cost_.rounds_issued; }
   void count_round_wait(uint64_t ns) { cost_.wait_ns += ns; }
   void count_timed_calls(uint64_t calls) { cost_.timed_calls += calls; }
   void count_slower_calls(uint64_t calls) { cost_.slower_calls += calls; }
-  // "R rounds (W us waiting on them), T calls timed, S of them the slower way"
+  // "R rounds (W us waiting on them), T calls timed, S of them the slower way": R counts the
+  // rounds' all-gathers (a propose, publish and confirm are three).
   std::string cost_summary() const;
+  uint64_t rounds_issued() const { return cost_.rounds_issued; }
   uint64_t round_wait_ns() const { return cost_.wait_ns; }
   uint64_t timed_calls() const { return cost_.timed_calls; }
   uint64_t slower_calls() const { return cost_.slower_calls; }
@@ -126,7 +130,7 @@ class ExplorationPolicy {
   // Sizes (bucket bytes) each route won, sorted.
   std::vector<uint64_t> copy_engine_won_, nccl_won_;
   struct Cost {
-    uint64_t wait_ns = 0, timed_calls = 0, slower_calls = 0;
+    uint64_t rounds_issued = 0, wait_ns = 0, timed_calls = 0, slower_calls = 0;
   } cost_;
 };
 

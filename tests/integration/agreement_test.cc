@@ -340,6 +340,29 @@ TEST(Agreement, ASendBufferMovedAfterCommitKeepsMovingWithCorrectBytes) {
   }
 }
 
+// A communicator of one rank never explores (NCCL's all-gather there is one local copy): no
+// hello, no round, nothing moved, and both the log and the trace say why. MAGI_CE_FORCE=1
+// explores it anyway.
+TEST(Agreement, ACommunicatorOfOneRankNeverExploresAndSaysWhy) {
+  const AgreedRun r = run_agreed(1, fsdp({}, 20), {{"MAGI_CE_FORCE", "0"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  const uint64_t comm = r.comm_ids()[0];
+  const RankView& v = r.view(comm, 0);
+  EXPECT_TRUE(v.moved.empty());
+  ASSERT_EQ(v.rounds.size(), 1u) << transcript(r);
+  EXPECT_EQ(v.rounds[0].event, static_cast<uint8_t>(RoundEvent::Read));
+  EXPECT_EQ(v.rounds[0].kind, static_cast<uint8_t>(RoundKind::Hello));
+  EXPECT_EQ(v.rounds[0].reason, static_cast<uint8_t>(Reason::SingleRank));
+  EXPECT_NE(r.log.find("one rank: NCCL's all-gather is one local copy"), std::string::npos)
+      << r.log;
+  EXPECT_NE(r.log.find("0 of 100 all-gathers"), std::string::npos) << r.log;
+  EXPECT_NE(r.log.find("exploring cost 0 rounds"), std::string::npos) << r.log;
+
+  const AgreedRun forced = run_agreed(1, fsdp({}, 20), {{"MAGI_CE_FORCE", "1"}});
+  ASSERT_TRUE(forced.result.all_ok()) << transcript(forced);
+  EXPECT_FALSE(forced.view(forced.comm_ids()[0], 0).moved.empty()) << transcript(forced);
+}
+
 TEST(Agreement, ACountChangeAfterCommitSendsTheGatherBackToNcclOnEveryRankAtOnce) {
   const AgreedRun r = run_agreed(4, fsdp({"--count-step", "12"}, 40));
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);

@@ -191,14 +191,19 @@ TEST(Exploration, StoppingForGoodEndsEveryPropose) {
 TEST(Exploration, TheCostSummarySaysRoundsWaitsAndTimedCalls) {
   const Options options = options_with({});
   ExplorationPolicy policy(options);
-  policy.next_round();
-  policy.next_round();
+  policy.count_round_issued();
+  policy.count_round_issued();
   policy.count_round_wait(1500);
   policy.count_round_wait(1000);
   policy.count_timed_calls(6);
   policy.count_slower_calls(3);
   EXPECT_EQ(policy.cost_summary(),
             "2 rounds (2.5 us waiting on them), 6 calls timed, 3 of them the slower way");
+  ExplorationPolicy once(options);
+  once.count_round_issued();
+  once.count_timed_calls(1);
+  EXPECT_EQ(once.cost_summary(),
+            "1 round (0.0 us waiting on them), 1 call timed, 0 of them the slower way");
 }
 
 }  // namespace

@@ -125,7 +125,8 @@ class Memory {
     void* p = nullptr;
     if (device_) {
       CUDA_CHECK(cudaMalloc(&p, rounded));
-      CUDA_CHECK(cudaMemset(p, 0, rounded));
+      CUDA_CHECK(cudaMemsetAsync(p, 0, rounded, stream_));
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
     } else {
       p = std::aligned_alloc(4096, rounded);
       if (p == nullptr) throw std::runtime_error("cannot allocate " + std::to_string(bytes));
@@ -134,21 +135,28 @@ class Memory {
     allocations_.push_back(p);
     return static_cast<unsigned char*>(p);
   }
+  // Writes, reads and zeroing go on the program's stream, which is non-blocking: on the legacy
+  // default stream (cudaMemcpy, cudaMemset) they would not be ordered with the gathers, and a
+  // gather could read data not yet written.
   void write(void* to, const void* from, size_t bytes) const {
-    if (device_)
-      CUDA_CHECK(cudaMemcpy(to, from, bytes, cudaMemcpyHostToDevice));
-    else
+    if (device_) {
+      CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyHostToDevice, stream_));
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+    } else {
       std::memcpy(to, from, bytes);
+    }
   }
   void read(void* to, const void* from, size_t bytes) const {
-    if (device_)
-      CUDA_CHECK(cudaMemcpy(to, from, bytes, cudaMemcpyDeviceToHost));
-    else
+    if (device_) {
+      CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToHost, stream_));
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+    } else {
       std::memcpy(to, from, bytes);
+    }
   }
   void zero(void* at, size_t bytes) const {
     if (device_)
-      CUDA_CHECK(cudaMemset(at, 0, bytes));
+      CUDA_CHECK(cudaMemsetAsync(at, 0, bytes, stream_));
     else
       std::memset(at, 0, bytes);
   }

@@ -177,8 +177,9 @@ def rank0_gathers(build, trace_dir):
                 section = line.split()[0] if line.split() else None
                 continue
             f = line.split()
-            if section == "calls" and len(f) > 4 and f[2] == "AllGather" and f[1].isdigit():
-                calls.append((int(f[4]), "moved" in f[5:]))
+            # comm, call, op, collective, dtype, count, ...
+            if section == "calls" and len(f) > 5 and f[2] == "AllGather" and f[1].isdigit():
+                calls.append((int(f[5]), "moved" in f[6:]))
         return calls
     sys.exit(f"allgather_bench: no trace of rank 0 in {trace_dir}")
 
