@@ -6,9 +6,6 @@
 
 #include "base/clock.h"
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
 namespace magi::rewrite {
 namespace {
 
@@ -70,9 +67,7 @@ CommAgreement::CommAgreement(ncclComm_t comm, const capture::CommInfo& info, Agr
               short_id(info_.identity));
   }
   // Made here, not at the call that finds the step: the call path allocates nothing.
-  if (agreeable_)
-    own_steps_ =
-        std::make_unique<capture::StepDetector>(static_cast<uint32_t>(options_.max_step_calls));
+  if (agreeable_) refined_.watch_own_facts_up_to(static_cast<uint32_t>(options_.max_step_calls));
 }
 
 CommAgreement::~CommAgreement() {
@@ -134,14 +129,14 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   if (!view.found) return {};
   if (view.event == capture::StepDetector::Event::Found || view.digest != step_digest_)
     restart(view);
-  if (seen_.has_gathers()) watch_own_facts(record, view);
-  uint32_t position = position_of(view);
+  if (seen_.has_gathers()) refined_.watch(record, view, seen_.keyed_on_buffers());
+  uint32_t position = refined_.position_of(view);
   if (position == 0) seen_.begin_step();
   if (position == policy_.anchor()) {
     policy_.pass_anchor();
     if (anchor_has_work() && !capture::stream_capturing(args, record)) {
       at_anchor(view);
-      position = position_of(view);  // a refinement read here renumbers this very call
+      position = refined_.position_of(view);  // a refinement read here renumbers this very call
     }
   }
   seen_.observe(position, facts, backend_);
@@ -223,71 +218,27 @@ void CommAgreement::restart(const capture::StepView& view) {
   serving_.forget_stale();
   step_digest_ = view.digest;
   policy_.restart(view.digest, view.position);
-  forget_refinement(view);
-}
-
-// A new shape step: rounds follow it, and this rank's own facts are watched afresh from here.
-void CommAgreement::forget_refinement(const capture::StepView& view) {
-  refined_period_ = 0;
-  refined_phase_ = 0;
-  shape_period_ = view.period;
-  shape_origin_ = view.collective_index - view.position;
-  shape_run_origin_ = view.origin;
-  if (own_steps_) own_steps_->reset();
-}
-
-// O(1), allocation-free: one hash and one push of the detector.
-void CommAgreement::watch_own_facts(const capture::CallRecord& record,
-                                    const capture::StepView& view) {
-  if (!own_steps_) return;
-  // Default mode keys gathers without their buffers: a period only the buffers show (layers
-  // that share a call site) is no reason to refine there.
-  const uint64_t facts[3] = {view.position, record.callsite,
-                             seen_.keyed_on_buffers() ? record.sendbuf : 0};
-  own_steps_->push(XXH3_64bits(facts, sizeof facts));
-}
-
-// Proposes the period of this rank's own facts when it is a longer multiple of the shape step
-// than the step rounds follow now. Its phase comes from shared facts only (a shape position 0,
-// fixed when the shape step was found): any phase of a periodic sequence is one, and so ranks
-// that see the same period propose the same phase.
-void CommAgreement::propose_refinement(ContributionHeader& h) const {
-  if (!own_steps_ || !own_steps_->found() || shape_period_ == 0) return;
-  const uint32_t period = own_steps_->period();
-  const uint32_t current = seen_.period();
-  if (period % shape_period_ != 0 || period <= shape_period_ || period == current || current == 0 ||
-      current % shape_period_ != 0)
-    return;
-  uint64_t gathers = 0;
-  for (uint32_t pos = 0; pos < current; ++pos)
-    gathers += seen_.at(pos).op == static_cast<uint8_t>(trace::Op::AllGather);
-  if (gathers == 0 || gathers * period / current > kMaxGathers) return;
-  h.refine_period = period;
-  h.refine_phase = static_cast<uint32_t>(shape_origin_ % period);
+  // A new shape step: rounds follow it, and this rank's own facts are watched afresh from here.
+  refined_.follow_shape_step(view);
 }
 
 // Every rank read the same refinement at this call: rounds start over on the longer step.
 void CommAgreement::refine(const Decision& d, uint64_t seq) {
   if (active_) deactivate(seq, Reason::StepRefined);
   serving_.drop();
-  refined_period_ = d.refine_period;
-  refined_phase_ = d.refine_phase;
-  seen_.reset(refined_period_, info_.rank);
+  refined_.agree(d.refine_period, d.refine_phase);
+  const uint32_t period = refined_.period();
+  seen_.reset(period, info_.rank);
   // Seeded, as at a shape step's start, with the calls since the shape step's run began, each at
   // its refined position: the warmup may be complete here already.
-  const uint64_t first =
-      shape_run_origin_ +
-      (refined_phase_ + refined_period_ - shape_run_origin_ % refined_period_) % refined_period_;
-  recent_.seed(seen_, first, refined_period_, seq, backend_);
+  recent_.seed(seen_, refined_.refined_run_origin(), period, seq, backend_);
   serving_.forget_stale();
-  policy_.restart(step_digest_ ^ refined_period_,
-                  static_cast<uint32_t>((seq % refined_period_ + refined_period_ - refined_phase_) %
-                                        refined_period_));
+  policy_.restart(step_digest_ ^ period, refined_.refined_position(seq));
   MAGI_INFO(Rewrite,
             "comm %012llx round %u: the step is %u collectives (%u shape steps): each gather "
             "keeps its own position",
-            short_id(info_.identity), decision_round_, refined_period_,
-            refined_period_ / std::max<uint32_t>(shape_period_, 1));
+            short_id(info_.identity), decision_round_, period,
+            period / std::max<uint32_t>(refined_.shape_period(), 1));
   // Every rank read the refinement at this call, so a propose issued here too is issued alike;
   // the seeded warmup may already be complete, and the next anchor is a whole refined step away.
   if (propose_due()) propose(seq);
@@ -372,7 +323,7 @@ void CommAgreement::propose(uint64_t seq) {
   h.callsite_digest = seen_.callsite_digest();
   h.group_digest = seen_.group_digest();
   if (!seen_.groups_stable()) h.flags |= kGroupsUnstable;
-  propose_refinement(h);
+  refined_.propose(seen_, h);
   const ce::Locality here = world_.make.locality(info_);
   h.host = here.host;
   h.device = here.device;
