@@ -36,6 +36,7 @@ CommAgreement::CommAgreement(ncclComm_t comm, const capture::CommInfo& info, Agr
       settings_(schedule_settings(options_, ce::backend_available(backend_))),
       policy_(options_),
       flush_(world_.nccl, info_.identity),
+      buffers_(info_.identity),
       serving_(world_, info_, comm) {
   const Reason never = unagreeable(info_) == Reason::None
                            ? ExplorationPolicy::never_explores(options_, info_.nranks)
@@ -86,19 +87,10 @@ CommAgreement::~CommAgreement() {
   }
   serving_.drop();
   if (hello_ && !agreeable_) look_at_hello(last_seq_);
-  // A round still in flight belongs to NCCL until it completes; a finished one is freed here.
-  // One that never launched (a group left open at destroy) is left, not waited for.
-  if (pending_) retire(std::move(pending_->exchange));
-  if (hello_) retire(std::move(hello_->exchange));
-  for (auto& exchange : retired_) {
-    if (exchange && !exchange->ready()) {
-      MAGI_WARN(Rewrite,
-                "comm %012llx: an agreement round was still in flight at destroy; its "
-                "buffers are left allocated",
-                short_id(info_.identity));
-      exchange.release();
-    }
-  }
+  // Rounds still in flight belong to NCCL until they complete: the pool frees only those that
+  // did, and leaves the others (RoundBuffers).
+  if (pending_) buffers_.retire(std::move(pending_->exchange));
+  if (hello_) buffers_.retire(std::move(hello_->exchange));
 }
 
 Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallRecord& record,
@@ -114,7 +106,7 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   if (quiet_ != Reason::None) stay_quiet(quiet_, view.collective_index);
   if (!agreeable_) {
     if (hello_) look_at_hello(view.collective_index);
-    if (!retired_.empty()) free_retired_ready();
+    if (buffers_.any_retired()) buffers_.free_ready();
     return {};
   }
   const bool gather = args.op == trace::Op::AllGather;
@@ -260,31 +252,20 @@ void CommAgreement::abandon_pending(uint64_t seq) {
   if (!pending_) return;
   record(pending_->kind, trace::RoundEvent::Abandoned, seq, AgreementMode::None, Reason::Deviated,
          0);
-  retire(std::move(pending_->exchange));
+  buffers_.retire(std::move(pending_->exchange));
   pending_.reset();
 }
 
 bool CommAgreement::anchor_has_work() const {
-  return pending_ || !retired_.empty() || trial_.running() || trial_.timing() || propose_due();
+  return pending_ || buffers_.any_retired() || trial_.running() || trial_.timing() || propose_due();
 }
 
 bool CommAgreement::propose_due() const {
   return seen_.has_gathers() && policy_.propose_due(seen_.complete_steps());
 }
 
-void CommAgreement::free_retired_ready() {
-  for (auto it = retired_.begin(); it != retired_.end();) {
-    if (!(*it)->ready()) {
-      ++it;
-      continue;
-    }
-    if (!spare_) spare_ = std::move(*it);
-    it = retired_.erase(it);
-  }
-}
-
 void CommAgreement::at_anchor(const capture::StepView& view) {
-  free_retired_ready();
+  buffers_.free_ready();
   trial_.collect();
   if (pending_) {
     read_round(view.collective_index);
@@ -347,9 +328,8 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
   round->voted_no = in_group;
   round->decision_hash = c.header.decision_hash;
   try {
-    // Round buffers are reused: making them (and freeing them, which waits for the whole
-    // device) at every round would stall the program's streams each time.
-    round->exchange = spare_ ? std::move(spare_) : world_.make.exchange(info_);
+    // Reused (RoundBuffers): made anew at every round, they would stall the program's streams.
+    round->exchange = buffers_.take([&] { return world_.make.exchange(info_); });
     std::vector<uint8_t> bytes(kContributionBytes);
     c.serialize(bytes);
     round->exchange->stage(bytes);
@@ -391,13 +371,7 @@ void CommAgreement::read_round(uint64_t seq) {
   const uint64_t asked = clock_ns();
   const std::span<const uint8_t> all = round->exchange->result();
   policy_.count_round_wait(clock_ns() - asked);
-  struct KeepSpare {  // once the result has been used, whatever path the round takes
-    std::unique_ptr<ce::Exchange>& spare;
-    std::unique_ptr<ce::Exchange>& used;
-    ~KeepSpare() {
-      if (!spare) spare = std::move(used);
-    }
-  } keep{spare_, round->exchange};
+  const RoundBuffers::KeepWhenRead keep(buffers_, round->exchange);
   switch (round->kind) {
     case RoundKind::Propose:
       take_decision(judged(decide(all, info_.nranks, info_.rank)), round->number, seq);
@@ -412,7 +386,7 @@ void CommAgreement::read_round(uint64_t seq) {
 // This rank said no, so the answer is no whatever the others said: no need to wait for a round
 // that may not have launched yet.
 void CommAgreement::read_voted_no(Round& round, uint64_t seq) {
-  retire(std::move(round.exchange));
+  buffers_.retire(std::move(round.exchange));
   switch (round.kind) {
     case RoundKind::Propose:
       take_decision(void_propose(seen_.entries(options_, backend_)), round.number, seq);
@@ -443,7 +417,7 @@ void CommAgreement::issue_hello(uint64_t seq) {
   issue(RoundKind::Hello, c, seq);
   hello_ = std::move(pending_);
   if (hello_ && hello_->voted_no) {
-    retire(std::move(hello_->exchange));
+    buffers_.retire(std::move(hello_->exchange));
     hello_.reset();
     take_hello({false, Reason::AnchorInGroup,
                 "this rank made the settings check inside a group holding Send/Recv: this "
@@ -461,7 +435,7 @@ bool CommAgreement::read_hello_round(uint64_t seq) {
   const std::span<const uint8_t> all = round->exchange->result();
   policy_.count_round_wait(clock_ns() - asked);
   take_hello(read_hello(all, info_.nranks), seq);
-  if (!spare_) spare_ = std::move(round->exchange);
+  buffers_.keep_spare(round->exchange);
   return agreeable_;
 }
 
@@ -471,7 +445,7 @@ void CommAgreement::look_at_hello(uint64_t seq) {
   if (!hello_->exchange->ready()) return;
   const std::unique_ptr<Round> round = std::move(hello_);
   const HelloOutcome hello = read_hello(round->exchange->result(), info_.nranks);
-  if (!spare_) spare_ = std::move(round->exchange);
+  buffers_.keep_spare(round->exchange);
   if (hello.reason == Reason::SettingsDiffer) take_hello(hello, seq);
 }
 
@@ -789,10 +763,6 @@ void CommAgreement::deactivate(uint64_t seq, Reason why) {
             short_id(info_.identity), static_cast<unsigned long long>(seq),
             why == Reason::None ? "a new plan replaces this one"
                                 : std::string(trace::reason_name(why)).c_str());
-}
-
-void CommAgreement::retire(std::unique_ptr<ce::Exchange> exchange) {
-  if (exchange) retired_.push_back(std::move(exchange));
 }
 
 void CommAgreement::record(RoundKind kind, trace::RoundEvent event, uint64_t seq,

@@ -83,6 +83,7 @@
 #include "rewrite/recent_calls.h"
 #include "rewrite/refined_step.h"
 #include "rewrite/rewrite.h"
+#include "rewrite/round_buffers.h"
 #include "rewrite/round_log.h"
 #include "rewrite/serving.h"
 #include "rewrite/world.h"
@@ -191,8 +192,6 @@ class CommAgreement {
   void issue_cost(uint64_t seq);
   void after_cost(std::span<const uint8_t> all, uint64_t seq);
   void deactivate(uint64_t seq, Reason why);
-  void retire(std::unique_ptr<ce::Exchange> exchange);
-  void free_retired_ready();
   void issue_hello(uint64_t seq);
   bool read_hello_round(uint64_t seq);
   void take_hello(const HelloOutcome& hello, uint64_t seq);
@@ -224,8 +223,7 @@ class CommAgreement {
   // rank's own facts, watched for a refinement to propose.
   RefinedStep refined_;
   std::unique_ptr<Round> pending_;
-  std::vector<std::unique_ptr<ce::Exchange>> retired_;  // rounds whose result nobody needs
-  std::unique_ptr<ce::Exchange> spare_;                 // a read round's buffers, for the next
+  RoundBuffers buffers_;  // the rounds' buffers, reused
 
   // The decision of the last propose, and what serving it needs.
   Decision decision_;
