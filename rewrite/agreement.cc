@@ -72,19 +72,7 @@ CommAgreement::CommAgreement(ncclComm_t comm, const capture::CommInfo& info, Agr
 }
 
 CommAgreement::~CommAgreement() {
-  if (coverage_.gathers != 0) {
-    const Coverage& c = coverage_;
-    const std::string first =
-        c.moved != 0 ? "; the first at collective #" + std::to_string(c.first_moved) : "";
-    MAGI_INFO(
-        Rewrite,
-        "comm %012llx: %llu of %llu all-gathers (%llu of %llu bytes sent) served off NCCL, "
-        "%llu fell back to NCCL%s; exploring cost %s",
-        short_id(info_.identity), static_cast<unsigned long long>(c.moved),
-        static_cast<unsigned long long>(c.gathers), static_cast<unsigned long long>(c.moved_bytes),
-        static_cast<unsigned long long>(c.bytes), static_cast<unsigned long long>(c.fell_back),
-        first.c_str(), policy_.cost_summary().c_str());
-  }
+  coverage_.say(info_.identity, policy_.cost_summary());
   serving_.drop();
   if (hello_ && !agreeable_) look_at_hello(last_seq_);
   // Rounds still in flight belong to NCCL until they complete: the pool frees only those that
@@ -113,10 +101,7 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   if (gather) capture::stream_capturing(args, record);  // a fact of the observation
   const CallFacts facts = CallFacts::of(args, record);
   recent_.add(view.collective_index, facts);
-  if (gather) {
-    ++coverage_.gathers;
-    coverage_.bytes += args.count * datatype_bytes(static_cast<uint8_t>(args.dtype));
-  }
+  if (gather) coverage_.count_gather(args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)));
   if (view.event == capture::StepDetector::Event::Lost) on_lost(view.collective_index);
   if (!view.found) return {};
   if (view.event == capture::StepDetector::Event::Found || view.digest != step_digest_)
@@ -189,15 +174,7 @@ ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket,
                              : serving_.serve(bucket, calls, stream, bucket_id, via_nccl, trial_,
                                               layout_, by_transport);
   if (moved != nullptr) *moved = by_transport;
-  for (const NcclGather& g : calls) {
-    if (by_transport) {
-      ++coverage_.moved;
-      coverage_.moved_bytes += g.count * datatype_bytes(static_cast<uint8_t>(g.dtype));
-      coverage_.first_moved = std::min(coverage_.first_moved, first_collective);
-    } else if (!via_nccl) {
-      ++coverage_.fell_back;
-    }
-  }
+  coverage_.count_served(calls, by_transport, via_nccl, first_collective);
   return r;
 }
 

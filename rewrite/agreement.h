@@ -76,6 +76,7 @@
 #include "ce_transport/ce_transport.h"
 #include "rewrite/contribution.h"
 #include "rewrite/cost_trial.h"
+#include "rewrite/coverage.h"
 #include "rewrite/exploration.h"
 #include "rewrite/group_flush.h"
 #include "rewrite/hello.h"
@@ -231,15 +232,8 @@ class CommAgreement {
   SlotLayout layout_;
   BoundSources sources_;             // static weights: the bindings' send buffers
   uint64_t other_source_calls_ = 0;  // moved calls that read another position's binding
-  // What the program got, said once at the communicator's end: its all-gathers, and those the
-  // transport served or that fell back to NCCL.
-  struct Coverage {
-    uint64_t gathers = 0, bytes = 0;
-    uint64_t moved = 0, moved_bytes = 0;
-    uint64_t fell_back = 0;
-    uint64_t first_moved = UINT64_MAX;  // collective index of the first call moved
-  } coverage_;
-  uint64_t last_seq_ = 0;  // the latest call's collective index
+  Coverage coverage_;                // what the program got, said at the communicator's end
+  uint64_t last_seq_ = 0;            // the latest call's collective index
   Serving serving_;
   CostTrial trial_;
   // A plan read and being committed (publish, confirm) whose trial times its NCCL side now.
