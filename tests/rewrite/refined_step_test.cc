@@ -47,6 +47,17 @@ void watch(RefinedStep& refined, const Layers& program, uint64_t first, uint64_t
     refined.watch(program.call(i), shape_view(i, shape_period, run_origin), keyed_on_buffers);
 }
 
+// A rank that watched `calls` collectives of `program` since a shape step of one call was found
+// at collective 0 (without watch_own_facts_up_to where `watching` is false).
+RefinedStep after(const Layers& program, bool keyed_on_buffers, uint64_t calls = 40,
+                  bool watching = true) {
+  RefinedStep refined;
+  if (watching) refined.watch_own_facts_up_to(kMaxStepCalls);
+  refined.follow_shape_step(shape_view(0, 1, 0));
+  watch(refined, program, 0, calls, 1, 0, keyed_on_buffers);
+  return refined;
+}
+
 // What this rank has seen of the step rounds follow now: `period` positions, all gathers unless
 // `op` says otherwise.
 StepObservation seen_step(uint32_t period, trace::Op op = trace::Op::AllGather) {
@@ -110,58 +121,35 @@ TEST(RefinedStep, RanksThatFoundTheirOwnPeriodAtDifferentCallsProposeTheSamePhas
 }
 
 TEST(RefinedStep, TheDefaultModeDoesNotRefineOnBuffersAlone) {
-  const Layers program{4, true};
-  RefinedStep refined;
-  refined.watch_own_facts_up_to(kMaxStepCalls);
-  refined.follow_shape_step(shape_view(0, 1, 0));
-  watch(refined, program, 0, 40, 1, 0, false);
+  const RefinedStep refined = after({4, true}, false);
   EXPECT_EQ(proposal(refined, seen_step(1)).period, 0u);
 }
 
 TEST(RefinedStep, StaticWeightsRefineOnASendBufferPerLayer) {
-  const Layers program{4, true};
-  RefinedStep refined;
-  refined.watch_own_facts_up_to(kMaxStepCalls);
-  refined.follow_shape_step(shape_view(0, 1, 0));
-  watch(refined, program, 0, 40, 1, 0, true);
+  const RefinedStep refined = after({4, true}, true);
   EXPECT_EQ(proposal(refined, seen_step(1)).period, 4u);
 }
 
 TEST(RefinedStep, NothingIsProposedOnceRoundsFollowThatPeriod) {
-  const Layers program{4, false};
-  RefinedStep refined;
-  refined.watch_own_facts_up_to(kMaxStepCalls);
-  refined.follow_shape_step(shape_view(0, 1, 0));
-  watch(refined, program, 0, 40, 1, 0, false);
+  const RefinedStep refined = after({4, false}, false);
   EXPECT_EQ(proposal(refined, seen_step(4)).period, 0u);
 }
 
 TEST(RefinedStep, AStepWithoutAGatherProposesNothing) {
-  const Layers program{4, false};
-  RefinedStep refined;
-  refined.watch_own_facts_up_to(kMaxStepCalls);
-  refined.follow_shape_step(shape_view(0, 1, 0));
-  watch(refined, program, 0, 40, 1, 0, false);
+  const RefinedStep refined = after({4, false}, false);
   EXPECT_EQ(proposal(refined, seen_step(1, trace::Op::AllReduce)).period, 0u);
 }
 
 TEST(RefinedStep, ARefinedStepIsProposedOnlyWhileARoundCanCarryItsGathers) {
   for (const uint32_t layers : {kMaxGathers, kMaxGathers + 1}) {
-    const Layers program{layers, false};
-    RefinedStep refined;
-    refined.watch_own_facts_up_to(kMaxStepCalls);
-    refined.follow_shape_step(shape_view(0, 1, 0));
-    watch(refined, program, 0, 6ull * layers, 1, 0, false);
+    const RefinedStep refined = after({layers, false}, false, 6ull * layers);
     EXPECT_EQ(proposal(refined, seen_step(1)).period, layers <= kMaxGathers ? layers : 0u)
         << layers << " layers";
   }
 }
 
 TEST(RefinedStep, ARankThatDoesNotWatchItsOwnFactsProposesNothing) {
-  const Layers program{4, false};
-  RefinedStep refined;
-  refined.follow_shape_step(shape_view(0, 1, 0));
-  watch(refined, program, 0, 40, 1, 0, false);
+  const RefinedStep refined = after({4, false}, false, 40, false);
   EXPECT_EQ(proposal(refined, seen_step(1)).period, 0u);
   EXPECT_EQ(refined.position_of(shape_view(41, 1, 0)), 0u);
 }
@@ -179,10 +167,7 @@ TEST(RefinedStep, RefinedPositionsCountFromTheAgreedPhase) {
 
 TEST(RefinedStep, ANewShapeStepEndsTheRefinementAndWatchesAfresh) {
   const Layers program{4, false};
-  RefinedStep refined;
-  refined.watch_own_facts_up_to(kMaxStepCalls);
-  refined.follow_shape_step(shape_view(0, 1, 0));
-  watch(refined, program, 0, 40, 1, 0, false);
+  RefinedStep refined = after(program, false);
   refined.agree(4, 0);
   refined.follow_shape_step(shape_view(41, 1, 41));
   EXPECT_EQ(refined.period(), 0u);
