@@ -57,9 +57,10 @@
 //  - A transport failure on one rank returns an error for that call and makes that rank refuse
 //    every gather in the next propose, so routes go back to NCCL everywhere at one call.
 //
-// Refined steps (rewrite/refined_step.h). A step of identical shapes may hide a longer step of
-// this rank's own facts (a call site or send buffer per layer): a propose carries it, and where
-// every rank proposed the same, every rank restarts its rounds on the refined step at that read.
+// Refined steps (rewrite/refined_step.h, which says why routes still never split). A step of
+// identical shapes may hide a longer step of this rank's own facts (a call site or send buffer
+// per layer): a propose carries it, and where every rank proposed the same, every rank restarts
+// its rounds on the refined step at that read.
 // Assumed, and checked at each propose: the ranks group their calls (ncclGroupStart/End) the
 // same way; a difference aborts the agreement (buckets and window slots follow the groups).
 // Assumed, not checkable: a call captured into a CUDA graph on one rank is captured on all (it
@@ -109,9 +110,10 @@ struct Route {
   uint32_t plan = 0;
 };
 
-// Coordinates the parts for one communicator: the exploration policy, the rounds themselves
-// (issued through a GroupFlush, recorded through round_log), the active plan, its Serving and
-// CostTrial.
+// Coordinates the parts for one communicator: the exploration policy, the step rounds follow
+// (RefinedStep), the rounds themselves (issued through a GroupFlush with RoundBuffers' buffers,
+// recorded through round_log), the active plan, its Serving and CostTrial, and what the program
+// got (Coverage).
 class CommAgreement {
  public:
   CommAgreement(ncclComm_t comm, const capture::CommInfo& info, AgreementWorld world);
