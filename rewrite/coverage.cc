@@ -4,11 +4,6 @@
 
 namespace magi::rewrite {
 
-void Coverage::count_gather(uint64_t sent) {
-  ++gathers;
-  bytes += sent;
-}
-
 void Coverage::count_served(std::span<const NcclGather> calls, bool by_transport, bool via_nccl,
                             uint64_t first_collective) {
   for (const NcclGather& g : calls) {

@@ -19,8 +19,11 @@ struct Coverage {
   uint64_t fell_back = 0;
   uint64_t first_moved = UINT64_MAX;  // collective index of the first call moved
 
-  // An all-gather of the program, sending `bytes` from this rank.
-  void count_gather(uint64_t bytes);
+  // An all-gather of the program, sending `sent` bytes from this rank (on the call path).
+  void count_gather(uint64_t sent) {
+    ++gathers;
+    bytes += sent;
+  }
   // A bucket of moved gathers (`calls`) served: by the transport, or else by NCCL, a fallback
   // unless the cost trial sent it there (`via_nccl`). `first_collective`: its first call's index.
   void count_served(std::span<const NcclGather> calls, bool by_transport, bool via_nccl,
