@@ -6,9 +6,6 @@
 
 #include "base/clock.h"
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
 namespace magi::rewrite {
 namespace {
 
@@ -39,6 +36,7 @@ CommAgreement::CommAgreement(ncclComm_t comm, const capture::CommInfo& info, Agr
       settings_(schedule_settings(options_, ce::backend_available(backend_))),
       policy_(options_),
       flush_(world_.nccl, info_.identity),
+      buffers_(info_.identity),
       serving_(world_, info_, comm) {
   const Reason never = unagreeable(info_) == Reason::None
                            ? ExplorationPolicy::never_explores(options_, info_.nranks)
@@ -70,40 +68,17 @@ CommAgreement::CommAgreement(ncclComm_t comm, const capture::CommInfo& info, Agr
               short_id(info_.identity));
   }
   // Made here, not at the call that finds the step: the call path allocates nothing.
-  if (agreeable_)
-    own_steps_ =
-        std::make_unique<capture::StepDetector>(static_cast<uint32_t>(options_.max_step_calls));
+  if (agreeable_) refined_.watch_own_facts_up_to(static_cast<uint32_t>(options_.max_step_calls));
 }
 
 CommAgreement::~CommAgreement() {
-  if (coverage_.gathers != 0) {
-    const Coverage& c = coverage_;
-    const std::string first =
-        c.moved != 0 ? "; the first at collective #" + std::to_string(c.first_moved) : "";
-    MAGI_INFO(
-        Rewrite,
-        "comm %012llx: %llu of %llu all-gathers (%llu of %llu bytes sent) served off NCCL, "
-        "%llu fell back to NCCL%s; exploring cost %s",
-        short_id(info_.identity), static_cast<unsigned long long>(c.moved),
-        static_cast<unsigned long long>(c.gathers), static_cast<unsigned long long>(c.moved_bytes),
-        static_cast<unsigned long long>(c.bytes), static_cast<unsigned long long>(c.fell_back),
-        first.c_str(), policy_.cost_summary().c_str());
-  }
+  coverage_.say(info_.identity, policy_.cost_summary());
   serving_.drop();
   if (hello_ && !agreeable_) look_at_hello(last_seq_);
-  // A round still in flight belongs to NCCL until it completes; a finished one is freed here.
-  // One that never launched (a group left open at destroy) is left, not waited for.
-  if (pending_) retire(std::move(pending_->exchange));
-  if (hello_) retire(std::move(hello_->exchange));
-  for (auto& exchange : retired_) {
-    if (exchange && !exchange->ready()) {
-      MAGI_WARN(Rewrite,
-                "comm %012llx: an agreement round was still in flight at destroy; its "
-                "buffers are left allocated",
-                short_id(info_.identity));
-      exchange.release();
-    }
-  }
+  // Rounds still in flight belong to NCCL until they complete: the pool frees only those that
+  // did, and leaves the others (RoundBuffers).
+  if (pending_) buffers_.retire(std::move(pending_->exchange));
+  if (hello_) buffers_.retire(std::move(hello_->exchange));
 }
 
 Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallRecord& record,
@@ -118,13 +93,11 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   last_seq_ = view.collective_index;
   if (quiet_ != Reason::None) stay_quiet(quiet_, view.collective_index);
   const bool gather = args.op == trace::Op::AllGather;
-  if (gather) {  // counted where nothing explores too: the end line says what the program got
-    ++coverage_.gathers;
-    coverage_.bytes += args.count * datatype_bytes(static_cast<uint8_t>(args.dtype));
-  }
+  // Counted where nothing explores too: the end line says what the program got.
+  if (gather) coverage_.count_gather(args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)));
   if (!agreeable_) {
     if (hello_) look_at_hello(view.collective_index);
-    if (!retired_.empty()) free_retired_ready();
+    if (buffers_.any_retired()) buffers_.free_ready();
     return {};
   }
   if (gather) capture::stream_capturing(args, record);  // a fact of the observation
@@ -134,14 +107,14 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   if (!view.found) return {};
   if (view.event == capture::StepDetector::Event::Found || view.digest != step_digest_)
     restart(view);
-  if (seen_.has_gathers()) watch_own_facts(record, view);
-  uint32_t position = position_of(view);
+  if (seen_.has_gathers()) refined_.watch(record, view, seen_.keyed_on_buffers());
+  uint32_t position = refined_.position_of(view);
   if (position == 0) seen_.begin_step();
   if (position == policy_.anchor()) {
     policy_.pass_anchor();
     if (anchor_has_work() && !capture::stream_capturing(args, record)) {
       at_anchor(view);
-      position = position_of(view);  // a refinement read here renumbers this very call
+      position = refined_.position_of(view);  // a refinement read here renumbers this very call
     }
   }
   seen_.observe(position, facts, backend_);
@@ -202,15 +175,7 @@ ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket,
                              : serving_.serve(bucket, calls, stream, bucket_id, via_nccl, trial_,
                                               layout_, by_transport);
   if (moved != nullptr) *moved = by_transport;
-  for (const NcclGather& g : calls) {
-    if (by_transport) {
-      ++coverage_.moved;
-      coverage_.moved_bytes += g.count * datatype_bytes(static_cast<uint8_t>(g.dtype));
-      coverage_.first_moved = std::min(coverage_.first_moved, first_collective);
-    } else if (!via_nccl) {
-      ++coverage_.fell_back;
-    }
-  }
+  coverage_.count_served(calls, by_transport, via_nccl, first_collective);
   return r;
 }
 
@@ -223,71 +188,27 @@ void CommAgreement::restart(const capture::StepView& view) {
   serving_.forget_stale();
   step_digest_ = view.digest;
   policy_.restart(view.digest, view.position);
-  forget_refinement(view);
-}
-
-// A new shape step: rounds follow it, and this rank's own facts are watched afresh from here.
-void CommAgreement::forget_refinement(const capture::StepView& view) {
-  refined_period_ = 0;
-  refined_phase_ = 0;
-  shape_period_ = view.period;
-  shape_origin_ = view.collective_index - view.position;
-  shape_run_origin_ = view.origin;
-  if (own_steps_) own_steps_->reset();
-}
-
-// O(1), allocation-free: one hash and one push of the detector.
-void CommAgreement::watch_own_facts(const capture::CallRecord& record,
-                                    const capture::StepView& view) {
-  if (!own_steps_) return;
-  // Default mode keys gathers without their buffers: a period only the buffers show (layers
-  // that share a call site) is no reason to refine there.
-  const uint64_t facts[3] = {view.position, record.callsite,
-                             seen_.keyed_on_buffers() ? record.sendbuf : 0};
-  own_steps_->push(XXH3_64bits(facts, sizeof facts));
-}
-
-// Proposes the period of this rank's own facts when it is a longer multiple of the shape step
-// than the step rounds follow now. Its phase comes from shared facts only (a shape position 0,
-// fixed when the shape step was found): any phase of a periodic sequence is one, and so ranks
-// that see the same period propose the same phase.
-void CommAgreement::propose_refinement(ContributionHeader& h) const {
-  if (!own_steps_ || !own_steps_->found() || shape_period_ == 0) return;
-  const uint32_t period = own_steps_->period();
-  const uint32_t current = seen_.period();
-  if (period % shape_period_ != 0 || period <= shape_period_ || period == current || current == 0 ||
-      current % shape_period_ != 0)
-    return;
-  uint64_t gathers = 0;
-  for (uint32_t pos = 0; pos < current; ++pos)
-    gathers += seen_.at(pos).op == static_cast<uint8_t>(trace::Op::AllGather);
-  if (gathers == 0 || gathers * period / current > kMaxGathers) return;
-  h.refine_period = period;
-  h.refine_phase = static_cast<uint32_t>(shape_origin_ % period);
+  // A new shape step: rounds follow it, and this rank's own facts are watched afresh from here.
+  refined_.follow_shape_step(view);
 }
 
 // Every rank read the same refinement at this call: rounds start over on the longer step.
 void CommAgreement::refine(const Decision& d, uint64_t seq) {
   if (active_) deactivate(seq, Reason::StepRefined);
   serving_.drop();
-  refined_period_ = d.refine_period;
-  refined_phase_ = d.refine_phase;
-  seen_.reset(refined_period_, info_.rank);
+  refined_.agree(d.refine_period, d.refine_phase);
+  const uint32_t period = refined_.period();
+  seen_.reset(period, info_.rank);
   // Seeded, as at a shape step's start, with the calls since the shape step's run began, each at
   // its refined position: the warmup may be complete here already.
-  const uint64_t first =
-      shape_run_origin_ +
-      (refined_phase_ + refined_period_ - shape_run_origin_ % refined_period_) % refined_period_;
-  recent_.seed(seen_, first, refined_period_, seq, backend_);
+  recent_.seed(seen_, refined_.refined_run_origin(), period, seq, backend_);
   serving_.forget_stale();
-  policy_.restart(step_digest_ ^ refined_period_,
-                  static_cast<uint32_t>((seq % refined_period_ + refined_period_ - refined_phase_) %
-                                        refined_period_));
+  policy_.restart(step_digest_ ^ period, refined_.refined_position(seq));
   MAGI_INFO(Rewrite,
             "comm %012llx round %u: the step is %u collectives (%u shape steps): each gather "
             "keeps its own position",
-            short_id(info_.identity), decision_round_, refined_period_,
-            refined_period_ / std::max<uint32_t>(shape_period_, 1));
+            short_id(info_.identity), decision_round_, period,
+            period / std::max<uint32_t>(refined_.shape_period(), 1));
   // Every rank read the refinement at this call, so a propose issued here too is issued alike;
   // the seeded warmup may already be complete, and the next anchor is a whole refined step away.
   if (propose_due()) propose(seq);
@@ -309,31 +230,20 @@ void CommAgreement::abandon_pending(uint64_t seq) {
   if (!pending_) return;
   record(pending_->kind, trace::RoundEvent::Abandoned, seq, AgreementMode::None, Reason::Deviated,
          0);
-  retire(std::move(pending_->exchange));
+  buffers_.retire(std::move(pending_->exchange));
   pending_.reset();
 }
 
 bool CommAgreement::anchor_has_work() const {
-  return pending_ || !retired_.empty() || trial_.running() || trial_.timing() || propose_due();
+  return pending_ || buffers_.any_retired() || trial_.running() || trial_.timing() || propose_due();
 }
 
 bool CommAgreement::propose_due() const {
   return seen_.has_gathers() && policy_.propose_due(seen_.complete_steps());
 }
 
-void CommAgreement::free_retired_ready() {
-  for (auto it = retired_.begin(); it != retired_.end();) {
-    if (!(*it)->ready()) {
-      ++it;
-      continue;
-    }
-    if (!spare_) spare_ = std::move(*it);
-    it = retired_.erase(it);
-  }
-}
-
 void CommAgreement::at_anchor(const capture::StepView& view) {
-  free_retired_ready();
+  buffers_.free_ready();
   trial_.collect();
   if (pending_) {
     read_round(view.collective_index);
@@ -372,7 +282,7 @@ void CommAgreement::propose(uint64_t seq) {
   h.callsite_digest = seen_.callsite_digest();
   h.group_digest = seen_.group_digest();
   if (!seen_.groups_stable()) h.flags |= kGroupsUnstable;
-  propose_refinement(h);
+  refined_.propose(seen_, h);
   const ce::Locality here = world_.make.locality(info_);
   h.host = here.host;
   h.device = here.device;
@@ -396,9 +306,8 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
   round->voted_no = in_group;
   round->decision_hash = c.header.decision_hash;
   try {
-    // Round buffers are reused: making them (and freeing them, which waits for the whole
-    // device) at every round would stall the program's streams each time.
-    round->exchange = spare_ ? std::move(spare_) : world_.make.exchange(info_);
+    // Reused (RoundBuffers): made anew at every round, they would stall the program's streams.
+    round->exchange = buffers_.take([&] { return world_.make.exchange(info_); });
     std::vector<uint8_t> bytes(kContributionBytes);
     c.serialize(bytes);
     round->exchange->stage(bytes);
@@ -441,13 +350,7 @@ void CommAgreement::read_round(uint64_t seq) {
   const uint64_t asked = clock_ns();
   const std::span<const uint8_t> all = round->exchange->result();
   policy_.count_round_wait(clock_ns() - asked);
-  struct KeepSpare {  // once the result has been used, whatever path the round takes
-    std::unique_ptr<ce::Exchange>& spare;
-    std::unique_ptr<ce::Exchange>& used;
-    ~KeepSpare() {
-      if (!spare) spare = std::move(used);
-    }
-  } keep{spare_, round->exchange};
+  const RoundBuffers::KeepWhenRead keep(buffers_, round->exchange);
   switch (round->kind) {
     case RoundKind::Propose:
       take_decision(judged(decide(all, info_.nranks, info_.rank)), round->number, seq);
@@ -462,7 +365,7 @@ void CommAgreement::read_round(uint64_t seq) {
 // This rank said no, so the answer is no whatever the others said: no need to wait for a round
 // that may not have launched yet.
 void CommAgreement::read_voted_no(Round& round, uint64_t seq) {
-  retire(std::move(round.exchange));
+  buffers_.retire(std::move(round.exchange));
   switch (round.kind) {
     case RoundKind::Propose:
       take_decision(void_propose(seen_.entries(options_, backend_)), round.number, seq);
@@ -493,7 +396,7 @@ void CommAgreement::issue_hello(uint64_t seq) {
   issue(RoundKind::Hello, c, seq);
   hello_ = std::move(pending_);
   if (hello_ && hello_->voted_no) {
-    retire(std::move(hello_->exchange));
+    buffers_.retire(std::move(hello_->exchange));
     hello_.reset();
     take_hello({false, Reason::AnchorInGroup,
                 "this rank made the settings check inside a group holding Send/Recv: this "
@@ -511,7 +414,7 @@ bool CommAgreement::read_hello_round(uint64_t seq) {
   const std::span<const uint8_t> all = round->exchange->result();
   policy_.count_round_wait(clock_ns() - asked);
   take_hello(read_hello(all, info_.nranks), seq);
-  if (!spare_) spare_ = std::move(round->exchange);
+  buffers_.keep_spare(round->exchange);
   return agreeable_;
 }
 
@@ -521,7 +424,7 @@ void CommAgreement::look_at_hello(uint64_t seq) {
   if (!hello_->exchange->ready()) return;
   const std::unique_ptr<Round> round = std::move(hello_);
   const HelloOutcome hello = read_hello(round->exchange->result(), info_.nranks);
-  if (!spare_) spare_ = std::move(round->exchange);
+  buffers_.keep_spare(round->exchange);
   if (hello.reason == Reason::SettingsDiffer) take_hello(hello, seq);
 }
 
@@ -839,10 +742,6 @@ void CommAgreement::deactivate(uint64_t seq, Reason why) {
             short_id(info_.identity), static_cast<unsigned long long>(seq),
             why == Reason::None ? "a new plan replaces this one"
                                 : std::string(trace::reason_name(why)).c_str());
-}
-
-void CommAgreement::retire(std::unique_ptr<ce::Exchange> exchange) {
-  if (exchange) retired_.push_back(std::move(exchange));
 }
 
 void CommAgreement::record(RoundKind kind, trace::RoundEvent event, uint64_t seq,

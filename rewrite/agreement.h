@@ -57,24 +57,10 @@
 //  - A transport failure on one rank returns an error for that call and makes that rank refuse
 //    every gather in the next propose, so routes go back to NCCL everywhere at one call.
 //
-// Refined steps. A step of identical shapes (L layers of one shard size, nothing else on the
-// communicator) is, by shapes, a step of one call whose one position sees L call sites or (static
-// weights, which key on buffers) L send buffers in turn: never stable. So each rank also watches
-// its own facts (shape position, call site, and with static weights the send buffer) with a
-// second detector, fed only while the shape step is found and started afresh
-// with it. When their period is a longer multiple of the step rounds follow, the propose carries
-// it, with a phase taken from shared facts (a shape position 0). Only when every rank proposed
-// the same (period, phase) does decide() say "refine"; then every rank, at that same read,
-// restarts its rounds on the refined step, whose positions are (collective index - phase) mod
-// period. Routes stay a function of shared facts: the shape digest, the collective index and the
-// agreed period, phase and plan.
-//  - Disagreement (a rank proposes nothing, or another period or phase) refines nothing: the
-//    round decides on the current step as before, alike on every rank.
-//  - A later rank-local change of the buffer sequence does not drop the refinement (no rank
-//    could tell the others at that call): like any rank-local change, it shows in the next
-//    propose, where the position is not stable and the AND refuses it. Bytes stay exact: the
-//    staging transport copies whatever buffer a call names; static weights verify bindings.
-//  - The refinement ends where the shape step is lost or changes: the same call on every rank.
+// Refined steps (rewrite/refined_step.h, which says why routes still never split). A step of
+// identical shapes may hide a longer step of this rank's own facts (a call site or send buffer
+// per layer): a propose carries it, and where every rank proposed the same, every rank restarts
+// its rounds on the refined step at that read.
 // Assumed, and checked at each propose: the ranks group their calls (ncclGroupStart/End) the
 // same way; a difference aborts the agreement (buckets and window slots follow the groups).
 // Assumed, not checkable: a call captured into a CUDA graph on one rank is captured on all (it
@@ -91,12 +77,15 @@
 #include "ce_transport/ce_transport.h"
 #include "rewrite/contribution.h"
 #include "rewrite/cost_trial.h"
+#include "rewrite/coverage.h"
 #include "rewrite/exploration.h"
 #include "rewrite/group_flush.h"
 #include "rewrite/hello.h"
 #include "rewrite/observation.h"
 #include "rewrite/recent_calls.h"
+#include "rewrite/refined_step.h"
 #include "rewrite/rewrite.h"
+#include "rewrite/round_buffers.h"
 #include "rewrite/round_log.h"
 #include "rewrite/serving.h"
 #include "rewrite/world.h"
@@ -121,9 +110,10 @@ struct Route {
   uint32_t plan = 0;
 };
 
-// Coordinates the parts for one communicator: the exploration policy, the rounds themselves
-// (issued through a GroupFlush, recorded through round_log), the active plan, its Serving and
-// CostTrial.
+// Coordinates the parts for one communicator: the exploration policy, the step rounds follow
+// (RefinedStep), the rounds themselves (issued through a GroupFlush with RoundBuffers' buffers,
+// recorded through round_log), the active plan, its Serving and CostTrial, and what the program
+// got (Coverage).
 class CommAgreement {
  public:
   CommAgreement(ncclComm_t comm, const capture::CommInfo& info, AgreementWorld world);
@@ -174,17 +164,6 @@ class CommAgreement {
   };
 
   void restart(const capture::StepView& view);
-  // The call's position in the step rounds and routes follow: the shape step's, or the agreed
-  // refined step's (both shared facts).
-  uint32_t position_of(const capture::StepView& view) const {
-    return refined_period_ == 0 ? view.position
-                                : static_cast<uint32_t>((view.collective_index % refined_period_ +
-                                                         refined_period_ - refined_phase_) %
-                                                        refined_period_);
-  }
-  void forget_refinement(const capture::StepView& view);
-  void watch_own_facts(const capture::CallRecord& record, const capture::StepView& view);
-  void propose_refinement(ContributionHeader& header) const;
   void refine(const Decision& decision, uint64_t seq);
   void on_lost(uint64_t seq);
   void abandon_pending(uint64_t seq);
@@ -216,8 +195,6 @@ class CommAgreement {
   void issue_cost(uint64_t seq);
   void after_cost(std::span<const uint8_t> all, uint64_t seq);
   void deactivate(uint64_t seq, Reason why);
-  void retire(std::unique_ptr<ce::Exchange> exchange);
-  void free_retired_ready();
   void issue_hello(uint64_t seq);
   bool read_hello_round(uint64_t seq);
   void take_hello(const HelloOutcome& hello, uint64_t seq);
@@ -245,17 +222,11 @@ class CommAgreement {
   StepObservation seen_;
   RecentCalls recent_;        // what seeds seen_ when the step is found
   uint64_t step_digest_ = 0;  // of the step being observed
-  // This rank's own facts (shape position, call site, send buffer) per collective, fed while the
-  // shape step is found: a longer period there is what a refinement proposes.
-  std::unique_ptr<capture::StepDetector> own_steps_;
-  uint32_t shape_period_ = 0;
-  uint64_t shape_origin_ = 0;      // collective index of a position 0 of the shape step
-  uint64_t shape_run_origin_ = 0;  // collective index where the shape step's run began
-  uint32_t refined_period_ = 0;    // agreed; 0: rounds follow the shape step
-  uint32_t refined_phase_ = 0;     // collective index of refined position 0, mod refined_period_
+  // The step rounds and routes follow (the shape step's or an agreed refined one's), and this
+  // rank's own facts, watched for a refinement to propose.
+  RefinedStep refined_;
   std::unique_ptr<Round> pending_;
-  std::vector<std::unique_ptr<ce::Exchange>> retired_;  // rounds whose result nobody needs
-  std::unique_ptr<ce::Exchange> spare_;                 // a read round's buffers, for the next
+  RoundBuffers buffers_;  // the rounds' buffers, reused
 
   // The decision of the last propose, and what serving it needs.
   Decision decision_;
@@ -263,15 +234,8 @@ class CommAgreement {
   SlotLayout layout_;
   BoundSources sources_;             // static weights: the bindings' send buffers
   uint64_t other_source_calls_ = 0;  // moved calls that read another position's binding
-  // What the program got, said once at the communicator's end: its all-gathers, and those the
-  // transport served or that fell back to NCCL.
-  struct Coverage {
-    uint64_t gathers = 0, bytes = 0;
-    uint64_t moved = 0, moved_bytes = 0;
-    uint64_t fell_back = 0;
-    uint64_t first_moved = UINT64_MAX;  // collective index of the first call moved
-  } coverage_;
-  uint64_t last_seq_ = 0;  // the latest call's collective index
+  Coverage coverage_;                // what the program got, said at the communicator's end
+  uint64_t last_seq_ = 0;            // the latest call's collective index
   Serving serving_;
   CostTrial trial_;
   // A plan read and being committed (publish, confirm) whose trial times its NCCL side now.
