@@ -219,15 +219,22 @@ def header_of(stdout):
     return next((line for line in stdout.splitlines() if line.startswith("# magice")), "")
 
 
-def run_perf(runner, ranks, perf_args):
-    program = ["perf", "--memory", runner.memory] + perf_args
+def interleaved_rounds(runner, ranks, program, parse):
+    """ROUNDS rounds of a launch without and one with the library, the order swapped every
+    round; returns each side's parsed results and the program's header line."""
     without, with_lib = [], []
     header = ""
     for r in range(runner.args.rounds):
         for library in ((False, True) if r % 2 == 0 else (True, False)):
             out, _ = runner.launch(ranks, program, library)
             header = header or header_of(out)
-            (with_lib if library else without).append(perf_rows(out))
+            (with_lib if library else without).append(parse(out))
+    return without, with_lib, header
+
+
+def run_perf(runner, ranks, perf_args):
+    program = ["perf", "--memory", runner.memory] + perf_args
+    without, with_lib, header = interleaved_rounds(runner, ranks, program, perf_rows)
     calls, plan, totals = runner.counted_launch(ranks, program)
     moved = {}  # (size, in_place) -> (moved timed calls, timed calls)
     for (_, was_moved), line in zip(calls, plan):
@@ -290,13 +297,7 @@ def run_fsdp(runner, ranks, fsdp_args, in_place, control=False):
     buffers every step), which shows what the pool alone costs the library."""
     program = ["fsdp", "--memory", runner.memory, "--in-place", in_place] + fsdp_args + \
         (["--frames", "1"] if control else [])
-    without, with_lib = [], []
-    header = ""
-    for r in range(runner.args.rounds):
-        for library in ((False, True) if r % 2 == 0 else (True, False)):
-            out, _ = runner.launch(ranks, program, library)
-            header = header or header_of(out)
-            (with_lib if library else without).append(fsdp_row(out))
+    without, with_lib, header = interleaved_rounds(runner, ranks, program, fsdp_row)
     calls, plan, totals = runner.counted_launch(ranks, program)
     warmup = int(runner.lib_env.get("MAGI_WARMUP_STEPS", "3"))
     stable = [m for (_, m), line in zip(calls, plan) if int(line[1]) >= warmup + 4]
