@@ -55,9 +55,14 @@ for ((p = 0; p < processes; ++p)); do
   log="$logdir/$name.$p.log"
   # main.cc's closing line: "tests: N passed, M failed, K skipped".
   np= nf= ns=
-  read -r np nf ns < <(sed -nE 's/^tests: ([0-9]+) passed, ([0-9]+) failed, ([0-9]+) skipped$/\1 \2 \3/p' "$log" | tail -n 1)
-  passed=$((passed + ${np:-0})) failed_tests=$((failed_tests + ${nf:-0})) skipped=$((skipped + ${ns:-0}))
-  echo "$name [$p] $(grep -aE '^\[==========\] .* ran\.' "$log" | tail -n 1)"
+  read -r np nf ns < <(
+    sed -nE 's/^tests: ([0-9]+) passed, ([0-9]+) failed, ([0-9]+) skipped$/\1 \2 \3/p' "$log" |
+      tail -n 1)
+  passed=$((passed + ${np:-0}))
+  failed_tests=$((failed_tests + ${nf:-0}))
+  skipped=$((skipped + ${ns:-0}))
+  summary=$(grep -aE '^\[==========\] .* ran\.' "$log" | tail -n 1)
+  echo "$name [$p] ${summary:-(no GoogleTest summary)}"
   grep -aE '^\[  (PASSED|FAILED|SKIPPED) +\]' "$log" | grep -avE ' \([0-9]+ ms\)$' |
     sed "s/^/$name [$p] /"
   if [ "${statuses[p]}" != 0 ] || [ -z "${np:-}" ]; then
@@ -69,7 +74,8 @@ for ((p = 0; p < processes; ++p)); do
 done
 
 ran=$((passed + failed_tests + skipped))
-echo "$name: ${#tests[@]} tests in $processes processes, $((SECONDS - start)) s:" \
+[ "$processes" = 1 ] && in="1 process" || in="$processes processes"
+echo "$name: ${#tests[@]} tests in $in, $((SECONDS - start)) s:" \
   "$passed passed, $failed_tests failed, $skipped skipped"
 echo "$name: slowest:" $(cat "$logdir/$name".*.log |
   sed -nE 's/^\[       OK \] ([^ ]+) \(([0-9]+) ms\)$/\2 \1/p' | sort -rn | head -n 3 |
