@@ -17,9 +17,10 @@ WARNINGS  := -Wall -Wextra -Wshadow -Wnon-virtual-dtor -Wformat=2 -Werror
 OPT       ?= -O2 -g
 # SANITIZE=address,undefined or SANITIZE=thread instruments the whole build (test-asan and
 # test-tsan below set it, each with a BUILD of its own). The link rules take no LDFLAGS, so the
-# flags ride on the compiler command: every compile and every link gets them alike.
+# flags ride on the compiler command: every compile and every link gets them alike. -g1 keeps
+# what a report shows (functions, lines, inlined frames) at two thirds of the compile time of -g.
 ifneq ($(SANITIZE),)
-  OPT     := -O1 -g
+  OPT     := -O1 -g1
   CXX     := $(CXX) -fsanitize=$(SANITIZE) -fno-omit-frame-pointer -fno-sanitize-recover=all
 endif
 INCLUDES  := -I. -isystem $(CUDA_HOME)/include -isystem /usr/include/x86_64-linux-gnu
@@ -196,15 +197,12 @@ $(TESTS): $(TEST_OBJS) $(filter-out $(BUILD)/obj/shim/exports.o,$(LIB_OBJS)) \
 	$(CXX) -o $@ $(filter %.o,$^) -lgtest $(LIB_LDLIBS) -Wl,-rpath,'$$ORIGIN/..'
 
 # ---- user-facing targets ------------------------------------------------------------------
-# The installed layout is tested too: installed under build/, its path in TEST_INSTALL_PREFIX.
-TEST_PREFIX := $(abspath $(BUILD))/installed
-test: all $(TEST_BINS) $(TESTS) $(GPU_FAULTS)
+# make test: the layout checks, then the four suites of "the suites" below at once, in one make
+# run over every core (unless -j says otherwise), then the tests that time themselves, alone.
+test:
 	@$(MAKE) --no-print-directory format-check layers-check
-	@rm -rf $(TEST_PREFIX) && DESTDIR= tools/install/install.sh $(BUILD) $(TEST_PREFIX)
-	TEST_BUILD_DIR=$(abspath $(BUILD)) TEST_INSTALL_PREFIX=$(TEST_PREFIX) $(TESTS)
-	$(MAKE) --no-print-directory test-asan
-	$(MAKE) --no-print-directory test-tsan
-	$(MAKE) --no-print-directory test-fuzz
+	@$(MAKE) --no-print-directory $(JOBS) TIMED_LATER=1 test-plain test-asan test-tsan test-fuzz
+	@$(MAKE) --no-print-directory test-timed
 
 demo: all $(SUPPORT_BINS)
 	@tools/demo/run-demo.sh $(BUILD)
@@ -256,49 +254,95 @@ gpu-test:
 install: all
 	DESTDIR=$(DESTDIR) tools/install/install.sh $(BUILD) $(PREFIX)
 
-# ---- sanitizers and fuzzing ---------------------------------------------------------------
-# test-asan and test-tsan build everything again, instrumented, in a BUILD of their own and run
-# the suite there (TSan: all but what TSAN_TESTS leaves out). Every process of the run, the ranks
-# and tools the tests start included, writes its ASan and TSan reports under sanitizer-reports/
-# rather than to stderr, so a report from a process whose exit status no test looks at still
-# fails the run.
+# ---- the suites: plain, sanitizers, fuzzing ------------------------------------------------
+# test-plain runs the suite in this build; test-asan and test-tsan build everything again,
+# instrumented, in a BUILD of their own and run the suite there (TSan: all but TSAN_SKIPS).
+# A suite runs as TEST_PROCESSES processes at once, each on its share of the tests
+# (tests/run-sharded.sh): most tests start ranks and then wait on them. They cannot collide:
+# ranks meet in a temporary directory and /dev/shm names of their own launch, traces and tools
+# write to temporary directories, and what is looked for in /dev/shm is looked for by pid.
+# make test runs the suites at once under one jobserver, in the order it names them: the plain
+# suite first (the quickest answer; its ranks mostly wait, while the sanitizer builds compile),
+# then ASan's build, the heaviest, and TSan's, so that the CPU-bound sanitizer suites come last.
+# Without -j on the command line, each of these targets takes one job per core.
+# Tests that assert how long something took (TIMED_TESTS) would fail on a machine this busy:
+# a suite runs them alone after the rest; under make test (TIMED_LATER), test-timed runs them
+# once every suite has ended, one build after the other.
+# Every process of the run, the ranks and tools the tests start included, writes its ASan and
+# TSan reports under sanitizer-reports/ rather than to stderr, so a report from a process whose
+# exit status no test looks at still fails the run.
 # The shim under test is the instrumented one; the sanitizer runtime is preloaded before it
 # (TEST_PRELOAD_FIRST, read by tests/integration/shim_test.cc), as the runtime must come first.
-.PHONY: test-asan test-tsan test-fuzz fuzz fuzz-corpus run-sanitized
+.PHONY: test-plain test-asan test-tsan test-fuzz test-timed run-suite run-timed fuzz fuzz-corpus
+CORES          := $(shell nproc 2>/dev/null || echo 2)
+JOBS            = $(if $(filter -j%,$(MAKEFLAGS)),,-j$(CORES))
+TEST_PROCESSES ?= 8
+TIMED_TESTS    := Agreement.TheCostTrial*:PythonCallsite.NoInterpreterRecordsNothingAndCostsNothingVisible
+ASAN_BUILD     := BUILD=$(BUILD)/asan SANITIZE=address,undefined
+TSAN_BUILD     := BUILD=$(BUILD)/tsan SANITIZE=thread
+
+# The demo and the GPU fault program only have to keep compiling: the plain build makes them.
+test-plain:
+	@$(MAKE) --no-print-directory $(JOBS) run-suite $(DEMO) $(GPU_FAULTS)
 test-asan:
-	@$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=address,undefined run-sanitized
+	@$(MAKE) --no-print-directory $(JOBS) $(ASAN_BUILD) run-suite
 test-tsan:
-	@$(MAKE) --no-print-directory BUILD=$(BUILD)/tsan SANITIZE=thread run-sanitized \
-	  SANITIZED_TESTS='$(TSAN_TESTS)'
+	@$(MAKE) --no-print-directory $(JOBS) $(TSAN_BUILD) run-suite
+test-timed:
+	@$(MAKE) --no-print-directory run-timed
+	@$(MAKE) --no-print-directory $(ASAN_BUILD) run-timed
+	@$(MAKE) --no-print-directory $(TSAN_BUILD) run-timed
 
 # libunwind's per-thread cache, freed as a thread that unwound exits, crashes TSan's runtime:
 # the TSan run leaves call sites off (MAGI_CALLSITES=0) and skips the tests that need them on,
 # and the one that unwinds from threads of its own.
-TSAN_TESTS := -Traces.EveryRankRecordsTheSameCommunicatorAndTheSameCallsites:Agreement.DifferentCallSitesAgreeBySlot:TraceTool.DiffReportsAnInjectedCallsiteDivergence*:Callsite.ThreadsAgreeWhileOtherLibrariesLoadAndUnload:FlightRecorder.HangNamesTheStalledCollectivesCallSiteFromKilledRanksFiles
+TSAN_SKIPS := Traces.EveryRankRecordsTheSameCommunicatorAndTheSameCallsites:Agreement.DifferentCallSitesAgreeBySlot:TraceTool.DiffReportsAnInjectedCallsiteDivergence*:Callsite.ThreadsAgreeWhileOtherLibrariesLoadAndUnload:FlightRecorder.HangNamesTheStalledCollectivesCallSiteFromKilledRanksFiles
 
 REPORTS := $(abspath $(BUILD))/sanitizer-reports
-SANITIZED_TESTS ?= *
+# The plain suite tests the installed layout too: installed under build/, its path in
+# TEST_INSTALL_PREFIX (the sanitized suites skip those tests).
+TEST_PREFIX := $(abspath $(BUILD))/installed
+SUITE_ENV = TEST_BUILD_DIR=$(abspath $(BUILD)) $(if $(SANITIZE),,TEST_INSTALL_PREFIX=$(TEST_PREFIX))
+SUITE     = plain
 ifeq ($(SANITIZE),thread)
-  SANITIZER_RUNTIME = $(shell $(CXX) -print-file-name=libtsan.so)
+  SUITE       = tsan
+  SUITE_SKIPS = $(TSAN_SKIPS)
   # The random agreement programs: 100 under TSan (5-10x slower), 200 in the other runs.
-  SANITIZER_ENV = TSAN_OPTIONS="log_path=$(REPORTS)/tsan second_deadlock_stack=1" MAGI_CALLSITES=0 \
-                  TEST_AGREE_SCENARIOS=100
-else
-  SANITIZER_RUNTIME = $(shell $(CXX) -print-file-name=libasan.so)
+  SUITE_ENV  += TEST_PRELOAD_FIRST=$(shell $(CXX) -print-file-name=libtsan.so) \
+                TSAN_OPTIONS="log_path=$(REPORTS)/tsan second_deadlock_stack=1" MAGI_CALLSITES=0 \
+                TEST_AGREE_SCENARIOS=100
+else ifneq ($(SANITIZE),)
+  SUITE       = asan
   # UBSan, running inside ASan's runtime, writes to stderr whatever log_path says; it aborts
   # instead, and no test takes a SIGABRT for an expected result.
-  SANITIZER_ENV = ASAN_OPTIONS="log_path=$(REPORTS)/asan detect_leaks=1 check_initialization_order=1 detect_stack_use_after_return=1" \
-                  UBSAN_OPTIONS="print_stacktrace=1 halt_on_error=1 abort_on_error=1"
+  SUITE_ENV  += TEST_PRELOAD_FIRST=$(shell $(CXX) -print-file-name=libasan.so) \
+                ASAN_OPTIONS="log_path=$(REPORTS)/asan detect_leaks=1 check_initialization_order=1 detect_stack_use_after_return=1" \
+                UBSAN_OPTIONS="print_stacktrace=1 halt_on_error=1 abort_on_error=1"
 endif
+# Under a sanitizer the tests' own code builds at -O0, where the sanitizer sees every access; it
+# compiles in half the time, and none of it is hot (the library, the stand-in, the workloads and
+# the tool keep -O1).
+ifneq ($(SANITIZE),)
+$(TEST_OBJS): CXXFLAGS += -O0
+endif
+# Fails the recipe when a process of the run wrote a sanitizer report.
+CHECK_REPORTS = if [ -n "$$(ls -A $(REPORTS))" ]; then \
+	          cat $(REPORTS)/*; echo "sanitizer reports: $(REPORTS)"; exit 1; fi
 
-run-sanitized: all $(TEST_BINS) $(TESTS)
+run-suite: all $(filter-out $(DEMO),$(TEST_BINS)) $(TESTS)
 	@rm -rf $(REPORTS) && mkdir -p $(REPORTS)
-	@echo "$(TESTS) under -fsanitize=$(SANITIZE)"
-	@TEST_BUILD_DIR=$(abspath $(BUILD)) TEST_PRELOAD_FIRST=$(SANITIZER_RUNTIME) $(SANITIZER_ENV) \
-	  $(TESTS) '--gtest_filter=$(SANITIZED_TESTS)'; status=$$?; \
-	 if [ -n "$$(ls -A $(REPORTS))" ]; then \
-	   cat $(REPORTS)/*; echo "sanitizer reports: $(REPORTS)"; exit 1; \
-	 fi; exit $$status
+	@$(if $(SANITIZE),true,rm -rf $(TEST_PREFIX) && DESTDIR= tools/install/install.sh $(BUILD) $(TEST_PREFIX) >/dev/null)
+	@echo "$(SUITE): $(TESTS)$(if $(SANITIZE), under -fsanitize=$(SANITIZE)), $(TEST_PROCESSES) processes"
+	@$(SUITE_ENV) tests/run-sharded.sh $(SUITE) $(TEST_PROCESSES) $(BUILD)/test-logs $(TESTS) \
+	   '*-$(TIMED_TESTS)$(if $(SUITE_SKIPS),:$(SUITE_SKIPS))'; status=$$?; \
+	 $(CHECK_REPORTS); [ $$status = 0 ] || exit $$status
+	@$(if $(TIMED_LATER),,$(MAKE) --no-print-directory run-timed)
+
+run-timed: all $(filter-out $(DEMO),$(TEST_BINS)) $(TESTS)
+	@rm -rf $(REPORTS) && mkdir -p $(REPORTS)
+	@$(SUITE_ENV) tests/run-sharded.sh $(SUITE)-timed 1 $(BUILD)/test-logs $(TESTS) \
+	   '$(TIMED_TESTS)$(if $(SUITE_SKIPS),-$(SUITE_SKIPS))'; status=$$?; \
+	 $(CHECK_REPORTS); exit $$status
 
 # libFuzzer targets (tests/fuzz/), built with clang: `make fuzz` runs each for FUZZ_SECONDS;
 # `make test` runs each for FUZZ_TEST_SECONDS. Seeds are read from tests/fuzz/corpus/<target>;
@@ -346,7 +390,7 @@ fuzz: $(FUZZERS)
 	 done
 
 test-fuzz:
-	@$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(FUZZ_TEST_SECONDS)
+	@$(MAKE) --no-print-directory $(JOBS) fuzz FUZZ_SECONDS=$(FUZZ_TEST_SECONDS)
 
 # Rewrites the trace seeds from tests/fuzz/make_corpus.cc (tests/support/trace_builder.h).
 fuzz-corpus: $(FUZZ_BUILD)/make_corpus

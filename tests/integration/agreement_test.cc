@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
+#include <future>
 #include <map>
 #include <set>
 #include <sstream>
@@ -1167,13 +1169,20 @@ TEST(Agreement, EveryOptionAtTheEndsOfItsRangeKeepsTheJobRightAndAgreed) {
 // flapping call sites, new buffers, shared count changes and different grouping; half of them
 // run the cost trial, and every fifth has one rank's transport fail. Every byte is checked by
 // the program; here every run must end in time and the ranks' traces must agree.
-// TEST_AGREE_SCENARIOS=N runs N of them (default 200).
+// TEST_AGREE_SCENARIOS=N runs N of them (default 200), kScenariosAtOnce at a time (their ranks
+// mostly wait on each other); each is checked here, in seed order, once it has ended.
+struct Scenario {
+  int n = 0;
+  bool skewed = false;
+  std::future<AgreedRun> run;
+};
+
 TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
   const char* count = std::getenv("TEST_AGREE_SCENARIOS");
   const int scenarios = count != nullptr && std::atoi(count) > 0 ? std::atoi(count) : 200;
-  int with_moves = 0, failures = 0;
-  for (int seed = 1; seed <= scenarios && failures < 3; ++seed) {
-    const int n = 2 + seed % 7;
+  auto start = [](int seed) {
+    Scenario s;
+    const int n = s.n = 2 + seed % 7;
     const std::vector<std::string> args = {"agree", "--seed",  std::to_string(seed),     "--steps",
                                            "14",    "--comms", seed % 3 == 0 ? "2" : "1"};
     // Every other seed runs the cost trial too: its routes alternate and then narrow, and must
@@ -1193,8 +1202,8 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
     // Every eleventh seed sets one scheduling setting differently on one rank: nothing may move
     // anywhere, and nothing may hang.
     std::vector<EnvList> rank_env;
-    const bool skewed = seed % 11 == 7;
-    if (skewed) {
+    s.skewed = seed % 11 == 7;
+    if (s.skewed) {
       static const std::pair<const char*, const char*> kSkew[] = {{"MAGI_WARMUP_STEPS", "3"},
                                                                   {"MAGI_REAGREE_STEPS", "4"},
                                                                   {"MAGI_TRANSPORT", "nccl"},
@@ -1206,7 +1215,21 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
       else
         odd.emplace_back(kSkew[(seed / 11) % 5].first, kSkew[(seed / 11) % 5].second);
     }
-    const AgreedRun r = run_agreed(n, args, env, 60, rank_env);
+    s.run = std::async(std::launch::async, run_agreed, n, args, env, 60.0, rank_env);
+    return s;
+  };
+  constexpr int kScenariosAtOnce = 4;
+  std::deque<Scenario> running;
+  int started = 0;
+  int with_moves = 0, failures = 0;
+  for (int seed = 1; seed <= scenarios && failures < 3; ++seed) {
+    while (started < scenarios && started < seed - 1 + kScenariosAtOnce)
+      running.push_back(start(++started));
+    Scenario scenario = std::move(running.front());
+    running.pop_front();
+    const int n = scenario.n;
+    const bool skewed = scenario.skewed;
+    const AgreedRun r = scenario.run.get();
     if (!r.result.all_ok()) {
       ++failures;
       ADD_FAILURE() << "seed " << seed << " on " << n << " ranks: " << transcript(r);
