@@ -296,7 +296,7 @@ test-timed:
 # libunwind's per-thread cache, freed as a thread that unwound exits, crashes TSan's runtime:
 # the TSan run leaves call sites off (MAGI_CALLSITES=0) and skips the tests that need them on,
 # and the one that unwinds from threads of its own.
-TSAN_SKIPS := Traces.EveryRankRecordsTheSameCommunicatorAndTheSameCallsites:Agreement.DifferentCallSitesAgreeBySlot:TraceTool.DiffReportsAnInjectedCallsiteDivergence*:Callsite.ThreadsAgreeWhileOtherLibrariesLoadAndUnload:FlightRecorder.HangNamesTheStalledCollectivesCallSiteFromKilledRanksFiles
+TSAN_SKIPS := Agreement.IdenticalShapesMoveOnceTheRanksAgreeOnARefinedStep:Traces.EveryRankRecordsTheSameCommunicatorAndTheSameCallsites:Agreement.DifferentCallSitesAgreeBySlot:TraceTool.DiffReportsAnInjectedCallsiteDivergence*:Callsite.ThreadsAgreeWhileOtherLibrariesLoadAndUnload:FlightRecorder.HangNamesTheStalledCollectivesCallSiteFromKilledRanksFiles
 
 REPORTS := $(abspath $(BUILD))/sanitizer-reports
 # The plain suite tests the installed layout too: installed under build/, its path in

@@ -166,9 +166,16 @@ ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
       calls.clear();
       members.clear();
       for (size_t j = i; j < queued.size(); ++j) {
-        if (queued[j].agreement != queued[i].agreement || queued[j].bucket != queued[i].bucket ||
-            queued[j].plan != queued[i].plan)
+        if (done[j] || queued[j].agreement != queued[i].agreement ||
+            queued[j].bucket != queued[i].bucket || queued[j].plan != queued[i].plan)
           continue;
+        // A group longer than the step holds one position twice (a step of one gather, layers
+        // grouped in pairs): both would stage at its one slot offset. The second goes in a
+        // bucket of its own, served next; every rank queued the same calls, so all split alike.
+        const auto same_slot = [&](const ce::GatherOp& op) {
+          return op.slot_offset == queued[j].op.slot_offset;
+        };
+        if (std::any_of(bucket.begin(), bucket.end(), same_slot)) continue;
         bucket.push_back(queued[j].op);
         calls.push_back(queued[j].call);
         members.push_back(j);

@@ -245,6 +245,17 @@ TEST(Agreement, IdenticalStepsMoveEveryStableGatherOnEveryRank) {
 // gather, whose one position sees a new send buffer at every call. Each rank's own facts repeat
 // every 5 calls; the ranks agree on that refined step and the gathers move, bytes checked by the
 // workload at every call.
+// Without call sites the layers of identical shapes are one position (a step of one gather)
+// that the default mode moves unrefined, and the grouped layers (1 and 2) put that position twice
+// in one group: each is staged in a bucket of its own, so every byte stays right.
+TEST(Agreement, IdenticalShapesWithoutCallSitesMoveUnrefinedWithCorrectBytes) {
+  const AgreedRun r = run_agreed(2, fsdp({"--uniform", "1"}, 60), {{"MAGI_CALLSITES", "0"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second)
+    EXPECT_FALSE(v.in_group_moved.empty()) << "rank " << rank << "\n" << transcript(r);
+}
+
 TEST(Agreement, IdenticalShapesMoveOnceTheRanksAgreeOnARefinedStep) {
   for (const int n : {2, 4}) {
     const AgreedRun r = run_agreed(n, fsdp({"--uniform", "1"}, 60), {{"MAGI_REAGREE_STEPS", "16"}});
