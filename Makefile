@@ -201,7 +201,8 @@ $(TESTS): $(TEST_OBJS) $(filter-out $(BUILD)/obj/shim/exports.o,$(LIB_OBJS)) \
 # run over every core (unless -j says otherwise), then the tests that time themselves, alone.
 test:
 	@$(MAKE) --no-print-directory format-check layers-check
-	@$(MAKE) --no-print-directory $(JOBS) TIMED_LATER=1 test-plain test-asan test-tsan test-fuzz
+	@$(MAKE) --no-print-directory $(JOBS) TIMED_LATER=1 SANITIZED_SUITE_LOCK=$(SANITIZED_SUITE_LOCK) \
+	  test-plain test-asan test-tsan test-fuzz
 	@$(MAKE) --no-print-directory test-timed
 
 demo: all $(SUPPORT_BINS)
@@ -258,13 +259,16 @@ install: all
 # test-plain runs the suite in this build; test-asan and test-tsan build everything again,
 # instrumented, in a BUILD of their own and run the suite there (TSan: all but TSAN_SKIPS).
 # A suite runs as TEST_PROCESSES processes at once, each on its share of the tests
-# (tests/run-sharded.sh): most tests start ranks and then wait on them. They cannot collide:
+# (tests/run-sharded.sh): most tests start ranks and then wait on them; a sanitizer suite runs as
+# fewer, its ranks being busier. They cannot collide:
 # ranks meet in a temporary directory and /dev/shm names of their own launch, traces and tools
 # write to temporary directories, and what is looked for in /dev/shm is looked for by pid.
 # make test runs the suites at once under one jobserver, in the order it names them: the plain
 # suite first (the quickest answer; its ranks mostly wait, while the sanitizer builds compile),
 # then ASan's build, the heaviest, and TSan's, so that the CPU-bound sanitizer suites come last.
-# Without -j on the command line, each of these targets takes one job per core.
+# Without -j on the command line, each of these targets takes one job per core. The sanitizer
+# suites take turns (SANITIZED_SUITE_LOCK), whatever compiles meanwhile: both at once on two cores
+# slowed the ranks of an 8-rank TSan test past its 60 s timeout.
 # Tests that assert how long something took (TIMED_TESTS) would fail on a machine this busy:
 # a suite runs them alone after the rest; under make test (TIMED_LATER), test-timed runs them
 # once every suite has ended, one build after the other.
@@ -276,7 +280,8 @@ install: all
 .PHONY: test-plain test-asan test-tsan test-fuzz test-timed run-suite run-timed fuzz fuzz-corpus
 CORES          := $(shell nproc 2>/dev/null || echo 2)
 JOBS            = $(if $(filter -j%,$(MAKEFLAGS)),,-j$(CORES))
-TEST_PROCESSES ?= 8
+TEST_PROCESSES ?= $(shell echo $$(( $(CORES) * $(if $(SANITIZE),2,4) )))
+SANITIZED_SUITE_LOCK ?= $(abspath $(BUILD))/.sanitized-suite.lock
 TIMED_TESTS    := Agreement.TheCostTrial*:PythonCallsite.NoInterpreterRecordsNothingAndCostsNothingVisible
 ASAN_BUILD     := BUILD=$(BUILD)/asan SANITIZE=address,undefined
 TSAN_BUILD     := BUILD=$(BUILD)/tsan SANITIZE=thread
@@ -333,7 +338,8 @@ run-suite: all $(filter-out $(DEMO),$(TEST_BINS)) $(TESTS)
 	@rm -rf $(REPORTS) && mkdir -p $(REPORTS)
 	@$(if $(SANITIZE),true,rm -rf $(TEST_PREFIX) && DESTDIR= tools/install/install.sh $(BUILD) $(TEST_PREFIX) >/dev/null)
 	@echo "$(SUITE): $(TESTS)$(if $(SANITIZE), under -fsanitize=$(SANITIZE)), $(TEST_PROCESSES) processes"
-	@$(SUITE_ENV) tests/run-sharded.sh $(SUITE) $(TEST_PROCESSES) $(BUILD)/test-logs $(TESTS) \
+	@$(SUITE_ENV) $(if $(SANITIZE),flock $(SANITIZED_SUITE_LOCK)) \
+	   tests/run-sharded.sh $(SUITE) $(TEST_PROCESSES) $(BUILD)/test-logs $(TESTS) \
 	   '*-$(TIMED_TESTS)$(if $(SUITE_SKIPS),:$(SUITE_SKIPS))'; status=$$?; \
 	 $(CHECK_REPORTS); [ $$status = 0 ] || exit $$status
 	@$(if $(TIMED_LATER),,$(MAKE) --no-print-directory run-timed)
