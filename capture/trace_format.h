@@ -33,18 +33,19 @@ struct FileHeader {
 static_assert(sizeof(FileHeader) == 8 + 4 + 4 + 8 + 8 + 8 + 64 + 128);
 
 enum class RecordType : uint16_t {
-  Comm = 1,         // a communicator joined
-  Call = 2,         // one NCCL call
-  CommEnd = 3,      // a communicator finalized, destroyed, aborted or revoked
-  Callsite = 4,     // the frames behind a call-site fingerprint, written once per fingerprint
-  Module = 5,       // the name behind a module key, written once per module
-  Step = 6,         // the step detector found or lost a communicator's repeating step
-  Dropped = 7,      // records lost because the writer fell behind (never blocks the caller)
-  Agreement = 8,    // an agreement round of a communicator was issued, read, or changed its routes
-  Decision = 9,     // what one agreement round decided for one gather of the step, on this rank
-  Window = 10,      // the memory a plan's window took on this rank, once it opened its peers'
-  PyCallsite = 11,  // the Python frames behind a Python call-site fingerprint, written once each
-  PyCall = 12,      // a call's Python call site (MAGI_PY_CALLSITES=1, the caller held the GIL)
+  Comm = 1,          // a communicator joined
+  Call = 2,          // one NCCL call
+  CommEnd = 3,       // a communicator finalized, destroyed, aborted or revoked
+  Callsite = 4,      // the frames behind a call-site fingerprint, written once per fingerprint
+  Module = 5,        // the name behind a module key, written once per module
+  Step = 6,          // the step detector found or lost a communicator's repeating step
+  Dropped = 7,       // records lost because the writer fell behind (never blocks the caller)
+  Agreement = 8,     // an agreement round of a communicator was issued, read, or changed its routes
+  Decision = 9,      // what one agreement round decided for one gather of the step, on this rank
+  Window = 10,       // the memory a plan's window took on this rank, once it opened its peers'
+  PyCallsite = 11,   // the Python frames behind a Python call-site fingerprint, written once each
+  PyCall = 12,       // a call's Python call site (MAGI_PY_CALLSITES=1, the caller held the GIL)
+  GroupServed = 13,  // how a gather queued inside a group was served once its group ended
 };
 
 struct RecordHeader {
@@ -313,6 +314,18 @@ struct PyCallRecord {
   uint32_t reserved;
 };
 static_assert(sizeof(PyCallRecord) == 32);
+
+// A gather routed off NCCL inside a group is recorded when it is queued, before its bucket is
+// served at ncclGroupEnd: this record, written then, gives the call its kCallMoved or
+// kCallFellBack flag. Readers apply it to the CallRecord with the same comm_id, seq and rank.
+struct GroupServedRecord {
+  uint64_t comm_id;
+  uint64_t seq;  // the CallRecord's
+  int32_t rank;
+  uint8_t flags;  // kCallMoved or kCallFellBack
+  uint8_t reserved[3];
+};
+static_assert(sizeof(GroupServedRecord) == 24);
 
 struct DroppedRecord {
   uint64_t records;

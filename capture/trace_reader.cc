@@ -166,6 +166,11 @@ class TraceParser {
         trace.py_calls[{r.comm_id, r.seq, r.rank}] = r.py_callsite;
         break;
       }
+      case RecordType::GroupServed: {
+        need(sizeof(GroupServedRecord), "GroupServed");
+        apply_group_served(trace, load<GroupServedRecord>(payload));
+        break;
+      }
       case RecordType::Step:
         need(sizeof(StepRecord), "Step");
         trace.steps.push_back(load<StepRecord>(payload));
@@ -189,6 +194,16 @@ class TraceParser {
       default: ++trace.unknown_records; break;
     }
     return header.bytes;
+  }
+
+  // The call was written when its group queued it, a few records back: searched from the end.
+  static void apply_group_served(Trace& trace, const GroupServedRecord& r) {
+    constexpr uint8_t kServedFlags = kCallMoved | kCallFellBack;
+    for (auto call = trace.calls.rbegin(); call != trace.calls.rend(); ++call) {
+      if (call->comm_id != r.comm_id || call->seq != r.seq || call->rank != r.rank) continue;
+      call->flags = static_cast<uint8_t>((call->flags & ~kServedFlags) | (r.flags & kServedFlags));
+      return;
+    }
   }
 
   void read_callsite(Trace& trace, uint64_t offset, uint64_t payload,

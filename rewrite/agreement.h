@@ -141,6 +141,7 @@ class CommAgreement {
   uint64_t identity() const { return info_.identity; }
   ncclComm_t comm() const { return comm_; }
   const AgreementWorld& world() const { return world_; }
+  const capture::CommInfo& info() const { return info_; }
 
   // The communicator is being aborted, maybe from another thread while a call of this one is
   // blocked: the transport stops waiting on peers now, and no window is made after this.

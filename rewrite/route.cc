@@ -28,6 +28,7 @@ struct Queued {
   uint64_t collective;  // the call's collective index
   ce::GatherOp op;
   NcclGather call;
+  uint64_t seq;  // the call's record, already written: its outcome follows in a record of its own
   bool served = false;  // its bucket was served at the group's end
 };
 thread_local std::vector<Queued> t_queued;
@@ -63,6 +64,18 @@ ncclResult_t settle_unserved(std::span<Queued> queued) noexcept {
   }
   const ncclResult_t ended = nccl.group_end();
   return result != ncclSuccess ? result : ended;
+}
+
+// Marks a queued call as an ungrouped one is marked when it returns (see intercept).
+void record_served(const Queued& q, ncclResult_t result, bool moved) {
+  if (q.via_nccl || (result != ncclSuccess && result != ncclRemoteError)) return;
+  const capture::CommInfo& info = q.agreement->info();
+  trace::GroupServedRecord r{};
+  r.comm_id = info.identity;
+  r.seq = q.seq;
+  r.rank = info.rank;
+  r.flags = moved ? trace::kCallMoved : trace::kCallFellBack;
+  q.agreement->world().trace(trace::RecordType::GroupServed, &r, sizeof(r));
 }
 
 }  // namespace
@@ -113,8 +126,10 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
   // call is never forwarded alone, since its peers serve it through the transport (the route
   // would split, and the ranks hang): a throw fails it, and the communicator leaves the
   // transport at its next round. Served (and marked moved) only once it was; inside a group,
-  // queued is as good as served: group_ended serves it, or settles it if that fails.
-  bool moved = true;  // a queued call counts as moved; a served one says
+  // queued is as good as served: group_ended serves it, or settles it if that fails, and
+  // records how it went.
+  bool moved = false;
+  bool queued = false;
   const bool done = guarded("rewrite", [&] {
     const ce::GatherOp op{args.sendbuf,
                           args.recvbuf,
@@ -125,7 +140,8 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
     const NcclGather call{args.sendbuf, args.recvbuf, args.count, args.dtype};
     if (agreement->world().group().depth > 0) {
       t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, route.plan,
-                          view.collective_index, op, call});
+                          view.collective_index, op, call, record.seq});
+      queued = true;
       outcome.result = ncclSuccess;
     } else {
       outcome.result = agreement->serve({&op, 1}, {&call, 1}, args.stream, route.bucket, via_nccl,
@@ -136,8 +152,8 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
     outcome.served = true;
     // ncclRemoteError: served, but the ranks' static reads were found to disagree (serving.h).
     const bool served = outcome.result == ncclSuccess || outcome.result == ncclRemoteError;
-    // Queued in a group: marked when queued (the record is written before the group ends).
-    if (!via_nccl && served) record.flags |= moved ? trace::kCallMoved : trace::kCallFellBack;
+    if (!via_nccl && served && !queued)
+      record.flags |= moved ? trace::kCallMoved : trace::kCallFellBack;
   } else if (!via_nccl) {
     agreement->fail_transport("a moved gather could not be served");
     outcome.served = true;
@@ -182,10 +198,14 @@ ncclResult_t group_ended(ncclResult_t nccl_result) noexcept {
         done[j] = true;
       }
       // queued[i] is the bucket's first call: the group queued them in call order.
-      const ncclResult_t served =
-          queued[i].agreement->serve(bucket, calls, queued[i].stream, queued[i].bucket,
-                                     queued[i].via_nccl, queued[i].plan, queued[i].collective);
-      for (const size_t j : members) queued[j].served = true;
+      bool moved = false;
+      const ncclResult_t served = queued[i].agreement->serve(
+          bucket, calls, queued[i].stream, queued[i].bucket, queued[i].via_nccl, queued[i].plan,
+          queued[i].collective, &moved);
+      for (const size_t j : members) {
+        queued[j].served = true;
+        record_served(queued[j], served, moved);
+      }
       if (result == ncclSuccess) result = served;
     }
   });

@@ -116,6 +116,29 @@ TEST(TraceReader, EveryRecordTypeRoundTrips) {
   EXPECT_EQ(t.unknown_records, 1u);
 }
 
+// A gather queued in a group is written before its group ends; the GroupServed record written
+// then sets how it was served on that call (rank and communicator must match), and only on it.
+TEST(TraceReader, GroupServedRecordMarksTheQueuedCallItNames) {
+  constexpr uint64_t kOther = kComm + 1;
+  const CallSpec gather{Op::AllGather, 7, 1024, -1, -1, 0x5eedull};
+  CallRecord queued = make_call(kComm, 1, 40, gather, 100, 0);
+  queued.flags = kCallInGroup;
+  CallRecord fell_back = make_call(kComm, 1, 41, gather, 101, 0);
+  fell_back.flags = kCallInGroup | kCallMoved;  // as a writer that marked at queue time did
+  const CallRecord elsewhere = make_call(kOther, 1, 40, gather, 102, 0);
+  TraceBuilder b;
+  b.call(queued).call(fell_back).call(elsewhere);
+  b.group_served({kComm, 40, 1, kCallMoved, {}});
+  b.group_served({kComm, 41, 1, kCallFellBack, {}});
+  b.group_served({kComm, 40, 3, kCallFellBack, {}});  // another rank's call: not in this file
+  const Trace t = parse_trace("group.trace", b.bytes());
+  ASSERT_EQ(t.calls.size(), 3u);
+  EXPECT_EQ(t.calls[0].flags, kCallInGroup | kCallMoved);
+  EXPECT_EQ(t.calls[1].flags, kCallInGroup | kCallFellBack);
+  EXPECT_EQ(t.calls[2].flags, 0);
+  EXPECT_EQ(t.unknown_records, 0u);
+}
+
 TEST(TraceReader, ReadTraceReadsTheFileFromDisk) {
   const EveryRecord in;
   const std::string path = path_in_tmp("magice-reader-disk.trace");
@@ -245,7 +268,7 @@ TEST(TraceReader, FileEndingMidRecordIsATruncatedRecord) {
 
 // Each known type must hold at least its payload struct: a short one is refused, not read past.
 TEST(TraceReader, RecordShorterThanItsTypeNeedsIsRefused) {
-  const std::array<std::pair<RecordType, size_t>, 11> minimum = {{
+  const std::array<std::pair<RecordType, size_t>, 12> minimum = {{
       {RecordType::Comm, sizeof(CommRecord)},
       {RecordType::Call, sizeof(CallRecord)},
       {RecordType::CommEnd, sizeof(CommEndRecord)},
@@ -257,6 +280,7 @@ TEST(TraceReader, RecordShorterThanItsTypeNeedsIsRefused) {
       {RecordType::Decision, sizeof(DecisionRecord)},
       {RecordType::PyCallsite, sizeof(PyCallsiteRecord)},
       {RecordType::PyCall, sizeof(PyCallRecord)},
+      {RecordType::GroupServed, sizeof(GroupServedRecord)},
   }};
   for (const auto& [type, needed] : minimum) {
     SCOPED_TRACE(static_cast<int>(type));

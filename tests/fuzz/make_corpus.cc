@@ -66,7 +66,7 @@ TraceBuilder every_record_type() {
 
 // Two agreement rounds of one rank between its calls: the first read, activated and then
 // deactivated by a deviation, the second read with a gather another rank refused, and a call
-// served off NCCL in between.
+// served off NCCL in between, and one queued in a group (moved, then fallen back).
 TraceBuilder agreement_rounds() {
   TraceBuilder b;
   b.comm(make_comm(kComm, 1, 2));
@@ -91,6 +91,8 @@ TraceBuilder agreement_rounds() {
         kComm, 1, {round, RoundKind::Confirm, RoundEvent::Activated, at + 6, mode, 2, 1}));
     call(kCallMoved);
     call(kCallWouldMove | kCallInGroup);
+    call(kCallInGroup);  // queued in a group: how it was served follows when the group ends
+    b.group_served({kComm, seq - 1, 1, round == 1 ? kCallMoved : kCallFellBack, {}});
   }
   b.agreement(make_agreement(kComm, 1,
                              {2, RoundKind::Confirm, RoundEvent::Deactivated, 40,

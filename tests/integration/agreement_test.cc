@@ -61,6 +61,7 @@ struct RankView {
   std::vector<uint64_t> moved;       // seq of calls served off NCCL
   std::vector<uint64_t> would_move;  // seq of calls a dry run would have moved
   std::vector<uint64_t> in_group_moved;
+  std::vector<uint64_t> in_group_fell_back;
   std::vector<uint64_t> fell_back;  // seq of calls routed to the transport that NCCL served
   struct Collective {
     uint64_t seq;
@@ -136,6 +137,8 @@ AgreedRun run_agreed(int n, std::vector<std::string> args, EnvList env = {}, dou
       if (call.flags & trace::kCallFellBack) v.fell_back.push_back(call.seq);
       if ((call.flags & trace::kCallMoved) && (call.flags & trace::kCallInGroup))
         v.in_group_moved.push_back(call.seq);
+      if ((call.flags & trace::kCallFellBack) && (call.flags & trace::kCallInGroup))
+        v.in_group_fell_back.push_back(call.seq);
       if (call.flags & trace::kCallWouldMove) v.would_move.push_back(call.seq);
       const auto op = static_cast<trace::Op>(call.op);
       if (trace::is_collective(op))
@@ -800,6 +803,28 @@ TEST(Agreement, AFallenBackBucketIsNotTracedAsMoved) {
   }
 }
 
+// The same inside groups: a queued gather is traced before its group ends and its bucket is
+// served, so how it went is traced when the group ends (GroupServed), on every rank alike.
+TEST(Agreement, AFallenBackGroupedBucketIsNotTracedAsMoved) {
+  const AgreedRun r = run_agreed(4, fsdp({}, 20), {{"MAGI_INJECT_FAULT", "gather:2"}});
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  const uint64_t comm = r.comm_ids()[0];
+  const RankView& first = r.view(comm, 0);
+  ASSERT_FALSE(first.in_group_fell_back.empty()) << transcript(r);
+  for (const auto& [rank, v] : r.comms.at(comm)) {
+    EXPECT_TRUE(v.moved.empty()) << "rank " << rank << ": a fallen-back call traced as moved";
+    EXPECT_EQ(v.fell_back, first.fell_back) << "rank " << rank;
+    EXPECT_EQ(v.in_group_fell_back, first.in_group_fell_back) << "rank " << rank;
+    EXPECT_TRUE(
+        has_line(r.log, "\\[" + std::to_string(rank) +
+                            R"(\] MAGI INFO REWRITE comm [0-9a-f]+: 0 of [0-9]+ all-gathers )"
+                            R"(\(0 of [0-9]+ bytes sent\) served off NCCL, )" +
+                            std::to_string(first.fell_back.size()) + " fell back to NCCL"))
+        << r.log;
+  }
+}
+
 TEST(Agreement, TheCostTrialTimesBothRoutesAndEveryRankKeepsTheSameOnes) {
   const AgreedRun r = run_agreed(4, fsdp({}, 30), {{"MAGI_CE_FORCE", "0"}});
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
@@ -1182,6 +1207,7 @@ TEST(Agreement, EveryOptionAtTheEndsOfItsRangeKeepsTheJobRightAndAgreed) {
 // the program; here every run must end in time and the ranks' traces must agree.
 // TEST_AGREE_SCENARIOS=N runs N of them (default 200), kScenariosAtOnce at a time (their ranks
 // mostly wait on each other); each is checked here, in seed order, once it has ended.
+// TEST_AGREE_FIRST_SEED=S starts at seed S (to replay one that failed).
 struct Scenario {
   int n = 0;
   bool skewed = false;
@@ -1191,6 +1217,8 @@ struct Scenario {
 TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
   const char* count = std::getenv("TEST_AGREE_SCENARIOS");
   const int scenarios = count != nullptr && std::atoi(count) > 0 ? std::atoi(count) : 200;
+  const char* first_text = std::getenv("TEST_AGREE_FIRST_SEED");
+  const int first = first_text != nullptr && std::atoi(first_text) > 0 ? std::atoi(first_text) : 1;
   auto start = [](int seed) {
     Scenario s;
     const int n = s.n = 2 + seed % 7;
@@ -1231,10 +1259,11 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
   };
   constexpr int kScenariosAtOnce = 4;
   std::deque<Scenario> running;
-  int started = 0;
   int with_moves = 0, failures = 0;
-  for (int seed = 1; seed <= scenarios && failures < 3; ++seed) {
-    while (started < scenarios && started < seed - 1 + kScenariosAtOnce)
+  const int last = first + scenarios - 1;
+  int started = first - 1;
+  for (int seed = first; seed <= last && failures < 3; ++seed) {
+    while (started < last && started < seed - 1 + kScenariosAtOnce)
       running.push_back(start(++started));
     Scenario scenario = std::move(running.front());
     running.pop_front();
@@ -1273,7 +1302,10 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
   std::printf("agreement: %d random scenarios, %d moved gathers, %d failed\n", scenarios,
               with_moves, failures);
   EXPECT_EQ(failures, 0);
-  EXPECT_GT(with_moves, scenarios / 3);  // the generator must exercise the moved path
+  // The generator must exercise the moved path (a replay of a few seeds may not).
+  if (scenarios >= 30) {
+    EXPECT_GT(with_moves, scenarios / 3);
+  }
 }
 
 }  // namespace

@@ -214,6 +214,9 @@ class TraceBuilder {
                   tail.size());
   }
   TraceBuilder& py_call(const PyCallRecord& r) { return typed(RecordType::PyCall, r); }
+  TraceBuilder& group_served(const GroupServedRecord& r) {
+    return typed(RecordType::GroupServed, r);
+  }
   // Bytes appended as they are: for damaged files.
   TraceBuilder& raw(std::string_view bytes) {
     bytes_.append(bytes);
