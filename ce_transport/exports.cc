@@ -145,10 +145,11 @@ SourcePlan symmetric_sources(const WindowPlan& plan) {
 
 SourcePlan bound_sources(const WindowPlan& plan, Backend backend) {
   if (!plan.zero_copy) return symmetric_sources(plan);
-  return plan_sources(plan, [backend](const BindOp& b) {
-    return backend == Backend::Host ? find_host_export(b.sendbuf, b.bytes)
-                                    : find_cuda_export(b.sendbuf, b.bytes);
-  });
+  if (backend == Backend::Host) {
+    const auto find = host_export_finder();
+    return plan_sources(plan, [&find](const BindOp& b) { return find(b.sendbuf, b.bytes); });
+  }
+  return plan_sources(plan, [](const BindOp& b) { return find_cuda_export(b.sendbuf, b.bytes); });
 }
 
 std::vector<const uint8_t*> locate_peer_sources(

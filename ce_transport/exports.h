@@ -110,8 +110,11 @@ namespace magi::ce::exports {
 // The peers open the file by name (the inode must still be the owner's) and map the same file
 // range. Memory from malloc, anonymous mappings and files elsewhere are not exportable.
 Exportable find_host_export(const void* ptr, size_t bytes);
-// Whether the mapping that holds `base` is still the exported one (`identity`: its inode).
-bool host_export_alive(uintptr_t base, uint64_t identity);
+// find_host_export over this process's mappings as they are now, read once: for a whole plan.
+std::function<Exportable(const void* ptr, size_t bytes)> host_export_finder();
+// Whether the mapping that holds `base` is still the exported one (`identity`: its inode,
+// `bytes`: the exported mapping's size, ExportRecord::bytes).
+bool host_export_alive(uintptr_t base, size_t bytes, uint64_t identity);
 
 // ---- the CUDA backend's exports: a cudaMalloc allocation, by the IPC handle of its base ----
 // Memory from cuMemCreate (PyTorch's expandable segments), pools and managed memory is refused.

@@ -6,11 +6,16 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <functional>
+#include <iterator>
+#include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "base/base.h"
 #include "ce_transport/exports.h"
@@ -39,48 +44,64 @@ struct Mapping {
   std::string path;
 };
 
+// One line of /proc/self/maps; false when it does not parse.
+bool parse_mapping(const char* line, Mapping& m) {
+  uintptr_t start = 0, end = 0;
+  char perms[8] = {};
+  uint64_t offset = 0, inode = 0;
+  unsigned major = 0, minor = 0;
+  int path_at = 0;
+  if (std::sscanf(line, "%" SCNxPTR "-%" SCNxPTR " %7s %" SCNx64 " %x:%x %" SCNu64 " %n", &start,
+                  &end, perms, &offset, &major, &minor, &inode, &path_at) < 7)
+    return false;
+  m.start = start;
+  m.end = end;
+  m.shared = perms[3] == 's';
+  m.file_offset = offset;
+  m.device = makedev(major, minor);
+  m.inode = inode;
+  m.path = line + path_at;
+  while (!m.path.empty() && (m.path.back() == '\n' || m.path.back() == ' ')) m.path.pop_back();
+  return true;
+}
+
+// Calls `visit` with each mapping of /proc/self/maps until it returns false.
+template <typename Visit>
+void for_each_mapping(Visit&& visit) {
+  FILE* maps = std::fopen("/proc/self/maps", "re");
+  if (maps == nullptr) return;
+  char line[4096 + 256];
+  Mapping m;
+  while (std::fgets(line, sizeof(line), maps) != nullptr)
+    if (parse_mapping(line, m) && !visit(m)) break;
+  std::fclose(maps);
+}
+
 // The line of /proc/self/maps holding `at`; false when none does.
 bool find_mapping(uintptr_t at, Mapping& found) {
-  FILE* maps = std::fopen("/proc/self/maps", "re");
-  if (maps == nullptr) return false;
-  char line[4096 + 256];
   bool hit = false;
-  while (std::fgets(line, sizeof(line), maps) != nullptr) {
-    uintptr_t start = 0, end = 0;
-    char perms[8] = {};
-    uint64_t offset = 0, inode = 0;
-    unsigned major = 0, minor = 0;
-    int path_at = 0;
-    if (std::sscanf(line, "%" SCNxPTR "-%" SCNxPTR " %7s %" SCNx64 " %x:%x %" SCNu64 " %n", &start,
-                    &end, perms, &offset, &major, &minor, &inode, &path_at) < 7)
-      continue;
-    if (at < start || at >= end) continue;
-    found.start = start;
-    found.end = end;
-    found.shared = perms[3] == 's';
-    found.file_offset = offset;
-    found.device = makedev(major, minor);
-    found.inode = inode;
-    found.path = line + path_at;
-    while (!found.path.empty() && (found.path.back() == '\n' || found.path.back() == ' '))
-      found.path.pop_back();
+  for_each_mapping([&](const Mapping& m) {
+    if (at < m.start || at >= m.end) return true;
+    found = m;
     hit = true;
-    break;
-  }
-  std::fclose(maps);
+    return false;
+  });
   return hit;
 }
 
 }  // namespace
 
-Exportable find_host_export(const void* ptr, size_t bytes) {
+namespace {
+
+// What `mapping` (the one holding ptr; null: none does) makes of the shard at ptr.
+Exportable export_of(const void* ptr, size_t bytes, const Mapping* mapping) {
   Exportable e;
   const auto at = reinterpret_cast<uintptr_t>(ptr);
-  Mapping m;
-  if (!find_mapping(at, m)) {
+  if (mapping == nullptr) {
     e.refusal = "not mapped";
     return e;
   }
+  const Mapping& m = *mapping;
   const std::string dir = kSharedMemoryDir;
   if (!m.shared || m.path.compare(0, dir.size(), dir) != 0 || m.inode == 0) {
     e.refusal = "not a shared mapping of a file in /dev/shm";
@@ -112,7 +133,42 @@ Exportable find_host_export(const void* ptr, size_t bytes) {
   return e;
 }
 
-bool host_export_alive(uintptr_t base, uint64_t identity) {
+}  // namespace
+
+Exportable find_host_export(const void* ptr, size_t bytes) {
+  Mapping m;
+  return export_of(ptr, bytes, find_mapping(reinterpret_cast<uintptr_t>(ptr), m) ? &m : nullptr);
+}
+
+std::function<Exportable(const void*, size_t)> host_export_finder() {
+  // Read once, sorted by start: a plan's thousand shards take one read of the maps, not one each.
+  auto mappings = std::make_shared<std::vector<Mapping>>();
+  for_each_mapping([&](const Mapping& m) {
+    mappings->push_back(m);
+    return true;
+  });
+  std::sort(mappings->begin(), mappings->end(),
+            [](const Mapping& a, const Mapping& b) { return a.start < b.start; });
+  return [mappings](const void* ptr, size_t bytes) {
+    const auto at = reinterpret_cast<uintptr_t>(ptr);
+    auto after = std::upper_bound(mappings->begin(), mappings->end(), at,
+                                  [](uintptr_t a, const Mapping& m) { return a < m.start; });
+    const Mapping* holder = nullptr;
+    if (after != mappings->begin() && at < std::prev(after)->end) holder = &*std::prev(after);
+    return export_of(ptr, bytes, holder);
+  };
+}
+
+bool host_export_alive(uintptr_t base, size_t bytes, uint64_t identity) {
+  // The kernel names each mapping by its exact range in /proc/self/map_files: one lookup, where
+  // a scan of /proc/self/maps costs a line per mapping (thousands, with the peers' shards
+  // mapped), at every check. Where that lookup is not allowed, or the range is no longer one
+  // mapping, the scan decides.
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/self/map_files/%" PRIxPTR "-%" PRIxPTR, base,
+                base + bytes);
+  struct stat st {};
+  if (::stat(path, &st) == 0 && static_cast<uint64_t>(st.st_ino) == identity) return true;
   Mapping m;
   return find_mapping(base, m) && m.start == base && m.shared && m.inode == identity;
 }

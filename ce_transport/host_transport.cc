@@ -388,6 +388,7 @@ class HostTransport final : public Transport {
     const auto* agreed = static_cast<const uint8_t*>(bind_[i].sendbuf);
     const uint16_t allocation = sources_.table.sources[i].allocation;
     const bool alive = exports::host_export_alive(sources_.export_bases[allocation],
+                                                  sources_.table.exports[allocation].bytes,
                                                   sources_.identities[allocation]);
     bool same = true;
     auto look = [&](const uint8_t* at, const SampleSet& set) {

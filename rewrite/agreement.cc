@@ -77,8 +77,8 @@ CommAgreement::~CommAgreement() {
   if (hello_ && !agreeable_) look_at_hello(last_seq_);
   // Rounds still in flight belong to NCCL until they complete: the pool frees only those that
   // did, and leaves the others (RoundBuffers).
-  if (pending_) buffers_.retire(std::move(pending_->exchange));
-  if (hello_) buffers_.retire(std::move(hello_->exchange));
+  if (pending_) buffers_.retire(std::move(pending_->exchange), pending_->bytes);
+  if (hello_) buffers_.retire(std::move(hello_->exchange), hello_->bytes);
 }
 
 Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallRecord& record,
@@ -230,7 +230,7 @@ void CommAgreement::abandon_pending(uint64_t seq) {
   if (!pending_) return;
   record(pending_->kind, trace::RoundEvent::Abandoned, seq, AgreementMode::None, Reason::Deviated,
          0);
-  buffers_.retire(std::move(pending_->exchange));
+  buffers_.retire(std::move(pending_->exchange), pending_->bytes);
   pending_.reset();
 }
 
@@ -290,7 +290,7 @@ void CommAgreement::propose(uint64_t seq) {
   issue(RoundKind::Propose, c, seq);
 }
 
-void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
+void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq, size_t bytes_each) {
   // A round that cannot launch now (it sits in a group holding Send/Recv until that group ends)
   // is never waited for: this rank votes no, and knows the answer without reading it.
   const GroupView group = world_.group();
@@ -305,10 +305,12 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
   round->number = policy_.rounds();
   round->voted_no = in_group;
   round->decision_hash = c.header.decision_hash;
+  round->bytes = bytes_each;
   try {
     // Reused (RoundBuffers): made anew at every round, they would stall the program's streams.
-    round->exchange = buffers_.take([&] { return world_.make.exchange(info_); });
-    std::vector<uint8_t> bytes(kContributionBytes);
+    round->exchange =
+        buffers_.take([&] { return world_.make.exchange(info_, bytes_each); }, bytes_each);
+    std::vector<uint8_t> bytes(bytes_each);
     c.serialize(bytes);
     round->exchange->stage(bytes);
   } catch (const Error& e) {
@@ -323,9 +325,8 @@ void CommAgreement::issue(RoundKind kind, Contribution& c, uint64_t seq) {
   }
   ce::Exchange& exchange = *round->exchange;
   const ncclResult_t result = flush_.issue_alone(group, [&] {
-    return world_.nccl.all_gather(exchange.send_buffer(), exchange.recv_buffer(),
-                                  kContributionBytes, ncclUint8, comm_,
-                                  static_cast<cudaStream_t>(exchange.stream()));
+    return world_.nccl.all_gather(exchange.send_buffer(), exchange.recv_buffer(), bytes_each,
+                                  ncclUint8, comm_, static_cast<cudaStream_t>(exchange.stream()));
   });
   if (result != ncclSuccess && result != ncclInProgress) {
     MAGI_WARN(Rewrite,
@@ -350,7 +351,7 @@ void CommAgreement::read_round(uint64_t seq) {
   const uint64_t asked = clock_ns();
   const std::span<const uint8_t> all = round->exchange->result();
   policy_.count_round_wait(clock_ns() - asked);
-  const RoundBuffers::KeepWhenRead keep(buffers_, round->exchange);
+  const RoundBuffers::KeepWhenRead keep(buffers_, round->exchange, round->bytes);
   switch (round->kind) {
     case RoundKind::Propose:
       take_decision(judged(decide(all, info_.nranks, info_.rank)), round->number, seq);
@@ -365,7 +366,7 @@ void CommAgreement::read_round(uint64_t seq) {
 // This rank said no, so the answer is no whatever the others said: no need to wait for a round
 // that may not have launched yet.
 void CommAgreement::read_voted_no(Round& round, uint64_t seq) {
-  buffers_.retire(std::move(round.exchange));
+  buffers_.retire(std::move(round.exchange), round.bytes);
   switch (round.kind) {
     case RoundKind::Propose:
       take_decision(void_propose(seen_.entries(options_, backend_)), round.number, seq);
@@ -623,6 +624,12 @@ void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
 void CommAgreement::publish(uint64_t seq) {
   Contribution c = header_for(RoundKind::Publish);
   c.header.decision_hash = decision_.hash;
+  // Sized by the agreed plan (its bound shards), not by this rank's table: the same on every
+  // rank, even one whose window fails below.
+  size_t bound_shards = 0;
+  if (decision_.bound)
+    for (const GatherDecision& g : decision_.gathers) bound_shards += g.moves ? 1 : 0;
+  const size_t round_bytes = publish_round_bytes(bound_shards);
   try {
     const ce::WindowPlan plan = window_plan(decision_, seen_, layout_, options_);
     sources_.reset(decision_, seen_, layout_);
@@ -662,7 +669,7 @@ void CommAgreement::publish(uint64_t seq) {
     c.header.reason = static_cast<uint8_t>(Reason::TransportFailed);
     serving_.drop();
   }
-  issue(RoundKind::Publish, c, seq);
+  issue(RoundKind::Publish, c, seq, round_bytes);
 }
 
 void CommAgreement::activate(uint64_t seq) {

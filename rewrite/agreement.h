@@ -160,8 +160,9 @@ class CommAgreement {
     RoundKind kind;
     uint32_t number;
     std::unique_ptr<ce::Exchange> exchange;
-    bool voted_no = false;       // issued inside an open group: this rank said no
-    uint64_t decision_hash = 0;  // publish/confirm
+    size_t bytes = kContributionBytes;  // per contribution (a static plan's publish: more)
+    bool voted_no = false;              // issued inside an open group: this rank said no
+    uint64_t decision_hash = 0;         // publish/confirm
   };
 
   void restart(const capture::StepView& view);
@@ -184,7 +185,9 @@ class CommAgreement {
   void read_voted_no(Round& round, uint64_t seq);
   void read_publish(std::span<const uint8_t> all, const Round& round, uint64_t seq);
   void read_confirm(std::span<const uint8_t> all, const Round& round, uint64_t seq);
-  void issue(RoundKind kind, Contribution& contribution, uint64_t seq);
+  // `bytes_each`: the contribution size, equal on every rank (publish_round_bytes for a publish).
+  void issue(RoundKind kind, Contribution& contribution, uint64_t seq,
+             size_t bytes_each = kContributionBytes);
   Contribution header_for(RoundKind kind) const;
   void propose(uint64_t seq);
   void take_decision(const Decision& decision, uint32_t round, uint64_t seq);

@@ -10,6 +10,14 @@
 
 namespace magi::rewrite {
 
+size_t publish_round_bytes(size_t shards) {
+  const size_t needed = sizeof(ContributionHeader) + 8 +
+                        shards * (ce::SourceTable::kExportBytes + ce::SourceTable::kSourceBytes);
+  size_t bytes = kContributionBytes;
+  while (bytes < needed) bytes *= 2;
+  return bytes;
+}
+
 void Contribution::serialize(std::span<uint8_t> out) const {
   std::fill(out.begin(), out.end(), uint8_t{0});
   std::memcpy(out.data(), &header, sizeof(header));
@@ -37,7 +45,7 @@ bool Contribution::parse(std::span<const uint8_t> in, Contribution& out) {
       out.header.kind == static_cast<uint8_t>(RoundKind::Hello)) {
     out.entries.clear();
     out.costs.clear();
-    if (out.header.table_bytes > kPublishTableRoom) return false;
+    if (out.header.table_bytes > in.size() - sizeof(out.header)) return false;
     const uint8_t* at = in.data() + sizeof(out.header);
     out.table.assign(at, at + out.header.table_bytes);
     return true;
@@ -58,12 +66,14 @@ bool Contribution::parse(std::span<const uint8_t> in, Contribution& out) {
 
 namespace {
 
+// `all`: nranks contributions of one size (a publish's may be larger than kContributionBytes).
 std::vector<Contribution> parse_all(std::span<const uint8_t> all, int nranks) {
+  if (nranks <= 0 || all.size() % static_cast<size_t>(nranks) != 0) return {};
+  const size_t each = all.size() / static_cast<size_t>(nranks);
   std::vector<Contribution> out(static_cast<size_t>(nranks));
   for (int r = 0; r < nranks; ++r) {
-    if (!Contribution::parse(
-            all.subspan(static_cast<size_t>(r) * kContributionBytes, kContributionBytes),
-            out[static_cast<size_t>(r)]))
+    if (!Contribution::parse(all.subspan(static_cast<size_t>(r) * each, each),
+                             out[static_cast<size_t>(r)]))
       return {};
   }
   return out;

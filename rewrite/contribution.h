@@ -1,7 +1,9 @@
 // What a rank puts into an agreement round, and the decision every rank derives from all of them.
 //
 // A round is one all-gather of fixed-size contributions (kContributionBytes, whatever the step),
-// so the round itself can never mismatch between ranks, even when their steps differ. decide()
+// so the round itself can never mismatch between ranks, even when their steps differ. The one
+// exception is sized by what every rank already agreed: a static plan's publish carries a source
+// table per rank, as large as the plan's shard count makes it (publish_round_bytes). decide()
 // is a pure function of all ranks' contributions: every rank that reads the same bytes reaches the
 // same decision. The only rank-local input it takes is which rank is "me", used for wording the
 // reasons, never for what moves.
@@ -95,6 +97,12 @@ inline constexpr size_t kContributionBytes =
 // A publish round carries the rank's zero-copy source table (ce::SourceTable, its counts
 // included) where a propose carries its entries.
 inline constexpr size_t kPublishTableRoom = kContributionBytes - sizeof(ContributionHeader);
+// The contribution size of a publish round for a plan binding `shards` shards: room for a table
+// that exports every shard from an allocation of its own, so that no shard is ever bound for want
+// of room. Every rank computes it from the agreed plan alone, so every rank's all-gather has the
+// same size. The standard size doubled as often as needed, so that plans of similar size reuse
+// one round's buffers.
+size_t publish_round_bytes(size_t shards);
 
 // A contribution being built or read: header, then entries.
 struct Contribution {
@@ -104,7 +112,8 @@ struct Contribution {
   // Publish rounds: a serialized ce::SourceTable; hello rounds: the ScheduleSettings (hello.h).
   std::vector<uint8_t> table;
 
-  void serialize(std::span<uint8_t> out) const;  // out.size() == kContributionBytes
+  // `out`: the round's contribution size (kContributionBytes, or a publish's).
+  void serialize(std::span<uint8_t> out) const;
   // Parses one rank's slice; false when it is not a contribution of this version.
   static bool parse(std::span<const uint8_t> in, Contribution& out);
 };
@@ -141,7 +150,7 @@ struct Decision {
   bool moves_anything() const { return moved != 0; }
 };
 
-// The ladder. `all` holds nranks contributions of kContributionBytes, rank order.
+// The ladder. `all` holds nranks contributions of equal size (kContributionBytes), rank order.
 Decision decide(std::span<const uint8_t> all, int nranks, int my_rank);
 // A propose this rank issued inside an open group: void, without reading it.
 Decision void_propose(const std::vector<GatherEntry>& entries);

@@ -50,6 +50,9 @@ void forget_in_child() noexcept;
 struct Outcome {
   bool served = false;                // the call left NCCL: do not forward it
   ncclResult_t result = ncclSuccess;  // what the program gets when served
+  // Served: queued in the open group as a moved gather (not a trial's NCCL call), served when
+  // the group ends, and traced then (trace::GroupServedRecord).
+  bool queued_to_move = false;
   // The communicator may still explore; once false, it stays false (its gathers' call sites are
   // no longer needed).
   bool watching = true;

@@ -6,7 +6,7 @@ namespace magi::rewrite {
 
 RoundBuffers::~RoundBuffers() {
   // A finished round is freed with the pool; one still in flight belongs to NCCL.
-  for (auto& exchange : retired_) {
+  for (auto& [exchange, bytes] : retired_) {
     if (exchange && !exchange->ready()) {
       MAGI_WARN(Rewrite,
                 "comm %012llx: an agreement round was still in flight at destroy; its "
@@ -17,19 +17,34 @@ RoundBuffers::~RoundBuffers() {
   }
 }
 
-void RoundBuffers::retire(std::unique_ptr<ce::Exchange> exchange) {
-  if (exchange) retired_.push_back(std::move(exchange));
+void RoundBuffers::retire(std::unique_ptr<ce::Exchange> exchange, size_t bytes) {
+  if (exchange) retired_.push_back({std::move(exchange), bytes});
 }
 
 void RoundBuffers::free_ready() {
   for (auto it = retired_.begin(); it != retired_.end();) {
-    if (!(*it)->ready()) {
+    if (!it->exchange->ready()) {
       ++it;
       continue;
     }
-    if (!spare_) spare_ = std::move(*it);
+    std::unique_ptr<ce::Exchange>& spare = spare_for(it->bytes);
+    if (!spare) {
+      spare = std::move(it->exchange);
+      if (it->bytes != kContributionBytes) large_spare_bytes_ = it->bytes;
+    }
     it = retired_.erase(it);
   }
+}
+
+void RoundBuffers::keep_spare(std::unique_ptr<ce::Exchange>& used, size_t bytes) {
+  if (!used) return;
+  if (bytes == kContributionBytes) {
+    if (!spare_) spare_ = std::move(used);
+    return;
+  }
+  if (large_spare_ && large_spare_bytes_ == bytes) return;
+  large_spare_ = std::move(used);  // a plan of another size: the older buffers go
+  large_spare_bytes_ = bytes;
 }
 
 }  // namespace magi::rewrite

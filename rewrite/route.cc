@@ -142,6 +142,7 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
       t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, route.plan,
                           view.collective_index, op, call, record.seq});
       queued = true;
+      outcome.queued_to_move = !via_nccl;
       outcome.result = ncclSuccess;
     } else {
       outcome.result = agreement->serve({&op, 1}, {&call, 1}, args.stream, route.bucket, via_nccl,

@@ -22,6 +22,8 @@ ce::WindowPlan window_plan(const Decision& decision, const StepObservation& seen
     plan.bind.push_back({reinterpret_cast<const void*>(p.sendbuf),
                          p.count * datatype_bytes(p.dtype), layout.offset_by_position[g.position]});
   }
+  // The publish round is sized for this plan: every shard can be exported, whatever their count.
+  plan.table_room = publish_round_bytes(plan.bind.size()) - sizeof(ContributionHeader);
   return plan;
 }
 

@@ -16,11 +16,11 @@ AgreementWorld production_world(const RealNcclCalls& nccl) {
   make.transport = [backend](const capture::CommInfo& info) {
     return ce::make_transport(backend, info.rank, info.nranks, info.identity, info.cuda_device);
   };
-  make.exchange = [backend](const capture::CommInfo& info) {
+  make.exchange = [backend](const capture::CommInfo& info, size_t bytes) {
     // A process without the CUDA driver still makes the hello (rewrite/hello.h); its NCCL, then,
     // takes host memory.
     const ce::Backend where = ce::backend_available(backend) ? backend : ce::Backend::Host;
-    return ce::make_exchange(where, kContributionBytes, info.nranks, info.cuda_device);
+    return ce::make_exchange(where, bytes, info.nranks, info.cuda_device);
   };
   make.timer = [backend] { return ce::make_timer(backend); };
   make.locality = [backend](const capture::CommInfo& info) {

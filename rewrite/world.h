@@ -27,7 +27,9 @@ struct GroupView {
 // backend is the factory's. Each may throw magi::Error.
 struct TransportFactory {
   std::function<std::unique_ptr<ce::Transport>(const capture::CommInfo& info)> transport;
-  std::function<std::unique_ptr<ce::Exchange>(const capture::CommInfo& info)> exchange;
+  // Round buffers for contributions of `bytes` each.
+  std::function<std::unique_ptr<ce::Exchange>(const capture::CommInfo& info, size_t bytes)>
+      exchange;
   std::function<std::unique_ptr<ce::CompletionTimer>()> timer;
   std::function<ce::Locality(const capture::CommInfo& info)> locality;
 };

@@ -730,6 +730,32 @@ TEST_P(StaticWeightsPrograms, OneRankChangesAreExactOrReportedOnEveryRankNeverSi
 
 INSTANTIATE_TEST_SUITE_P(Ranks, StaticWeightsPrograms, ::testing::Values(2, 4, 8));
 
+// A model's shards, each in an allocation of its own (the caching allocator gives a shard of
+// 10 MiB or more a segment of its own): 1,000 a rank, every one read in place, none copied,
+// every peer's mapped, every byte right (the program checks each).
+TEST(StaticWeights, AThousandAllocationsARankAreAllReadInPlace) {
+  constexpr int kRanks = 4;
+  const AgreedRun r = run_agreed(kRanks,
+                                 {"weights", "--layers", "1000", "--steps", "12", "--program",
+                                  "swap", "--swap-step", "100", "--arena", "1", "--arenas", "1000"},
+                                 {{"MAGI_STATIC_WEIGHTS", "1"}}, 120);
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  ASSERT_EQ(r.comms.size(), 1u);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    EXPECT_GE(v.moved.size(), 1000u) << "rank " << rank;
+    const std::string me =
+        "\\[" + std::to_string(rank) + "\\] MAGI INFO TRANSPORT comm [0-9a-f]+: ";
+    EXPECT_TRUE(has_line(r.log, me + R"(static weights: 1000 gathers: 1000 shards exported in )"
+                                     R"(place \(4096000 bytes in 1000 allocations, 0 copied\), )"
+                                     R"(0 bound \(0 bytes copied\))"))
+        << "rank " << rank;
+    EXPECT_TRUE(has_line(r.log, me + "static weights: mapped 3000 allocations of the peers"))
+        << "rank " << rank;
+  }
+  EXPECT_EQ(r.log.find("cannot be read in place"), std::string::npos);
+}
+
 TEST(Agreement, StaticWeightsRehomedToOtherBytesAreCaught) {
   // The check owed at a re-homed call is real: a re-homed shard with other bytes (a broken
   // promise) is found at that call and the gather goes back to NCCL.

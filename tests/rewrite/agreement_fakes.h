@@ -78,7 +78,10 @@ template <typename MakeTransport, typename MakeExchange, typename MakeTimer>
 TransportFactory fake_factory(MakeTransport transport, MakeExchange exchange, MakeTimer timer) {
   TransportFactory make;
   make.transport = [transport](const capture::CommInfo&) { return transport(); };
-  make.exchange = [exchange](const capture::CommInfo& info) { return exchange(info.rank); };
+  make.exchange = [exchange](const capture::CommInfo& info, size_t bytes) {
+    EXPECT_EQ(bytes, kContributionBytes) << "the fake exchanges hold standard rounds only";
+    return exchange(info.rank);
+  };
   make.timer = [timer] { return timer(); };
   make.locality = [](const capture::CommInfo&) { return ce::Locality{42, -1, 0}; };
   return make;

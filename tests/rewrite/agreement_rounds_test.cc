@@ -193,7 +193,8 @@ class Rank0 {
     view.origin = found ? base_ : 0;
     const Outcome outcome = intercept(agreement_, args, record, view);
     last = outcome;
-    const bool moved = (record.flags & trace::kCallMoved) != 0;
+    // A call queued in a group is traced once the group ends: its route is the outcome's.
+    const bool moved = (record.flags & trace::kCallMoved) != 0 || outcome.queued_to_move;
     if (record.flags & trace::kCallWouldMove) {
       EXPECT_FALSE(outcome.served);
       return Kind::WouldMove;

@@ -38,10 +38,11 @@ Contribution propose(int rank, int nranks, int gathers, std::vector<uint16_t> bu
   return c;
 }
 
-std::vector<uint8_t> gather_all(const std::vector<Contribution>& all) {
-  std::vector<uint8_t> bytes(all.size() * kContributionBytes);
+std::vector<uint8_t> gather_all(const std::vector<Contribution>& all,
+                                size_t each = kContributionBytes) {
+  std::vector<uint8_t> bytes(all.size() * each);
   for (size_t r = 0; r < all.size(); ++r)
-    all[r].serialize(std::span<uint8_t>(bytes).subspan(r * kContributionBytes, kContributionBytes));
+    all[r].serialize(std::span<uint8_t>(bytes).subspan(r * each, each));
   return bytes;
 }
 
@@ -355,6 +356,52 @@ TEST(Commit, AgreedOnlyWhenEveryRankCanServeTheSamePlan) {
 
   all[1] = commit(1, 3, RoundKind::Confirm, 77, true);  // another round
   EXPECT_FALSE(decide_commit(gather_all(all), 3, RoundKind::Publish, 77).agreed);
+}
+
+// A static plan's publish is sized by its shard count, the same on every rank: a table that
+// exports every shard from an allocation of its own always fits, and every rank's table comes
+// back whole, however large.
+TEST(Commit, APublishRoundHoldsATableForEveryShardOfAPlanOfAnySize) {
+  EXPECT_EQ(publish_round_bytes(0), kContributionBytes);
+  EXPECT_EQ(publish_round_bytes(10), kContributionBytes);
+  for (const size_t shards : {size_t{220}, size_t{300}, size_t{1000}, size_t{5000}}) {
+    const size_t each = publish_round_bytes(shards);
+    EXPECT_GE(each - sizeof(ContributionHeader),
+              8 + shards * (ce::SourceTable::kExportBytes + ce::SourceTable::kSourceBytes))
+        << shards;
+    const size_t doublings = each / kContributionBytes;  // of the standard size
+    EXPECT_EQ(each % kContributionBytes, 0u) << each;
+    EXPECT_EQ(doublings & (doublings - 1), 0u) << each;
+  }
+  constexpr size_t kShards = 1000;
+  const size_t each = publish_round_bytes(kShards);
+  std::vector<Contribution> all;
+  for (int r = 0; r < 3; ++r) {
+    Contribution c = commit(r, 3, RoundKind::Publish, 77, true);
+    ce::SourceTable table;
+    for (size_t i = 0; i < kShards; ++i) {  // the worst case: an allocation per shard
+      ce::ExportRecord record{};
+      record.bytes = 4096 * (i + 1) + static_cast<size_t>(r);
+      table.exports.push_back(record);
+      table.sources.push_back({static_cast<uint16_t>(i), 64 * i});
+    }
+    c.table.resize(table.bytes() + 8);
+    table.serialize(c.table);
+    c.header.table_bytes = static_cast<uint32_t>(c.table.size());
+    all.push_back(c);
+  }
+  const CommitOutcome out = decide_commit(gather_all(all, each), 3, RoundKind::Publish, 77);
+  ASSERT_TRUE(out.agreed);
+  ASSERT_EQ(out.tables.size(), 3u);
+  for (size_t r = 0; r < 3; ++r) {
+    ASSERT_EQ(out.tables[r].exports.size(), kShards);
+    ASSERT_EQ(out.tables[r].sources.size(), kShards);
+    EXPECT_EQ(out.tables[r].exports[kShards - 1].bytes, 4096 * kShards + r);
+    EXPECT_EQ(out.tables[r].sources[kShards - 1].offset, 64 * (kShards - 1));
+  }
+  // In a standard-size round the same table cannot be carried: refused, never cut short.
+  Contribution standard;
+  EXPECT_FALSE(Contribution::parse(gather_all({all[0]}, kContributionBytes), standard));
 }
 
 // A cost round: every rank's median per bucket, both routes (moved_ns, nccl_ns).

@@ -156,9 +156,8 @@ class World {
       view.repeats = index;
       view.collective_index = index;
       const Outcome outcome = intercept(r->agreement, args, record, view);
-      r->routes.push_back(!outcome.served                      ? Kind::Nccl
-                          : (record.flags & trace::kCallMoved) ? Kind::Move
-                                                               : Kind::TrialNccl);
+      const bool moved = (record.flags & trace::kCallMoved) != 0 || outcome.queued_to_move;
+      r->routes.push_back(!outcome.served ? Kind::Nccl : moved ? Kind::Move : Kind::TrialNccl);
     }
   }
   void run_to(uint64_t index, const std::function<float*(Rank&, int)>& buffer = nullptr) {

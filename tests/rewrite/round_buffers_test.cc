@@ -100,6 +100,38 @@ TEST(RoundBuffers, RetiredBuffersAreFreedOnlyOnceTheirRoundCompleted) {
   EXPECT_EQ(ledger.made, 0);
 }
 
+// A static plan's publish round is larger: its buffers are kept apart from the standard spare,
+// reused by the next publish of the same size, and replaced by those of a plan of another size.
+TEST(RoundBuffers, ALargerRoundsBuffersAreKeptApartAndReusedOnlyAtTheirSize) {
+  Ledger ledger;
+  RoundBuffers pool(0xc0ffee);
+  const size_t large = 4 * kContributionBytes, larger = 8 * kContributionBytes;
+  std::unique_ptr<ce::Exchange> standard = fake(1, ledger, true);
+  ce::Exchange* const standard_buffers = standard.get();
+  pool.keep_spare(standard);
+  std::unique_ptr<ce::Exchange> publish = pool.take(maker(ledger), large);  // made: 100
+  EXPECT_EQ(ledger.made, 1);  // not the standard spare
+  ce::Exchange* const publish_buffers = publish.get();
+  pool.keep_spare(publish, large);
+  EXPECT_EQ(publish, nullptr);
+  std::unique_ptr<ce::Exchange> again = pool.take(maker(ledger), large);
+  EXPECT_EQ(again.get(), publish_buffers);
+  std::unique_ptr<ce::Exchange> next = pool.take(maker(ledger));
+  EXPECT_EQ(next.get(), standard_buffers);
+  EXPECT_EQ(ledger.made, 1);
+
+  // A plan of another size: its buffers replace the older large ones, which are freed.
+  pool.keep_spare(again, large);
+  std::unique_ptr<ce::Exchange> other = pool.take(maker(ledger), larger);  // made: 101
+  EXPECT_EQ(ledger.made, 2);
+  pool.keep_spare(other, larger);
+  EXPECT_EQ(ledger.freed, std::vector<int>{100});
+  std::unique_ptr<ce::Exchange> reused = pool.take(maker(ledger), larger);
+  EXPECT_EQ(ledger.made, 2);
+  std::unique_ptr<ce::Exchange> anew = pool.take(maker(ledger), large);  // made: 102
+  EXPECT_EQ(ledger.made, 3);
+}
+
 TEST(RoundBuffers, RetiringNoBuffersRetiresNothing) {
   RoundBuffers pool(0xc0ffee);
   pool.retire(nullptr);

@@ -59,7 +59,7 @@ size_t round_up(size_t bytes, size_t unit) { return (bytes + unit - 1) / unit * 
 
 }  // namespace
 
-Arena::Arena(const Placement& placement, Kind kind, size_t bytes)
+Arena::Arena(const Placement& placement, Kind kind, size_t bytes, int index)
     : placement_(placement), kind_(kind) {
   if ((kind == Kind::SharedFile) == placement.device()) {
     throw ScenarioFailure("an arena in /dev/shm is host memory; the CUDA ones need --device 1");
@@ -68,7 +68,9 @@ Arena::Arena(const Placement& placement, Kind kind, size_t bytes)
   try {
     switch (kind) {
       case Kind::SharedFile: {
-        const std::string name = format("/magi-arena-%d", static_cast<int>(::getpid()));
+        const int pid = static_cast<int>(::getpid());
+        const std::string name =
+            index == 0 ? format("/magi-arena-%d", pid) : format("/magi-arena-%d.%d", pid, index);
         // O_EXCL: a file of that name is someone else's, never to be unlinked here.
         const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
         if (fd < 0) fail_errno("shm_open " + name);

@@ -1,7 +1,8 @@
 // One allocation that holds several buffers (a rank's weight shards), each at an offset rounded
 // up to 256 bytes, as PyTorch's caching allocator puts several tensors in one cudaMalloc
 // segment. What kind of memory it is decides whether a peer can read a shard where it lies:
-//   SharedFile  host memory: a MAP_SHARED mapping of a file in /dev/shm ("/magi-arena-<pid>"),
+//   SharedFile  host memory: a MAP_SHARED mapping of a file in /dev/shm ("/magi-arena-<pid>"; a
+//               process's further arenas "/magi-arena-<pid>.<index>"),
 //               kept under its name while the arena lives so a peer can open and map it, and
 //               unlinked when the arena goes, however the scenario ends (only a rank killed by a
 //               signal leaves it behind)
@@ -23,8 +24,9 @@ class Arena {
   static constexpr size_t kAlignment = 256;
 
   // Room for `bytes` (rounded up to what the memory is allocated in). SharedFile needs host
-  // placement, the others device placement; the placement must outlive the arena.
-  Arena(const Placement& placement, Kind kind, size_t bytes);
+  // placement, the others device placement; the placement must outlive the arena. `index` tells
+  // a process's arenas apart (SharedFile: "/magi-arena-<pid>", then "/magi-arena-<pid>.<index>").
+  Arena(const Placement& placement, Kind kind, size_t bytes, int index = 0);
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;

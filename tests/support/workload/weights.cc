@@ -1,6 +1,7 @@
 // weights --layers L --steps S --program reused|swap|alternate|rehome [--swap-step K]
 //         [--rehome-rank R --rehome-step K [--rehome-other 1] [--rehome-reuse 1]] [--device 1]
-//         [--arena 1] [--vmm 1] [--report-memory 1] [--shard-elements N] [--swap-rank R]
+//         [--arena 1 [--arenas N]] [--vmm 1] [--report-memory 1] [--shard-elements N]
+//         [--swap-rank R]
 //         [--errors-expected 1]
 //
 // Weights that never change after load, gathered every step in the ways a program may hold
@@ -30,6 +31,9 @@
 //   default         a Buffer of its own each (aligned_alloc, or cudaMalloc with --device 1)
 //   --arena 1       all carved out of one allocation (arena.h), as a caching allocator does: a
 //                   file in /dev/shm mapped MAP_SHARED on host memory, one cudaMalloc on device
+//   --arenas N      (with --arena 1) N such allocations, the layers split among them in order, as a
+//                   large model's shards are (the caching allocator gives a shard of 10 MiB or
+//                   more a segment of its own): --arenas L gives every shard its own allocation
 //   --vmm 1         (with --device 1) all in one cuMemCreate allocation, as PyTorch's expandable
 //                   segments are
 // The shards are loaded before the communicator is made, as a program loads its model first.
@@ -45,6 +49,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -157,13 +162,26 @@ int run_weights(const ScenarioOptions& options) {
   const int n = boot.nranks;
   const int me = boot.rank;
 
-  std::optional<Arena> arena;  // before the shards it lends memory to: it goes after them
-  if (const auto kind = arena_kind(options, placement))
-    arena.emplace(placement, *kind, static_cast<size_t>(layers) * Arena::aligned(shard_bytes));
+  // Before the shards they lend memory to: they go after them.
+  std::vector<std::unique_ptr<Arena>> arenas;
+  const int arena_count = static_cast<int>(options.number("arenas", 1));
+  if (arena_count < 1 || arena_count > layers)
+    throw ScenarioFailure("--arenas takes 1 to --layers allocations");
+  if (const auto kind = arena_kind(options, placement)) {
+    for (int a = 0; a < arena_count; ++a) {
+      const int first = a * layers / arena_count, end = (a + 1) * layers / arena_count;
+      arenas.push_back(std::make_unique<Arena>(
+          placement, *kind, static_cast<size_t>(end - first) * Arena::aligned(shard_bytes), a));
+    }
+  }
   std::vector<Buffer> shards;  // this rank's part of every layer, loaded once
   for (int l = 0; l < layers; ++l) {
-    shards.push_back(
-        load_shard(arena ? arena->carve(shard_bytes) : Buffer(placement, shard_bytes), l, me));
+    // Arena a holds layers [a * layers / arena_count, (a + 1) * layers / arena_count).
+    int a = 0;
+    while (!arenas.empty() && (a + 1) * layers / arena_count <= l) ++a;
+    shards.push_back(load_shard(arenas.empty() ? Buffer(placement, shard_bytes)
+                                               : arenas[static_cast<size_t>(a)]->carve(shard_bytes),
+                                l, me));
   }
 
   OwnedComm owned;
