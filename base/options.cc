@@ -352,11 +352,9 @@ constexpr ValueName<Options::Transport> kTransports[] = {
 constexpr ValueName<Options::Backend> kBackends[] = {{"cuda", Options::Backend::Cuda},
                                                      {"host", Options::Backend::Host}};
 constexpr ValueName<Options::Fault::Where> kFaultPlaces[] = {
-    {"none", Options::Fault::Where::None},
-    {"prepare", Options::Fault::Where::Prepare},
-    {"attach", Options::Fault::Where::Attach},
-    {"gather", Options::Fault::Where::Gather},
-    {"slow", Options::Fault::Where::Slow}};
+    {"none", Options::Fault::Where::None},     {"prepare", Options::Fault::Where::Prepare},
+    {"attach", Options::Fault::Where::Attach}, {"gather", Options::Fault::Where::Gather},
+    {"slow", Options::Fault::Where::Slow},     {"slow-attach", Options::Fault::Where::SlowAttach}};
 
 constexpr ValueName<Options::DumpSignal> kDumpSignals[] = {{"none", Options::DumpSignal::None},
                                                            {"USR1", Options::DumpSignal::Usr1},
@@ -450,9 +448,12 @@ constexpr OptionSpec kTable[] = {
                               "which otherwise stays on NCCL (its all-gather is one local "
                               "copy)."),
     fault_option<&O::inject_fault, kFaultPlaces>(
-        "MAGI_INJECT_FAULT", "none", "none, or prepare:RANK, attach:RANK, gather:RANK or slow:RANK",
+        "MAGI_INJECT_FAULT", "none",
+        "none, or prepare:RANK, attach:RANK, gather:RANK, slow:RANK or slow-attach:RANK",
         "For tests: the transport of that rank of every communicator fails there, as a CUDA "
-        "error would (slow: each bucket it serves takes 20 ms longer; gather: on the host "
+        "error would (slow: each bucket it serves takes 20 ms longer; slow-attach: opening the "
+        "peers' memory takes 100 ms longer, as thousands of CUDA IPC mappings do; gather: on the "
+        "host "
         "backend every rank falls back to NCCL in that bucket, on the CUDA backend that rank's "
         "call fails and its peers wait for it until the communicator is aborted)."),
     int_option<&O::flight_recorder_calls>(

@@ -120,7 +120,9 @@ std::string_view reason_name(Reason reason) {
        "the step was refined: every rank sees a step of several shape steps, each gather its "
        "own position",
        "a communicator of one rank: NCCL's one local copy cannot be beaten (MAGI_CE_FORCE=1 "
-       "moves anyway)"},
+       "moves anyway)",
+       "some rank is still mapping its peers' memory (off the program's calls); the next step "
+       "asks again"},
       0, "reason#");
   return names[static_cast<uint8_t>(reason)];
 }

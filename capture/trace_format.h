@@ -231,6 +231,7 @@ enum class Reason : uint8_t {
   SettingsDiffer,     // the ranks' schedule settings differ, or some rank cannot take part
   StepRefined,        // every rank proposed the same longer step: rounds restart on it
   SingleRank,         // a communicator of one rank: NCCL's one local copy cannot be beaten
+  SettingUp,          // a confirm: some rank is still mapping its peers' memory; asked again
   Count
 };
 

@@ -1,6 +1,7 @@
 #include "rewrite/agreement.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -227,6 +228,8 @@ void CommAgreement::abandon_pending(uint64_t seq) {
     committing_ = false;
     trial_.stop();
   }
+  confirm_waiting_ = false;  // its plan goes with the step
+  confirms_waited_ = 0;
   if (!pending_) return;
   record(pending_->kind, trace::RoundEvent::Abandoned, seq, AgreementMode::None, Reason::Deviated,
          0);
@@ -235,7 +238,8 @@ void CommAgreement::abandon_pending(uint64_t seq) {
 }
 
 bool CommAgreement::anchor_has_work() const {
-  return pending_ || buffers_.any_retired() || trial_.running() || trial_.timing() || propose_due();
+  return pending_ || confirm_waiting_ || buffers_.any_retired() || trial_.running() ||
+         trial_.timing() || propose_due();
 }
 
 bool CommAgreement::propose_due() const {
@@ -247,6 +251,11 @@ void CommAgreement::at_anchor(const capture::StepView& view) {
   trial_.collect();
   if (pending_) {
     read_round(view.collective_index);
+  } else if (confirm_waiting_) {
+    if (policy_.steps() >= confirm_due_step_) {
+      confirm_waiting_ = false;
+      confirm(confirm_hash_, view.collective_index);
+    }
   } else if (trial_.due(policy_.steps()) && active_) {
     issue_cost(view.collective_index);
   } else if (propose_due() && read_hello_round(view.collective_index)) {
@@ -520,26 +529,71 @@ void CommAgreement::read_publish(std::span<const uint8_t> all, const Round& roun
     policy_.retry_soon();
     return;
   }
-  Contribution confirm = header_for(RoundKind::Confirm);
-  confirm.header.decision_hash = round.decision_hash;
+  // Opening the peers' memory (a mapping per peer window and exported allocation) runs off the
+  // program's calls when it would take long (set_up.h): the confirm says whether it is done, and
+  // is asked again at each step until every rank is. Each rank chooses for itself: the confirm
+  // says the same either way.
+  const bool slow = options_.inject_fault.where == Options::Fault::Where::SlowAttach &&
+                    options_.inject_fault.rank == info_.rank;
+  const std::chrono::milliseconds delay(slow ? kSlowAttachMs : 0);
+  size_t mappings = 0;
+  for (size_t r = 0; r < c.handles.size(); ++r)
+    if (static_cast<int>(r) != info_.rank)
+      mappings += 1 + (r < c.tables.size() ? c.tables[r].exports.size() : 0);
+  const uint64_t expected_ns = mappings * world_.make.mapping_ns +
+                               static_cast<uint64_t>(std::chrono::nanoseconds(delay).count());
+  set_up_failed_.clear();
+  set_up_since_ns_ = clock_ns();
   try {
-    serving_.attach(c.handles, c.tables);
-    confirm.header.flags |= kCanServe;
-    const ce::WindowMemory m = serving_.memory();
-    if (m.peer_mappings != 0)
-      MAGI_INFO(Transport, "comm %012llx: static weights: mapped %zu allocations of the peers",
-                short_id(info_.identity), m.peer_mappings);
-    RoundStamp stamp;
-    stamp.comm_id = info_.identity;
-    stamp.rank = info_.rank;
-    stamp.round = decision_round_;
-    record_window(world_.trace, stamp, seq, decision_.mode, m);
+    set_up_in_background_ = expected_ns > kSetUpAtTheCallNs;
+    if (set_up_in_background_)
+      serving_.begin_attach(c.handles, c.tables, delay);
+    else
+      serving_.attach_now(c.handles, c.tables);
   } catch (const Error& e) {
-    MAGI_WARN(Transport,
-              "comm %012llx: cannot open the peers' windows: %s; everything stays on "
-              "NCCL",
-              short_id(info_.identity), e.what());
-    confirm.header.reason = static_cast<uint8_t>(Reason::TransportFailed);
+    set_up_failed_ = e.what();
+  }
+  confirm(round.decision_hash, seq);
+}
+
+void CommAgreement::confirm(uint64_t decision_hash, uint64_t seq) {
+  Contribution confirm = header_for(RoundKind::Confirm);
+  confirm.header.decision_hash = decision_hash;
+  std::string error = set_up_failed_;
+  const Serving::SetUp set_up =
+      error.empty() ? serving_.poll_set_up(error) : Serving::SetUp::Failed;
+  switch (set_up) {
+    case Serving::SetUp::Running: confirm.header.flags |= kCanServe | kSettingUp; break;
+    case Serving::SetUp::Done: {
+      confirm.header.flags |= kCanServe;
+      if (set_up_since_ns_ == 0) break;  // said at an earlier confirm
+      const ce::WindowMemory m = serving_.memory();
+      const double set_up_ms = static_cast<double>(clock_ns() - set_up_since_ns_) / 1e6;
+      const char* where = set_up_in_background_ ? "off the program's calls" : "at the call";
+      if (m.peer_mappings != 0)
+        MAGI_INFO(Transport,
+                  "comm %012llx: static weights: mapped %zu allocations of the peers (set-up "
+                  "%.1f ms, %s)",
+                  short_id(info_.identity), m.peer_mappings, set_up_ms, where);
+      else if (set_up_in_background_)
+        MAGI_INFO(Transport, "comm %012llx: opened the peers' windows (set-up %.1f ms, %s)",
+                  short_id(info_.identity), set_up_ms, where);
+      set_up_since_ns_ = 0;
+      RoundStamp stamp;
+      stamp.comm_id = info_.identity;
+      stamp.rank = info_.rank;
+      stamp.round = decision_round_;
+      record_window(world_.trace, stamp, seq, decision_.mode, m);
+      break;
+    }
+    case Serving::SetUp::Failed:
+      MAGI_WARN(Transport,
+                "comm %012llx: cannot open the peers' windows: %s; everything stays on "
+                "NCCL",
+                short_id(info_.identity), error.empty() ? "no window" : error.c_str());
+      confirm.header.reason = static_cast<uint8_t>(Reason::TransportFailed);
+      set_up_failed_ = error.empty() ? "no window" : error;
+      break;
   }
   issue(RoundKind::Confirm, confirm, seq);
 }
@@ -548,6 +602,22 @@ void CommAgreement::read_confirm(std::span<const uint8_t> all, const Round& roun
   const CommitOutcome c = decide_commit(all, info_.nranks, RoundKind::Confirm, round.decision_hash);
   record(RoundKind::Confirm, trace::RoundEvent::Read, seq, decision_.mode, c.reason,
          c.agreed ? decision_.moved : 0);
+  if (c.pending) {
+    // Some rank is still setting up: every rank read the same, so every rank asks again at the
+    // same later step, and the gathers stay on NCCL meanwhile (the trial's NCCL side still
+    // timed). One step later, then 2, 4, ... 64: a set-up of seconds costs a few rounds, not one
+    // per step.
+    const uint32_t gap = 1u << std::min<uint32_t>(confirms_waited_++, 6);
+    if (gap == 1) {
+      confirm(round.decision_hash, seq);
+    } else {
+      confirm_waiting_ = true;
+      confirm_hash_ = round.decision_hash;
+      confirm_due_step_ = policy_.steps() + gap - 1;
+    }
+    return;
+  }
+  confirms_waited_ = 0;
   committing_ = false;
   if (c.agreed) {
     activate(seq);

@@ -71,6 +71,7 @@
 
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "capture/capture.h"
@@ -185,6 +186,8 @@ class CommAgreement {
   void read_voted_no(Round& round, uint64_t seq);
   void read_publish(std::span<const uint8_t> all, const Round& round, uint64_t seq);
   void read_confirm(std::span<const uint8_t> all, const Round& round, uint64_t seq);
+  // Issues a confirm of `decision_hash`: whether this rank's set-up is done, running or failed.
+  void confirm(uint64_t decision_hash, uint64_t seq);
   // `bytes_each`: the contribution size, equal on every rank (publish_round_bytes for a publish).
   void issue(RoundKind kind, Contribution& contribution, uint64_t seq,
              size_t bytes_each = kContributionBytes);
@@ -231,6 +234,17 @@ class CommAgreement {
   RefinedStep refined_;
   std::unique_ptr<Round> pending_;
   RoundBuffers buffers_;  // the rounds' buffers, reused
+  // The plan's set-up off the program's calls (Serving::begin_attach): when it began (0 once
+  // said done), and why it failed ("" while it has not).
+  uint64_t set_up_since_ns_ = 0;
+  std::string set_up_failed_;
+  bool set_up_in_background_ = false;
+  // A confirm read pending (some rank still setting up) is asked again at confirm_due_step_.
+  bool confirm_waiting_ = false;
+  uint64_t confirm_hash_ = 0;
+  uint64_t confirm_due_step_ = 0;
+  uint32_t confirms_waited_ = 0;             // pending reads of this plan so far
+  static constexpr int kSlowAttachMs = 100;  // MAGI_INJECT_FAULT=slow-attach
 
   // The decision of the last propose, and what serving it needs.
   Decision decision_;

@@ -315,6 +315,15 @@ CommitOutcome decide_commit(std::span<const uint8_t> all, int nranks, RoundKind 
       return out;
     }
   }
+  if (kind == RoundKind::Confirm) {
+    for (const Contribution& x : c) {
+      if (x.header.flags & kSettingUp) {
+        out.pending = true;
+        out.reason = Reason::SettingUp;
+        return out;
+      }
+    }
+  }
   if (kind == RoundKind::Publish) {
     for (const Contribution& x : c) {
       out.handles.push_back(x.header.handle);

@@ -34,6 +34,9 @@ inline constexpr uint32_t kGroupsUnstable = 1u << 1;  // its grouping changed be
 inline constexpr uint32_t kDryRun = 1u << 2;          // MAGI_DRY_RUN=1 on this rank
 inline constexpr uint32_t kCanServe = 1u << 3;        // publish/confirm: prepared / attached
 inline constexpr uint32_t kStaticWeights = 1u << 4;   // MAGI_STATIC_WEIGHTS=1 on this rank
+// Confirm: this rank can serve the plan, but is still opening its peers' memory, off the
+// program's calls: every rank asks again at the next step.
+inline constexpr uint32_t kSettingUp = 1u << 5;
 
 struct ContributionHeader {
   uint32_t magic;
@@ -161,6 +164,9 @@ void recount(Decision& decision, uint64_t step_digest);
 // Publish and confirm rounds: true when every rank can serve `decision_hash`; else the reason.
 struct CommitOutcome {
   bool agreed = false;
+  // Confirm: every rank can serve the plan, but some rank is still setting it up (kSettingUp,
+  // reason SettingUp): not agreed yet, asked again.
+  bool pending = false;
   Reason reason = Reason::None;
   std::vector<ce::HandleBlob> handles;  // publish: by rank
   std::vector<ce::SourceTable> tables;  // publish: by rank (empty tables but for zero-copy)

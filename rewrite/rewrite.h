@@ -46,6 +46,9 @@ ncclResult_t async_error(CommAgreement& agreement) noexcept;
 void forget_queued(const CommAgreement& agreement) noexcept;
 // In a child after fork(): the calling thread's queued gathers are the parent's; dropped.
 void forget_in_child() noexcept;
+// At process exit, once the communicators are released: waits for the set-ups of dropped plans
+// still running (rewrite/set_up.h), so that no thread of ours outlives the CUDA runtime.
+void finish_set_ups() noexcept;
 
 struct Outcome {
   bool served = false;                // the call left NCCL: do not forward it

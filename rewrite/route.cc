@@ -10,6 +10,7 @@
 #include "rewrite/agreement.h"
 #include "rewrite/observation.h"
 #include "rewrite/rewrite.h"
+#include "rewrite/set_up.h"
 
 namespace magi::rewrite {
 namespace {
@@ -108,6 +109,11 @@ void forget_in_child() noexcept {
   static auto* parents = new std::vector<Queued>();
   for (Queued& q : t_queued) parents->push_back(std::move(q));
   t_queued.clear();
+  forget_orphans_in_child();
+}
+
+void finish_set_ups() noexcept {
+  guarded("finishing the plans' set-ups at exit", [] { join_orphans(); });
 }
 
 Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <exception>
+#include <string>
+#include <system_error>
 #include <tuple>
+#include <vector>
 
 namespace magi::rewrite {
 
@@ -182,8 +185,37 @@ void Serving::open_window(const ce::WindowPlan& plan, ce::HandleBlob& handle) {
   transport_->prepare(plan, handle);
 }
 
+void Serving::begin_attach(std::span<const ce::HandleBlob> handles,
+                           std::span<const ce::SourceTable> tables,
+                           std::chrono::milliseconds delay) {
+  std::lock_guard<std::mutex> lock(transport_mutex_);
+  if (aborted_) throw Error(ErrorKind::Usage, "the communicator is being aborted");
+  if (!transport_) throw Error(ErrorKind::Internal, "no window to attach");
+  try {
+    set_up_ = SetUpJob::attach(std::move(transport_),
+                               std::vector<ce::HandleBlob>(handles.begin(), handles.end()),
+                               std::vector<ce::SourceTable>(tables.begin(), tables.end()), delay);
+  } catch (const std::system_error& e) {  // no thread to be had: the plan is not served
+    throw Error(ErrorKind::System, std::string("starting the set-up thread: ") + e.what());
+  }
+}
+
+Serving::SetUp Serving::poll_set_up(std::string& error) {
+  std::lock_guard<std::mutex> lock(transport_mutex_);
+  if (!set_up_) return transport_ ? SetUp::Done : SetUp::Failed;
+  const SetUpJob::State state = set_up_->state();
+  if (state == SetUpJob::State::Running) return SetUp::Running;
+  error = set_up_->error();
+  transport_ = set_up_->take();
+  set_up_.reset();
+  return state == SetUpJob::State::Done ? SetUp::Done : SetUp::Failed;
+}
+
 void Serving::drop() {
   std::lock_guard<std::mutex> lock(transport_mutex_);
+  // A set-up still running finishes, and releases its transport, on its own thread.
+  orphan(std::move(set_up_));
+  reap_orphans();
   if (!transport_) return;
   try {
     transport_->release();
@@ -197,6 +229,7 @@ void Serving::drop() {
 void Serving::abandon() {
   std::lock_guard<std::mutex> lock(transport_mutex_);
   aborted_ = true;
+  orphan(std::move(set_up_));  // no gather waits on a window being set up
   if (!transport_) return;
   try {
     transport_->abandon();

@@ -5,6 +5,7 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -14,6 +15,7 @@
 
 #include "rewrite/cost_trial.h"
 #include "rewrite/observation.h"
+#include "rewrite/set_up.h"
 #include "rewrite/world.h"
 
 namespace magi::rewrite {
@@ -98,10 +100,20 @@ class Serving {
   void open_window(const ce::WindowPlan& plan, ce::HandleBlob& handle);
   // Zero-copy plans: the table the peers need (after open_window).
   const ce::SourceTable& sources() const { return transport_->sources(); }
-  // Opens the peers' windows and exported allocations (indexed by rank). Throws Error.
-  void attach(std::span<const ce::HandleBlob> handles, std::span<const ce::SourceTable> tables) {
+  // Starts opening the peers' windows and exported allocations (indexed by rank) off the
+  // program's calls (set_up.h), after `delay`; the transport is the set-up's until it ends.
+  // Throws Error when it cannot start.
+  void begin_attach(std::span<const ce::HandleBlob> handles,
+                    std::span<const ce::SourceTable> tables, std::chrono::milliseconds delay);
+  // The same, at once, on the calling thread (a set-up cheaper than kSetUpAtTheCallNs).
+  void attach_now(std::span<const ce::HandleBlob> handles,
+                  std::span<const ce::SourceTable> tables) {
     transport_->attach(handles, tables);
   }
+  enum class SetUp : uint8_t { Running, Done, Failed };
+  // Never waits. Done: the transport is back, attached; Failed: `error` says why (the transport
+  // is back, unattached, for drop()). Done also once it was taken back earlier.
+  SetUp poll_set_up(std::string& error);
   size_t window_bytes() const { return transport_ ? transport_->window_bytes() : 0; }
   ce::WindowMemory memory() const { return transport_ ? transport_->memory() : ce::WindowMemory{}; }
   void drop();
@@ -126,8 +138,9 @@ class Serving {
   const capture::CommInfo& info_;
   const ncclComm_t comm_;
   std::unique_ptr<ce::Transport> transport_;
-  // Held where transport_ is replaced or dropped, and by abandon(), which may come from another
-  // thread; the calling thread itself reads transport_ without it.
+  std::unique_ptr<SetUpJob> set_up_;  // while it runs, it holds the transport
+  // Held where transport_ or set_up_ is replaced or dropped, and by abandon(), which may come
+  // from another thread; the calling thread itself reads transport_ without it.
   std::mutex transport_mutex_;
   bool aborted_ = false;  // under transport_mutex_
   bool failed_ = false;

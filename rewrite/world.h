@@ -32,6 +32,9 @@ struct TransportFactory {
       exchange;
   std::function<std::unique_ptr<ce::CompletionTimer>()> timer;
   std::function<ce::Locality(const capture::CommInfo& info)> locality;
+  // What opening one peer's window or exported allocation takes, for choosing whether a plan's
+  // set-up runs at the call or off it (rewrite/set_up.h).
+  uint64_t mapping_ns = 0;
 };
 
 using TraceSink = std::function<void(trace::RecordType type, const void* payload, uint32_t bytes)>;

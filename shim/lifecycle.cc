@@ -7,7 +7,8 @@
 //   1. end them: each gets its CommEnd record (ProcessExit);
 //   2. flush the trace, so the records are on disk before anything below can be slow;
 //   3. release their windows (shared-memory names unlinked, device memory freed; a window a peer
-//      may still read is left allocated, with one warning, rather than waited for);
+//      may still read is left allocated, with one warning, rather than waited for), and wait for
+//      the set-ups of dropped plans still mapping peers' memory on threads of their own;
 //   4. close the trace.
 // In a child after fork(): nothing of the parent's is usable (NCCL and CUDA do not survive fork),
 // and nothing of it may be released from the child either (that would unlink the parent's
@@ -38,6 +39,7 @@ void at_exit() {
       capture::comm_ended(record->capture, capture::CommEndKind::ProcessExit);
     capture::flush_trace();
     live.clear();  // releases the windows; a record a call in flight holds goes with that call
+    rewrite::finish_set_ups();
     capture::close_trace();
   });
 }

@@ -851,6 +851,42 @@ TEST(Agreement, AFallenBackGroupedBucketIsNotTracedAsMoved) {
   }
 }
 
+// Opening the peers' memory can take seconds (a CUDA IPC mapping per peer allocation): it runs
+// off the program's calls. Rank 2's takes 100 ms longer here: its confirm says "still setting
+// up", every rank reads that alike and asks again a few steps later (1, 2, 4, ... steps apart),
+// the program's calls go on through NCCL meanwhile, and every rank moves at the same call once
+// all are done. Every byte is checked by the program.
+TEST(Agreement, ASlowSetUpRunsOffTheCallsAndEveryRankMovesOnceAllAreDone) {
+  const AgreedRun r = run_agreed(4, fsdp({}, 3000), {{"MAGI_INJECT_FAULT", "slow-attach:2"}}, 120);
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  const uint64_t comm = r.comm_ids()[0];
+  for (const auto& [rank, v] : r.comms.at(comm)) {
+    const auto publish = rounds_with(v, RoundKind::Publish, RoundEvent::Read);
+    const auto confirms = rounds_with(v, RoundKind::Confirm, RoundEvent::Read);
+    const auto activated = rounds_with(v, RoundKind::Confirm, RoundEvent::Activated);
+    ASSERT_EQ(publish.size(), 1u) << "rank " << rank;
+    ASSERT_EQ(activated.size(), 1u) << "rank " << rank << "\n" << transcript(r);
+    std::vector<uint64_t> waited;  // the confirms read while rank 2 was still setting up
+    for (const auto& c : confirms)
+      if (c.reason == static_cast<uint8_t>(Reason::SettingUp)) waited.push_back(c.seq);
+    ASSERT_GE(waited.size(), 2u) << "rank " << rank;
+    // The calls went on while it set up: the pending confirms were read at later and later
+    // collectives, never closer together than the last two (up to 64 steps apart), before the
+    // plan moved.
+    for (size_t i = 2; i < waited.size(); ++i)
+      EXPECT_GE(waited[i] - waited[i - 1], waited[i - 1] - waited[i - 2]) << "rank " << rank;
+    EXPECT_GT(waited[1] - waited[0], 0u);
+    EXPECT_LT(publish[0].seq, waited.front());
+    EXPECT_LT(waited.back(), activated[0].seq);
+    ASSERT_FALSE(v.moved.empty()) << "rank " << rank;
+    EXPECT_GE(v.moved.front(), activated[0].seq);
+  }
+  EXPECT_TRUE(has_line(r.log, R"(\[2\] MAGI INFO TRANSPORT comm [0-9a-f]+: opened the peers' )"
+                              R"(windows \(set-up [0-9.]+ ms, off the program's calls\))"))
+      << r.log;
+}
+
 TEST(Agreement, TheCostTrialTimesBothRoutesAndEveryRankKeepsTheSameOnes) {
   const AgreedRun r = run_agreed(4, fsdp({}, 30), {{"MAGI_CE_FORCE", "0"}});
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);

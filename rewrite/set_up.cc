@@ -1,0 +1,127 @@
+#include "rewrite/set_up.h"
+
+#include <exception>
+#include <mutex>
+#include <new>
+#include <utility>
+
+#include "base/base.h"
+
+namespace magi::rewrite {
+namespace {
+
+std::mutex g_orphans_mutex;
+std::vector<std::unique_ptr<SetUpJob>>* g_orphans = nullptr;  // under g_orphans_mutex
+
+// An orphan that has finished: joined, and its transport released if its thread did not (it
+// finished before it saw that it was orphaned).
+void finish_orphan(std::unique_ptr<SetUpJob> job) {
+  std::unique_ptr<ce::Transport> transport = job->take();
+  if (!transport) return;
+  try {
+    transport->release();
+  } catch (const std::exception&) {  // leaves what it could not free; nothing to tell
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<SetUpJob> SetUpJob::attach(std::unique_ptr<ce::Transport> transport,
+                                           std::vector<ce::HandleBlob> handles,
+                                           std::vector<ce::SourceTable> tables,
+                                           std::chrono::milliseconds delay) {
+  std::unique_ptr<SetUpJob> job(new SetUpJob());
+  job->transport_ = std::move(transport);
+  // May throw std::system_error (no thread to be had): the caller treats it as a failed set-up.
+  job->thread_ = std::thread(&SetUpJob::run, job.get(), std::move(handles), std::move(tables),
+                             delay);
+  return job;
+}
+
+void SetUpJob::run(std::vector<ce::HandleBlob> handles, std::vector<ce::SourceTable> tables,
+                   std::chrono::milliseconds delay) noexcept {
+  State done = State::Done;
+  try {
+    if (delay.count() > 0) std::this_thread::sleep_for(delay);
+    transport_->attach(handles, tables);
+  } catch (const std::exception& e) {
+    error_ = e.what();
+    done = State::Failed;
+  } catch (...) {
+    error_ = "an unknown exception";
+    done = State::Failed;
+  }
+  if (orphaned_.load(std::memory_order_acquire)) {
+    // Nobody takes it: released here, off every program call.
+    try {
+      transport_->release();
+    } catch (const std::exception&) {  // leaves what it could not free; nothing to tell
+    }
+    transport_.reset();
+  }
+  state_.store(done, std::memory_order_release);
+}
+
+SetUpJob::~SetUpJob() {
+  if (thread_.joinable()) thread_.join();
+}
+
+std::unique_ptr<ce::Transport> SetUpJob::take() {
+  if (thread_.joinable()) thread_.join();
+  return std::move(transport_);
+}
+
+void orphan(std::unique_ptr<SetUpJob> job) {
+  if (!job) return;
+  job->orphaned_.store(true, std::memory_order_release);
+  // Finished: released here (its thread is done with it). Otherwise its thread releases it
+  // once it finishes, or, if it finished before it saw the flag, whoever joins it.
+  if (job->state() != SetUpJob::State::Running) {
+    finish_orphan(std::move(job));
+    return;
+  }
+  std::lock_guard<std::mutex> lock(g_orphans_mutex);
+  if (g_orphans == nullptr) g_orphans = new std::vector<std::unique_ptr<SetUpJob>>();
+  g_orphans->push_back(std::move(job));
+}
+
+void reap_orphans() {
+  std::vector<std::unique_ptr<SetUpJob>> done;
+  {
+    std::lock_guard<std::mutex> lock(g_orphans_mutex);
+    if (g_orphans == nullptr) return;
+    for (auto it = g_orphans->begin(); it != g_orphans->end();) {
+      if ((*it)->state() == SetUpJob::State::Running) {
+        ++it;
+        continue;
+      }
+      done.push_back(std::move(*it));
+      it = g_orphans->erase(it);
+    }
+  }
+  // Outside the lock; each thread has finished already.
+  for (auto& job : done) finish_orphan(std::move(job));
+}
+
+void join_orphans() {
+  std::vector<std::unique_ptr<SetUpJob>> all;
+  {
+    std::lock_guard<std::mutex> lock(g_orphans_mutex);
+    if (g_orphans == nullptr) return;
+    all = std::move(*g_orphans);
+    g_orphans->clear();
+  }
+  for (auto& job : all) finish_orphan(std::move(job));  // joins each thread
+}
+
+void forget_orphans_in_child() {
+  // Their threads are the parent's: joining here would fail. Set aside, reachable, never freed.
+  // Another thread of the parent may have held the lock at fork(): the child, alone now, starts
+  // with a lock of its own.
+  static std::vector<std::unique_ptr<SetUpJob>>* parents = nullptr;  // kept reachable
+  if (g_orphans != nullptr && parents == nullptr) parents = g_orphans;
+  g_orphans = nullptr;
+  new (&g_orphans_mutex) std::mutex();
+}
+
+}  // namespace magi::rewrite

@@ -1,0 +1,72 @@
+// A plan's set-up off the program's call path. Opening the peers' windows and the allocations
+// they export takes a CUDA IPC mapping each (about 3.4 ms on an H200): a model's thousand
+// allocations on 8 ranks take seconds. That runs on a thread of its own while the program's
+// calls go on through NCCL; the agreement asks at each step whether every rank is done
+// (CommAgreement's confirm, kSettingUp) and moves at the read where all are.
+//
+// The transport belongs to the job while it runs: no call of the program touches it. A job whose
+// plan is dropped while it runs (the step changed, the communicator ended) is orphaned: it
+// finishes on its own thread, releases its transport there, and is joined by a later drop or at
+// process exit, so dropping a plan never waits for its set-up.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ce_transport/ce_transport.h"
+
+namespace magi::rewrite {
+
+// A set-up expected to take longer than this runs off the program's calls; a shorter one (a few
+// shared-memory mappings) at the call, which saves the program a step of waiting for it.
+inline constexpr uint64_t kSetUpAtTheCallNs = 1'000'000;
+
+class SetUpJob {
+ public:
+  enum class State : uint8_t { Running, Done, Failed };
+
+  // Starts attaching `transport` to the peers (`handles`, `tables` by rank) on a thread of its
+  // own; `delay` first (MAGI_INJECT_FAULT=slow-attach, for tests).
+  static std::unique_ptr<SetUpJob> attach(std::unique_ptr<ce::Transport> transport,
+                                          std::vector<ce::HandleBlob> handles,
+                                          std::vector<ce::SourceTable> tables,
+                                          std::chrono::milliseconds delay);
+  ~SetUpJob();  // joins the thread: only once it is done (or from orphan handling)
+  SetUpJob(const SetUpJob&) = delete;
+  SetUpJob& operator=(const SetUpJob&) = delete;
+
+  // Never waits.
+  State state() const { return state_.load(std::memory_order_acquire); }
+  // Once not Running: the transport, attached (Done) or not (Failed), and joins the thread.
+  std::unique_ptr<ce::Transport> take();
+  // Failed: why.
+  const std::string& error() const { return error_; }
+
+ private:
+  SetUpJob() = default;
+  void run(std::vector<ce::HandleBlob> handles, std::vector<ce::SourceTable> tables,
+           std::chrono::milliseconds delay) noexcept;
+
+  std::unique_ptr<ce::Transport> transport_;
+  std::string error_;
+  std::atomic<State> state_{State::Running};
+  std::atomic<bool> orphaned_{false};
+  std::thread thread_;
+
+  friend void orphan(std::unique_ptr<SetUpJob> job);
+};
+
+// A job whose plan was dropped: it finishes and releases its transport on its own thread.
+void orphan(std::unique_ptr<SetUpJob> job);
+// Joins the orphaned jobs that are done (never waits for one that is not).
+void reap_orphans();
+// Joins every orphaned job (process exit: their threads must not outlive the CUDA runtime).
+void join_orphans();
+// In a child after fork(): the parent's jobs have no thread here; set aside, never joined.
+void forget_orphans_in_child();
+
+}  // namespace magi::rewrite
