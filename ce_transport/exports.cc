@@ -143,12 +143,9 @@ SourcePlan symmetric_sources(const WindowPlan& plan) {
   return out;
 }
 
-SourcePlan bound_sources(const WindowPlan& plan, Backend backend) {
-  if (!plan.zero_copy) return symmetric_sources(plan);
-  return plan_sources(plan, [backend](const BindOp& b) {
-    return backend == Backend::Host ? find_host_export(b.sendbuf, b.bytes)
-                                    : find_cuda_export(b.sendbuf, b.bytes);
-  });
+SourcePlan bound_sources(const WindowPlan& plan,
+                         const std::function<Exportable(const BindOp&)>& find_export) {
+  return plan.zero_copy ? plan_sources(plan, find_export) : symmetric_sources(plan);
 }
 
 std::vector<const uint8_t*> locate_peer_sources(
