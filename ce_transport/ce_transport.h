@@ -5,7 +5,8 @@
 // on every rank, computed by rewrite/ from shared facts), a handle blob to publish, the peers'
 // blobs to open, and then one call per bucket.
 //
-// Two backends behind one interface:
+// Two backends behind one interface, one mechanism (window_transport.cc) over each kind of
+// memory's operations (memory_ops.h):
 //  - Cuda: device windows, peers' windows mapped through CUDA IPC, copy-engine reads
 //    (cudaMemcpyBatchAsync) on the caller's stream, cross-rank ordering by stream memory
 //    operations on peer-mapped flag words (no kernels).

@@ -143,13 +143,9 @@ SourcePlan symmetric_sources(const WindowPlan& plan) {
   return out;
 }
 
-SourcePlan bound_sources(const WindowPlan& plan, Backend backend) {
-  if (!plan.zero_copy) return symmetric_sources(plan);
-  if (backend == Backend::Host) {
-    const auto find = host_export_finder();
-    return plan_sources(plan, [&find](const BindOp& b) { return find(b.sendbuf, b.bytes); });
-  }
-  return plan_sources(plan, [](const BindOp& b) { return find_cuda_export(b.sendbuf, b.bytes); });
+SourcePlan bound_sources(const WindowPlan& plan,
+                         const std::function<Exportable(const BindOp&)>& find_export) {
+  return plan.zero_copy ? plan_sources(plan, find_export) : symmetric_sources(plan);
 }
 
 std::vector<const uint8_t*> locate_peer_sources(

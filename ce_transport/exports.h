@@ -49,9 +49,10 @@ SourcePlan plan_sources(const WindowPlan& plan,
 
 // The symmetric layout of a plan that is not zero-copy: every shard at its slot offset.
 SourcePlan symmetric_sources(const WindowPlan& plan);
-// A bound plan's sources on this rank: plan_sources with `backend`'s exports when the plan is
-// zero-copy, else symmetric_sources.
-SourcePlan bound_sources(const WindowPlan& plan, Backend backend);
+// A bound plan's sources on this rank: plan_sources when the plan is zero-copy, else
+// symmetric_sources.
+SourcePlan bound_sources(const WindowPlan& plan,
+                         const std::function<Exportable(const BindOp&)>& find_export);
 
 // Where every peer's shard of each binding is read, found at attach: in the peer's window
 // region, or in one of its exported allocations, mapped once through `map` (which returns its

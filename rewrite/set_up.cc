@@ -33,8 +33,8 @@ std::unique_ptr<SetUpJob> SetUpJob::attach(std::unique_ptr<ce::Transport> transp
   std::unique_ptr<SetUpJob> job(new SetUpJob());
   job->transport_ = std::move(transport);
   // May throw std::system_error (no thread to be had): the caller treats it as a failed set-up.
-  job->thread_ = std::thread(&SetUpJob::run, job.get(), std::move(handles), std::move(tables),
-                             delay);
+  job->thread_ =
+      std::thread(&SetUpJob::run, job.get(), std::move(handles), std::move(tables), delay);
   return job;
 }
 

@@ -1,4 +1,4 @@
-// magi-transport-faults: the CUDA transport (ce_transport/cuda_transport.cc) under faults, on one
+// magi-transport-faults: the CUDA transport (ce_transport/cuda_memory_ops.cc) under faults, on one
 // GPU, each case in processes of its own forked before any CUDA call. Run by tests/gpu/run.sh;
 // prints PASS/FAIL lines and "transport-faults: N passed, M failed", exits 1 on any failure.
 //

@@ -332,6 +332,23 @@ standin_weights_memory_run() {
   done
 }
 
+# A model's shards at scale: 4 ranks of 256 allocations of 4 MiB each (cudaMalloc, as the caching
+# allocator gives a shard of 10 MiB or more a segment of its own), every one read in place (none
+# bound for lack of room in the publish round), the peers' 768 IPC mappings each opened off the
+# program's calls, every byte right.
+standin_weights_scale_run() {
+  local name=mps-weights-256-allocations-static log
+  standin_run "$name" 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --arena 1 \
+    --arenas 256 --layers 256 --steps 120 --program swap --swap-step 1000 \
+    --shard-elements $((1024 * 1024)) --report-memory 1
+  log="$work/$name/log"
+  standin_log_check "$name" "every shard read in place" \
+    "static weights: 256 gathers: 256 shards exported in place .* in 256 allocations, 0 copied\), 0 bound"
+  standin_log_check "$name" "the peers' allocations mapped off the program's calls" \
+    "mapped 768 allocations of the peers \(set-up [0-9.]+ ms, off the program's calls\)"
+  grep -E "mapped 768 allocations|served off NCCL|device memory free" "$log" | head -n 10 | sed 's/^/  /'
+}
+
 standin_fault_runs() {
   local fsdp=(fsdp --device 1 --layers 6 --steps 24)
   # A rank hung (alive) with gathers moving: the others' streams wait on it, as they would in
@@ -413,6 +430,7 @@ standin_mps_runs() {
       --steps 16 --comms $((1 + (seed + 1) % 2))
   done
   standin_run "mps-fsdp-static-weights" 4 MAGI_STATIC_WEIGHTS=1 -- fsdp --device 1 --layers 6 --steps 24
+  standin_weights_scale_run
   standin_fault_run "mps-fault-hung-peer" 3 "^magi-launch: .*: rank 0 exited 3; rank 2 exited 3 " \
     "exited 4|signal" "refused" MAGI_CE_FORCE=1 -- fsdp --device 1 --layers 6 --steps 24 --comms 2 \
     --stall-rank 1 --stall-step 16 --stall-s 40 --watchdog-s 5 --watchdog-grace-s 25

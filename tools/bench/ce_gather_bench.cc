@@ -131,7 +131,7 @@ const char* const kWayPhase[kMaxWays] = {
     "memcpy reference",  "batch reference", "gather default", "gather bound", "gather zero-copy",
     "batch window-like", "batch padded",    "batch write",    "flags"};
 constexpr size_t kWindowHead =
-    512;  // where a window's region starts (ce_transport/cuda_transport.cc)
+    512;  // where a window's region starts (ce_transport/cuda_memory_ops.cc)
 constexpr size_t kPadding = 2 << 20;
 
 struct Config {
@@ -493,7 +493,7 @@ class Rank {
                                      : theirs[static_cast<size_t>(r)] + skew + i * shard);
           sizes_.push_back(shard);
         }
-      cudaMemcpyAttributes attributes{};  // as ce_transport/cuda_transport.cc asks
+      cudaMemcpyAttributes attributes{};  // as ce_transport/cuda_memory_ops.cc asks
       attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
       attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
       attributes.srcLocHint.type = cudaMemLocationTypeDevice;

@@ -1,0 +1,525 @@
+// Device memory for the window transport (memory_ops.h): windows shared through CUDA IPC,
+// copy-engine reads (cudaMemcpyBatchAsync) on the caller's stream, and the flag words written
+// and waited for by stream memory operations (cuStreamBatchMemOp write/wait of 64-bit sequence
+// numbers). Everything is enqueued on the caller's stream: the host never waits, no kernel is
+// launched, no SM is used.
+//
+// Why cudaMalloc + CUDA IPC handles rather than VMM with POSIX file descriptors: an fd reaches
+// another process only over a Unix socket (or pidfd_getfd, which needs ptrace rights); an IPC
+// handle is 64 plain bytes that travel in the publish round through the communicator itself, so
+// no socket is ever opened. A handle cannot be opened by the process that exported it, which is
+// no loss: a rank reads its own window through its own pointer. A window is one allocation, so
+// one mapping per peer: a communicator costs nranks - 1 mappings per process, far below drivers'
+// limits.
+//
+// Layout: the slots (or the bound region) start at offset 0 of the allocation, the flags follow
+// them, and the allocation is rounded up to 2 MiB. Measured on an H200: copies out of a region
+// that starts 512 bytes into its allocation ran at 78-80% of the same copies from offset 0 for
+// 256 MiB shards.
+//
+// Flags (protocol.h's FlagLayout, on 256-byte lines): the ready and done words of every peer and
+// the own word; never the failed ones, which only synchronous memory can act on. Measured on an
+// H200 (2026-11): a peer's mapping stays readable after the peer dies, and cudaFree,
+// cudaIpcCloseMemHandle and even cudaMalloc block while any stream of the device waits on a word
+// that nobody will write: a window is freed only once every peer has said it finished reading it
+// (release), and an abort first releases this rank's waits by writing its own words.
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "base/base.h"
+#include "base/cuda_driver.h"
+#include "ce_transport/backends.h"
+#include "ce_transport/exports.h"
+#include "ce_transport/memory_ops.h"
+#include "ce_transport/process.h"
+
+namespace magi::ce {
+namespace {
+
+constexpr size_t kFlagLine = 256;
+constexpr size_t kSlotAlign = 256;
+constexpr size_t kAllocationGranule = size_t{2} << 20;
+// What an abandoned wait is released with. Stream waits compare cyclically ((int64_t)(word -
+// target) >= 0): the value must be far ahead of any sequence number, yet not wrap past them.
+constexpr uint64_t kReleased = uint64_t{1} << 62;
+// How long release() waits for peers to finish reading this window, and abandon() for a bucket
+// still in flight to end by itself, before giving up on them.
+constexpr auto kSettleLimit = std::chrono::seconds(10);
+constexpr auto kAbortGrace = std::chrono::seconds(1);
+
+// What the CUDA medium holds: the window's IPC handle.
+struct CudaMedium {
+  int32_t device;
+  int32_t reserved;
+  cudaIpcMemHandle_t handle;
+};
+static_assert(sizeof(CudaMedium) <= protocol::kMediumBytes);
+
+// A shard about to be bound must still lie inside one live allocation: the program may have
+// freed it since the round that chose it, and a copy from unmapped memory would break the
+// context for good (an illegal address is sticky), where a refusal only keeps it on NCCL.
+void check_bindable(const Copy& shard) {
+  const auto range = MAGI_CUDA_DRIVER_FN(cuMemGetAddressRange);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  const auto at = reinterpret_cast<CUdeviceptr>(shard.src);
+  if (range(&base, &size, at) != CUDA_SUCCESS || at + shard.bytes > base + size)
+    throw Error(ErrorKind::System, "binding a shard: its send buffer is no longer allocated");
+}
+
+// The peers' exported allocations this process has mapped. Process-wide: CUDA maps a handle at
+// most once per process ("already mapped" the second time), and two communicators may read the
+// same peer allocation. Counted; unmapped when the last reader lets go.
+class ImportedAllocations {
+ public:
+  static ImportedAllocations& get() {
+    static ImportedAllocations* imports = new ImportedAllocations;  // outlives atexit handlers
+    return *imports;
+  }
+  uint8_t* open(const ExportRecord& record) {
+    Key key;
+    std::memcpy(key.data(), record.handle, key.size());
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = open_.find(key);
+    if (it != open_.end()) {
+      ++it->second.readers;
+      return it->second.base;
+    }
+    cudaIpcMemHandle_t handle{};
+    std::memcpy(&handle, record.handle, sizeof(handle));
+    void* mapped = nullptr;
+    cuda_check(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess),
+               "cudaIpcOpenMemHandle (a peer's exported shards)");
+    open_.emplace(key, Entry{static_cast<uint8_t*>(mapped), 1});
+    return static_cast<uint8_t*>(mapped);
+  }
+  void close(uint8_t* base) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = open_.begin(); it != open_.end(); ++it) {
+      if (it->second.base != base) continue;
+      if (--it->second.readers == 0) {
+        cudaIpcCloseMemHandle(base);
+        cudaGetLastError();
+        open_.erase(it);
+      }
+      return;
+    }
+  }
+
+ private:
+  using Key = std::array<uint8_t, sizeof(ExportRecord::handle)>;
+  struct Entry {
+    uint8_t* base;
+    size_t readers;
+  };
+  std::mutex mutex_;
+  std::map<Key, Entry> open_;
+};
+
+CUstreamBatchMemOpParams write_op(const uint8_t* address, uint64_t value) {
+  CUstreamBatchMemOpParams op{};
+  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+  op.writeValue.address = reinterpret_cast<CUdeviceptr>(address);
+  op.writeValue.value64 = value;
+  // With the memory barrier that precedes it by default (a batch refuses the flag that drops it).
+  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  return op;
+}
+
+CUstreamBatchMemOpParams wait_op(const uint8_t* address, uint64_t at_least) {
+  CUstreamBatchMemOpParams op{};
+  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+  op.waitValue.address = reinterpret_cast<CUdeviceptr>(address);
+  op.waitValue.value64 = at_least;
+  op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+  return op;
+}
+
+class CudaMemoryOps final : public MemoryOps {
+ public:
+  CudaMemoryOps(int rank, int nranks, int device)
+      : rank_(rank), nranks_(nranks), device_(device), flags_{kFlagLine, nranks} {}
+
+  Backend backend() const override { return Backend::Cuda; }
+  bool synchronous() const override { return false; }
+  const protocol::FlagLayout& flags() const override { return flags_; }
+  // Our CUDA runtime is not the program's: it follows the communicator's device explicitly.
+  void use() override {
+    if (device_ < 0) return;
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess || current != device_)
+      cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+  }
+
+  WindowView allocate(size_t slot_bytes, bool bound) override {
+    stride_ = round_up(std::max<size_t>(slot_bytes, 1), kSlotAlign);
+    flags_at_ = (bound ? 1 : 2) * stride_;
+    flag_bytes_ = flags_.bytes_through_own();
+    bytes_ = round_up(flags_at_ + flag_bytes_, kAllocationGranule);
+    settled_at_ = kNotSettled;
+    cuda_check(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking),
+               "cudaStreamCreateWithFlags");
+    cuda_check(cudaMallocHost(&flags_host_, flag_bytes_), "cudaMallocHost (flags)");
+    if (bound) cuda_check(cudaMallocHost(&host_check_, kCheckBytes), "cudaMallocHost (check)");
+    cuda_check(cudaMalloc(&base_, bytes_), "cudaMalloc (window)");
+    cuda_check(cudaMemsetAsync(flag(0), 0, flag_bytes_, own_stream_), "cudaMemsetAsync (flags)");
+    return {region(), flags_at_, stride_, flag(0)};
+  }
+  size_t window_bytes() const override { return base_ != nullptr ? bytes_ : 0; }
+  void bind(std::span<const Copy> shards) override {
+    // The shards must hold what the program last wrote: wait for all its work once, here, at
+    // the plan's start, never on the call path.
+    cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (binding)");
+    for (const Copy& shard : shards) {
+      check_bindable(shard);
+      cuda_check(cudaMemcpyAsync(shard.dst, shard.src, shard.bytes, cudaMemcpyDefault, own_stream_),
+                 "cudaMemcpyAsync (binding)");
+    }
+  }
+  void export_window(Medium& medium) override {
+    cuda_check(cudaStreamSynchronize(own_stream_), "cudaStreamSynchronize (window)");
+    CudaMedium cuda{};
+    cuda.device = device_;
+    cuda_check(cudaIpcGetMemHandle(&cuda.handle, base_), "cudaIpcGetMemHandle");
+    std::memcpy(medium.data(), &cuda, sizeof(cuda));
+  }
+
+  void begin_attach() override {
+    use();
+    if (nranks_ > 1)
+      MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp);  // refuse now, not on the first gather
+    peers_.assign(static_cast<size_t>(nranks_), nullptr);
+    peer_pids_.assign(static_cast<size_t>(nranks_), 0);
+  }
+  WindowView map_peer(int rank, const protocol::BlobHeader& header, const Medium& medium) override {
+    CudaMedium cuda;
+    std::memcpy(&cuda, medium.data(), sizeof(cuda));
+    void* mapped = nullptr;
+    cuda_check(cudaIpcOpenMemHandle(&mapped, cuda.handle, cudaIpcMemLazyEnablePeerAccess),
+               "cudaIpcOpenMemHandle");
+    uint8_t* peer = peers_[static_cast<size_t>(rank)] = static_cast<uint8_t*>(mapped);
+    peer_pids_[static_cast<size_t>(rank)] = static_cast<pid_t>(header.pid);
+    size_t flags_at = flags_at_;
+    if (header.zero_copy != 0) {  // its window holds its own region, then its flags (allocate)
+      flags_at = round_up(std::max<size_t>(header.slot_bytes, 1), kSlotAlign);
+      if (flags_at + flag_bytes_ > header.window_bytes)
+        throw Error(ErrorKind::Usage,
+                    "rank " + std::to_string(rank) + "'s window has no room for its flags");
+    }
+    return {peer, flags_at, stride_, peer + flags_at};
+  }
+
+  exports::Exportable find_export(const void* ptr, size_t bytes) override {
+    return exports::find_cuda_export(ptr, bytes);
+  }
+  bool export_alive(uintptr_t base, size_t, uint64_t identity) override {
+    return identify_buffer(Backend::Cuda, reinterpret_cast<const void*>(base)).allocation_id ==
+           identity;
+  }
+  // Mapped once per process (ImportedAllocations).
+  exports::Span import(const ExportRecord& record) override {
+    imports_.push_back(ImportedAllocations::get().open(record));
+    return {imports_.back(), record.bytes};
+  }
+  size_t imports() const override { return imports_.size(); }
+
+  // One cudaMemcpyBatchAsync: the driver spreads the copies over the copy engines. The legacy
+  // default stream does not take batches; there each copy goes on its own.
+  void copy_batch(std::span<const Copy> copies, void* stream_handle) override {
+    const auto stream = static_cast<cudaStream_t>(stream_handle);
+    if (copies.empty()) return;
+    if (stream == nullptr || stream == cudaStreamLegacy) {
+      for (const Copy& c : copies)
+        cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream),
+                   "cudaMemcpyAsync");
+      return;
+    }
+    dsts_.clear();
+    srcs_.clear();
+    sizes_.clear();
+    for (const Copy& c : copies) {
+      dsts_.push_back(c.dst);
+      srcs_.push_back(c.src);
+      sizes_.push_back(c.bytes);
+    }
+    cudaMemcpyAttributes attributes{};
+    attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    attributes.srcLocHint.type = cudaMemLocationTypeDevice;
+    attributes.srcLocHint.id = device_ < 0 ? 0 : device_;
+    attributes.dstLocHint = attributes.srcLocHint;
+    size_t first = 0;
+    const cudaError_t batched = cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(),
+                                                     copies.size(), &attributes, &first, 1, stream);
+    if (batched == cudaSuccess) return;
+    // The peers are already waiting on this bucket's flags: a refused batch (not a broken
+    // context) is retried copy by copy rather than leaving them without their bytes.
+    cudaGetLastError();
+    MAGI_WARN(Transport, "cudaMemcpyBatchAsync refused a bucket (%s); copying one by one",
+              cudaGetErrorName(batched));
+    for (const Copy& c : copies)
+      cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream),
+                 "cudaMemcpyAsync");
+  }
+  void rebind(const Copy& shard, void* stream) override {
+    cuda_check(cudaMemcpyAsync(shard.dst, shard.src, shard.bytes, cudaMemcpyDefault,
+                               static_cast<cudaStream_t>(stream)),
+               "cudaMemcpyAsync (re-bind)");
+  }
+  void run_flags(std::span<const FlagOp> ops, void* stream) override {
+    if (ops.empty()) return;
+    mem_ops_.clear();
+    for (const FlagOp& op : ops)
+      mem_ops_.push_back(op.kind == FlagOp::Kind::Write ? write_op(op.word, op.value)
+                                                        : wait_op(op.word, op.value));
+    cuda_check(MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp)(reinterpret_cast<CUstream>(stream),
+                                                       static_cast<unsigned>(mem_ops_.size()),
+                                                       mem_ops_.data(), 0),
+               "cuStreamBatchMemOp");
+  }
+  uint64_t read_flag(const uint8_t* /*word*/) const override {
+    throw Error(ErrorKind::Internal, "a device window's flags are read on its stream only");
+  }
+
+  uint8_t* check_buffer() override { return static_cast<uint8_t*>(host_check_); }
+  // The lines of `set` from `from` into `into`, packed: the full lines in one strided copy (one
+  // copy-engine operation), a short last line in a second. The source pitch, S, is about B / 256
+  // (B >= 64 KiB): under the devices' maximum pitch (cudaDevAttrMaxPitch, 2^31 - 1 on current
+  // GPUs) for any shard that fits in one.
+  void copy_lines(uint8_t* into, const uint8_t* from, const SampleSet& set,
+                  void* stream_handle) override {
+    const auto stream = static_cast<cudaStream_t>(stream_handle);
+    if (set.rows != 0)
+      cuda_check(cudaMemcpy2DAsync(into, SampleSet::kLine, from + set.first, set.stride,
+                                   SampleSet::kLine, set.rows, cudaMemcpyDefault, stream),
+                 "cudaMemcpy2DAsync (verify)");
+    if (set.tail_bytes != 0)
+      cuda_check(cudaMemcpyAsync(into + set.rows * SampleSet::kLine, from + set.offset(set.rows),
+                                 set.tail_bytes, cudaMemcpyDefault, stream),
+                 "cudaMemcpyAsync (verify)");
+  }
+  void mark_lines(void* stream) override {
+    if (lines_copied_ == nullptr)
+      cuda_check(cudaEventCreateWithFlags(&lines_copied_, cudaEventDisableTiming),
+                 "cudaEventCreate (verify)");
+    cuda_check(cudaEventRecord(lines_copied_, static_cast<cudaStream_t>(stream)),
+               "cudaEventRecord (verify)");
+  }
+  bool lines_copied() override {
+    const cudaError_t state = cudaEventQuery(lines_copied_);
+    if (state == cudaErrorNotReady) {
+      cudaGetLastError();
+      return false;
+    }
+    cuda_check(state, "cudaEventQuery (verify)");
+    return true;
+  }
+
+  // A healthy abort (the program's shutdown) finds every bucket run or about to be; anything
+  // else is released at once (a dead peer) or after a short grace (a peer that stalls).
+  void abandon(uint64_t last_bucket) override {
+    use();
+    std::string unfinished;  // not said: an abort that finds a bucket in flight says so at release
+    if (settle(last_bucket, kAbortGrace, unfinished) == Settled::Finished) {
+      settled_at_ = last_bucket;
+    } else {
+      release_waits();
+    }
+  }
+
+  void release(uint64_t last_bucket, bool attached, bool abandoned) override {
+    if (base_ == nullptr) {  // never prepared, or prepare failed part way
+      if (own_stream_ != nullptr) cudaStreamDestroy(own_stream_);
+      if (flags_host_ != nullptr) cudaFreeHost(flags_host_);
+      if (host_check_ != nullptr) cudaFreeHost(host_check_);
+      own_stream_ = nullptr;
+      flags_host_ = nullptr;
+      host_check_ = nullptr;
+      cudaGetLastError();
+      return;
+    }
+    use();
+    Settled settled = Settled::Finished;
+    std::string unfinished;
+    if (attached && last_bucket > 0) {
+      if (abandoned) {
+        settled = settled_at_ == last_bucket ? Settled::Finished : Settled::Abandoned;
+      } else {
+        settled = settle(last_bucket, kSettleLimit, unfinished);
+      }
+    } else {
+      // Nothing was gathered: only this rank's own setup (flags, binding) may still be queued.
+      if (cudaStreamSynchronize(own_stream_) != cudaSuccess) settled = Settled::Unreadable;
+    }
+    if (settled == Settled::Finished) {
+      for (uint8_t* p : peers_)
+        if (p != nullptr) cudaIpcCloseMemHandle(p);
+      for (uint8_t* p : imports_) ImportedAllocations::get().close(p);
+      cudaFree(base_);
+      cudaFreeHost(flags_host_);
+      if (host_check_ != nullptr) cudaFreeHost(host_check_);
+    } else {
+      // This rank's stream must not wait for ever on peers that will never come; freeing would
+      // wait for the whole device (see the top of this file). The process's end returns it all.
+      release_waits();
+      MAGI_WARN(Transport,
+                "window of %zu bytes left allocated, with its %d peer mappings and %zu mapped "
+                "peer allocations: %s",
+                bytes_, nranks_ - 1, imports_.size(), settled_name(settled, unfinished).c_str());
+    }
+    cudaStreamDestroy(own_stream_);  // returns at once; the stream goes when its work has run
+    cudaGetLastError();
+    base_ = nullptr;
+    own_stream_ = nullptr;
+    flags_host_ = nullptr;
+    host_check_ = nullptr;
+    peers_.clear();
+    peer_pids_.clear();
+    imports_.clear();
+    if (lines_copied_ != nullptr) cudaEventDestroy(lines_copied_);  // freed once it has passed
+    lines_copied_ = nullptr;
+  }
+
+ private:
+  uint8_t* region() const { return static_cast<uint8_t*>(base_); }
+  // A flag word of this rank's window, by its offset from the flags' start (flags_).
+  uint8_t* flag(size_t offset) const { return static_cast<uint8_t*>(base_) + flags_at_ + offset; }
+
+  // Why a window could not be freed; `ranks` names the peers concerned, where there are any.
+  enum class Settled : uint8_t {
+    Finished,
+    PeerDied,
+    OwnStreamBehind,
+    PeersBehind,
+    Abandoned,
+    Unreadable
+  };
+  static std::string settled_name(Settled s, const std::string& ranks) {
+    switch (s) {
+      case Settled::Finished: return "finished";
+      case Settled::PeerDied: return "rank " + ranks + " died before it finished reading it";
+      case Settled::OwnStreamBehind:
+        return "this rank's stream had not run its last moved gather within " +
+               std::to_string(kSettleLimit.count()) + " s (work queued before it" +
+               (ranks.empty() ? std::string(")") : ", or a wait on rank(s) " + ranks + ")");
+      case Settled::PeersBehind:
+        return "rank(s) " + ranks + " had not finished reading it within " +
+               std::to_string(kSettleLimit.count()) + " s";
+      case Settled::Abandoned: return "the communicator was aborted with a bucket in flight";
+      case Settled::Unreadable: return "its flags could not be read";
+    }
+    return "?";
+  }
+
+  // This rank's flag words as they are now, read on its own stream (never the program's, which
+  // may be the one stuck).
+  bool read_flags() {
+    if (cudaMemcpyAsync(flags_host_, flag(0), flag_bytes_, cudaMemcpyDeviceToHost, own_stream_) !=
+            cudaSuccess ||
+        cudaStreamSynchronize(own_stream_) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return true;
+  }
+  uint64_t read_word(size_t offset) const {
+    uint64_t v = 0;
+    std::memcpy(&v, static_cast<const uint8_t*>(flags_host_) + offset, sizeof(v));
+    return v;
+  }
+
+  // Waits up to `limit` until buckets 1..target have run here and every peer has finished
+  // reading this window. A peer whose process ended before finishing died mid-run: this rank
+  // gives up on it at once (NCCL's kernels may be stuck on it too, and freeing would then hang).
+  // `ranks` gets the peers that had not finished, for the warning.
+  Settled settle(uint64_t target, std::chrono::steady_clock::duration limit, std::string& ranks) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    for (;;) {
+      if (!read_flags()) return Settled::Unreadable;
+      const bool own_done = read_word(flags_.own()) >= target;
+      ranks.clear();
+      for (int r = 0; r < nranks_; ++r) {
+        if (r == rank_ || read_word(flags_.done(r)) >= target) continue;
+        if (!process_alive(peer_pids_[static_cast<size_t>(r)])) {
+          ranks = std::to_string(r);
+          return Settled::PeerDied;
+        }
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+      }
+      if (own_done && ranks.empty()) return Settled::Finished;
+      if (std::chrono::steady_clock::now() >= deadline)
+        return own_done ? Settled::PeersBehind : Settled::OwnStreamBehind;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+
+  // Every wait of this rank, queued or to come, passes: its own window's ready and done words.
+  // Not mem_ops_: a call may be filling that on another thread.
+  void release_waits() {
+    std::vector<CUstreamBatchMemOpParams> ops;
+    for (int r = 0; r < nranks_; ++r) {
+      if (r == rank_) continue;
+      ops.push_back(write_op(flag(flags_.ready(r)), kReleased));
+      ops.push_back(write_op(flag(flags_.done(r)), kReleased));
+    }
+    if (ops.empty()) return;
+    const CudaDriver* driver = cuda_driver();
+    if (driver == nullptr || driver->cuStreamBatchMemOp_fn == nullptr ||
+        driver->cuStreamBatchMemOp_fn(reinterpret_cast<CUstream>(own_stream_),
+                                      static_cast<unsigned>(ops.size()), ops.data(),
+                                      0) != CUDA_SUCCESS ||
+        cudaStreamSynchronize(own_stream_) != cudaSuccess) {
+      cudaGetLastError();
+      MAGI_WARN(Transport,
+                "could not release this rank's waits on its peers; its stream may stay blocked");
+    }
+  }
+
+  const int rank_;
+  const int nranks_;
+  const int device_;
+  const protocol::FlagLayout flags_;
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+  size_t stride_ = 0;
+  size_t flags_at_ = 0;  // offset of the flag words in the allocation
+  size_t flag_bytes_ = 0;
+  cudaStream_t own_stream_ = nullptr;
+  void* flags_host_ = nullptr;  // pinned: this rank's flags, read back by settle()
+  void* host_check_ = nullptr;  // bound: kCheckBytes, pinned
+  cudaEvent_t lines_copied_ = nullptr;
+  std::vector<uint8_t*> peers_;
+  std::vector<pid_t> peer_pids_;
+  std::vector<uint8_t*> imports_;  // opened through ImportedAllocations
+  static constexpr uint64_t kNotSettled = ~uint64_t{0};
+  uint64_t settled_at_ = kNotSettled;  // abandon() found buckets 1..settled_at_ all finished
+  std::vector<void*> dsts_;
+  std::vector<const void*> srcs_;
+  std::vector<size_t> sizes_;
+  std::vector<CUstreamBatchMemOpParams> mem_ops_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_cuda_transport(int rank, int nranks, uint64_t comm_identity,
+                                               int device, const Options::Fault& fault) {
+  check_rank(rank, nranks);
+  if (!cuda_driver_loaded())
+    throw Error(ErrorKind::System, "the CUDA driver is not loaded in this process");
+  return make_window_transport(std::make_unique<CudaMemoryOps>(rank, nranks, device), rank, nranks,
+                               comm_identity, fault);
+}
+
+}  // namespace magi::ce

@@ -1,0 +1,247 @@
+// Host memory for the window transport (memory_ops.h): a window is a POSIX shared-memory object
+// (host_window.h) laid out [ head | flags | slot 0 | slot 1 ] (or the bound region), its flag
+// words host atomics on cache lines of their own; copies are memcpy; every operation is done when
+// it returns. A waiting rank notices a dead peer by its pid and throws instead of waiting for
+// ever.
+#include <sched.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "base/base.h"
+#include "ce_transport/backends.h"
+#include "ce_transport/exports.h"
+#include "ce_transport/host_window.h"
+#include "ce_transport/memory_ops.h"
+#include "ce_transport/process.h"
+
+namespace magi::ce {
+namespace {
+
+// What the host medium holds: the name of the window to open.
+struct HostMedium {
+  char name[64];
+};
+static_assert(sizeof(HostMedium) <= protocol::kMediumBytes);
+
+// ---- waiting ----------------------------------------------------------------------------------
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+[[noreturn]] void peer_gone(int rank, pid_t pid) {
+  throw Error(ErrorKind::System,
+              "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ") is gone");
+}
+
+// Spins briefly (a peer on another core is usually a few hundred cycles away), then yields the
+// core (ranks may outnumber cores), then sleeps in short steps. Only a dead peer or an abort
+// (`abandoned`, set from any thread) ends the wait: a slow peer is waited for, however long.
+template <class Reached>
+void wait_for(int peer_rank, pid_t peer_pid, const std::atomic<bool>& abandoned, Reached reached) {
+  constexpr int kSpins = 128;
+  constexpr int kYields = 256;
+  constexpr uint64_t kLivenessPeriodNs = 10'000'000;
+  constexpr timespec kNap{0, 20'000};
+  uint64_t next_check = 0;
+  for (int round = 0; !reached();) {
+    if (round < kSpins) {
+      cpu_relax();
+      ++round;
+      continue;
+    }
+    if (round < kSpins + kYields) {
+      sched_yield();
+      ++round;  // stops counting here: a wait may last for hours
+    } else {
+      nanosleep(&kNap, nullptr);
+    }
+    if (abandoned.load(std::memory_order_relaxed))
+      throw Error(ErrorKind::System, "the communicator was aborted while waiting for rank " +
+                                         std::to_string(peer_rank));
+    const uint64_t now = clock_ns();
+    if (next_check == 0) {
+      next_check = now + kLivenessPeriodNs;
+    } else if (now >= next_check) {
+      if (!process_alive(peer_pid)) {
+        if (reached()) return;  // it got there before it went
+        peer_gone(peer_rank, peer_pid);
+      }
+      next_check = now + kLivenessPeriodNs;
+    }
+  }
+}
+
+// A binding copies from the send buffer the last step named, and the program may have freed it
+// since (a new buffer this step). A plain memcpy from unmapped memory would kill the program;
+// process_vm_readv on ourselves reads the same bytes, or fails with EFAULT.
+void copy_checked(void* into, const void* from, size_t bytes) {
+  iovec local{into, bytes};
+  iovec remote{const_cast<void*>(from), bytes};
+  const ssize_t n = process_vm_readv(getpid(), &local, 1, &remote, 1, 0);
+  if (n != static_cast<ssize_t>(bytes))
+    throw Error(ErrorKind::System, "binding a shard: its send buffer is no longer readable (" +
+                                       std::string(n < 0 ? std::strerror(errno) : "short read") +
+                                       ")");
+}
+
+// The flag word at `word`: it began life as an atomic in the window's owner (HostWindow::create).
+std::atomic<uint64_t>& word_at(const uint8_t* word) {
+  return *std::launder(reinterpret_cast<std::atomic<uint64_t>*>(const_cast<uint8_t*>(word)));
+}
+
+// ---- the operations ---------------------------------------------------------------------------
+
+class HostMemoryOps final : public MemoryOps {
+ public:
+  explicit HostMemoryOps(int nranks) : nranks_(nranks), flags_{kCacheLine, nranks} {}
+
+  Backend backend() const override { return Backend::Host; }
+  bool synchronous() const override { return true; }
+  const protocol::FlagLayout& flags() const override { return flags_; }
+
+  WindowView allocate(size_t slot_bytes, bool bound) override {
+    // Slots start on cache lines, so packed 64-byte-aligned slot offsets stay aligned in memory.
+    stride_ = round_up(slot_bytes, kCacheLine);
+    region_at_ = sizeof(WindowHead) + flags_.bytes();
+    own_ = HostWindow::create(region_at_ + (bound ? 1 : 2) * stride_, flags_.bytes(), nranks_ - 1);
+    if (bound) check_.resize(kCheckBytes);
+    return view(own_);
+  }
+  size_t window_bytes() const override { return own_.size(); }
+  void bind(std::span<const Copy> shards) override {
+    for (const Copy& shard : shards) copy_checked(shard.dst, shard.src, shard.bytes);
+  }
+  void export_window(Medium& medium) override {
+    HostMedium host{};
+    std::snprintf(host.name, sizeof(host.name), "%s", own_.name().c_str());
+    std::memcpy(medium.data(), &host, sizeof(host));
+  }
+
+  void begin_attach() override {
+    peers_.resize(static_cast<size_t>(nranks_));
+    peer_pids_.assign(static_cast<size_t>(nranks_), 0);
+  }
+  WindowView map_peer(int rank, const protocol::BlobHeader& header, const Medium& medium) override {
+    HostMedium host;
+    std::memcpy(&host, medium.data(), sizeof(host));
+    const size_t name_bytes = strnlen(host.name, sizeof(host.name));
+    if (name_bytes == sizeof(host.name))
+      throw Error(ErrorKind::Usage,
+                  "rank " + std::to_string(rank) + "'s handle blob has no window name");
+    HostWindow& peer = peers_[static_cast<size_t>(rank)];
+    peer = HostWindow::open(std::string(host.name, name_bytes), header.window_bytes, nranks_ - 1);
+    const auto pid = static_cast<pid_t>(peer.head().pid.value.load(std::memory_order_acquire));
+    if (pid != header.pid)
+      throw Error(ErrorKind::Usage, "rank " + std::to_string(rank) + "'s window belongs to pid " +
+                                        std::to_string(pid) + ", its blob says " +
+                                        std::to_string(header.pid));
+    // A peer whose pid this process cannot see (another pid namespace) could never be told apart
+    // from a dead one while waiting: refuse it now.
+    if (!process_alive(pid)) peer_gone(rank, pid);
+    peer_pids_[static_cast<size_t>(rank)] = pid;
+    return view(peer);
+  }
+
+  exports::Exportable find_export(const void* ptr, size_t bytes) override {
+    return exports::find_host_export(ptr, bytes);
+  }
+  std::function<exports::Exportable(const void*, size_t)> export_finder() override {
+    return exports::host_export_finder();
+  }
+  bool export_alive(uintptr_t base, size_t bytes, uint64_t identity) override {
+    return exports::host_export_alive(base, bytes, identity);
+  }
+  exports::Span import(const ExportRecord& record) override {
+    imports_.push_back(exports::HostImport::open(record));
+    return {imports_.back().data(), imports_.back().size()};
+  }
+  size_t imports() const override { return imports_.size(); }
+
+  void copy_batch(std::span<const Copy> copies, void* /*stream*/) override {
+    for (const Copy& c : copies) std::memcpy(c.dst, c.src, c.bytes);
+  }
+  void rebind(const Copy& shard, void* /*stream*/) override {
+    std::memcpy(shard.dst, shard.src, shard.bytes);
+  }
+  // A write is a release store after everything this rank wrote before it; a wait ends with an
+  // acquire load that saw the peer's release.
+  void run_flags(std::span<const FlagOp> ops, void* /*stream*/) override {
+    for (const FlagOp& op : ops) {
+      std::atomic<uint64_t>& word = word_at(op.word);
+      if (op.kind == FlagOp::Kind::Write) {
+        word.store(op.value, std::memory_order_release);
+        continue;
+      }
+      wait_for(op.rank, peer_pids_[static_cast<size_t>(op.rank)], abandoned_,
+               [&] { return word.load(std::memory_order_acquire) >= op.value; });
+    }
+  }
+  uint64_t read_flag(const uint8_t* word) const override {
+    return word_at(word).load(std::memory_order_relaxed);
+  }
+
+  uint8_t* check_buffer() override { return check_.data(); }
+  void copy_lines(uint8_t* into, const uint8_t* from, const SampleSet& set,
+                  void* /*stream*/) override {
+    for (size_t i = 0; i < set.lines(); ++i) {
+      std::memcpy(into, from + set.offset(i), set.line_bytes(i));
+      into += set.line_bytes(i);
+    }
+  }
+  void mark_lines(void* /*stream*/) override {}
+  bool lines_copied() override { return true; }
+
+  // Only the flag: the mappings stay until release(), which comes after any call in flight.
+  void abandon(uint64_t /*last_bucket*/) override {
+    abandoned_.store(true, std::memory_order_relaxed);
+  }
+  void release(uint64_t /*last_bucket*/, bool /*attached*/, bool /*abandoned*/) override {
+    imports_.clear();  // unmaps the peers' exported allocations
+    peers_.clear();    // unmaps; their names were removed when the last peer opened them
+    peer_pids_.clear();
+    own_.close();
+    abandoned_.store(false, std::memory_order_relaxed);
+  }
+
+ private:
+  WindowView view(const HostWindow& window) const {
+    return {window.data() + region_at_, window.size() - region_at_, stride_,
+            window.data() + sizeof(WindowHead)};
+  }
+
+  const int nranks_;
+  const protocol::FlagLayout flags_;
+  size_t region_at_ = 0;  // where the slots (or the bound region) start in a window
+  size_t stride_ = 0;
+  HostWindow own_;
+  std::vector<HostWindow> peers_;  // by rank; this rank's entry stays closed
+  std::vector<pid_t> peer_pids_;
+  std::vector<exports::HostImport> imports_;  // the peers' exported allocations, mapped
+  std::vector<uint8_t> check_;
+  std::atomic<bool> abandoned_{false};
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_host_transport(int rank, int nranks, uint64_t comm_identity,
+                                               const Options::Fault& fault) {
+  return make_window_transport(std::make_unique<HostMemoryOps>(nranks), rank, nranks, comm_identity,
+                               fault);
+}
+
+}  // namespace magi::ce

@@ -1,0 +1,152 @@
+// What a window transport asks of its memory: the operations in which host shared memory and
+// CUDA device memory differ, one table of them per kind. Private to ce_transport/.
+//
+// The transport is one mechanism (window_transport.cc): the window a plan needs, binding static
+// shards, the handle blob, attach and its checks, where each peer's shard is read, the bucket
+// handshake, the checks of static weights. It touches memory only through this table, as each
+// NCCL transport is one struct of functions under a shared protocol:
+//  - host_memory_ops.cc: POSIX shared-memory windows, memcpy, flag words as host atomics;
+//  - cuda_memory_ops.cc: cudaMalloc windows shared by CUDA IPC, cudaMemcpyBatchAsync, flag words
+//    written and waited for by stream memory operations.
+// One fact of the kind shapes the mechanism itself, synchronous(): whether an operation is done
+// when it returns (host), or queued on the caller's stream to run later, in order (device).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+
+#include "base/base.h"
+#include "ce_transport/ce_transport.h"
+#include "ce_transport/exports.h"
+#include "ce_transport/protocol.h"
+#include "ce_transport/sample_plan.h"
+
+namespace magi::ce {
+
+// A window as this process reaches it: its own, or a peer's through a mapping.
+struct WindowView {
+  uint8_t* region = nullptr;  // the two staging slots, or the bound region
+  size_t region_bytes = 0;    // the room they have
+  size_t slot_stride = 0;     // staging: where slot 1 lies after slot 0
+  uint8_t* flags = nullptr;   // the handshake's words, at protocol.h's FlagLayout offsets
+};
+
+// One copy of a batch.
+struct Copy {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+
+// One operation on a word of the handshake; a batch runs in its order.
+struct FlagOp {
+  enum class Kind : uint8_t { Write, Wait };
+  Kind kind;
+  int rank;        // Write: whose window holds `word`; Wait: the peer that writes it
+  uint8_t* word;   // Wait: always a word of this rank's own window
+  uint64_t value;  // Write: what is stored; Wait: until the word holds at least this
+};
+
+// The blob's bytes after its header: what a kind needs to map a window (protocol.h).
+using Medium = std::array<uint8_t, protocol::kMediumBytes>;
+
+// A check of static weights copies four sets of sampled lines (sample_plan.h) to host memory:
+// the anchor and the sweep, of the reference (binding or agreed source) and of the shard sent.
+inline constexpr size_t kCheckSetBytes = SamplePlan::kMaxSetBytes;
+inline constexpr size_t kCheckBytes = 4 * kCheckSetBytes;
+
+class MemoryOps {
+ public:
+  virtual ~MemoryOps() = default;
+
+  // ---- the kind ----
+  virtual Backend backend() const = 0;
+  // True when copies and flag operations are done when they return, in the caller's order (host
+  // memory): the handshake runs on the calling thread, so a rank that cannot serve a bucket tells
+  // its peers within it (failed words: Served::FallBack), and a check is compared at once. False
+  // when they are queued on the caller's stream and run later (device memory): nothing of a
+  // bucket is known on the host when gather() returns, and a check is compared at a later call.
+  virtual bool synchronous() const = 0;
+  // Where the flag words lie in a window (the line each takes is the kind's).
+  virtual const protocol::FlagLayout& flags() const = 0;
+  // Makes the calling thread ready to use this memory (CUDA: the communicator's device); first
+  // in prepare and gather.
+  virtual void use() {}
+
+  // ---- this rank's window ----
+  // Allocates it, its flag words zeroed: two staging slots of `slot_bytes`, or one bound region
+  // of `slot_bytes` (`bound`, which also gets a check buffer).
+  virtual WindowView allocate(size_t slot_bytes, bool bound) = 0;
+  virtual size_t window_bytes() const = 0;  // 0 while there is no window
+  // Bound windows, at prepare: copies the program's shards into the window, done before prepare
+  // returns. A shard the program has freed since is refused (Error System), never read.
+  virtual void bind(std::span<const Copy> shards) = 0;
+  // Writes what peers need to map the window, once everything written into it so far is there.
+  virtual void export_window(Medium& medium) = 0;
+
+  // ---- the peers' windows ----
+  // First in attach (CUDA: the device; the stream memory operations looked up now, not at the
+  // first gather).
+  virtual void begin_attach() = 0;
+  // Maps peer `rank`'s window from its checked header and its medium. A mapping made is kept
+  // until release(), also when this throws afterwards.
+  virtual WindowView map_peer(int rank, const protocol::BlobHeader& header,
+                              const Medium& medium) = 0;
+
+  // ---- the program's memory read in place (zero-copy static weights: exports.h) ----
+  virtual exports::Exportable find_export(const void* ptr, size_t bytes) = 0;
+  // find_export for a whole plan's shards, one after the other (host: the process's mappings
+  // read once, not once a shard).
+  virtual std::function<exports::Exportable(const void*, size_t)> export_finder() {
+    return [this](const void* ptr, size_t bytes) { return find_export(ptr, bytes); };
+  }
+  // Whether the allocation exported at `base` is still the one exported (`identity`; `bytes`:
+  // the export's size, ExportRecord::bytes).
+  virtual bool export_alive(uintptr_t base, size_t bytes, uint64_t identity) = 0;
+  // Maps a peer's exported allocation, until release().
+  virtual exports::Span import(const ExportRecord& record) = 0;
+  virtual size_t imports() const = 0;
+
+  // ---- the call path ----
+  // A bucket's copies on `stream`, as one batch (CUDA: spread over the copy engines).
+  virtual void copy_batch(std::span<const Copy> copies, void* stream) = 0;
+  // A bound shard copied into the window again, on `stream` (ahead of that call's reads).
+  virtual void rebind(const Copy& shard, void* stream) = 0;
+  // Flag operations on `stream`, in order.
+  virtual void run_flags(std::span<const FlagOp> ops, void* stream) = 0;
+  // A word of this rank's own window as it is now. Synchronous memory only.
+  virtual uint64_t read_flag(const uint8_t* word) const = 0;
+
+  // ---- checks of static weights ----
+  // kCheckBytes of host memory for a check's lines; bound windows, after allocate().
+  virtual uint8_t* check_buffer() = 0;
+  // The lines of `set` from `from` into `into`, packed one after the other, on `stream`.
+  virtual void copy_lines(uint8_t* into, const uint8_t* from, const SampleSet& set,
+                          void* stream) = 0;
+  // A check's line copies are queued on `stream`; lines_copied() is true once they have run
+  // (throws if they failed).
+  virtual void mark_lines(void* stream) = 0;
+  virtual bool lines_copied() = 0;
+
+  // ---- the end ----
+  // The communicator is aborted, the window attached, `last_bucket` the last one started: every
+  // wait of this rank on its peers gives up (ce_transport.h's abandon()).
+  virtual void abandon(uint64_t last_bucket) = 0;
+  // Frees the window, the peers' mappings and imports, once that is safe (ce_transport.h's
+  // release()); `abandoned`: abandon() came first.
+  virtual void release(uint64_t last_bucket, bool attached, bool abandoned) = 0;
+};
+
+// Throws Error(Usage) unless 0 <= rank < nranks.
+void check_rank(int rank, int nranks);
+
+// The transport over `memory`. `fault`: what MAGI_INJECT_FAULT injects (protocol.h).
+std::unique_ptr<Transport> make_window_transport(std::unique_ptr<MemoryOps> memory, int rank,
+                                                 int nranks, uint64_t comm_identity,
+                                                 const Options::Fault& fault);
+
+}  // namespace magi::ce

@@ -1,0 +1,506 @@
+// The transport, once for every kind of memory (memory_ops.h): windows, handles, the bucket
+// handshake of ce_transport.h, and static weights read where they are bound or exported.
+//
+// The flag words lie where the protocol puts them (protocol.h's FlagLayout): a peer writes its
+// ready, done (and, on synchronous memory, failed) words into this rank's window, and this rank
+// waits only on words of its own window. Every step of a bucket runs in the caller's order:
+// synchronous memory does it before the operation returns (stores release, loads acquire), device
+// memory queues it on the caller's stream (a stream write carries the memory barrier that
+// precedes it by default, a stream wait holds back what is queued after it).
+// Why a bucket cannot read a stale byte: a peer writes its ready >= n here after its shards of
+// bucket n are in its slot n % 2, and this rank reads that slot only after its wait for that
+// ready. Why it cannot overwrite a byte still being read: slot n % 2 is written only after every
+// peer's done >= n - 2, and a peer writes done only after its reads of that bucket.
+// Why it cannot hang: on synchronous memory every wait is on a peer that is either alive (and
+// then gets there, as every rank runs the same buckets) or dead, which the wait notices through
+// the peer's pid and reports; on a stream, a wait holds the stream as NCCL's kernels would, until
+// the communicator is aborted, which releases this rank's waits by writing its own words.
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "base/base.h"
+#include "ce_transport/backends.h"
+#include "ce_transport/exports.h"
+#include "ce_transport/memory_ops.h"
+#include "ce_transport/protocol.h"
+#include "ce_transport/sample_plan.h"
+#include "ce_transport/source_log.h"
+#include "ce_transport/verify_schedule.h"
+
+namespace magi::ce {
+namespace {
+
+class WindowTransport final : public Transport {
+ public:
+  WindowTransport(std::unique_ptr<MemoryOps> memory, int rank, int nranks, uint64_t identity,
+                  const Options::Fault& fault)
+      : memory_(std::move(memory)),
+        rank_(rank),
+        nranks_(nranks),
+        identity_(identity),
+        flags_(memory_->flags()),
+        faults_(fault, rank) {}
+  ~WindowTransport() override {
+    try {
+      release();
+    } catch (...) {}
+  }
+
+  void prepare(const WindowPlan& plan, HandleBlob& out) override {
+    std::lock_guard<std::mutex> lock(lifetime_);
+    release_locked();  // a new plan starts from a new window and bucket 1
+    faults_.at_prepare();
+    memory_->use();
+    slot_bytes_ = plan.slot_bytes;
+    bound_ = plan.bound;
+    zero_copy_ = plan.bound && plan.zero_copy;
+    if (bound_) {
+      const auto find = memory_->export_finder();
+      sources_ =
+          exports::bound_sources(plan, [&](const BindOp& b) { return find(b.sendbuf, b.bytes); });
+      bind_ = plan.bind;
+      bind_index_.reset(plan.bind);
+      references_.reset(plan.bind.size());
+    }
+    verify_.reset(plan.verify_first, plan.verify_every);
+    own_ = memory_->allocate(bound_ ? sources_.region_bytes : slot_bytes_, bound_);
+    if (bound_) bind_shards(plan);
+    shape_ = {memory_->backend(),
+              identity_,
+              nranks_,
+              memory_->window_bytes(),
+              zero_copy_ ? sources_.region_bytes : slot_bytes_,
+              bound_,
+              zero_copy_};
+    Medium medium{};
+    memory_->export_window(medium);
+    if (bound_) log_.create(rank_, nranks_);
+    protocol::write_blob(shape_, rank_, bound_ ? log_.name() : std::string(), medium, out);
+  }
+
+  const SourceTable& sources() const override {
+    static const SourceTable kNone;
+    return zero_copy_ ? sources_.table : kNone;
+  }
+
+  void attach(std::span<const HandleBlob> blobs, std::span<const SourceTable> tables) override {
+    if (memory_->window_bytes() == 0) throw Error(ErrorKind::Usage, "attach before prepare");
+    if (attached_) throw Error(ErrorKind::Usage, "attach called twice for one window");
+    if (blobs.size() != static_cast<size_t>(nranks_))
+      throw Error(ErrorKind::Usage, std::to_string(blobs.size()) + " handle blobs for " +
+                                        std::to_string(nranks_) + " ranks");
+    if (zero_copy_ && tables.size() != static_cast<size_t>(nranks_))
+      throw Error(ErrorKind::Usage, "a zero-copy window needs every rank's source table");
+    faults_.at_attach();
+    std::lock_guard<std::mutex> lock(lifetime_);
+    memory_->begin_attach();
+    peers_.assign(static_cast<size_t>(nranks_), WindowView{});
+    std::vector<std::string> logs(static_cast<size_t>(nranks_));
+    for (int r = 0; r < nranks_; ++r) {
+      if (r == rank_) continue;
+      protocol::BlobHeader header{};
+      const auto medium =
+          protocol::read_blob<Medium>(blobs[static_cast<size_t>(r)], r, shape_, header);
+      logs[static_cast<size_t>(r)] = protocol::source_log_of(header);
+      peers_[static_cast<size_t>(r)] = memory_->map_peer(r, header, medium);
+    }
+    if (bound_) {
+      // Each peer's shards: in its window's region, or in its exported allocations, mapped here.
+      std::vector<exports::Span> regions(static_cast<size_t>(nranks_));
+      for (int r = 0; r < nranks_; ++r)
+        if (r != rank_)
+          regions[static_cast<size_t>(r)] = {peers_[static_cast<size_t>(r)].region,
+                                             peers_[static_cast<size_t>(r)].region_bytes};
+      peer_sources_ = exports::locate_peer_sources(
+          rank_, bind_, zero_copy_ ? tables : std::span<const SourceTable>{}, regions,
+          [&](const ExportRecord& record) { return memory_->import(record); });
+      log_.open_peers(logs);
+    }
+    attached_ = true;
+  }
+
+  Served gather(std::span<const GatherOp> bucket, void* stream,
+                Timing timing = Timing::Untimed) override {
+    if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
+    if (broken_)
+      throw Error(ErrorKind::System, "an earlier bucket failed; this window is unusable");
+    if (abandoned_.load())
+      throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
+    faults_.at_bucket_start();
+    memory_->use();
+    for (const GatherOp& op : bucket)
+      if (op.bytes > slot_bytes_ || op.slot_offset > slot_bytes_ - op.bytes)
+        throw Error(ErrorKind::Usage, "gather of " + std::to_string(op.bytes) +
+                                          " bytes at slot offset " +
+                                          std::to_string(op.slot_offset) + " overflows a slot of " +
+                                          std::to_string(slot_bytes_));
+    const uint64_t n = sequence_.load() + 1;
+    sequence_.store(n);
+    if (bound_) {
+      gather_bound(bucket, n, stream, timing);
+      return Served::Moved;
+    }
+    return gather_staged(bucket, n, stream);
+  }
+
+  void abandon() override {
+    std::lock_guard<std::mutex> lock(lifetime_);
+    abandoned_.store(true);
+    if (attached_) memory_->abandon(sequence_.load());
+  }
+
+  void release() override {
+    std::lock_guard<std::mutex> lock(lifetime_);
+    release_locked();
+  }
+
+  size_t window_bytes() const override { return memory_->window_bytes(); }
+
+  WindowMemory memory() const override {
+    WindowMemory m = sources_.memory;
+    m.window_bytes = window_bytes();
+    m.peer_mappings = memory_->imports();
+    return m;
+  }
+
+  std::vector<size_t> take_stale_bindings() override { return std::exchange(stale_, {}); }
+  uint64_t checked_bytes() const override { return checked_bytes_; }
+  std::string take_disagreement() override { return log_.check(); }
+
+ private:
+  // Bound windows: every shard that is not read in place is copied into the region, at its
+  // source's offset.
+  void bind_shards(const WindowPlan& plan) {
+    std::vector<Copy> shards;
+    for (size_t i = 0; i < plan.bind.size(); ++i) {
+      const BindOp& b = plan.bind[i];
+      if (b.bytes > slot_bytes_ || b.slot_offset > slot_bytes_ - b.bytes)
+        throw Error(ErrorKind::Usage, "a binding overflows the bound region");
+      const ShardSource& source = sources_.table.sources[i];
+      if (b.bytes == 0 || source.allocation != ShardSource::kInWindow) continue;
+      shards.push_back({own_.region + source.offset, b.sendbuf, b.bytes});
+    }
+    memory_->bind(shards);
+  }
+
+  // The handshake of ce_transport.h. Only synchronous memory can fall back within a bucket: a
+  // rank that cannot serve says so before its ready, and every peer sees it once its wait for
+  // ready is over. On a stream nothing of the bucket has run when gather() returns, so a failing
+  // rank throws, before queuing anything, and its peers' streams wait for it (ce_transport.h).
+  Served gather_staged(std::span<const GatherOp> bucket, uint64_t n, void* stream) {
+    const bool synchronous = memory_->synchronous();
+    if (faults_.fails_bucket() && !synchronous)
+      throw Error(ErrorKind::Cuda,
+                  "bucket " + std::to_string(n) + ": injected by MAGI_INJECT_FAULT");
+    // Until this bucket completes: a throw below leaves the ranks out of step. Known only where
+    // the handshake runs here; on a stream, the peers wait for this rank until the abort.
+    broken_ = synchronous;
+    const size_t slot = (n % 2) * own_.slot_stride;
+    // 1. Slot n % 2 was last read in bucket n - 2: every peer must be done with it.
+    flag_ops_.clear();
+    if (n > 2) add_waits(flags_.done(0), n - 2);
+    memory_->run_flags(flag_ops_, stream);
+    // A rank that cannot serve waited above like a serving rank: running ahead, its next failure
+    // could overwrite this one before a peer read it. Done is still published, so the slots stay
+    // in step for the buckets after.
+    if (faults_.fails_bucket()) {
+      flag_ops_.clear();
+      add_writes(flags_.failed(rank_, n), n);
+      add_writes(flags_.ready(rank_), n);
+      memory_->run_flags(flag_ops_, stream);
+      finish_bucket(n, stream);
+      broken_ = false;
+      return Served::FallBack;
+    }
+    // 2. Stage this rank's shards.
+    copies_.clear();
+    for (const GatherOp& op : bucket)
+      if (op.bytes != 0)
+        copies_.push_back({own_.region + slot + op.slot_offset, op.sendbuf, op.bytes});
+    memory_->copy_batch(copies_, stream);
+    // 3. Staged: say so in every peer's window, and wait until every peer has said so in ours.
+    flag_ops_.clear();
+    add_writes(flags_.ready(rank_), n);
+    add_waits(flags_.ready(0), n);
+    memory_->run_flags(flag_ops_, stream);
+    if (synchronous)
+      for (int r = 0; r < nranks_; ++r)
+        if (r != rank_ && memory_->read_flag(own_.flags + flags_.failed(r, n)) == n) {
+          finish_bucket(n, stream);
+          broken_ = false;
+          return Served::FallBack;
+        }
+    // 4. Read every peer's slot, and this rank's shard from its send buffer.
+    copies_.clear();
+    add_reads(bucket, [&](int r, const GatherOp& op) {
+      return peers_[static_cast<size_t>(r)].region + slot + op.slot_offset;
+    });
+    memory_->copy_batch(copies_, stream);
+    // 5. Done reading: peers may reuse their slot n % 2 (in bucket n + 2).
+    finish_bucket(n, stream);
+    broken_ = false;
+    return Served::Moved;
+  }
+
+  // Static weights: every peer's shard has been where it is read since before the plan was
+  // confirmed (its region, or its own memory), so a call is only reads. The rank's own shard is
+  // checked now and then (start_check).
+  void gather_bound(std::span<const GatherOp> bucket, uint64_t n, void* stream, Timing timing) {
+    finish_check(stream);
+    copies_.clear();
+    add_reads(bucket, [&](int r, const GatherOp& op) {  // where that peer keeps its shard
+      return peer_sources_[static_cast<size_t>(r) * bind_.size() + bound_index(op)];
+    });
+    memory_->copy_batch(copies_, stream);
+    for (const GatherOp& op : bucket)
+      if (op.own_offset != GatherOp::kOwn && op.own_offset != op.slot_offset)
+        log_.deviate(n, op.own_offset, op.slot_offset);
+    log_.publish(n);
+    // After the reads, so the gather is not delayed by it; before the bucket's end marks, so a
+    // release that sees this bucket finished knows the check's copies have run too.
+    start_check(bucket, stream, timing);
+    finish_bucket(n, stream);
+  }
+
+  // A bucket's reads: every peer's part of each gather from `peer_part(r, op)`, this rank's own
+  // from its send buffer (none in place).
+  template <class PeerPart>
+  void add_reads(std::span<const GatherOp> bucket, PeerPart peer_part) {
+    for (const GatherOp& op : bucket) {
+      if (op.bytes == 0) continue;
+      auto* recv = static_cast<uint8_t*>(op.recvbuf);
+      for (int r = 0; r < nranks_; ++r) {
+        uint8_t* into = recv + static_cast<size_t>(r) * op.bytes;
+        if (r == rank_) {
+          if (into != op.sendbuf) copies_.push_back({into, op.sendbuf, op.bytes});
+          continue;
+        }
+        copies_.push_back({into, peer_part(r, op), op.bytes});
+      }
+    }
+  }
+
+  // Bucket n has run on this rank: its reads are done (peers may reuse what it read) and its own
+  // part is over (a release may free what it used).
+  void finish_bucket(uint64_t n, void* stream) {
+    flag_ops_.clear();
+    add_writes(flags_.done(rank_), n);
+    flag_ops_.push_back({FlagOp::Kind::Write, rank_, own_.flags + flags_.own(), n});
+    memory_->run_flags(flag_ops_, stream);
+  }
+
+  // This rank's word at `word` in every peer's window.
+  void add_writes(size_t word, uint64_t value) {
+    for (int r = 0; r < nranks_; ++r)
+      if (r != rank_)
+        flag_ops_.push_back(
+            {FlagOp::Kind::Write, r, peers_[static_cast<size_t>(r)].flags + word, value});
+  }
+  // Until every peer's word of a kind (`rank0_word`: rank 0's, e.g. flags_.done(0)) in this
+  // rank's own window reaches `target`. The words of one kind lie one line apart, by rank.
+  void add_waits(size_t rank0_word, uint64_t target) {
+    for (int r = 0; r < nranks_; ++r)
+      if (r != rank_)
+        flag_ops_.push_back({FlagOp::Kind::Wait, r,
+                             own_.flags + rank0_word + static_cast<size_t>(r) * flags_.line_bytes,
+                             target});
+  }
+
+  // The bind index of a bound gather (its slot offset must be one the plan bound).
+  size_t bound_index(const GatherOp& op) const {
+    const int64_t index = bind_index_.find(op.slot_offset);
+    if (index < 0)
+      throw Error(ErrorKind::Usage, "a gather at slot offset " + std::to_string(op.slot_offset) +
+                                        " that the plan did not bind");
+    return static_cast<size_t>(index);
+  }
+
+  // Static weights: the rank's shard checked when verify_ says (never on a timed call), on the
+  // lines sample_plan.h picks. A bound shard is compared with its binding; an exported one has
+  // none, so the memory its peers read (the agreed source, while its allocation is the one
+  // exported: a freed one is pinned by the peers' mappings, exports.h) and the buffer this call
+  // sends (when another) are compared with what the first look at each set saw. The lines are
+  // copied to the host on the call's stream, and compared once those copies have run: at once on
+  // synchronous memory; on a stream at a later call, never waiting for the program's stream (the
+  // shard as this call saw it, and never after the program freed it). One check at a time;
+  // another that falls due meanwhile is owed to a later call.
+  void start_check(std::span<const GatherOp> bucket, void* stream, Timing timing) {
+    for (const GatherOp& op : bucket) {
+      if (op.verify_now) verify_.owe(op.slot_offset);
+      if (!verify_.on_call(op.slot_offset, timing) || op.bytes == 0) continue;
+      if (check_.pending) {
+        verify_.owe(op.slot_offset);
+        continue;
+      }
+      const size_t index = bound_index(op);
+      const ShardSource& source = sources_.table.sources[index];
+      const SamplePlan plan(op.bytes);
+      check_.anchor = plan.anchor();
+      check_.sweep = plan.sweep(verify_.begin_check(op.slot_offset));
+      if (check_.sweep.first == 0) check_.sweep = {};  // the anchor itself: compared once
+      check_.index = index;
+      check_.in_place = source.allocation != ShardSource::kInWindow;
+      uint8_t* host = memory_->check_buffer();
+      const auto* shard = static_cast<const uint8_t*>(op.sendbuf);
+      // Sets 0 and 2 (anchor, sweep): the reference side; 1 and 3: the shard this call sends.
+      const uint8_t* reference = nullptr;
+      if (!check_.in_place) {
+        reference = own_.region + source.offset;
+      } else {
+        const auto* agreed = static_cast<const uint8_t*>(bind_[index].sendbuf);
+        const bool alive = memory_->export_alive(sources_.export_bases[source.allocation],
+                                                 sources_.table.exports[source.allocation].bytes,
+                                                 sources_.identities[source.allocation]);
+        if (alive) reference = agreed;
+        if (shard == agreed) shard = alive ? nullptr : agreed;  // one look is enough
+      }
+      check_.reference_copied = reference != nullptr;
+      check_.shard_copied = shard != nullptr;
+      if (reference != nullptr) {
+        memory_->copy_lines(host, reference, check_.anchor, stream);
+        memory_->copy_lines(host + 2 * kCheckSetBytes, reference, check_.sweep, stream);
+      }
+      if (shard != nullptr) {
+        memory_->copy_lines(host + kCheckSetBytes, shard, check_.anchor, stream);
+        memory_->copy_lines(host + 3 * kCheckSetBytes, shard, check_.sweep, stream);
+      }
+      memory_->mark_lines(stream);
+      check_.pending = true;
+      check_.op = op;
+      // The shard's bytes looked at: a binding's copy is not counted (checked_bytes()); an
+      // exported shard's agreed source and re-homed buffer are both the shard.
+      const size_t looks =
+          check_.in_place ? (reference != nullptr ? 1 : 0) + (shard != nullptr ? 1 : 0) : 1;
+      checked_bytes_ += (check_.anchor.bytes() + check_.sweep.bytes()) * looks;
+      if (memory_->synchronous()) finish_check(stream);
+    }
+  }
+
+  // The check in flight, if its copies have run: a bound shard that changed is re-bound whole
+  // on this call's stream (ahead of its reads); a change is reported by take_stale_bindings().
+  void finish_check(void* stream) {
+    if (!check_.pending) return;
+    check_.pending = false;  // also when the copies failed (lines_copied() throws)
+    if (!memory_->lines_copied()) {
+      check_.pending = true;
+      return;
+    }
+    const GatherOp& op = check_.op;
+    const uint8_t* host = memory_->check_buffer();
+    if (!check_.in_place) {
+      if (std::memcmp(host, host + kCheckSetBytes, check_.anchor.bytes()) != 0 ||
+          std::memcmp(host + 2 * kCheckSetBytes, host + 3 * kCheckSetBytes, check_.sweep.bytes()) !=
+              0) {
+        memory_->rebind(
+            {own_.region + sources_.table.sources[check_.index].offset, op.sendbuf, op.bytes},
+            stream);
+        stale_.push_back(op.slot_offset);
+      }
+      return;
+    }
+    bool same = true;
+    auto look = [&](const uint8_t* packed, const SampleSet& set, bool learn) {
+      if (set.lines() == 0 || (!learn && !references_.has(check_.index, set.first))) return;
+      if (!references_.matches(check_.index, set.first, exports::hash_packed(packed, set)))
+        same = false;
+    };
+    // The agreed source sets the references; a re-homed shard is only compared with them.
+    if (check_.reference_copied) {
+      look(host, check_.anchor, true);
+      look(host + 2 * kCheckSetBytes, check_.sweep, true);
+      // Sent from elsewhere, and what the peers read changed under them: the allocator gave the
+      // block to another tensor. The promise held; the peers must still hear of it.
+      if (!same && check_.shard_copied) log_.mark_broken(sequence_.load(), op.slot_offset);
+    }
+    if (check_.shard_copied) {
+      look(host + kCheckSetBytes, check_.anchor, false);
+      look(host + 3 * kCheckSetBytes, check_.sweep, false);
+    }
+    if (!same) stale_.push_back(op.slot_offset);
+  }
+
+  void release_locked() {
+    memory_->release(sequence_.load(), attached_, abandoned_.load());
+    log_.close();
+    peers_.clear();
+    own_ = {};
+    peer_sources_.clear();
+    sources_ = {};
+    bind_.clear();
+    slot_bytes_ = 0;
+    bound_ = zero_copy_ = false;
+    shape_ = {};
+    sequence_.store(0);
+    verify_.reset(0, 0);
+    check_ = {};
+    checked_bytes_ = 0;
+    stale_.clear();
+    attached_ = broken_ = false;
+    abandoned_.store(false);
+  }
+
+  const std::unique_ptr<MemoryOps> memory_;
+  const int rank_;
+  const int nranks_;
+  const uint64_t identity_;
+  const protocol::FlagLayout flags_;
+  const protocol::FaultPoints faults_;
+  WindowView own_;
+  std::vector<WindowView> peers_;  // by rank; this rank's entry stays empty
+  protocol::WindowShape shape_;    // what every peer's blob must match
+  size_t slot_bytes_ = 0;
+  bool bound_ = false;
+  bool zero_copy_ = false;
+  exports::SourcePlan sources_;               // bound: where each of this rank's shards is read
+  std::vector<BindOp> bind_;                  // bound: the agreed sources, by bind index
+  exports::BindIndex bind_index_;             // slot offset -> bind index
+  std::vector<const uint8_t*> peer_sources_;  // [peer * shards + bind index]
+  exports::SampleReferences references_;      // exported shards: what the first looks saw
+  SourceLog log_;                             // bound: what this rank read, for its peers
+  VerifySchedule verify_;                     // bound: when each binding is checked
+  struct Check {
+    bool pending = false;  // its copies are queued; compared once they have run
+    GatherOp op{};
+    size_t index = 0;       // in the plan's bind
+    bool in_place = false;  // an exported shard: compared with references_, not a binding
+    bool reference_copied = false;
+    bool shard_copied = false;
+    SampleSet anchor;
+    SampleSet sweep;  // empty when it was the anchor
+  } check_;
+  std::vector<size_t> stale_;
+  uint64_t checked_bytes_ = 0;
+  std::vector<Copy> copies_;      // a bucket's, kept for their room
+  std::vector<FlagOp> flag_ops_;  // likewise
+  bool attached_ = false;
+  bool broken_ = false;                // synchronous memory: a bucket threw part way
+  std::atomic<uint64_t> sequence_{0};  // the last bucket started; read by abandon() from any thread
+  std::atomic<bool> abandoned_{false};
+  std::mutex lifetime_;  // prepare, attach, release and abandon, which may come from another thread
+};
+
+}  // namespace
+
+void check_rank(int rank, int nranks) {
+  if (nranks < 1 || rank < 0 || rank >= nranks)
+    throw Error(ErrorKind::Usage, "rank " + std::to_string(rank) + " of " + std::to_string(nranks));
+}
+
+std::unique_ptr<Transport> make_window_transport(std::unique_ptr<MemoryOps> memory, int rank,
+                                                 int nranks, uint64_t comm_identity,
+                                                 const Options::Fault& fault) {
+  check_rank(rank, nranks);
+  return std::make_unique<WindowTransport>(std::move(memory), rank, nranks, comm_identity, fault);
+}
+
+std::unique_ptr<Transport> make_transport(Backend backend, int rank, int nranks,
+                                          uint64_t comm_identity, int device) {
+  if (backend == Backend::Host) return make_host_transport(rank, nranks, comm_identity);
+  return make_cuda_transport(rank, nranks, comm_identity, device);
+}
+
+}  // namespace magi::ce

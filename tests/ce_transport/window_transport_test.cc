@@ -1,0 +1,715 @@
+// The window transport's one mechanism (ce_transport/window_transport.cc) over a fake memory that
+// behaves as device memory does: every copy and flag operation is queued on the caller's stream
+// and runs only when the test runs that stream, waits holding it back. All ranks live in one
+// process and one thread, so a test can queue every rank's buckets first and then run the
+// streams in the order it likes: what the CUDA backend enqueues is checked here, on a CPU, step
+// by step and byte by byte.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <ostream>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "base/base.h"
+#include "ce_transport/ce_transport.h"
+#include "ce_transport/exports.h"
+#include "ce_transport/memory_ops.h"
+
+namespace magi::ce {
+
+bool operator==(const Copy& a, const Copy& b) {
+  return a.dst == b.dst && a.src == b.src && a.bytes == b.bytes;
+}
+void PrintTo(const Copy& c, std::ostream* os) {
+  *os << "{dst " << c.dst << ", src " << c.src << ", " << c.bytes << " bytes}";
+}
+
+namespace {
+
+constexpr uint64_t kCommIdentity = 0x5eed'c0ff'ee00'00f4;
+constexpr size_t kLine = 64;
+
+// A stream: what was queued on it, in order. A step returns false while it cannot run (a wait).
+struct FakeStream {
+  std::deque<std::function<bool()>> work;
+  bool step() {
+    if (work.empty() || !work.front()()) return false;
+    work.pop_front();
+    return true;
+  }
+};
+
+// Allocations the fake exports: a shard inside one is read by the peers in place.
+struct FakeExports {
+  struct Allocation {
+    uint8_t* base;
+    size_t bytes;
+    uint64_t identity;
+    bool alive = true;
+  };
+  std::vector<Allocation> allocations;
+};
+
+// What a rank queued, in order.
+struct Event {
+  enum class Kind { Copies, Rebind, Flags, Lines, Mark };
+  Kind kind;
+  std::vector<Copy> copies;        // Copies, Rebind
+  std::vector<std::string> flags;  // Flags: "write r1:ready[0]=3", "wait done[1]>=1"
+};
+
+class FakeMemory final : public MemoryOps {
+ public:
+  struct Release {
+    uint64_t last_bucket;
+    bool attached;
+    bool abandoned;
+  };
+
+  FakeMemory(int rank, int nranks, FakeExports& exports)
+      : rank_(rank), nranks_(nranks), flags_{kLine, nranks}, exports_(exports) {}
+
+  Backend backend() const override { return Backend::Cuda; }
+  bool synchronous() const override { return false; }
+  const protocol::FlagLayout& flags() const override { return flags_; }
+
+  WindowView allocate(size_t slot_bytes, bool bound) override {
+    const size_t stride = round_up(std::max<size_t>(slot_bytes, 1), kLine);
+    const size_t flags_at = (bound ? 1 : 2) * stride;
+    storage_.assign((flags_at + flags_.bytes_through_own()) / 8, 0);
+    auto* base = reinterpret_cast<uint8_t*>(storage_.data());
+    own_ = {base, flags_at, stride, base + flags_at};
+    if (bound) check_.assign(kCheckBytes, 0);
+    return own_;
+  }
+  size_t window_bytes() const override { return storage_.size() * 8; }
+  void bind(std::span<const Copy> shards) override {
+    for (const Copy& c : shards) std::memcpy(c.dst, c.src, c.bytes);
+  }
+  void export_window(Medium& medium) override { std::memcpy(medium.data(), &own_, sizeof(own_)); }
+  void begin_attach() override { peer_flags_.assign(static_cast<size_t>(nranks_), nullptr); }
+  WindowView map_peer(int rank, const protocol::BlobHeader& header, const Medium& medium) override {
+    WindowView peer;
+    std::memcpy(&peer, medium.data(), sizeof(peer));
+    EXPECT_EQ(header.rank, rank);
+    peer_flags_[static_cast<size_t>(rank)] = peer.flags;
+    return peer;
+  }
+
+  exports::Exportable find_export(const void* ptr, size_t bytes) override {
+    exports::Exportable e;
+    const auto* at = static_cast<const uint8_t*>(ptr);
+    for (const FakeExports::Allocation& a : exports_.allocations) {
+      if (at < a.base || at + bytes > a.base + a.bytes) continue;
+      e.ok = true;
+      e.base = reinterpret_cast<uintptr_t>(a.base);
+      std::memcpy(e.record.handle, &a.base, sizeof(a.base));
+      e.record.bytes = a.bytes;
+      e.identity = a.identity;
+      return e;
+    }
+    e.refusal = "not in a fake allocation";
+    return e;
+  }
+  bool export_alive(uintptr_t base, size_t, uint64_t identity) override {
+    for (const FakeExports::Allocation& a : exports_.allocations)
+      if (reinterpret_cast<uintptr_t>(a.base) == base) return a.alive && a.identity == identity;
+    return false;
+  }
+  exports::Span import(const ExportRecord& record) override {
+    ++imports_;
+    uint8_t* base = nullptr;
+    std::memcpy(&base, record.handle, sizeof(base));
+    return {base, record.bytes};
+  }
+  size_t imports() const override { return imports_; }
+
+  void copy_batch(std::span<const Copy> copies, void* stream) override {
+    if (copies.empty()) return;
+    events.push_back({Event::Kind::Copies, {copies.begin(), copies.end()}, {}});
+    on(stream).work.push_back([c = events.back().copies] {
+      for (const Copy& one : c) std::memcpy(one.dst, one.src, one.bytes);
+      return true;
+    });
+  }
+  void rebind(const Copy& shard, void* stream) override {
+    events.push_back({Event::Kind::Rebind, {shard}, {}});
+    on(stream).work.push_back([shard] {
+      std::memcpy(shard.dst, shard.src, shard.bytes);
+      return true;
+    });
+  }
+  void run_flags(std::span<const FlagOp> ops, void* stream) override {
+    if (ops.empty()) return;
+    Event event{Event::Kind::Flags, {}, {}};
+    for (const FlagOp& op : ops) {
+      event.flags.push_back(describe(op));
+      uint8_t* word = op.word;
+      const uint64_t value = op.value;
+      if (op.kind == FlagOp::Kind::Write)
+        on(stream).work.push_back([word, value] {
+          std::memcpy(word, &value, sizeof(value));
+          return true;
+        });
+      else
+        on(stream).work.push_back([word, value] {
+          uint64_t now = 0;
+          std::memcpy(&now, word, sizeof(now));
+          return now >= value;
+        });
+    }
+    events.push_back(std::move(event));
+  }
+  uint64_t read_flag(const uint8_t* /*word*/) const override {
+    ADD_FAILURE() << "a stream's flags read on the host";
+    return 0;
+  }
+
+  uint8_t* check_buffer() override { return check_.data(); }
+  void copy_lines(uint8_t* into, const uint8_t* from, const SampleSet& set, void* stream) override {
+    events.push_back({Event::Kind::Lines, {}, {}});
+    on(stream).work.push_back([into, from, set] {
+      uint8_t* at = into;
+      for (size_t i = 0; i < set.lines(); ++i) {
+        std::memcpy(at, from + set.offset(i), set.line_bytes(i));
+        at += set.line_bytes(i);
+      }
+      return true;
+    });
+  }
+  void mark_lines(void* stream) override {
+    events.push_back({Event::Kind::Mark, {}, {}});
+    lines_copied_ = false;
+    on(stream).work.push_back([this] { return lines_copied_ = true; });
+  }
+  bool lines_copied() override { return lines_copied_; }
+
+  void abandon(uint64_t last_bucket) override { abandoned_at.push_back(last_bucket); }
+  void release(uint64_t last_bucket, bool attached, bool abandoned) override {
+    if (!storage_.empty()) releases.push_back({last_bucket, attached, abandoned});
+    storage_.clear();
+    own_ = {};
+    imports_ = 0;
+  }
+
+  const WindowView& own() const { return own_; }
+
+  std::vector<Event> events;
+  std::vector<uint64_t> abandoned_at;
+  std::vector<Release> releases;
+
+ private:
+  static FakeStream& on(void* stream) { return *static_cast<FakeStream*>(stream); }
+
+  // A flag word by the window it lies in and its place in protocol.h's layout.
+  std::string describe(const FlagOp& op) const {
+    const uint8_t* flags = op.rank == rank_ || op.kind == FlagOp::Kind::Wait
+                               ? own_.flags
+                               : peer_flags_[static_cast<size_t>(op.rank)];
+    const size_t line = static_cast<size_t>(op.word - flags) / kLine;
+    const auto n = static_cast<size_t>(nranks_);
+    const std::string word = line < n        ? "ready[" + std::to_string(line) + "]"
+                             : line < 2 * n  ? "done[" + std::to_string(line - n) + "]"
+                             : line == 2 * n ? "own"
+                                             : "?";
+    if (op.kind == FlagOp::Kind::Wait) return "wait " + word + ">=" + std::to_string(op.value);
+    const int window = flags == own_.flags ? rank_ : op.rank;
+    return "write r" + std::to_string(window) + ":" + word + "=" + std::to_string(op.value);
+  }
+
+  const int rank_;
+  const int nranks_;
+  const protocol::FlagLayout flags_;
+  FakeExports& exports_;
+  std::vector<uint64_t> storage_;  // the window: its region, then its flags
+  WindowView own_;
+  std::vector<uint8_t*> peer_flags_;
+  std::vector<uint8_t> check_;
+  size_t imports_ = 0;
+  bool lines_copied_ = false;
+};
+
+// `nranks` transports over fake memory, each with its own stream.
+class FakeRanks {
+ public:
+  explicit FakeRanks(int nranks, const Options::Fault& fault = {}) : nranks_(nranks) {
+    streams_.resize(static_cast<size_t>(nranks));
+    for (int r = 0; r < nranks; ++r) {
+      auto memory = std::make_unique<FakeMemory>(r, nranks, exports_);
+      memories_.push_back(memory.get());
+      transports_.push_back(
+          make_window_transport(std::move(memory), r, nranks, kCommIdentity, fault));
+    }
+  }
+  ~FakeRanks() {
+    for (auto& t : transports_) t->release();
+  }
+
+  // Every rank prepares its plan (plans[r]) and attaches to all the others.
+  void join(const std::vector<WindowPlan>& plans) {
+    std::vector<HandleBlob> blobs(static_cast<size_t>(nranks_));
+    std::vector<SourceTable> tables;
+    for (int r = 0; r < nranks_; ++r) {
+      transport(r).prepare(plans[static_cast<size_t>(r)], blobs[static_cast<size_t>(r)]);
+      tables.push_back(transport(r).sources());
+    }
+    for (int r = 0; r < nranks_; ++r)
+      transport(r).attach(blobs, plans[0].zero_copy ? std::span<const SourceTable>(tables)
+                                                    : std::span<const SourceTable>{});
+  }
+
+  Transport::Served gather(int r, std::span<const GatherOp> bucket) {
+    return transport(r).gather(bucket, &streams_[static_cast<size_t>(r)]);
+  }
+
+  // Runs the streams until every one is empty, each as far as it goes before the next (in
+  // `order`), or one step of each in turn (`round_robin`). False when they wait on each other
+  // for ever.
+  bool run(const std::vector<int>& order, bool round_robin = false) {
+    for (;;) {
+      bool progress = false;
+      for (const int r : order) {
+        FakeStream& s = streams_[static_cast<size_t>(r)];
+        if (round_robin) {
+          progress |= s.step();
+        } else {
+          while (s.step()) progress = true;
+        }
+      }
+      if (!progress) break;
+    }
+    for (const FakeStream& s : streams_)
+      if (!s.work.empty()) return false;
+    return true;
+  }
+  bool run() { return run(ranks()); }
+
+  std::vector<int> ranks() const {
+    std::vector<int> all;
+    for (int r = 0; r < nranks_; ++r) all.push_back(r);
+    return all;
+  }
+  Transport& transport(int r) { return *transports_[static_cast<size_t>(r)]; }
+  FakeMemory& memory(int r) { return *memories_[static_cast<size_t>(r)]; }
+  FakeStream& stream(int r) { return streams_[static_cast<size_t>(r)]; }
+  FakeExports& exports() { return exports_; }
+
+ private:
+  int nranks_;
+  FakeExports exports_;
+  std::vector<FakeMemory*> memories_;
+  std::vector<std::unique_ptr<Transport>> transports_;
+  std::vector<FakeStream> streams_;
+};
+
+uint8_t pattern(uint64_t bucket, int rank, size_t gather, size_t i) {
+  return static_cast<uint8_t>(bucket * 37 + static_cast<uint64_t>(rank) * 11 + gather * 5 + i);
+}
+
+ErrorKind kind_of(const std::function<void()>& work) {
+  try {
+    work();
+  } catch (const Error& e) {
+    return e.kind();
+  }
+  ADD_FAILURE() << "nothing thrown";
+  return ErrorKind::Internal;
+}
+
+WindowPlan staging_plan(size_t slot_bytes) {
+  WindowPlan plan;
+  plan.slot_bytes = slot_bytes;
+  return plan;
+}
+
+// ---- the handshake, queued on streams -----------------------------------------------------------
+
+// One bucket's buffers on every rank: its gathers' shards (one in place, one empty), received
+// into buffers first filled with 0xee.
+struct Gather {
+  size_t bytes;
+  size_t slot_offset;
+  bool in_place;
+};
+constexpr Gather kBucket[] = {{100, 0, false}, {37, 128, true}, {0, 192, false}, {256, 256, false}};
+constexpr size_t kSlotBytes = 512;
+
+struct BucketBuffers {
+  std::vector<std::vector<uint8_t>> send, recv;  // [rank * gathers + gather]
+  std::vector<std::vector<GatherOp>> ops;        // by rank
+
+  BucketBuffers(uint64_t bucket, int nranks) {
+    ops.resize(static_cast<size_t>(nranks));
+    for (int r = 0; r < nranks; ++r)
+      for (size_t g = 0; g < std::size(kBucket); ++g) {
+        const Gather& gather = kBucket[g];
+        send.emplace_back(gather.bytes);
+        recv.emplace_back(gather.bytes * static_cast<size_t>(nranks), 0xee);
+        uint8_t* own = recv.back().data() + static_cast<size_t>(r) * gather.bytes;
+        uint8_t* from = gather.in_place ? own : send.back().data();
+        for (size_t i = 0; i < gather.bytes; ++i) from[i] = pattern(bucket, r, g, i);
+        ops[static_cast<size_t>(r)].push_back(
+            {from, recv.back().data(), gather.bytes, gather.slot_offset});
+      }
+  }
+  // Wrong bytes rank `reader` received.
+  size_t wrong(uint64_t bucket, int reader, int nranks) const {
+    size_t n = 0;
+    for (size_t g = 0; g < std::size(kBucket); ++g) {
+      const std::vector<uint8_t>& got = recv[static_cast<size_t>(reader) * std::size(kBucket) + g];
+      for (int r = 0; r < nranks; ++r)
+        for (size_t i = 0; i < kBucket[g].bytes; ++i)
+          n += got[static_cast<size_t>(r) * kBucket[g].bytes + i] != pattern(bucket, r, g, i);
+    }
+    return n;
+  }
+};
+
+// Every rank queues six buckets before any stream runs: bucket n + 2 reuses bucket n's slot, so
+// a rank whose stream runs ahead overwrites what a slower peer has not read yet, unless it waits
+// for that peer's done. Each order of running the streams must deliver every byte.
+TEST(WindowTransport, BucketsQueuedOnStreamsDeliverEveryByteWhateverOrderTheStreamsRunIn) {
+  constexpr int kRanks = 3;
+  constexpr uint64_t kBuckets = 6;
+  struct Schedule {
+    std::vector<int> order;
+    bool round_robin;
+  };
+  for (const Schedule& schedule : {Schedule{{0, 1, 2}, false}, Schedule{{2, 1, 0}, false},
+                                   Schedule{{1, 0, 2}, false}, Schedule{{0, 1, 2}, true}}) {
+    FakeRanks ranks(kRanks);
+    ranks.join(std::vector<WindowPlan>(kRanks, staging_plan(kSlotBytes)));
+    std::vector<BucketBuffers> buckets;
+    for (uint64_t b = 1; b <= kBuckets; ++b) buckets.emplace_back(b, kRanks);
+    for (int r = 0; r < kRanks; ++r)
+      for (uint64_t b = 1; b <= kBuckets; ++b)
+        ASSERT_EQ(ranks.gather(r, buckets[b - 1].ops[static_cast<size_t>(r)]),
+                  Transport::Served::Moved);
+    ASSERT_TRUE(ranks.run(schedule.order, schedule.round_robin)) << "the streams wait for ever";
+    for (uint64_t b = 1; b <= kBuckets; ++b)
+      for (int r = 0; r < kRanks; ++r)
+        EXPECT_EQ(buckets[b - 1].wrong(b, r, kRanks), 0u)
+            << "bucket " << b << " on rank " << r << ", streams run "
+            << (schedule.round_robin ? "in turn" : "one after the other from rank ")
+            << schedule.order[0];
+  }
+}
+
+// What the CUDA backend turns into cuStreamBatchMemOp and cudaMemcpyBatchAsync calls, in order.
+TEST(WindowTransport, ABucketQueuesItsStepsInTheHandshakesOrder) {
+  FakeRanks ranks(2);
+  ranks.join({staging_plan(kSlotBytes), staging_plan(kSlotBytes)});
+  std::vector<uint8_t> send(100, 1), recv(200, 0), peer_send(100, 2), peer_recv(200, 0);
+  const GatherOp op{send.data(), recv.data(), 100, 64};
+  const GatherOp peer_op{peer_send.data(), peer_recv.data(), 100, 64};
+  const WindowView own = ranks.memory(0).own();
+  const WindowView peer = ranks.memory(1).own();
+  for (uint64_t n = 1; n <= 3; ++n) {
+    ranks.memory(0).events.clear();
+    ranks.gather(0, std::span<const GatherOp>(&op, 1));
+    ranks.gather(1, std::span<const GatherOp>(&peer_op, 1));
+    ASSERT_TRUE(ranks.run());
+    const std::vector<Event>& events = ranks.memory(0).events;
+    const std::string m = std::to_string(n);
+    const size_t slot = (n % 2) * own.slot_stride;
+    std::vector<Event> expected;
+    // Slot n % 2 was read by the peer in bucket n - 2: wait for its done first.
+    if (n > 2)
+      expected.push_back({Event::Kind::Flags, {}, {"wait done[1]>=" + std::to_string(n - 2)}});
+    expected.push_back({Event::Kind::Copies, {{own.region + slot + 64, send.data(), 100}}, {}});
+    expected.push_back({Event::Kind::Flags, {}, {"write r1:ready[0]=" + m, "wait ready[1]>=" + m}});
+    expected.push_back(
+        {Event::Kind::Copies,
+         {{recv.data(), send.data(), 100}, {recv.data() + 100, peer.region + slot + 64, 100}},
+         {}});
+    expected.push_back({Event::Kind::Flags, {}, {"write r1:done[0]=" + m, "write r0:own=" + m}});
+    ASSERT_EQ(events.size(), expected.size()) << "bucket " << n;
+    for (size_t i = 0; i < events.size(); ++i) {
+      EXPECT_EQ(events[i].kind, expected[i].kind) << "bucket " << n << " step " << i;
+      EXPECT_EQ(events[i].copies, expected[i].copies) << "bucket " << n << " step " << i;
+      EXPECT_EQ(events[i].flags, expected[i].flags) << "bucket " << n << " step " << i;
+    }
+    EXPECT_EQ(recv, peer_recv);
+  }
+}
+
+TEST(WindowTransport, AnOwnShardInPlaceIsNotCopiedAndAnEmptyGatherCopiesNothing) {
+  FakeRanks ranks(2);
+  ranks.join({staging_plan(kSlotBytes), staging_plan(kSlotBytes)});
+  std::vector<uint8_t> recv(2 * 64, 0);
+  std::vector<uint8_t> other(8, 0);
+  const GatherOp bucket[] = {{recv.data() + 64, recv.data(), 64, 0},
+                             {other.data(), other.data(), 0, 128}};
+  ranks.gather(1, bucket);
+  const std::vector<Event>& events = ranks.memory(1).events;
+  ASSERT_EQ(events.size(), 4u);
+  // Staged from its place in the receive buffer; read: the peer's part only.
+  EXPECT_EQ(events[0].copies,
+            (std::vector<Copy>{{ranks.memory(1).own().region + ranks.memory(1).own().slot_stride,
+                                recv.data() + 64, 64}}));
+  ASSERT_EQ(events[2].kind, Event::Kind::Copies);
+  ASSERT_EQ(events[2].copies.size(), 1u);
+  EXPECT_EQ(events[2].copies[0].dst, recv.data());
+}
+
+// On a stream nothing of the bucket has run when gather() returns, so a rank that cannot serve
+// throws before queuing anything (its peers wait for it until the abort: ce_transport.h).
+TEST(WindowTransport, AFailingBucketOnAStreamThrowsBeforeQueuingAnything) {
+  FakeRanks ranks(2, {Options::Fault::Where::Gather, 0});
+  ranks.join({staging_plan(kSlotBytes), staging_plan(kSlotBytes)});
+  std::vector<uint8_t> send(64, 3), recv(128, 0);
+  const GatherOp op{send.data(), recv.data(), 64, 0};
+  EXPECT_EQ(kind_of([&] { ranks.gather(0, std::span<const GatherOp>(&op, 1)); }), ErrorKind::Cuda);
+  EXPECT_TRUE(ranks.memory(0).events.empty());
+  EXPECT_TRUE(ranks.stream(0).work.empty());
+}
+
+TEST(WindowTransport, AGatherThatOverflowsItsSlotIsRefusedBeforeItTakesABucketNumber) {
+  FakeRanks ranks(2);
+  ranks.join({staging_plan(kSlotBytes), staging_plan(kSlotBytes)});
+  std::vector<uint8_t> send(kSlotBytes + 1, 3), recv(2 * (kSlotBytes + 1), 0);
+  for (const GatherOp& op : {GatherOp{send.data(), recv.data(), kSlotBytes + 1, 0},
+                             GatherOp{send.data(), recv.data(), 100, kSlotBytes - 99},
+                             GatherOp{send.data(), recv.data(), 1, ~size_t{0}}})
+    EXPECT_EQ(kind_of([&] { ranks.gather(0, std::span<const GatherOp>(&op, 1)); }),
+              ErrorKind::Usage);
+  EXPECT_TRUE(ranks.memory(0).events.empty());
+  // The slot's last byte fits, and is bucket 1.
+  const GatherOp last{send.data(), recv.data(), 1, kSlotBytes - 1};
+  ranks.gather(0, std::span<const GatherOp>(&last, 1));
+  ASSERT_GE(ranks.memory(0).events.size(), 2u);
+  EXPECT_EQ(ranks.memory(0).events[1].flags,
+            (std::vector<std::string>{"write r1:ready[0]=1", "wait ready[1]>=1"}));
+}
+
+TEST(WindowTransport, AttachAndGatherRefuseWhatCannotBeRight) {
+  FakeRanks ranks(2);
+  HandleBlob blobs[2];
+  std::vector<uint8_t> send(8), recv(16);
+  const GatherOp op{send.data(), recv.data(), 8, 0};
+  EXPECT_EQ(kind_of([&] { ranks.transport(0).attach(blobs); }), ErrorKind::Usage);  // unprepared
+  EXPECT_EQ(kind_of([&] { ranks.gather(0, std::span<const GatherOp>(&op, 1)); }), ErrorKind::Usage);
+  WindowPlan zero_copy = staging_plan(64);
+  zero_copy.bound = zero_copy.zero_copy = true;
+  zero_copy.table_room = 1024;
+  zero_copy.bind = {{send.data(), 8, 0}};
+  for (int r = 0; r < 2; ++r) ranks.transport(r).prepare(zero_copy, blobs[r]);
+  EXPECT_EQ(kind_of([&] { ranks.transport(0).attach(std::span<const HandleBlob>(blobs, 1)); }),
+            ErrorKind::Usage);  // one blob for two ranks
+  EXPECT_EQ(kind_of([&] { ranks.transport(0).attach(blobs); }),
+            ErrorKind::Usage);  // zero-copy without the peers' source tables
+  const SourceTable tables[] = {ranks.transport(0).sources(), ranks.transport(1).sources()};
+  ranks.transport(0).attach(blobs, tables);
+  EXPECT_EQ(kind_of([&] { ranks.transport(0).attach(blobs, tables); }), ErrorKind::Usage);  // twice
+  // A gather at a slot offset the plan did not bind.
+  const GatherOp unbound{send.data(), recv.data(), 8, 32};
+  EXPECT_EQ(kind_of([&] { ranks.gather(0, std::span<const GatherOp>(&unbound, 1)); }),
+            ErrorKind::Usage);
+  ranks.transport(0).abandon();
+  EXPECT_EQ(ranks.memory(0).abandoned_at, std::vector<uint64_t>{1});  // the unbound one counted
+  EXPECT_EQ(kind_of([&] { ranks.gather(0, std::span<const GatherOp>(&op, 1)); }), ErrorKind::Usage);
+  ranks.transport(0).release();
+  ASSERT_EQ(ranks.memory(0).releases.size(), 1u);
+  EXPECT_EQ(ranks.memory(0).releases[0].last_bucket, 1u);
+  EXPECT_TRUE(ranks.memory(0).releases[0].attached);
+  EXPECT_TRUE(ranks.memory(0).releases[0].abandoned);
+  // Unattached, an abort has no waits to release.
+  ranks.transport(1).abandon();
+  EXPECT_TRUE(ranks.memory(1).abandoned_at.empty());
+}
+
+TEST(WindowTransport, ABindingThatOverflowsTheRegionIsRefused) {
+  FakeRanks ranks(1);
+  std::vector<uint8_t> send(100);
+  WindowPlan plan = staging_plan(128);
+  plan.bound = true;
+  plan.bind = {{send.data(), 100, 64}};
+  HandleBlob blob;
+  EXPECT_EQ(kind_of([&] { ranks.transport(0).prepare(plan, blob); }), ErrorKind::Usage);
+}
+
+// ---- static weights
+// ------------------------------------------------------------------------------
+
+// Each rank's first shard lies in an allocation the fake exports, its second on the heap: peers
+// read the first where its owner keeps it and the second from the owner's region.
+TEST(WindowTransport, PeersReadExportedShardsInPlaceAndTheOthersFromTheOwnersRegion) {
+  constexpr int kRanks = 3;
+  constexpr size_t kBytes[] = {300, 200};
+  FakeRanks ranks(kRanks);
+  std::vector<std::vector<uint8_t>> allocations, heap, recv;
+  std::vector<WindowPlan> plans;
+  allocations.reserve(kRanks);
+  heap.reserve(kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    allocations.emplace_back(4096);
+    heap.emplace_back(kBytes[1]);
+    ranks.exports().allocations.push_back(
+        {allocations.back().data(), allocations.back().size(), 100u + static_cast<uint64_t>(r)});
+    const uint8_t* shards[] = {allocations.back().data() + 1000, heap.back().data()};
+    WindowPlan plan = staging_plan(512);
+    plan.bound = plan.zero_copy = true;
+    plan.table_room = 4096;
+    for (size_t g = 0; g < 2; ++g) {
+      for (size_t i = 0; i < kBytes[g]; ++i)
+        const_cast<uint8_t*>(shards[g])[i] = pattern(0, r, g, i);
+      plan.bind.push_back({shards[g], kBytes[g], g * 256});
+    }
+    plans.push_back(plan);
+  }
+  ranks.join(plans);
+  for (int r = 0; r < kRanks; ++r) {
+    const WindowMemory m = ranks.transport(r).memory();
+    EXPECT_EQ(m.exported_shards, 1u);
+    EXPECT_EQ(m.bound_shards, 1u);
+    EXPECT_EQ(m.first_refused, 1);
+    EXPECT_EQ(m.refusal, "not in a fake allocation");
+    EXPECT_EQ(m.peer_mappings, 2u);
+  }
+  std::vector<std::vector<GatherOp>> ops(kRanks);
+  for (int r = 0; r < kRanks; ++r)
+    for (size_t g = 0; g < 2; ++g) {
+      recv.emplace_back(kBytes[g] * kRanks, 0xee);
+      ops[static_cast<size_t>(r)].push_back(
+          {plans[static_cast<size_t>(r)].bind[g].sendbuf, recv.back().data(), kBytes[g], g * 256});
+    }
+  for (int r = 0; r < kRanks; ++r) ranks.gather(r, ops[static_cast<size_t>(r)]);
+  // Rank 0's reads: no handshake, its own shards from its send buffers, each peer's exported
+  // shard in the peer's allocation, its bound one at the start of the peer's region (packed).
+  const std::vector<Event>& events = ranks.memory(0).events;
+  ASSERT_EQ(events[0].kind, Event::Kind::Copies);
+  std::vector<Copy> expected;
+  for (size_t g = 0; g < 2; ++g)
+    for (int r = 0; r < kRanks; ++r) {
+      const void* from =
+          r == 0   ? plans[0].bind[g].sendbuf
+          : g == 0 ? static_cast<const void*>(allocations[static_cast<size_t>(r)].data() + 1000)
+                   : ranks.memory(r).own().region;
+      expected.push_back({recv[g].data() + static_cast<size_t>(r) * kBytes[g], from, kBytes[g]});
+    }
+  EXPECT_EQ(events[0].copies, expected);
+  ASSERT_TRUE(ranks.run());
+  for (int reader = 0; reader < kRanks; ++reader)
+    for (size_t g = 0; g < 2; ++g)
+      for (int r = 0; r < kRanks; ++r)
+        for (size_t i = 0; i < kBytes[g]; ++i)
+          ASSERT_EQ(
+              recv[static_cast<size_t>(reader) * 2 + g][static_cast<size_t>(r) * kBytes[g] + i],
+              pattern(0, r, g, i))
+              << "rank " << reader << " reading rank " << r << "'s shard " << g << " byte " << i;
+}
+
+TEST(WindowTransport, ASourceTableNamingBytesOutsideItsExportIsRefusedAtAttach) {
+  FakeRanks ranks(2);
+  std::vector<uint8_t> allocation(1024), other(64);
+  ranks.exports().allocations.push_back({allocation.data(), allocation.size(), 7});
+  WindowPlan plan = staging_plan(64);
+  plan.bound = plan.zero_copy = true;
+  plan.table_room = 1024;
+  plan.bind = {{allocation.data() + 512, 64, 0}};
+  HandleBlob blobs[2];
+  ranks.transport(0).prepare(plan, blobs[0]);
+  plan.bind = {{other.data(), 64, 0}};
+  ranks.transport(1).prepare(plan, blobs[1]);
+  SourceTable tables[] = {ranks.transport(0).sources(), ranks.transport(1).sources()};
+  ASSERT_EQ(tables[0].sources[0].allocation, 0);
+  tables[0].sources[0].offset = 1000;  // 1000 + 64 > 1024
+  EXPECT_EQ(kind_of([&] { ranks.transport(1).attach(blobs, tables); }), ErrorKind::Usage);
+}
+
+// One rank, bound, a check on every call. On a stream the check's lines are copied on the
+// call's stream and compared at a later call, once they have run; a changed shard is then
+// re-bound on that call's stream ahead of its reads. A check falling due while one is in flight
+// is owed, not dropped.
+TEST(WindowTransport, AStreamsCheckIsComparedOnceItsCopiesRanAndReboundAheadOfTheReads) {
+  constexpr size_t kBytes = 1000;
+  FakeRanks ranks(2);
+  std::vector<uint8_t> shard[2], recv[2];
+  std::vector<WindowPlan> plans;
+  for (int r = 0; r < 2; ++r) {
+    shard[r].assign(kBytes, static_cast<uint8_t>(r + 1));
+    recv[r].assign(2 * kBytes, 0);
+    WindowPlan plan = staging_plan(kBytes);
+    plan.bound = true;
+    plan.bind = {{shard[r].data(), kBytes, 0}};
+    plan.verify_first = 100;  // every call
+    plans.push_back(plan);
+  }
+  ranks.join(plans);
+  auto call = [&] {
+    for (int r = 0; r < 2; ++r) {
+      const GatherOp op{shard[r].data(), recv[r].data(), kBytes, 0};
+      ranks.gather(r, std::span<const GatherOp>(&op, 1));
+    }
+  };
+  auto count = [&](Event::Kind kind) {
+    size_t n = 0;
+    for (const Event& e : ranks.memory(0).events) n += e.kind == kind ? 1 : 0;
+    return n;
+  };
+  call();  // call 1: the check's lines queued after the reads
+  EXPECT_EQ(count(Event::Kind::Mark), 1u);
+  EXPECT_TRUE(ranks.transport(0).take_stale_bindings().empty());
+  ASSERT_TRUE(ranks.run());
+  shard[0].assign(kBytes, 0x77);  // a broken promise
+  call();  // call 2: call 1's check compared (unchanged then); its own check queued
+  EXPECT_TRUE(ranks.transport(0).take_stale_bindings().empty());
+  call();  // call 3: call 2's lines have not run, so nothing is compared and no check starts
+  EXPECT_TRUE(ranks.transport(0).take_stale_bindings().empty());
+  EXPECT_EQ(count(Event::Kind::Mark), 2u);
+  ASSERT_TRUE(ranks.run());
+  EXPECT_EQ(recv[1][0], 1);  // rank 1 still read the binding
+  ranks.memory(0).events.clear();
+  call();  // call 4: call 2's check compared: changed, re-bound before the reads
+  EXPECT_EQ(ranks.transport(0).take_stale_bindings(), std::vector<size_t>{0});
+  const std::vector<Event>& events = ranks.memory(0).events;
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events[0].kind, Event::Kind::Rebind);
+  EXPECT_EQ(events[0].copies,
+            (std::vector<Copy>{{ranks.memory(0).own().region, shard[0].data(), kBytes}}));
+  EXPECT_EQ(events[1].kind, Event::Kind::Copies);
+  EXPECT_EQ(count(Event::Kind::Mark), 1u);  // the check owed by call 3 starts
+  ASSERT_TRUE(ranks.run());
+  EXPECT_EQ(recv[1][0], 0x77);  // rank 1 reads the re-bound shard
+  EXPECT_EQ(recv[1][kBytes - 1], 0x77);
+}
+
+// An exported shard has no binding: its check compares the memory the peers read with what the
+// first check saw there, and a buffer the program sends from instead (re-homed) with the same
+// references. Both looks count in checked_bytes.
+TEST(WindowTransport, AnExportedShardChangedInPlaceIsFoundByALaterCheck) {
+  constexpr size_t kBytes = 512;
+  FakeRanks ranks(1);
+  std::vector<uint8_t> allocation(4096, 5), moved(kBytes, 5), recv(kBytes);
+  ranks.exports().allocations.push_back({allocation.data(), allocation.size(), 9});
+  WindowPlan plan = staging_plan(kBytes);
+  plan.bound = plan.zero_copy = true;
+  plan.table_room = 1024;
+  plan.bind = {{allocation.data(), kBytes, 0}};
+  plan.verify_first = 100;
+  ranks.join({plan});
+  auto call = [&](const uint8_t* from) {
+    const GatherOp op{from, recv.data(), kBytes, 0};
+    ranks.gather(0, std::span<const GatherOp>(&op, 1));
+    EXPECT_TRUE(ranks.run());
+    return ranks.transport(0).take_stale_bindings().size();
+  };
+  EXPECT_EQ(call(allocation.data()), 0u);  // the first look: the references
+  const uint64_t one_look = ranks.transport(0).checked_bytes();
+  EXPECT_EQ(one_look, kBytes);        // a shard under 64 KiB: its anchor is all of it
+  EXPECT_EQ(call(moved.data()), 0u);  // call 1's check: the same bytes
+  EXPECT_EQ(ranks.transport(0).checked_bytes(), 3 * one_look);  // call 2's: agreed and re-homed
+  allocation[kBytes - 1] ^= 0xff;
+  EXPECT_EQ(call(allocation.data()), 0u);  // call 2's check: still the same
+  EXPECT_EQ(call(allocation.data()), 1u);  // call 3's check: the change
+  EXPECT_EQ(call(allocation.data()), 0u);  // reported once
+}
+
+}  // namespace
+}  // namespace magi::ce
