@@ -332,15 +332,15 @@ standin_weights_memory_run() {
   done
 }
 
-# A model's shards at scale: 4 ranks of 256 allocations of 4 MiB each (cudaMalloc, as the caching
-# allocator gives a shard of 10 MiB or more a segment of its own), every one read in place (none
-# bound for lack of room in the publish round), the peers' 768 IPC mappings each opened off the
-# program's calls, every byte right.
+# A model's shards at scale: 4 ranks of 256 allocations each (cudaMalloc, as the caching allocator
+# gives a shard of 10 MiB or more a segment of its own; 256 KiB here, to keep the stand-in's own
+# copies short), every one read in place (none bound for lack of room in the publish round), the
+# peers' 768 IPC mappings each opened off the program's calls, every byte right.
 standin_weights_scale_run() {
   local name=mps-weights-256-allocations-static log
   standin_run "$name" 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --arena 1 \
-    --arenas 256 --layers 256 --steps 120 --program swap --swap-step 1000 \
-    --shard-elements $((1024 * 1024)) --report-memory 1
+    --arenas 256 --layers 256 --steps 60 --program swap --swap-step 1000 \
+    --shard-elements $((64 * 1024)) --report-memory 1
   log="$work/$name/log"
   standin_log_check "$name" "every shard read in place" \
     "static weights: 256 gathers: 256 shards exported in place .* in 256 allocations, 0 copied\), 0 bound"
