@@ -543,7 +543,7 @@ void CommAgreement::read_publish(std::span<const uint8_t> all, const Round& roun
   const uint64_t expected_ns = mappings * world_.make.mapping_ns +
                                static_cast<uint64_t>(std::chrono::nanoseconds(delay).count());
   set_up_failed_.clear();
-  set_up_since_ns_ = clock_ns();
+  set_up_unsaid_ = true;
   try {
     set_up_in_background_ = expected_ns > kSetUpAtTheCallNs;
     if (set_up_in_background_)
@@ -566,9 +566,9 @@ void CommAgreement::confirm(uint64_t decision_hash, uint64_t seq) {
     case Serving::SetUp::Running: confirm.header.flags |= kCanServe | kSettingUp; break;
     case Serving::SetUp::Done: {
       confirm.header.flags |= kCanServe;
-      if (set_up_since_ns_ == 0) break;  // said at an earlier confirm
+      if (!set_up_unsaid_) break;  // said at an earlier confirm
       const ce::WindowMemory m = serving_.memory();
-      const double set_up_ms = static_cast<double>(clock_ns() - set_up_since_ns_) / 1e6;
+      const double set_up_ms = static_cast<double>(serving_.set_up_ns()) / 1e6;
       const char* where = set_up_in_background_ ? "off the program's calls" : "at the call";
       if (m.peer_mappings != 0)
         MAGI_INFO(Transport,
@@ -578,7 +578,7 @@ void CommAgreement::confirm(uint64_t decision_hash, uint64_t seq) {
       else if (set_up_in_background_)
         MAGI_INFO(Transport, "comm %012llx: opened the peers' windows (set-up %.1f ms, %s)",
                   short_id(info_.identity), set_up_ms, where);
-      set_up_since_ns_ = 0;
+      set_up_unsaid_ = false;
       RoundStamp stamp;
       stamp.comm_id = info_.identity;
       stamp.rank = info_.rank;

@@ -234,9 +234,9 @@ class CommAgreement {
   RefinedStep refined_;
   std::unique_ptr<Round> pending_;
   RoundBuffers buffers_;  // the rounds' buffers, reused
-  // The plan's set-up off the program's calls (Serving::begin_attach): when it began (0 once
-  // said done), and why it failed ("" while it has not).
-  uint64_t set_up_since_ns_ = 0;
+  // The plan's set-up (Serving::begin_attach or attach_now): whether its end is yet to be said
+  // (INFO, the trace's window record), and why it failed ("" while it has not).
+  bool set_up_unsaid_ = false;
   std::string set_up_failed_;
   bool set_up_in_background_ = false;
   // A confirm read pending (some rank still setting up) is asked again at confirm_due_step_.

@@ -1,5 +1,7 @@
 #include "rewrite/serving.h"
 
+#include "base/clock.h"
+
 #include <algorithm>
 #include <exception>
 #include <string>
@@ -200,12 +202,20 @@ void Serving::begin_attach(std::span<const ce::HandleBlob> handles,
   }
 }
 
+void Serving::attach_now(std::span<const ce::HandleBlob> handles,
+                         std::span<const ce::SourceTable> tables) {
+  const uint64_t began = clock_ns();
+  transport_->attach(handles, tables);
+  set_up_ns_ = clock_ns() - began;
+}
+
 Serving::SetUp Serving::poll_set_up(std::string& error) {
   std::lock_guard<std::mutex> lock(transport_mutex_);
   if (!set_up_) return transport_ ? SetUp::Done : SetUp::Failed;
   const SetUpJob::State state = set_up_->state();
   if (state == SetUpJob::State::Running) return SetUp::Running;
   error = set_up_->error();
+  set_up_ns_ = set_up_->took_ns();
   transport_ = set_up_->take();
   set_up_.reset();
   return state == SetUpJob::State::Done ? SetUp::Done : SetUp::Failed;

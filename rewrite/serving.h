@@ -106,14 +106,13 @@ class Serving {
   void begin_attach(std::span<const ce::HandleBlob> handles,
                     std::span<const ce::SourceTable> tables, std::chrono::milliseconds delay);
   // The same, at once, on the calling thread (a set-up cheaper than kSetUpAtTheCallNs).
-  void attach_now(std::span<const ce::HandleBlob> handles,
-                  std::span<const ce::SourceTable> tables) {
-    transport_->attach(handles, tables);
-  }
+  void attach_now(std::span<const ce::HandleBlob> handles, std::span<const ce::SourceTable> tables);
   enum class SetUp : uint8_t { Running, Done, Failed };
   // Never waits. Done: the transport is back, attached; Failed: `error` says why (the transport
   // is back, unattached, for drop()). Done also once it was taken back earlier.
   SetUp poll_set_up(std::string& error);
+  // How long the last set-up took where it ran (0 before the first).
+  uint64_t set_up_ns() const { return set_up_ns_; }
   size_t window_bytes() const { return transport_ ? transport_->window_bytes() : 0; }
   ce::WindowMemory memory() const { return transport_ ? transport_->memory() : ce::WindowMemory{}; }
   void drop();
@@ -139,6 +138,7 @@ class Serving {
   const ncclComm_t comm_;
   std::unique_ptr<ce::Transport> transport_;
   std::unique_ptr<SetUpJob> set_up_;  // while it runs, it holds the transport
+  uint64_t set_up_ns_ = 0;
   // Held where transport_ or set_up_ is replaced or dropped, and by abandon(), which may come
   // from another thread; the calling thread itself reads transport_ without it.
   std::mutex transport_mutex_;

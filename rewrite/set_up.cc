@@ -41,6 +41,7 @@ std::unique_ptr<SetUpJob> SetUpJob::attach(std::unique_ptr<ce::Transport> transp
 void SetUpJob::run(std::vector<ce::HandleBlob> handles, std::vector<ce::SourceTable> tables,
                    std::chrono::milliseconds delay) noexcept {
   State done = State::Done;
+  const auto began = std::chrono::steady_clock::now();
   try {
     if (delay.count() > 0) std::this_thread::sleep_for(delay);
     transport_->attach(handles, tables);
@@ -51,6 +52,9 @@ void SetUpJob::run(std::vector<ce::HandleBlob> handles, std::vector<ce::SourceTa
     error_ = "an unknown exception";
     done = State::Failed;
   }
+  took_ns_ = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - began)
+          .count());
   if (orphaned_.load(std::memory_order_acquire)) {
     // Nobody takes it: released here, off every program call.
     try {

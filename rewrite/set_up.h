@@ -45,6 +45,8 @@ class SetUpJob {
   std::unique_ptr<ce::Transport> take();
   // Failed: why.
   const std::string& error() const { return error_; }
+  // Once not Running: how long the set-up took on its thread (not how long until it was asked).
+  uint64_t took_ns() const { return took_ns_; }
 
  private:
   SetUpJob() = default;
@@ -53,6 +55,7 @@ class SetUpJob {
 
   std::unique_ptr<ce::Transport> transport_;
   std::string error_;
+  uint64_t took_ns_ = 0;
   std::atomic<State> state_{State::Running};
   std::atomic<bool> orphaned_{false};
   std::thread thread_;

@@ -2,7 +2,7 @@
 //         [--rehome-rank R --rehome-step K [--rehome-other 1] [--rehome-reuse 1]] [--device 1]
 //         [--arena 1 [--arenas N]] [--vmm 1] [--report-memory 1] [--shard-elements N]
 //         [--swap-rank R]
-//         [--errors-expected 1]
+//         [--errors-expected 1] [--report-slowest 1]
 //
 // Weights that never change after load, gathered every step in the ways a program may hold
 // them, for MAGI_STATIC_WEIGHTS=1 (whose promise each one keeps: the gathered contents never
@@ -41,11 +41,15 @@
 // --errors-expected 1: a gather may return an error and receive wrong bytes, as long as the
 // rank learns of it: at the end, every rank with a wrong byte must have had an error from a
 // gather or from ncclCommGetAsyncError, else the run fails ("silent").
+// --report-slowest 1 prints the longest time one ncclAllGather call took on this rank, host
+// time, and its step ("rank R: slowest gather call: <us> us (step S)"): whether any call waited
+// for the library's set-up.
 // --report-memory 1 (with --device 1) prints the device's free memory to stderr once every rank
 // has loaded and joined ("device memory free before: <bytes>") and after the last step, before
 // the communicator goes ("device memory free after: <bytes>"), between all-reduces that keep
 // every rank from allocating or freeing while another reads it. All ranks share the GPU: the
 // difference is what the whole job allocated on the way, for every rank together.
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -150,6 +154,9 @@ int run_weights(const ScenarioOptions& options) {
   const bool rehome_other = options.number("rehome-other", 0) != 0;
   const bool rehome_reuse = options.number("rehome-reuse", 0) != 0;
   const bool report_memory = options.number("report-memory", 0) != 0;
+  const bool report_slowest = options.number("report-slowest", 0) != 0;
+  std::chrono::steady_clock::duration slowest{};  // the longest ncclAllGather call, host time
+  int slowest_step = -1;
   if (layers < 2) throw ScenarioFailure("--layers must be at least 2");
   if (program != "reused" && program != "swap" && program != "alternate" && program != "rehome")
     throw ScenarioFailure("unknown --program " + program);
@@ -246,8 +253,14 @@ int run_weights(const ScenarioOptions& options) {
       // Poisoned before every call, so a byte the gather did not write cannot pass as right.
       std::memset(recv.host(), 0xee, recv.bytes());
       recv.upload(0, recv.bytes());
+      const auto called = std::chrono::steady_clock::now();
       const ncclResult_t gathered =
           gather_layer(send->nccl(), recv.nccl(), shard_elements, comm, stream);
+      const auto took = std::chrono::steady_clock::now() - called;
+      if (took > slowest) {
+        slowest = took;
+        slowest_step = step;
+      }
       if (!errors_expected) check(gathered, "ncclAllGather");
       if (gathered != ncclSuccess && failed_gathers++ == 0)
         std::fprintf(stderr, "rank %d: step %d position %d: ncclAllGather returned %s\n", me, step,
@@ -264,6 +277,9 @@ int run_weights(const ScenarioOptions& options) {
     }
     count_ranks(step);
   }
+  if (report_slowest)
+    std::fprintf(stderr, "rank %d: slowest gather call: %.1f us (step %d)\n", me,
+                 std::chrono::duration<double, std::micro>(slowest).count(), slowest_step);
   if (report_memory) {
     count_ranks(steps);
     std::fprintf(stderr, "device memory free after: %zu\n", free_device_memory());
