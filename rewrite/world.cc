@@ -23,8 +23,10 @@ AgreementWorld production_world(const RealNcclCalls& nccl) {
     return ce::make_exchange(where, bytes, info.nranks, info.cuda_device);
   };
   make.timer = [backend] { return ce::make_timer(backend); };
-  // Measured: cudaIpcOpenMemHandle takes about 3.4 ms on an H200; mapping a /dev/shm file, µs.
-  make.mapping_ns = backend == ce::Backend::Cuda ? 3'400'000 : 10'000;
+  // Measured on an H200: cudaIpcOpenMemHandle of a 4 MiB allocation, 0.056 ms in one process,
+  // 0.12 ms with four processes opening at once (BENCHMARKS.md); mapping a /dev/shm file, µs.
+  // So the default mode's windows (one per peer) stay at the call up to 8 ranks.
+  make.mapping_ns = backend == ce::Backend::Cuda ? 120'000 : 10'000;
   make.locality = [backend](const capture::CommInfo& info) {
     return ce::local_locality(backend, info.cuda_device);
   };
