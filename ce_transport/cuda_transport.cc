@@ -646,12 +646,17 @@ class CudaTransport final : public Transport {
     cuda_check(state, "cudaEventQuery (verify)");
     const GatherOp& op = check_.op;
     const auto* host = static_cast<const uint8_t*>(host_check_);
+    const bool elsewhere = exports::sent_elsewhere(op, bind_[check_.index]);
     if (!check_.in_place) {
       if (std::memcmp(host, host + kCheckSet, check_.anchor.bytes()) != 0 ||
           std::memcmp(host + 2 * kCheckSet, host + 3 * kCheckSet, check_.sweep.bytes()) != 0) {
-        cuda_check(cudaMemcpyAsync(region() + sources_.table.sources[check_.index].offset,
-                                   op.sendbuf, op.bytes, cudaMemcpyDefault, stream),
-                   "cudaMemcpyAsync (re-bind)");
+        // Sent from elsewhere: the peers read bytes that call did not send (exports.h).
+        if (elsewhere)
+          log_.mark_broken(sequence_.load(), bind_[check_.index].slot_offset);
+        else
+          cuda_check(cudaMemcpyAsync(region() + sources_.table.sources[check_.index].offset,
+                                     op.sendbuf, op.bytes, cudaMemcpyDefault, stream),
+                     "cudaMemcpyAsync (re-bind)");
         stale_.push_back(op.slot_offset);
       }
       return;
@@ -666,14 +671,16 @@ class CudaTransport final : public Transport {
     if (check_.reference_copied) {
       look(host, check_.anchor, true);
       look(host + 2 * kCheckSet, check_.sweep, true);
-      // Sent from elsewhere, and what the peers read changed under them: the allocator gave the
-      // block to another tensor. The promise held; the peers must still hear of it.
-      if (!same && check_.shard_copied) log_.mark_broken(sequence_.load(), op.slot_offset);
     }
     if (check_.shard_copied) {
       look(host + kCheckSet, check_.anchor, false);
       look(host + 3 * kCheckSet, check_.sweep, false);
     }
+    // Sent from elsewhere (or the exported allocation is gone), and the bytes differ: the
+    // allocator gave the block the peers read to another tensor, or the call's shard is not the
+    // one they read. The promise may have held; the peers must still hear of it.
+    if (!same && (elsewhere || !check_.reference_copied))
+      log_.mark_broken(sequence_.load(), bind_[check_.index].slot_offset);
     if (!same) stale_.push_back(op.slot_offset);
   }
 

@@ -372,10 +372,14 @@ class HostTransport final : public Transport {
       uint8_t* region = own_.data() + slots_at_ + source.offset;
       if (same_lines(shard, region, anchor) && (!sweeps || same_lines(shard, region, sweep)))
         return true;
-      std::memcpy(region, shard, op.bytes);
+      // Sent from elsewhere: the peers read bytes this call does not send (exports.h).
+      if (exports::sent_elsewhere(op, bind_[i]))
+        log_.mark_broken(sequence_, bind_[i].slot_offset);
+      else
+        std::memcpy(region, shard, op.bytes);
       return false;
     }
-    return check_in_place(i, shard, anchor, sweeps ? sweep : SampleSet{});
+    return check_in_place(op, i, shard, anchor, sweeps ? sweep : SampleSet{});
   }
 
   // An exported shard has no binding: the peers read the agreed source in place. It must still
@@ -383,7 +387,7 @@ class HostTransport final : public Transport {
   // to another tensor, fails this), unless its allocation is gone: then the peers' mappings keep
   // the old pages (exports.h). A call that sends another buffer (a re-homed shard) must send the
   // same bytes too. Each set is compared by its hash with the first look at it.
-  bool check_in_place(size_t i, const uint8_t* shard, const SampleSet& anchor,
+  bool check_in_place(const GatherOp& op, size_t i, const uint8_t* shard, const SampleSet& anchor,
                       const SampleSet& sweep) {
     const auto* agreed = static_cast<const uint8_t*>(bind_[i].sendbuf);
     const uint16_t allocation = sources_.table.sources[i].allocation;
@@ -398,16 +402,18 @@ class HostTransport final : public Transport {
     if (alive) {
       look(agreed, anchor);
       look(agreed, sweep);
-      // The program sends from elsewhere now, and what the peers read changed under them: the
-      // allocator gave the block to another tensor. The promise held; this rank's peers still
-      // read wrong bytes, and must hear of it (source_log.h).
-      if (!same && shard != agreed) log_.mark_broken(sequence_, bind_[i].slot_offset);
     }
     if (shard != agreed || !alive) {
       // Compared only with references the agreed source set: a re-homed shard is not its own.
       if (references_.has(i, anchor.first)) look(shard, anchor);
       if (sweep.lines() != 0 && references_.has(i, sweep.first)) look(shard, sweep);
     }
+    // The program sends from elsewhere now (re-homed, another position's shard, or a new
+    // allocation at the old address), and the bytes differ: the allocator gave the block the
+    // peers read to another tensor, or the call's shard is not the one they read. The promise may
+    // have held; this rank's peers still read wrong bytes, and must hear of it (source_log.h).
+    if (!same && (!alive || exports::sent_elsewhere(op, bind_[i])))
+      log_.mark_broken(sequence_, bind_[i].slot_offset);
     return same;
   }
 
