@@ -753,6 +753,29 @@ TEST(Agreement, StaticWeightsRehomedToOtherBytesAreReportedOnEveryRank) {
         << r.log;
 }
 
+// With MAGI_WARMUP_STEPS=1, a step of identical shapes (by shapes one position, sending each
+// layer's buffer in turn) was bound from one look at that position: to whichever layer came
+// last, and every other layer's call read that binding (wrong bytes on every rank, with at most
+// a WARN on some). A static binding takes two looks alike, so the ranks refine the step first
+// and bind each layer at its own position: exact, with a shard re-homed on one rank, or every
+// shard moving to a new buffer each step until step 12.
+TEST(Agreement, StaticWeightsOfIdenticalShapesAreNotBoundFromOneLook) {
+  for (const std::vector<std::string>& extra : {std::vector<std::string>{},
+                                                {"--newbuf-rank", "1", "--newbuf-step", "10"},
+                                                {"--settle-step", "12"}}) {
+    std::vector<std::string> args = {"fsdp", "--layers", "5", "--steps", "40", "--uniform", "1"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    SCOPED_TRACE(extra.empty() ? std::string("plain") : extra[0]);
+    const AgreedRun r =
+        run_agreed(3, args, {{"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_WARMUP_STEPS", "1"}});
+    ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+    expect_ranks_agree(r);
+    EXPECT_EQ(r.log.find(" WARN "), std::string::npos) << transcript(r);
+    for (const auto& [rank, v] : r.comms.begin()->second)
+      EXPECT_GE(v.moved.size(), 5u * 10) << "rank " << rank << "\n" << transcript(r);
+  }
+}
+
 // A transport that fails on one rank, where a CUDA error could: every rank ends up on NCCL, at
 // the same call, and the program never notices.
 TEST(Agreement, ATransportThatCannotPrepareOrAttachKeepsEveryRankOnNccl) {
