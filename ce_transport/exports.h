@@ -98,6 +98,16 @@ class SampleReferences {
   std::vector<std::unordered_map<size_t, uint64_t>> references_;
 };
 
+// Whether `op` sends its shard from another buffer than `binding`'s (a re-homed shard) or reads
+// `binding` for another position (keyed by tensor: rewrite/serving.h, BoundSources). Its check
+// then compares two things that the static-weights promise alone does not make equal, and a
+// mismatch means the peers read bytes this call does not send: never a rewrite in place, always
+// reported on every rank (source_log.h). And the binding, another position's or the one the
+// buffer was re-homed from, is never re-bound from this buffer.
+inline bool sent_elsewhere(const GatherOp& op, const BindOp& binding) {
+  return op.sendbuf != binding.sendbuf || op.own_offset != GatherOp::kOwn;
+}
+
 // XXH3 of the lines of `set`, packed one after the other as the CUDA backend copies them.
 uint64_t hash_packed(const uint8_t* packed, const SampleSet& set);
 // The same hash, of the lines read in place from a shard.

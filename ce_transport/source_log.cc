@@ -76,10 +76,10 @@ std::string SourceLog::check() {
     if (broken == 0) continue;
     reported_ = true;
     return "rank " + std::to_string(r) + " found, at its moved gather #" + std::to_string(broken) +
-           ", that the memory its peers read for the gather at slot offset " +
+           ", that what its peers read for the gather at slot offset " +
            std::to_string(window(r).flag(kBrokenOffset).load(std::memory_order_relaxed)) +
-           " had changed (rewritten, or freed and given to another tensor): peers may have read "
-           "wrong bytes";
+           " is not what it sends there (the memory freed and given to another tensor, or a "
+           "shard moved to a block another layer had): peers may have read wrong bytes";
   }
   uint64_t common = ~uint64_t{0};
   for (int r = 0; r < nranks_; ++r)

@@ -13,8 +13,10 @@
 // publishes it per call, with plain stores into shared host memory; every rank compares the
 // hashes of all ranks at the last call all of them have passed, at its own later calls and
 // whenever the program asks for the communicator's asynchronous error. A difference, or a peer
-// that found the memory its peers read changed, is reported once on every rank, which turns
-// into ncclRemoteError there (rewrite/serving.h). Nobody waits for anybody: the cost of a call
+// that found its peers read other bytes than a call of its sent from elsewhere (the memory they
+// read given to another tensor, a shard re-homed to a block another layer had or to other
+// bytes: exports.h, sent_elsewhere), is reported once on every rank, which turns into
+// ncclRemoteError there (rewrite/serving.h). Nobody waits for anybody: the cost of a call
 // is a few stores, and of a comparison a few loads per peer.
 //
 // Layout (a HostWindow of its own per rank and plan, opened by every peer): the head, then
@@ -55,7 +57,8 @@ class SourceLog {
   void deviate(uint64_t call, size_t own_offset, size_t read_offset);
   // Call `call` is queued: publishes the running hash.
   void publish(uint64_t call);
-  // This rank found the memory its peers read for the gather at `slot_offset` changed.
+  // This rank found that its peers read, for the gather at `slot_offset`, other bytes than it
+  // sends there.
   void mark_broken(uint64_t call, size_t slot_offset);
 
   // The first disagreement found, described, once; "" otherwise. Any thread.

@@ -391,13 +391,19 @@ class WindowTransport final : public Transport {
     }
     const GatherOp& op = check_.op;
     const uint8_t* host = memory_->check_buffer();
+    const bool elsewhere = exports::sent_elsewhere(op, bind_[check_.index]);
     if (!check_.in_place) {
       if (std::memcmp(host, host + kCheckSetBytes, check_.anchor.bytes()) != 0 ||
           std::memcmp(host + 2 * kCheckSetBytes, host + 3 * kCheckSetBytes, check_.sweep.bytes()) !=
               0) {
-        memory_->rebind(
-            {own_.region + sources_.table.sources[check_.index].offset, op.sendbuf, op.bytes},
-            stream);
+        // Sent from elsewhere: the peers read bytes this call did not send (exports.h); the
+        // binding is never re-bound from another buffer.
+        if (elsewhere)
+          log_.mark_broken(sequence_.load(), bind_[check_.index].slot_offset);
+        else
+          memory_->rebind(
+              {own_.region + sources_.table.sources[check_.index].offset, op.sendbuf, op.bytes},
+              stream);
         stale_.push_back(op.slot_offset);
       }
       return;
@@ -412,14 +418,16 @@ class WindowTransport final : public Transport {
     if (check_.reference_copied) {
       look(host, check_.anchor, true);
       look(host + 2 * kCheckSetBytes, check_.sweep, true);
-      // Sent from elsewhere, and what the peers read changed under them: the allocator gave the
-      // block to another tensor. The promise held; the peers must still hear of it.
-      if (!same && check_.shard_copied) log_.mark_broken(sequence_.load(), op.slot_offset);
     }
     if (check_.shard_copied) {
       look(host + kCheckSetBytes, check_.anchor, false);
       look(host + 3 * kCheckSetBytes, check_.sweep, false);
     }
+    // Sent from elsewhere (or the exported allocation is gone), and the bytes differ: the
+    // allocator gave the block the peers read to another tensor, or the call's shard is not the
+    // one they read. The promise may have held; the peers must still hear of it (source_log.h).
+    if (!same && (elsewhere || !check_.reference_copied))
+      log_.mark_broken(sequence_.load(), bind_[check_.index].slot_offset);
     if (!same) stale_.push_back(op.slot_offset);
   }
 

@@ -121,6 +121,12 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   seen_.observe(position, facts, backend_);
 
   const bool capturing = (record.flags & trace::kCallCapturing) != 0;  // asked for gathers
+  const uint64_t send_bytes = args.count * datatype_bytes(static_cast<uint8_t>(args.dtype));
+  // Static weights, a plan bound and not active yet: where its shards live follows every call.
+  if (!active_ && gather && !sources_.empty() && view.digest == step_digest_ &&
+      position < layout_.offset_by_position.size() &&
+      layout_.offset_by_position[position] != SIZE_MAX)
+    sources_.observe(position, record.sendbuf, send_bytes, layout_.offset_by_position[position]);
   if (committing_ && !capturing && view.digest == step_digest_)
     return route_while_committing(position, gather);
   if (active_ && !capturing && view.digest == active_digest_ && gather &&
@@ -131,10 +137,11 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
       if (trial_.sends_to_nccl(policy_.steps())) kind = Route::Kind::TrialNccl;
       Route route{kind, offset, layout_.bucket_by_position[position]};
       route.plan = active_plan_;
+      if (kind != Route::Kind::Move && !sources_.empty())
+        sources_.observe(position, record.sendbuf, send_bytes, offset);
       if (kind == Route::Kind::Move && !sources_.empty()) {
         const BoundSources::Found found =
-            sources_.find(position, record.sendbuf,
-                          args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)), offset);
+            sources_.find(position, record.sendbuf, send_bytes, offset);
         route.slot_offset = found.slot_offset;
         route.verify_now = found.verify_now;
         if (found.other_source) route.own_offset = offset;
@@ -230,6 +237,7 @@ void CommAgreement::abandon_pending(uint64_t seq) {
   }
   confirm_waiting_ = false;  // its plan goes with the step
   confirms_waited_ = 0;
+  if (!active_) sources_.clear();  // a plan being committed ends with its round
   if (!pending_) return;
   record(pending_->kind, trace::RoundEvent::Abandoned, seq, AgreementMode::None, Reason::Deviated,
          0);
@@ -393,6 +401,7 @@ void CommAgreement::read_voted_no(Round& round, uint64_t seq) {
       committing_ = false;
       trial_.stop();
       serving_.drop();
+      sources_.clear();
       policy_.retry_soon();
       break;
   }
@@ -526,6 +535,7 @@ void CommAgreement::read_publish(std::span<const uint8_t> all, const Round& roun
     committing_ = false;
     trial_.stop();
     serving_.drop();
+    sources_.clear();
     policy_.retry_soon();
     return;
   }
@@ -559,6 +569,17 @@ void CommAgreement::read_publish(std::span<const uint8_t> all, const Round& roun
 void CommAgreement::confirm(uint64_t decision_hash, uint64_t seq) {
   Contribution confirm = header_for(RoundKind::Confirm);
   confirm.header.decision_hash = decision_hash;
+  if (sources_.changed()) {
+    // A shard moved since the publish copied or exported it: what the peers would read may be
+    // another tensor's. Every rank reads this refusal at the same call.
+    MAGI_INFO(Transport,
+              "comm %012llx round %u: static weights: a gather's send buffer changed while the "
+              "plan was committed; this rank does not confirm it",
+              short_id(info_.identity), decision_round_);
+    confirm.header.reason = static_cast<uint8_t>(Reason::BindingChanged);
+    issue(RoundKind::Confirm, confirm, seq);
+    return;
+  }
   std::string error = set_up_failed_;
   const Serving::SetUp set_up =
       error.empty() ? serving_.poll_set_up(error) : Serving::SetUp::Failed;
@@ -629,6 +650,7 @@ void CommAgreement::read_confirm(std::span<const uint8_t> all, const Round& roun
               short_id(info_.identity), round.number,
               std::string(trace::reason_name(c.reason)).c_str());
     serving_.drop();
+    sources_.clear();
   }
   schedule_after(!c.agreed || decision_.retry_soon);
 }

@@ -310,8 +310,11 @@ CommitOutcome decide_commit(std::span<const uint8_t> all, int nranks, RoundKind 
       return out;
     }
     if (!(x.header.flags & kCanServe)) {
-      out.reason =
-          x.header.flags & kIssuedInGroup ? Reason::AnchorInGroup : Reason::TransportFailed;
+      // The first refusing rank's reason, where it gave one.
+      out.reason = x.header.flags & kIssuedInGroup ? Reason::AnchorInGroup
+                   : x.header.reason == static_cast<uint8_t>(Reason::BindingChanged)
+                       ? Reason::BindingChanged
+                       : Reason::TransportFailed;
       return out;
     }
   }

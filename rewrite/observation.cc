@@ -161,6 +161,11 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
   // Buckets: the gathers of one group share one; an ungrouped gather is a bucket of its own.
   std::map<uint32_t, uint16_t> bucket_of_key;
   const std::vector<bool> overlaps = overlapping_sends(positions_);
+  // A static binding names the buffer a position sent: one look cannot tell a buffer of its own
+  // from one of several it takes turns with (a step of identical shapes, before it is refined to
+  // one position per layer), so it takes two alike whatever MAGI_WARMUP_STEPS says.
+  const auto warmup = static_cast<uint64_t>(options.warmup_steps);
+  const uint64_t stable_needed = keyed_on_buffers_ ? std::max<uint64_t>(warmup, 2) : warmup;
   for (uint32_t pos = 0; pos < positions_.size(); ++pos) {
     const PositionSeen& p = positions_[pos];
     if (p.op != static_cast<uint8_t>(trace::Op::AllGather)) continue;
@@ -176,7 +181,7 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
     e.flags = (overlaps[pos] ? kEntryBufferReused : 0u) | (p.in_place ? kEntryInPlace : 0u);
     Reason why = Reason::None;
     const uint64_t min_bytes = options.symm_min_shard_bytes;
-    if (p.stable_steps < static_cast<uint64_t>(options.warmup_steps))
+    if (p.stable_steps < stable_needed)
       why = Reason::NotStable;
     else if (Reason m = memory_refusal(identity(p.send, p.sendbuf, backend), backend);
              m != Reason::None)

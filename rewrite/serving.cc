@@ -32,6 +32,20 @@ ce::WindowPlan window_plan(const Decision& decision, const StepObservation& seen
   return plan;
 }
 
+namespace {
+
+struct HomeKey {
+  uint64_t sendbuf;
+  uint64_t bytes;
+};
+
+template <class A, class B>
+bool home_order(const A& a, const B& b) {
+  return std::tie(a.sendbuf, a.bytes) < std::tie(b.sendbuf, b.bytes);
+}
+
+}  // namespace
+
 void BoundSources::reset(const Decision& decision, const StepObservation& seen,
                          const SlotLayout& layout) {
   clear();
@@ -39,37 +53,68 @@ void BoundSources::reset(const Decision& decision, const StepObservation& seen,
   for (const GatherDecision& g : decision.gathers) {
     if (!g.moves) continue;
     const PositionSeen& p = seen.at(g.position);
-    by_buffer_.push_back(
+    homes_.push_back(
         {p.sendbuf, p.count * datatype_bytes(p.dtype), layout.offset_by_position[g.position]});
   }
-  std::sort(by_buffer_.begin(), by_buffer_.end(), [](const Source& a, const Source& b) {
-    return std::tie(a.sendbuf, a.bytes) < std::tie(b.sendbuf, b.bytes);
-  });
-  checked_since_.assign(seen.period(), 0);
+  std::sort(homes_.begin(), homes_.end(), home_order<Home, Home>);
+  other_checked_.assign(seen.period(), 0);
+  owed_.assign(seen.period(), false);
 }
 
 void BoundSources::clear() {
-  by_buffer_.clear();
-  checked_since_.clear();
+  homes_.clear();
+  other_checked_.clear();
+  owed_.clear();
+  changed_ = false;
+}
+
+void BoundSources::observe(uint32_t position, uint64_t sendbuf, uint64_t bytes,
+                           size_t slot_offset) {
+  const bool owed = look_up(position, sendbuf, bytes, slot_offset).verify_now;
+  if (owed && position < owed_.size()) owed_[position] = true;
 }
 
 BoundSources::Found BoundSources::find(uint32_t position, uint64_t sendbuf, uint64_t bytes,
                                        size_t slot_offset) {
+  Found found = look_up(position, sendbuf, bytes, slot_offset);
+  if (position < owed_.size() && owed_[position]) {
+    owed_[position] = false;
+    found.verify_now = true;
+  }
+  return found;
+}
+
+BoundSources::Found BoundSources::look_up(uint32_t position, uint64_t sendbuf, uint64_t bytes,
+                                          size_t slot_offset) {
+  const HomeKey key{sendbuf, bytes};
   const auto it =
-      std::lower_bound(by_buffer_.begin(), by_buffer_.end(), std::tie(sendbuf, bytes),
-                       [](const Source& s, const std::tuple<uint64_t&, uint64_t&>& key) {
-                         return std::tie(s.sendbuf, s.bytes) < key;
-                       });
-  if (it != by_buffer_.end() && it->sendbuf == sendbuf && it->bytes == bytes) {
-    if (position < checked_since_.size()) checked_since_[position] = 0;
-    return {it->slot_offset, false, it->slot_offset != slot_offset};
+      std::lower_bound(homes_.begin(), homes_.end(), key,
+                       [](const Home& h, const HomeKey& k) { return home_order(h, k); });
+  if (it != homes_.end() && it->sendbuf == sendbuf && it->bytes == bytes) {
+    if (it->slot_offset == slot_offset) return {slot_offset, false, false};
+    changed_ = true;
+    bool verify = false;
+    if (position < other_checked_.size() && other_checked_[position] != sendbuf) {
+      other_checked_[position] = sendbuf;
+      verify = true;
+    }
+    return {it->slot_offset, verify, true};
   }
-  bool verify = false;
-  if (position < checked_since_.size() && checked_since_[position] != sendbuf) {
-    checked_since_[position] = sendbuf;
-    verify = true;
+  // Re-homed: this position's shard lives here from now on. The homes stay sorted by moving the
+  // one entry to its new place (no allocation).
+  changed_ = true;
+  const auto own = std::find_if(homes_.begin(), homes_.end(),
+                                [&](const Home& h) { return h.slot_offset == slot_offset; });
+  if (own != homes_.end()) {
+    own->sendbuf = sendbuf;
+    own->bytes = bytes;
+    const auto after = [](const HomeKey& k, const Home& h) { return home_order(k, h); };
+    if (own != homes_.begin() && home_order(*own, *(own - 1)))
+      std::rotate(std::upper_bound(homes_.begin(), own, key, after), own, own + 1);
+    else if (own + 1 != homes_.end() && home_order(*(own + 1), *own))
+      std::rotate(own, own + 1, std::upper_bound(own + 1, homes_.end(), key, after));
   }
-  return {slot_offset, verify, false};
+  return {slot_offset, true, false};
 }
 
 Serving::Serving(const AgreementWorld& world, const capture::CommInfo& info, ncclComm_t comm)
@@ -108,14 +153,17 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<cons
     }
     moved = true;
     if (std::string what = transport_->take_disagreement(); !what.empty()) disagreement(what);
+    // Once the error is reported, a change the same check found is part of it: no WARN of its own.
+    const bool reported = async_error_.load(std::memory_order_relaxed) != ncclSuccess;
     for (const size_t offset : transport_->take_stale_bindings()) {
       for (uint32_t p = 0; p < layout.offset_by_position.size(); ++p) {
         if (layout.offset_by_position[p] != offset) continue;
-        MAGI_WARN(Transport,
-                  "comm %012llx: MAGI_STATIC_WEIGHTS=1, but the shard of the gather at "
-                  "position %u changed after it was bound; peers may have read stale or "
-                  "half-written bytes. It goes back to NCCL at the next agreement round",
-                  short_id(info_.identity), p);
+        if (!reported)
+          MAGI_WARN(Transport,
+                    "comm %012llx: MAGI_STATIC_WEIGHTS=1, but the shard of the gather at "
+                    "position %u changed after it was bound; peers may have read stale or "
+                    "half-written bytes. It goes back to NCCL at the next agreement round",
+                    short_id(info_.identity), p);
         stale_positions_.push_back(p);
       }
     }

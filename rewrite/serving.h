@@ -34,49 +34,66 @@ struct NcclGather {
 ce::WindowPlan window_plan(const Decision& decision, const StepObservation& seen,
                            const SlotLayout& layout, const Options& options);
 
-// Static weights: where each bound position's shard was copied from at the publish round, so
-// that a moved call finds the binding of the buffer it names rather than of its position.
+// Static weights: where each bound position's shard lives now, by what this rank's own calls
+// showed, so that a moved call finds the binding of the tensor it sends rather than of its
+// position. A shard's home starts as the buffer it was bound from (the publish round's step).
 //
 // At a moved call at position p, this rank's send buffer (address and byte count) is looked up:
-//  - p's own source: p's binding, as agreed;
-//  - the source of another bound position q of the same size: the call reads q's binding on
-//    every peer (keyed by tensor, not position). Exact whenever every rank made the same change
-//    (layers gathered in another order on every rank: each rank finds the same q);
-//  - no source: this rank's part is its current buffer, the peers' parts their bindings of p,
-//    under the promise that the new buffer holds p's bytes; a check of it against p's binding is
-//    owed to this call (once per new buffer), and a mismatch is the stale path (WARN, NCCL at the
-//    next round).
-// What stays silent: a change made on ONE rank only that maps to another binding (that rank alone
-// swaps two layers, or re-homes a shard into a buffer bound for another position of the same
-// size). Each rank decides from its own buffers only; nothing at the call tells a reader what the
-// peer's buffer is, and the routes must not depend on it (rewrite/agreement.h), so that rank
-// reads q everywhere while its peers read p: wrong bytes on every rank until the next round, whose
-// propose sees the changed buffers (NotStable) and takes those gathers back to NCCL. Telling it
-// would take a per-call exchange of buffer identities between ranks. A one-rank re-home to a
-// buffer bound for nothing, by contrast, is checked (the third case).
+//  - p's home: p's binding, as agreed;
+//  - the home of another bound position q of the same size: the call reads q's binding on every
+//    peer (keyed by tensor, not position). Exact whenever every rank made the same change
+//    (layers gathered in another order on every rank: each rank finds the same q); a check of the
+//    buffer against q's binding is owed (once per buffer at p), since an allocator may have given
+//    q's block to p's tensor while q's has not been sent from elsewhere yet (blocks reused in
+//    another order than the layers'): a mismatch is reported on every rank (source_log.h);
+//  - no home: p's shard lives here now (re-homed; under the promise, with p's bytes): this rank's
+//    part is its current buffer, the peers' parts their bindings of p, and the buffer becomes p's
+//    home. Its check against p's binding is owed to this call; a mismatch means its peers read
+//    bytes this call does not send, and is reported on every rank. That includes a buffer that
+//    was another position's home before that shard moved away: the program freed it and its
+//    allocator gave it to p (every rank re-homing every layer, each new block the one the layer
+//    before had), which keying on the buffer alone read as q's.
+// What stays silent: a change made on ONE rank only that maps to another home (that rank alone
+// swaps two layers), until the source logs are compared (source_log.h): each rank decides from its
+// own buffers only; nothing at the call tells a reader what the peer's buffer is, and the routes
+// must not depend on it (rewrite/agreement.h). Telling it would take a per-call exchange of buffer
+// identities between ranks.
 class BoundSources {
  public:
   // From the same facts window_plan() binds from. Allocates (plan time).
   void reset(const Decision& decision, const StepObservation& seen, const SlotLayout& layout);
   void clear();
-  bool empty() const { return by_buffer_.empty(); }
+  bool empty() const { return homes_.empty(); }
 
   struct Found {
     size_t slot_offset;
-    bool verify_now;    // no binding holds this buffer: check it against p's binding now
+    bool verify_now;    // check the buffer against the binding read (slot_offset's) now
     bool other_source;  // read another position's binding (keyed by tensor)
   };
-  // Hot path: a binary search, no allocation. `slot_offset` is p's own.
+  // Hot path: a binary search, no allocation (a re-homed shard re-sorts the homes in place).
+  // `slot_offset` is p's own. For a moved call: a check owed by an earlier observe() is due now.
   Found find(uint32_t position, uint64_t sendbuf, uint64_t bytes, size_t slot_offset);
+  // The same for a call of the plan that NCCL serves (before its activation, or sent there by
+  // the cost trial): the homes follow it, and a check it would owe waits for the position's next
+  // moved call. So the homes see every call from the binding on, in call order, on every rank.
+  void observe(uint32_t position, uint64_t sendbuf, uint64_t bytes, size_t slot_offset);
+  // Some call since reset() sent another buffer than its position's binding. At the confirm:
+  // a binding copied at the publish from a buffer the program had already vacated and reused
+  // (its next call sends from the new home) holds another tensor, so such a plan is refused.
+  bool changed() const { return changed_; }
 
  private:
-  struct Source {
+  Found look_up(uint32_t position, uint64_t sendbuf, uint64_t bytes, size_t slot_offset);
+
+  struct Home {
     uint64_t sendbuf;
     uint64_t bytes;
-    size_t slot_offset;
+    size_t slot_offset;  // of the position bound to it
   };
-  std::vector<Source> by_buffer_;        // sorted by (sendbuf, bytes)
-  std::vector<uint64_t> checked_since_;  // per position: the unbound buffer last checked
+  std::vector<Home> homes_;              // sorted by (sendbuf, bytes)
+  std::vector<uint64_t> other_checked_;  // per position: the other position's home last checked
+  std::vector<bool> owed_;               // per position: a check owed to its next moved call
+  bool changed_ = false;
 };
 
 class Serving {

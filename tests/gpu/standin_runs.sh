@@ -263,7 +263,23 @@ standin_weights_runs() {
   standin_log_check "$name" "0 shards exported in place, 4 bound" \
     "static weights: 4 gathers: 0 shards exported in place .*, 4 bound \("
   standin_weights_one_rank_runs
+  standin_weights_move_runs
   standin_weights_memory_run
+}
+
+# Every rank moves its weights at step 12 (new blocks, values copied, old ones poisoned and given
+# back, so that layer i + 1 lands in layer i's block: tests/support/workload/weights.cc, move).
+# Bound shards (--vmm 1: copied into the window): every byte exact at every call. Read in place
+# (--arena 1): the block a peer reads may hold another layer; reported on every rank
+# (ncclRemoteError), never silent (--errors-expected 1 fails a rank with a wrong byte and no error).
+standin_weights_move_runs() {
+  standin_run weights-move-vmm-static 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights \
+    --device 1 --vmm 1 --layers 4 --steps 30 --program move --move-step 12
+  standin_log_check weights-move-vmm-static "no WARN" " MAGI WARN " absent
+  standin_run weights-move-arena-static 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights \
+    --device 1 --arena 1 --layers 4 --steps 30 --program move --move-step 12 --errors-expected 1
+  standin_log_check weights-move-arena-static "reported on every rank" \
+    "The communicator reports ncclRemoteError"
 }
 
 # Changes on one rank that no reader can see at its call (tests/integration/agreement_test.cc,

@@ -351,6 +351,13 @@ TEST(Commit, AgreedOnlyWhenEveryRankCanServeTheSamePlan) {
   EXPECT_FALSE(c.agreed);
   EXPECT_EQ(c.reason, Reason::TransportFailed);
 
+  // A static shard moved while the plan was committed: the refusing rank says so, and every rank
+  // reads it alike.
+  all[1].header.reason = static_cast<uint8_t>(Reason::BindingChanged);
+  c = decide_commit(gather_all(all), 3, RoundKind::Publish, 77);
+  EXPECT_FALSE(c.agreed);
+  EXPECT_EQ(c.reason, Reason::BindingChanged);
+
   all[1] = commit(1, 3, RoundKind::Publish, 78, true);  // another plan
   EXPECT_FALSE(decide_commit(gather_all(all), 3, RoundKind::Publish, 77).agreed);
 

@@ -129,28 +129,117 @@ TEST(BoundSources, ACallFindsTheBindingOfTheBufferItSends) {
   EXPECT_EQ(f.slot_offset, at(1));
   EXPECT_FALSE(f.verify_now);
   EXPECT_FALSE(f.other_source);
-  // Position 0 sends position 2's buffer (layers in another order): position 2's binding.
+  // Position 0 sends position 2's buffer (layers in another order): position 2's binding,
+  // checked the first time position 0 sends it (a block reused in another order looks the same).
+  f = sources.find(0, 0x30000, 4000, at(0));
+  EXPECT_EQ(f.slot_offset, at(2));
+  EXPECT_TRUE(f.verify_now);
+  EXPECT_TRUE(f.other_source);
   f = sources.find(0, 0x30000, 4000, at(0));
   EXPECT_EQ(f.slot_offset, at(2));
   EXPECT_FALSE(f.verify_now);
-  EXPECT_TRUE(f.other_source);
-  // The same buffer with another size is not that binding: none, checked now, once per buffer.
+  EXPECT_TRUE(sources.find(2, 0x30000, 4000, at(2)).slot_offset == at(2));
+  // The same buffer with another size is not that binding: none, so position 0's shard lives
+  // there now (re-homed), checked now; from then on it is position 0's own buffer.
   f = sources.find(0, 0x40000, 4000, at(0));
   EXPECT_EQ(f.slot_offset, at(0));
   EXPECT_TRUE(f.verify_now);
   EXPECT_FALSE(f.other_source);
-  EXPECT_FALSE(sources.find(0, 0x40000, 4000, at(0)).verify_now);
+  f = sources.find(0, 0x40000, 4000, at(0));
+  EXPECT_EQ(f.slot_offset, at(0));
+  EXPECT_FALSE(f.verify_now);
+  EXPECT_FALSE(f.other_source);
   // A re-homed buffer: its own position's binding, checked once; another one checked again,
-  // and so is the first after the position went back to a bound buffer in between.
+  // and so is the position's first buffer after it moved away (nobody's: it may hold anything).
   EXPECT_TRUE(sources.find(3, 0x90000, 2000, at(3)).verify_now);
   EXPECT_FALSE(sources.find(3, 0x90000, 2000, at(3)).verify_now);
   EXPECT_TRUE(sources.find(3, 0xa0000, 2000, at(3)).verify_now);
+  EXPECT_TRUE(sources.find(3, 0x40000, 2000, at(3)).verify_now);
   EXPECT_FALSE(sources.find(3, 0x40000, 2000, at(3)).verify_now);
   EXPECT_TRUE(sources.find(3, 0xa0000, 2000, at(3)).verify_now);
   // Not bound (default mode): nothing to look up.
   d.bound = false;
   sources.reset(d, seen, layout);
   EXPECT_TRUE(sources.empty());
+}
+
+// Four layers bound from their own buffers, as the weights workload's --program move leaves
+// them: every layer re-homed in order, each new block the one the layer before had.
+struct FourLayers {
+  StepObservation seen;
+  SlotLayout layout;
+  BoundSources sources;
+  explicit FourLayers(const std::vector<uint64_t>& buffers) {
+    seen.reset(4);
+    std::vector<Call> step;
+    for (uint32_t p = 0; p < 4; ++p) step.push_back({trace::Op::AllGather, 1000, 1, buffers[p]});
+    observe_step(seen, step);
+    Decision d;
+    d.bound = true;
+    for (uint32_t p = 0; p < 4; ++p) d.gathers.push_back({p, 0, true, Reason::None, -1});
+    layout = lay_out_slots(seen, d.gathers, true);
+    sources.reset(d, seen, layout);
+  }
+  size_t at(uint32_t p) const { return layout.offset_by_position[p]; }
+};
+
+TEST(BoundSources, LayersMovedEachToTheBlockTheLayerBeforeHadReadTheirOwnBindings) {
+  FourLayers f({0x10000, 0x20000, 0x30000, 0x40000});
+  // Every rank alike, in call order: layer 0 to a fresh block, layer i + 1 to layer i's.
+  const std::vector<uint64_t> moved = {0x50000, 0x10000, 0x20000, 0x30000};
+  for (int step = 0; step < 3; ++step) {
+    for (uint32_t p = 0; p < 4; ++p) {
+      const BoundSources::Found found = f.sources.find(p, moved[p], 4000, f.at(p));
+      EXPECT_EQ(found.slot_offset, f.at(p)) << "step " << step << " position " << p;
+      EXPECT_FALSE(found.other_source) << "step " << step << " position " << p;
+      // Checked at the call that re-homes it, and then no more.
+      EXPECT_EQ(found.verify_now, step == 0) << "step " << step << " position " << p;
+    }
+  }
+  // Once moved, the layers gathered in another order are still read by tensor.
+  const BoundSources::Found swapped = f.sources.find(0, 0x10000, 4000, f.at(0));
+  EXPECT_EQ(swapped.slot_offset, f.at(1));
+  EXPECT_TRUE(swapped.other_source);
+}
+
+TEST(BoundSources, BlocksReusedInReverseOrderLookLikeLayersSwappedAndAreChecked) {
+  // All old blocks freed first, then the layers loaded anew: layer i gets layer 3 - i's block.
+  // By addresses that is every rank gathering the layers in reverse order; only the bytes can
+  // tell, so each such read is checked at its first call (a mismatch is reported on every rank).
+  FourLayers f({0x10000, 0x20000, 0x30000, 0x40000});
+  const std::vector<uint64_t> reused = {0x40000, 0x30000, 0x20000, 0x10000};
+  for (uint32_t p = 0; p < 4; ++p) {
+    const BoundSources::Found found = f.sources.find(p, reused[p], 4000, f.at(p));
+    EXPECT_EQ(found.slot_offset, f.at(3 - p)) << "position " << p;
+    EXPECT_TRUE(found.other_source) << "position " << p;
+    EXPECT_TRUE(found.verify_now) << "position " << p;
+  }
+}
+
+TEST(BoundSources, HomesStayFoundThroughManyMoves) {
+  // Each position moves, one at a time, below, between and above the others' homes; after
+  // each move every position still finds its own home and nobody else's.
+  FourLayers f({0x10000, 0x20000, 0x30000, 0x40000});
+  std::vector<uint64_t> home = {0x10000, 0x20000, 0x30000, 0x40000};
+  const std::vector<uint64_t> targets = {0x8000, 0x48000, 0x28000, 0x18000, 0x50000,
+                                         0x1000, 0x38000, 0x20000, 0x10000, 0x60000};
+  for (size_t m = 0; m < targets.size(); ++m) {
+    const uint32_t p = static_cast<uint32_t>(m % 4);
+    bool taken = false;
+    for (uint64_t h : home) taken = taken || h == targets[m];
+    if (taken) continue;
+    EXPECT_TRUE(f.sources.find(p, targets[m], 4000, f.at(p)).verify_now);
+    home[p] = targets[m];
+    for (uint32_t q = 0; q < 4; ++q) {
+      const BoundSources::Found found = f.sources.find(q, home[q], 4000, f.at(q));
+      EXPECT_EQ(found.slot_offset, f.at(q)) << "move " << m << " position " << q;
+      EXPECT_FALSE(found.other_source) << "move " << m << " position " << q;
+      EXPECT_FALSE(found.verify_now) << "move " << m << " position " << q;
+      const BoundSources::Found other =
+          f.sources.find((q + 1) % 4, home[q], 4000, f.at((q + 1) % 4));
+      EXPECT_EQ(other.slot_offset, f.at(q)) << "move " << m << " position " << q;
+    }
+  }
 }
 
 TEST(StepObservation, GathersAreCandidatesOnceStableForTheWarmup) {

@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <iterator>
 
 namespace workload {
 namespace {
@@ -61,12 +63,20 @@ size_t round_up(size_t bytes, size_t unit) { return (bytes + unit - 1) / unit * 
 
 Arena::Arena(const Placement& placement, Kind kind, size_t bytes, int index)
     : placement_(placement), kind_(kind) {
-  if ((kind == Kind::SharedFile) == placement.device()) {
-    throw ScenarioFailure("an arena in /dev/shm is host memory; the CUDA ones need --device 1");
+  const bool host = kind == Kind::Heap || kind == Kind::SharedFile;
+  if (host == placement.device()) {
+    throw ScenarioFailure(
+        "the heap and /dev/shm arenas are host memory; the CUDA ones need "
+        "--device 1");
   }
   bytes = bytes == 0 ? kAlignment : bytes;
   try {
     switch (kind) {
+      case Kind::Heap:
+        capacity_ = aligned(bytes);
+        base_ = std::aligned_alloc(kAlignment, capacity_);
+        if (base_ == nullptr) throw ScenarioFailure(format("cannot allocate %zu bytes", capacity_));
+        break;
       case Kind::SharedFile: {
         const int pid = static_cast<int>(::getpid());
         const std::string name =
@@ -132,6 +142,7 @@ Arena::~Arena() { release(); }
 
 void Arena::release() noexcept {
   switch (kind_) {
+    case Kind::Heap: std::free(base_); break;
     case Kind::SharedFile:
       if (base_ != nullptr) ::munmap(base_, capacity_);
       if (!file_name_.empty()) ::shm_unlink(file_name_.c_str());
@@ -156,6 +167,12 @@ void Arena::release() noexcept {
 }
 
 Buffer Arena::carve(size_t bytes) {
+  for (auto it = free_.rbegin(); it != free_.rend(); ++it) {
+    if (it->bytes < bytes) continue;
+    const size_t offset = it->offset;
+    free_.erase(std::next(it).base());
+    return Buffer(placement_, bytes, static_cast<unsigned char*>(base_) + offset);
+  }
   const size_t offset = aligned(used_);
   if (offset > capacity_ || bytes > capacity_ - offset) {
     throw ScenarioFailure(
@@ -163,6 +180,14 @@ Buffer Arena::carve(size_t bytes) {
   }
   used_ = offset + bytes;
   return Buffer(placement_, bytes, static_cast<unsigned char*>(base_) + offset);
+}
+
+void Arena::give_back(Buffer buffer) {
+  const auto* at = static_cast<const unsigned char*>(buffer.nccl());
+  const auto* base = static_cast<const unsigned char*>(base_);
+  if (at < base || at + buffer.bytes() > base + capacity_)
+    throw ScenarioFailure("a buffer given back to an arena that did not carve it");
+  free_.push_back({static_cast<size_t>(at - base), buffer.bytes()});
 }
 
 }  // namespace workload

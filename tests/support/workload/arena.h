@@ -1,6 +1,9 @@
 // One allocation that holds several buffers (a rank's weight shards), each at an offset rounded
 // up to 256 bytes, as PyTorch's caching allocator puts several tensors in one cudaMalloc
-// segment. What kind of memory it is decides whether a peer can read a shard where it lies:
+// segment. A block given back (give_back) is handed out again by the next carve that fits it, the
+// last one given back first, as a caching allocator reuses a freed block of its segment for the
+// next tensor. What kind of memory it is decides whether a peer can read a shard where it lies:
+//   Heap        host memory of this process alone (aligned_alloc): no peer can map it
 //   SharedFile  host memory: a MAP_SHARED mapping of a file in /dev/shm ("/magi-arena-<pid>"; a
 //               process's further arenas "/magi-arena-<pid>.<index>"),
 //               kept under its name while the arena lives so a peer can open and map it, and
@@ -13,6 +16,7 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "tests/support/workload/scenario.h"
 
@@ -20,20 +24,24 @@ namespace workload {
 
 class Arena {
  public:
-  enum class Kind { SharedFile, CudaMalloc, CudaVmm };
+  enum class Kind { Heap, SharedFile, CudaMalloc, CudaVmm };
   static constexpr size_t kAlignment = 256;
 
-  // Room for `bytes` (rounded up to what the memory is allocated in). SharedFile needs host
-  // placement, the others device placement; the placement must outlive the arena. `index` tells
-  // a process's arenas apart (SharedFile: "/magi-arena-<pid>", then "/magi-arena-<pid>.<index>").
+  // Room for `bytes` (rounded up to what the memory is allocated in). Heap and SharedFile need
+  // host placement, the others device placement; the placement must outlive the arena. `index`
+  // tells a process's arenas apart (SharedFile: "/magi-arena-<pid>", then
+  // "/magi-arena-<pid>.<index>").
   Arena(const Placement& placement, Kind kind, size_t bytes, int index = 0);
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
-  // The next `bytes` of the arena, at an offset rounded up to kAlignment, as a Buffer that lends
-  // them (its host side is its own with device placement). The Buffer must go before the arena.
+  // `bytes` of the arena as a Buffer that lends them (its host side is its own with device
+  // placement): the block given back last that holds them, else the next bytes at an offset
+  // rounded up to kAlignment. The Buffer must go before the arena.
   Buffer carve(size_t bytes);
+  // `buffer` (carved from this arena) is free: a later carve may hand its block out again.
+  void give_back(Buffer buffer);
 
   static size_t aligned(size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
 
@@ -44,6 +52,11 @@ class Arena {
   Kind kind_;
   size_t capacity_ = 0;  // bytes allocated (a whole number of pages or granules)
   size_t used_ = 0;
+  struct Block {
+    size_t offset;
+    size_t bytes;
+  };
+  std::vector<Block> free_;  // given back, the last at the end
   void* base_ = nullptr;
   std::string file_name_;                  // SharedFile: the name shm_open knows it by
   unsigned long long vmm_allocation_ = 0;  // CudaVmm: the physical allocation's handle

@@ -1,8 +1,8 @@
-// weights --layers L --steps S --program reused|swap|alternate|rehome [--swap-step K]
-//         [--rehome-rank R --rehome-step K [--rehome-other 1] [--rehome-reuse 1]] [--device 1]
+// weights --layers L --steps S --program reused|swap|alternate|rehome|move [--swap-step K]
+//         [--rehome-rank R --rehome-step K [--rehome-other 1] [--rehome-reuse 1]]
+//         [--move-step K [--move-rank R] [--move-order forward|reverse]] [--device 1]
 //         [--arena 1 [--arenas N]] [--vmm 1] [--report-memory 1] [--shard-elements N]
-//         [--swap-rank R]
-//         [--errors-expected 1] [--report-slowest 1]
+//         [--swap-rank R] [--errors-expected 1] [--report-slowest 1]
 //
 // Weights that never change after load, gathered every step in the ways a program may hold
 // them, for MAGI_STATIC_WEIGHTS=1 (whose promise each one keeps: the gathered contents never
@@ -27,6 +27,15 @@
 //              with --rehome-reuse 1 the old buffer is then refilled with other bytes, as a
 //              caching allocator hands a freed block to another tensor (the promise holds: the
 //              new buffer holds the shard)
+//   move       the shards come from an allocator that reuses freed blocks (an arena, below: the
+//              /dev/shm one with --arena 1, else one on the heap); at step K (--move-step,
+//              default 12) every rank, or rank R alone with --move-rank R, re-homes every layer
+//              in order: a new block, the same values copied in, the old block poisoned and
+//              given back. So layer 0 gets a fresh block and layer i + 1 the block layer i had:
+//              the values never change, only where they live. With --move-order reverse every
+//              old block is poisoned and given back first, and the layers then loaded anew in
+//              order: the last block given back first, so layer i gets the block of layer
+//              L - 1 - i (by addresses, the layers gathered in reverse order)
 // Where the shards live (the other buffers are always Buffers of their own, re-homed shards too):
 //   default         a Buffer of its own each (aligned_alloc, or cudaMalloc with --device 1)
 //   --arena 1       all carved out of one allocation (arena.h), as a caching allocator does: a
@@ -158,7 +167,13 @@ int run_weights(const ScenarioOptions& options) {
   std::chrono::steady_clock::duration slowest{};  // the longest ncclAllGather call, host time
   int slowest_step = -1;
   if (layers < 2) throw ScenarioFailure("--layers must be at least 2");
-  if (program != "reused" && program != "swap" && program != "alternate" && program != "rehome")
+  const int move_step = static_cast<int>(options.number("move-step", 12));
+  const int move_rank = static_cast<int>(options.number("move-rank", -1));
+  const std::string move_order = options.text("move-order", "forward");
+  if (move_order != "forward" && move_order != "reverse")
+    throw ScenarioFailure("--move-order is forward or reverse");
+  if (program != "reused" && program != "swap" && program != "alternate" && program != "rehome" &&
+      program != "move")
     throw ScenarioFailure("unknown --program " + program);
 
   const Placement placement(options);  // before the communicator: NCCL takes the device then
@@ -174,13 +189,23 @@ int run_weights(const ScenarioOptions& options) {
   const int arena_count = static_cast<int>(options.number("arenas", 1));
   if (arena_count < 1 || arena_count > layers)
     throw ScenarioFailure("--arenas takes 1 to --layers allocations");
-  if (const auto kind = arena_kind(options, placement)) {
+  std::optional<Arena::Kind> kind = arena_kind(options, placement);
+  if (!kind && program == "move") {
+    if (placement.device()) throw ScenarioFailure("--program move on a device needs --arena 1");
+    kind = Arena::Kind::Heap;
+  }
+  if (program == "move" && arena_count != 1)
+    throw ScenarioFailure("--program move takes one arena (--arenas 1)");
+  if (kind) {
     for (int a = 0; a < arena_count; ++a) {
       const int first = a * layers / arena_count, end = (a + 1) * layers / arena_count;
-      arenas.push_back(std::make_unique<Arena>(
-          placement, *kind, static_cast<size_t>(end - first) * Arena::aligned(shard_bytes), a));
+      // move: room for one more block, the one layer 0 moves to.
+      const size_t blocks = static_cast<size_t>(end - first) + (program == "move" ? 1 : 0);
+      arenas.push_back(
+          std::make_unique<Arena>(placement, *kind, blocks * Arena::aligned(shard_bytes), a));
     }
   }
+  Arena* const arena = arenas.empty() ? nullptr : arenas.front().get();  // move's one arena
   std::vector<Buffer> shards;  // this rank's part of every layer, loaded once
   for (int l = 0; l < layers; ++l) {
     // Arena a holds layers [a * layers / arena_count, (a + 1) * layers / arena_count).
@@ -226,6 +251,31 @@ int run_weights(const ScenarioOptions& options) {
                                                             rehome_other ? kOtherBytes : 0, me)));
       // As a caching allocator does: the old block goes to another tensor, which fills it.
       if (rehome_reuse) retired.back() = load_shard(std::move(retired.back()), kReusedBytes, me);
+    }
+    const bool moving =
+        program == "move" && step == move_step && (move_rank < 0 || me == move_rank);
+    if (moving && move_order == "reverse") {
+      for (Buffer& shard : shards) {
+        std::memset(shard.host(), 0x5a, shard_bytes);
+        shard.upload(0, shard_bytes);
+        arena->give_back(std::move(shard));
+      }
+      for (int l = 0; l < layers; ++l)
+        shards[static_cast<size_t>(l)] = load_shard(arena->carve(shard_bytes), l, me);
+    } else if (moving) {
+      for (Buffer& shard : shards) {
+        Buffer moved = arena->carve(shard_bytes);
+        if (placement.device()) {
+          Placement::cuda_check(
+              cudaMemcpy(moved.nccl(), shard.nccl(), shard_bytes, cudaMemcpyDeviceToDevice),
+              "cudaMemcpy of a moved shard");
+        } else {
+          std::memcpy(moved.host(), shard.host(), shard_bytes);
+        }
+        std::memset(shard.host(), 0x5a, shard_bytes);  // what a freed block may hold next
+        shard.upload(0, shard_bytes);
+        arena->give_back(std::exchange(shard, std::move(moved)));
+      }
     }
     const bool swapping = (program == "swap" && step >= swap_step) ||
                           (program == "alternate" && step >= swap_step && step % 2 == 1);
