@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 
 #include "base/clock.h"
@@ -235,8 +236,7 @@ void CommAgreement::abandon_pending(uint64_t seq) {
     committing_ = false;
     trial_.stop();
   }
-  confirm_waiting_ = false;  // its plan goes with the step
-  confirms_waited_ = 0;
+  wait_ = SetUpWait{};             // its plan goes with the step
   if (!active_) sources_.clear();  // a plan being committed ends with its round
   if (!pending_) return;
   record(pending_->kind, trace::RoundEvent::Abandoned, seq, AgreementMode::None, Reason::Deviated,
@@ -246,7 +246,7 @@ void CommAgreement::abandon_pending(uint64_t seq) {
 }
 
 bool CommAgreement::anchor_has_work() const {
-  return pending_ || confirm_waiting_ || buffers_.any_retired() || trial_.running() ||
+  return pending_ || wait_.waiting || buffers_.any_retired() || trial_.running() ||
          trial_.timing() || propose_due();
 }
 
@@ -259,10 +259,13 @@ void CommAgreement::at_anchor(const capture::StepView& view) {
   trial_.collect();
   if (pending_) {
     read_round(view.collective_index);
-  } else if (confirm_waiting_) {
-    if (policy_.steps() >= confirm_due_step_) {
-      confirm_waiting_ = false;
-      confirm(confirm_hash_, view.collective_index);
+  } else if (wait_.waiting) {
+    if (policy_.steps() >= wait_.due_step) {
+      wait_.waiting = false;
+      if (wait_.kind == RoundKind::Publish)
+        publish_again(wait_.decision_hash, view.collective_index);
+      else
+        confirm(wait_.decision_hash, view.collective_index);
     }
   } else if (trial_.due(policy_.steps()) && active_) {
     issue_cost(view.collective_index);
@@ -526,6 +529,11 @@ void CommAgreement::read_publish(std::span<const uint8_t> all, const Round& roun
   const CommitOutcome c = decide_commit(all, info_.nranks, RoundKind::Publish, round.decision_hash);
   record(RoundKind::Publish, trace::RoundEvent::Read, seq, decision_.mode, c.reason,
          c.agreed ? decision_.moved : 0);
+  if (c.pending) {
+    wait_for_set_up(RoundKind::Publish, round.decision_hash, seq);
+    return;
+  }
+  wait_ = SetUpWait{};  // the confirm's wait, if any, backs off from one step again
   if (!c.agreed) {
     MAGI_INFO(Rewrite,
               "comm %012llx round %u: not every rank can serve the plan (%s); "
@@ -545,7 +553,7 @@ void CommAgreement::read_publish(std::span<const uint8_t> all, const Round& roun
   // says the same either way.
   const bool slow = options_.inject_fault.where == Options::Fault::Where::SlowAttach &&
                     options_.inject_fault.rank == info_.rank;
-  const std::chrono::milliseconds delay(slow ? kSlowAttachMs : 0);
+  const std::chrono::milliseconds delay(slow ? kSlowSetUpMs : 0);
   size_t mappings = 0;
   for (size_t r = 0; r < c.handles.size(); ++r)
     if (static_cast<int>(r) != info_.rank)
@@ -624,21 +632,10 @@ void CommAgreement::read_confirm(std::span<const uint8_t> all, const Round& roun
   record(RoundKind::Confirm, trace::RoundEvent::Read, seq, decision_.mode, c.reason,
          c.agreed ? decision_.moved : 0);
   if (c.pending) {
-    // Some rank is still setting up: every rank read the same, so every rank asks again at the
-    // same later step, and the gathers stay on NCCL meanwhile (the trial's NCCL side still
-    // timed). One step later, then 2, 4, ... 64: a set-up of seconds costs a few rounds, not one
-    // per step.
-    const uint32_t gap = 1u << std::min<uint32_t>(confirms_waited_++, 6);
-    if (gap == 1) {
-      confirm(round.decision_hash, seq);
-    } else {
-      confirm_waiting_ = true;
-      confirm_hash_ = round.decision_hash;
-      confirm_due_step_ = policy_.steps() + gap - 1;
-    }
+    wait_for_set_up(RoundKind::Confirm, round.decision_hash, seq);
     return;
   }
-  confirms_waited_ = 0;
+  wait_ = SetUpWait{};
   committing_ = false;
   if (c.agreed) {
     activate(seq);
@@ -653,6 +650,25 @@ void CommAgreement::read_confirm(std::span<const uint8_t> all, const Round& roun
     sources_.clear();
   }
   schedule_after(!c.agreed || decision_.retry_soon);
+}
+
+// Some rank is still setting up: every rank read the same, so every rank issues the round again at
+// the same later step, and the gathers stay on NCCL meanwhile (the trial's NCCL side still
+// timed). One step later, then 2, 4, ... 64: a set-up of seconds costs a few rounds, not one per
+// step.
+void CommAgreement::wait_for_set_up(RoundKind kind, uint64_t decision_hash, uint64_t seq) {
+  const uint32_t gap = 1u << std::min<uint32_t>(wait_.reads++, 6);
+  wait_.kind = kind;
+  wait_.decision_hash = decision_hash;
+  if (gap == 1) {
+    if (kind == RoundKind::Publish)
+      publish_again(decision_hash, seq);
+    else
+      confirm(decision_hash, seq);
+    return;
+  }
+  wait_.waiting = true;
+  wait_.due_step = policy_.steps() + gap - 1;
 }
 
 // After a round, the next propose: soon while the agreement could still move more, else after
@@ -713,55 +729,110 @@ void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
   publish(seq);
 }
 
-void CommAgreement::publish(uint64_t seq) {
-  Contribution c = header_for(RoundKind::Publish);
-  c.header.decision_hash = decision_.hash;
-  // Sized by the agreed plan (its bound shards), not by this rank's table: the same on every
-  // rank, even one whose window fails below.
+// Sized by the agreed plan (its bound shards), not by this rank's table: the same on every rank,
+// even one whose window fails.
+size_t CommAgreement::publish_bytes() const {
   size_t bound_shards = 0;
   if (decision_.bound)
     for (const GatherDecision& g : decision_.gathers) bound_shards += g.moves ? 1 : 0;
-  const size_t round_bytes = publish_round_bytes(bound_shards);
+  return publish_round_bytes(bound_shards);
+}
+
+void CommAgreement::publish(uint64_t seq) {
+  Contribution c = header_for(RoundKind::Publish);
+  c.header.decision_hash = decision_.hash;
+  // The owner's side of the set-up (finding and exporting each allocation that holds a shard,
+  // the window) runs off the program's calls when it would take long, as the attach does: the
+  // publish then says "still setting up" and is issued again until every rank's is ready. Each
+  // rank chooses for itself: the publish reads the same either way.
+  const bool slow = options_.inject_fault.where == Options::Fault::Where::SlowPrepare &&
+                    options_.inject_fault.rank == info_.rank;
+  const std::chrono::milliseconds delay(slow ? kSlowSetUpMs : 0);
+  size_t shards = 0;
+  if (decision_.bound)
+    for (const GatherDecision& g : decision_.gathers) shards += g.moves ? 1 : 0;
+  const uint64_t expected_ns = shards * world_.make.export_ns +
+                               static_cast<uint64_t>(std::chrono::nanoseconds(delay).count());
+  wait_ = SetUpWait{};
+  prepare_in_background_ = expected_ns > kSetUpAtTheCallNs;
+  prepare_unsaid_ = true;
   try {
     const ce::WindowPlan plan = window_plan(decision_, seen_, layout_, options_);
     sources_.reset(decision_, seen_, layout_);
     other_source_calls_ = 0;
-    serving_.open_window(plan, c.header.handle);
-    c.header.flags |= kCanServe;
-    const size_t window = serving_.window_bytes();
-    if (plan.zero_copy) {
-      const ce::SourceTable& table = serving_.sources();
-      c.table.resize(table.bytes() + 8);
-      table.serialize(c.table);
-      c.header.table_bytes = static_cast<uint32_t>(c.table.size());
+    if (prepare_in_background_) {
+      serving_.begin_prepare(plan, delay);
+      c.header.flags |= kCanServe | kSettingUp;
+    } else {
+      serving_.open_window(plan, c.header.handle);
+      fill_publish(c);
     }
-    if (plan.bound) {
-      const ce::WindowMemory m = serving_.memory();
-      MAGI_INFO(Transport,
-                "comm %012llx: static weights: %u gathers: %zu shards exported in place (%zu "
-                "bytes in %zu allocations, 0 copied), %zu bound (%zu bytes copied); window %zu "
-                "bytes (%.1f MiB)",
-                short_id(info_.identity), decision_.moved, m.exported_shards, m.exported_bytes,
-                m.exported_allocations, m.bound_shards, m.bound_bytes, window,
-                static_cast<double>(window) / (1 << 20));
-      if (m.first_refused >= 0)
-        MAGI_INFO(Transport,
-                  "comm %012llx: static weights: %zu shards (the first: gather %lld of the "
-                  "plan) cannot be read in place (%s); bound instead",
-                  short_id(info_.identity), m.bound_shards, static_cast<long long>(m.first_refused),
-                  m.refusal.c_str());
-    } else
-      MAGI_INFO(Transport,
-                "comm %012llx: window of %zu bytes (two staging slots of %zu) for %u "
-                "gathers",
-                short_id(info_.identity), window, layout_.slot_bytes, decision_.moved);
   } catch (const Error& e) {
     MAGI_WARN(Transport, "comm %012llx: cannot prepare a window: %s; everything stays on NCCL",
               short_id(info_.identity), e.what());
     c.header.reason = static_cast<uint8_t>(Reason::TransportFailed);
     serving_.drop();
   }
-  issue(RoundKind::Publish, c, seq, round_bytes);
+  issue(RoundKind::Publish, c, seq, publish_bytes());
+}
+
+void CommAgreement::publish_again(uint64_t decision_hash, uint64_t seq) {
+  Contribution c = header_for(RoundKind::Publish);
+  c.header.decision_hash = decision_hash;
+  std::string error;
+  switch (serving_.poll_set_up(error)) {
+    case Serving::SetUp::Running: c.header.flags |= kCanServe | kSettingUp; break;
+    case Serving::SetUp::Done:
+      c.header.handle = serving_.handle();
+      fill_publish(c);
+      break;
+    case Serving::SetUp::Failed:
+      if (prepare_unsaid_)
+        MAGI_WARN(Transport, "comm %012llx: cannot prepare a window: %s; everything stays on NCCL",
+                  short_id(info_.identity), error.empty() ? "no window" : error.c_str());
+      prepare_unsaid_ = false;
+      c.header.reason = static_cast<uint8_t>(Reason::TransportFailed);
+      serving_.drop();
+      break;
+  }
+  issue(RoundKind::Publish, c, seq, publish_bytes());
+}
+
+void CommAgreement::fill_publish(Contribution& c) {
+  c.header.flags |= kCanServe;
+  const size_t window = serving_.window_bytes();
+  if (!decision_.bound) {  // the default mode's staging window
+    if (prepare_unsaid_)
+      MAGI_INFO(Transport,
+                "comm %012llx: window of %zu bytes (two staging slots of %zu) for %u gathers",
+                short_id(info_.identity), window, layout_.slot_bytes, decision_.moved);
+    prepare_unsaid_ = false;
+    return;
+  }
+  const ce::SourceTable& table = serving_.sources();  // zero-copy: what the peers need to read
+  c.table.resize(table.bytes() + 8);
+  table.serialize(c.table);
+  c.header.table_bytes = static_cast<uint32_t>(c.table.size());
+  if (!prepare_unsaid_) return;  // said at an earlier publish of this plan
+  const ce::WindowMemory m = serving_.memory();
+  char where[64] = "";
+  if (prepare_in_background_)
+    std::snprintf(where, sizeof(where), "; prepared in %.1f ms off the program's calls",
+                  static_cast<double>(serving_.set_up_ns()) / 1e6);
+  MAGI_INFO(Transport,
+            "comm %012llx: static weights: %u gathers: %zu shards exported in place (%zu bytes in "
+            "%zu allocations, 0 copied), %zu bound (%zu bytes copied); window %zu bytes (%.1f "
+            "MiB)%s",
+            short_id(info_.identity), decision_.moved, m.exported_shards, m.exported_bytes,
+            m.exported_allocations, m.bound_shards, m.bound_bytes, window,
+            static_cast<double>(window) / (1 << 20), where);
+  if (m.first_refused >= 0)
+    MAGI_INFO(Transport,
+              "comm %012llx: static weights: %zu shards (the first: gather %lld of the plan) "
+              "cannot be read in place (%s); bound instead",
+              short_id(info_.identity), m.bound_shards, static_cast<long long>(m.first_refused),
+              m.refusal.c_str());
+  prepare_unsaid_ = false;
 }
 
 void CommAgreement::activate(uint64_t seq) {

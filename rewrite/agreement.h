@@ -13,6 +13,10 @@
 //                with this rank's window handle if something moves
 //   next step:   read publish -> open peers' windows; issue confirm (opened, or not)
 //   next step:   read confirm -> every rank opened every window: routes change here
+// Either half of the set-up (making and exporting this rank's window; opening the peers') runs
+// off the program's calls where it would take long (rewrite/set_up.h): its round then says
+// "still setting up" (kSettingUp), every rank reads that alike, and the same round is issued
+// again 1, 2, 4, ... 64 steps later until every rank is ready.
 // A round is read one step after it was issued: the host waits there only if the round is
 // somehow still in flight. The observation is seeded, when the step is found, with the step's
 // calls the detector already saw repeat (RecentCalls), so the W steps may be complete at once.
@@ -198,6 +202,13 @@ class CommAgreement {
   void schedule_after(bool short_of_what_could_move);
   void stay_quiet(Reason why, uint64_t seq);
   void publish(uint64_t seq);
+  // Issues the publish again after a pending read: this rank's window, if it is ready now.
+  void publish_again(uint64_t decision_hash, uint64_t seq);
+  // The prepared window's handle and table into the publish, and its INFO lines.
+  void fill_publish(Contribution& c);
+  // A publish or confirm read pending: issued again at the same later step on every rank.
+  void wait_for_set_up(RoundKind kind, uint64_t decision_hash, uint64_t seq);
+  size_t publish_bytes() const;
   void activate(uint64_t seq);
   void issue_cost(uint64_t seq);
   void after_cost(std::span<const uint8_t> all, uint64_t seq);
@@ -239,12 +250,20 @@ class CommAgreement {
   bool set_up_unsaid_ = false;
   std::string set_up_failed_;
   bool set_up_in_background_ = false;
-  // A confirm read pending (some rank still setting up) is asked again at confirm_due_step_.
-  bool confirm_waiting_ = false;
-  uint64_t confirm_hash_ = 0;
-  uint64_t confirm_due_step_ = 0;
-  uint32_t confirms_waited_ = 0;             // pending reads of this plan so far
-  static constexpr int kSlowAttachMs = 100;  // MAGI_INJECT_FAULT=slow-attach
+  // The owner's side of the set-up (exports, window) runs off the calls (Serving::begin_prepare):
+  // whether its end is yet to be said.
+  bool prepare_in_background_ = false;
+  bool prepare_unsaid_ = false;
+  // A publish or confirm read pending (some rank still setting up) is issued again at due_step.
+  struct SetUpWait {
+    RoundKind kind = RoundKind::Confirm;
+    bool waiting = false;
+    uint64_t decision_hash = 0;
+    uint64_t due_step = 0;
+    uint32_t reads = 0;  // pending reads of this round kind of the plan so far
+  };
+  SetUpWait wait_;
+  static constexpr int kSlowSetUpMs = 100;  // MAGI_INJECT_FAULT=slow-attach, slow-prepare
 
   // The decision of the last propose, and what serving it needs.
   Decision decision_;

@@ -318,7 +318,7 @@ CommitOutcome decide_commit(std::span<const uint8_t> all, int nranks, RoundKind 
       return out;
     }
   }
-  if (kind == RoundKind::Confirm) {
+  {  // a publish or confirm of a rank still setting up: asked again (CommAgreement)
     for (const Contribution& x : c) {
       if (x.header.flags & kSettingUp) {
         out.pending = true;

@@ -164,8 +164,9 @@ void recount(Decision& decision, uint64_t step_digest);
 // Publish and confirm rounds: true when every rank can serve `decision_hash`; else the reason.
 struct CommitOutcome {
   bool agreed = false;
-  // Confirm: every rank can serve the plan, but some rank is still setting it up (kSettingUp,
-  // reason SettingUp): not agreed yet, asked again.
+  // Publish or confirm: every rank can serve the plan, but some rank is still setting it up
+  // (kSettingUp, reason SettingUp: its window, or its mappings of the peers'): not agreed yet,
+  // asked again.
   bool pending = false;
   Reason reason = Reason::None;
   std::vector<ce::HandleBlob> handles;  // publish: by rank

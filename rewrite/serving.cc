@@ -233,6 +233,20 @@ void Serving::open_window(const ce::WindowPlan& plan, ce::HandleBlob& handle) {
     transport_ = world_.make.transport(info_);
   }
   transport_->prepare(plan, handle);
+  handle_ = handle;
+}
+
+void Serving::begin_prepare(const ce::WindowPlan& plan, std::chrono::milliseconds delay) {
+  drop();
+  failed_ = false;
+  handle_ = {};
+  std::lock_guard<std::mutex> lock(transport_mutex_);
+  if (aborted_) throw Error(ErrorKind::Usage, "the communicator is being aborted");
+  try {
+    set_up_ = SetUpJob::prepare(world_.make.transport(info_), plan, delay);
+  } catch (const std::system_error& e) {  // no thread to be had: the plan is not served
+    throw Error(ErrorKind::System, std::string("starting the set-up thread: ") + e.what());
+  }
 }
 
 void Serving::begin_attach(std::span<const ce::HandleBlob> handles,
@@ -265,6 +279,7 @@ Serving::SetUp Serving::poll_set_up(std::string& error) {
   error = set_up_->error();
   set_up_ns_ = set_up_->took_ns();
   transport_ = set_up_->take();
+  if (state == SetUpJob::State::Done) handle_ = set_up_->handle();
   set_up_.reset();
   return state == SetUpJob::State::Done ? SetUp::Done : SetUp::Failed;
 }

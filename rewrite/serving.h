@@ -115,6 +115,11 @@ class Serving {
 
   // A window for a new plan, replacing any other; fills `handle` for the peers. Throws Error.
   void open_window(const ce::WindowPlan& plan, ce::HandleBlob& handle);
+  // The same off the program's calls (set_up.h), after `delay`: poll_set_up() says when it is
+  // done, and handle() then holds what open_window() fills. Throws Error when it cannot start.
+  void begin_prepare(const ce::WindowPlan& plan, std::chrono::milliseconds delay);
+  // The window's handle for the peers (open_window's, or a begin_prepare() set-up's once Done).
+  const ce::HandleBlob& handle() const { return handle_; }
   // Zero-copy plans: the table the peers need (after open_window).
   const ce::SourceTable& sources() const { return transport_->sources(); }
   // Starts opening the peers' windows and exported allocations (indexed by rank) off the
@@ -155,6 +160,7 @@ class Serving {
   const ncclComm_t comm_;
   std::unique_ptr<ce::Transport> transport_;
   std::unique_ptr<SetUpJob> set_up_;  // while it runs, it holds the transport
+  ce::HandleBlob handle_{};           // the window's, once prepared
   uint64_t set_up_ns_ = 0;
   // Held where transport_ or set_up_ is replaced or dropped, and by abandon(), which may come
   // from another thread; the calling thread itself reads transport_ without it.

@@ -26,25 +26,41 @@ void finish_orphan(std::unique_ptr<SetUpJob> job) {
 
 }  // namespace
 
+std::unique_ptr<SetUpJob> SetUpJob::start(std::unique_ptr<ce::Transport> transport, Work work,
+                                          std::chrono::milliseconds delay) {
+  std::unique_ptr<SetUpJob> job(new SetUpJob());
+  job->transport_ = std::move(transport);
+  job->thread_ = std::thread(&SetUpJob::run, job.get(), std::move(work), delay);
+  return job;
+}
+
+std::unique_ptr<SetUpJob> SetUpJob::prepare(std::unique_ptr<ce::Transport> transport,
+                                            ce::WindowPlan plan, std::chrono::milliseconds delay) {
+  return start(
+      std::move(transport),
+      [plan = std::move(plan)](ce::Transport& t, ce::HandleBlob& handle) {
+        t.prepare(plan, handle);
+      },
+      delay);
+}
+
 std::unique_ptr<SetUpJob> SetUpJob::attach(std::unique_ptr<ce::Transport> transport,
                                            std::vector<ce::HandleBlob> handles,
                                            std::vector<ce::SourceTable> tables,
                                            std::chrono::milliseconds delay) {
-  std::unique_ptr<SetUpJob> job(new SetUpJob());
-  job->transport_ = std::move(transport);
-  // May throw std::system_error (no thread to be had): the caller treats it as a failed set-up.
-  job->thread_ =
-      std::thread(&SetUpJob::run, job.get(), std::move(handles), std::move(tables), delay);
-  return job;
+  return start(
+      std::move(transport),
+      [handles = std::move(handles), tables = std::move(tables)](
+          ce::Transport& t, ce::HandleBlob&) { t.attach(handles, tables); },
+      delay);
 }
 
-void SetUpJob::run(std::vector<ce::HandleBlob> handles, std::vector<ce::SourceTable> tables,
-                   std::chrono::milliseconds delay) noexcept {
+void SetUpJob::run(Work work, std::chrono::milliseconds delay) noexcept {
   State done = State::Done;
   const auto began = std::chrono::steady_clock::now();
   try {
     if (delay.count() > 0) std::this_thread::sleep_for(delay);
-    transport_->attach(handles, tables);
+    work(*transport_, handle_);
   } catch (const std::exception& e) {
     error_ = e.what();
     done = State::Failed;

@@ -1,8 +1,13 @@
-// A plan's set-up off the program's call path. Opening the peers' windows and the allocations
-// they export takes a CUDA IPC mapping each (0.06-0.12 ms on an H200, BENCHMARKS.md): a model's
-// 400 allocations on 8 ranks, 2,800 mappings, take a third of a second. That runs on a thread of
-// its own while the program's calls go on through NCCL; the agreement asks at each step whether
-// every rank is done (CommAgreement's confirm, kSettingUp) and moves at the read where all are.
+// A plan's set-up off the program's call path, in two parts, each on a thread of its own while
+// the program's calls go on through NCCL:
+//  - prepare (the owner's side): find and export the allocations holding this rank's shards (a
+//    CUDA IPC handle each), make the window, copy the shards that cannot be shared. Hundreds of
+//    exports and a device-wide synchronize took 45-65 ms at the publish call on an H200;
+//  - attach (the reader's side): open the peers' windows and the allocations they export, a CUDA
+//    IPC mapping each (0.06-0.12 ms on an H200, BENCHMARKS.md): a model's 400 allocations on 8
+//    ranks, 2,800 mappings, take a third of a second.
+// The agreement asks at each step whether every rank is done (CommAgreement's publish and
+// confirm, kSettingUp) and goes on at the read where all are.
 //
 // The transport belongs to the job while it runs: no call of the program touches it. A job whose
 // plan is dropped while it runs (the step changed, the communicator ended) is orphaned: it
@@ -12,6 +17,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -21,16 +27,20 @@
 
 namespace magi::rewrite {
 
-// A set-up expected to take longer than this runs off the program's calls; a shorter one (a few
-// shared-memory mappings) at the call, which saves the program a step of waiting for it.
+// A set-up part expected to take longer than this runs off the program's calls; a shorter one (a
+// few shared-memory mappings, one window) at the call, which saves the program a step of waiting.
 inline constexpr uint64_t kSetUpAtTheCallNs = 1'000'000;
 
 class SetUpJob {
  public:
   enum class State : uint8_t { Running, Done, Failed };
 
-  // Starts attaching `transport` to the peers (`handles`, `tables` by rank) on a thread of its
-  // own; `delay` first (MAGI_INJECT_FAULT=slow-attach, for tests).
+  // Both start on a thread of their own, `delay` first (MAGI_INJECT_FAULT=slow-attach and
+  // slow-prepare, for tests), and may throw std::system_error (no thread to be had).
+  // Prepares `transport`'s window for `plan` (Transport::prepare); handle() once Done.
+  static std::unique_ptr<SetUpJob> prepare(std::unique_ptr<ce::Transport> transport,
+                                           ce::WindowPlan plan, std::chrono::milliseconds delay);
+  // Attaches `transport` to the peers (`handles`, `tables` by rank).
   static std::unique_ptr<SetUpJob> attach(std::unique_ptr<ce::Transport> transport,
                                           std::vector<ce::HandleBlob> handles,
                                           std::vector<ce::SourceTable> tables,
@@ -45,15 +55,20 @@ class SetUpJob {
   std::unique_ptr<ce::Transport> take();
   // Failed: why.
   const std::string& error() const { return error_; }
+  // A prepare job, Done: the window's handle for the peers (else empty).
+  const ce::HandleBlob& handle() const { return handle_; }
   // Once not Running: how long the set-up took on its thread (not how long until it was asked).
   uint64_t took_ns() const { return took_ns_; }
 
  private:
+  using Work = std::function<void(ce::Transport&, ce::HandleBlob&)>;
+  static std::unique_ptr<SetUpJob> start(std::unique_ptr<ce::Transport> transport, Work work,
+                                         std::chrono::milliseconds delay);
   SetUpJob() = default;
-  void run(std::vector<ce::HandleBlob> handles, std::vector<ce::SourceTable> tables,
-           std::chrono::milliseconds delay) noexcept;
+  void run(Work work, std::chrono::milliseconds delay) noexcept;
 
   std::unique_ptr<ce::Transport> transport_;
+  ce::HandleBlob handle_{};
   std::string error_;
   uint64_t took_ns_ = 0;
   std::atomic<State> state_{State::Running};

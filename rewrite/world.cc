@@ -27,6 +27,10 @@ AgreementWorld production_world(const RealNcclCalls& nccl) {
   // 0.12 ms with four processes opening at once (BENCHMARKS.md); mapping a /dev/shm file, µs.
   // So the default mode's windows (one per peer) stay at the call up to 8 ranks.
   make.mapping_ns = backend == ce::Backend::Cuda ? 120'000 : 10'000;
+  // The owner's side: 256 cudaMalloc allocations exported (a handle and a range query each) and
+  // a window made took 45-65 ms at the publish call on an H200 with 4 ranks, ~0.2 ms each; the
+  // host finds all of a plan's in one read of /proc/self/maps, then a few µs each.
+  make.export_ns = backend == ce::Backend::Cuda ? 100'000 : 2'000;
   make.locality = [backend](const capture::CommInfo& info) {
     return ce::local_locality(backend, info.cuda_device);
   };

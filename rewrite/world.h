@@ -35,6 +35,8 @@ struct TransportFactory {
   // What opening one peer's window or exported allocation takes, for choosing whether a plan's
   // set-up runs at the call or off it (rewrite/set_up.h).
   uint64_t mapping_ns = 0;
+  // What finding and exporting one allocation holding a shard takes (the owner's side).
+  uint64_t export_ns = 0;
 };
 
 using TraceSink = std::function<void(trace::RecordType type, const void* payload, uint32_t bytes)>;

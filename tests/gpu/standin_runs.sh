@@ -356,13 +356,16 @@ standin_weights_scale_run() {
   local name=mps-weights-256-allocations-static log
   standin_run "$name" 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --arena 1 \
     --arenas 256 --layers 256 --steps 60 --program swap --swap-step 1000 \
-    --shard-elements $((64 * 1024)) --report-memory 1
+    --shard-elements $((64 * 1024)) --report-memory 1 --report-slowest 1
   log="$work/$name/log"
+  standin_log_check "$name" "each rank's exports and window made off the program's calls" \
+    "static weights: 256 gathers: .* prepared in [0-9.]+ ms off the program's calls"
   standin_log_check "$name" "every shard read in place" \
     "static weights: 256 gathers: 256 shards exported in place .* in 256 allocations, 0 copied\), 0 bound"
   standin_log_check "$name" "the peers' allocations mapped off the program's calls" \
     "mapped 768 allocations of the peers \(set-up [0-9.]+ ms, off the program's calls\)"
-  grep -E "mapped 768 allocations|served off NCCL|device memory free" "$log" | head -n 10 | sed 's/^/  /'
+  grep -E "prepared in|mapped 768 allocations|served off NCCL|device memory free|slowest gather" \
+    "$log" | head -n 20 | sed 's/^/  /'
 }
 
 standin_fault_runs() {

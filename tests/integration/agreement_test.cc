@@ -159,6 +159,7 @@ AgreedRun run_agreed(int n, std::vector<std::string> args, EnvList env = {}, dou
 
 std::string transcript(const AgreedRun& r) { return r.result.summary() + "\n" + r.log; }
 
+using test::count_lines;
 using test::has_line;
 
 // The heart of it: for every communicator, every rank took the same route for every call, went
@@ -839,7 +840,7 @@ INSTANTIATE_TEST_SUITE_P(Ranks, StaticWeightsPrograms, ::testing::Values(2, 4, 8
 TEST(StaticWeights, AThousandAllocationsARankAreAllReadInPlace) {
   constexpr int kRanks = 4;
   const AgreedRun r = run_agreed(kRanks,
-                                 {"weights", "--layers", "1000", "--steps", "12", "--program",
+                                 {"weights", "--layers", "1000", "--steps", "40", "--program",
                                   "swap", "--swap-step", "100", "--arena", "1", "--arenas", "1000"},
                                  {{"MAGI_STATIC_WEIGHTS", "1"}}, 120);
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
@@ -854,6 +855,11 @@ TEST(StaticWeights, AThousandAllocationsARankAreAllReadInPlace) {
                                      R"(0 bound \(0 bytes copied\))"))
         << "rank " << rank;
     EXPECT_TRUE(has_line(r.log, me + "static weights: mapped 3000 allocations of the peers"))
+        << "rank " << rank;
+    // A thousand exports are more than a call should wait for: both halves of the set-up ran
+    // off the calls.
+    EXPECT_TRUE(has_line(r.log, me + "static weights: 1000 gathers: .* prepared in [0-9.]+ ms off "
+                                     "the program's calls"))
         << "rank " << rank;
   }
   EXPECT_EQ(r.log.find("cannot be read in place"), std::string::npos);
@@ -1020,6 +1026,48 @@ TEST(Agreement, ASlowSetUpRunsOffTheCallsAndEveryRankMovesOnceAllAreDone) {
   }
   EXPECT_TRUE(has_line(r.log, R"(\[2\] MAGI INFO TRANSPORT comm [0-9a-f]+: opened the peers' )"
                               R"(windows \(set-up [0-9.]+ ms, off the program's calls\))"))
+      << r.log;
+}
+
+// The owner's side of the set-up (exporting each allocation that holds a shard, making the
+// window) runs off the program's calls too. Rank 2's takes 100 ms longer here: its publish says
+// "still setting up", every rank reads that alike and issues the publish again at the same later
+// steps (1, 2, 4, ... apart), the calls go on through NCCL meanwhile, and every rank reads its
+// peers' shards in place once all are ready. Every byte is checked by the program.
+TEST(StaticWeights, ASlowPrepareRunsOffTheCallsAndEveryRankMovesOnceAllAreReady) {
+  const AgreedRun r =
+      run_agreed(4,
+                 {"weights", "--layers", "4", "--steps", "4000", "--program", "swap", "--swap-step",
+                  "100000", "--arena", "1"},
+                 {{"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_INJECT_FAULT", "slow-prepare:2"}}, 120);
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  const uint64_t comm = r.comm_ids()[0];
+  for (const auto& [rank, v] : r.comms.at(comm)) {
+    const auto publishes = rounds_with(v, RoundKind::Publish, RoundEvent::Read);
+    const auto confirms = rounds_with(v, RoundKind::Confirm, RoundEvent::Read);
+    const auto activated = rounds_with(v, RoundKind::Confirm, RoundEvent::Activated);
+    ASSERT_EQ(activated.size(), 1u) << "rank " << rank << "\n" << transcript(r);
+    std::vector<uint64_t> waited;  // the publishes read while rank 2 was still preparing
+    for (const auto& p : publishes)
+      if (p.reason == static_cast<uint8_t>(Reason::SettingUp)) waited.push_back(p.seq);
+    ASSERT_GE(waited.size(), 2u) << "rank " << rank << "\n" << transcript(r);
+    ASSERT_EQ(publishes.size(), waited.size() + 1) << "rank " << rank;  // then one agreed
+    for (size_t i = 2; i < waited.size(); ++i)
+      EXPECT_GE(waited[i] - waited[i - 1], waited[i - 1] - waited[i - 2]) << "rank " << rank;
+    ASSERT_FALSE(confirms.empty()) << "rank " << rank;
+    EXPECT_LT(waited.back(), publishes.back().seq);
+    EXPECT_LT(publishes.back().seq, confirms.front().seq);
+    ASSERT_FALSE(v.moved.empty()) << "rank " << rank;
+    EXPECT_GE(v.moved.front(), activated[0].seq);
+    const std::string me =
+        "\\[" + std::to_string(rank) + "\\] MAGI INFO TRANSPORT comm [0-9a-f]+: ";
+    // Said once, when ready, on every rank; rank 2's off the calls.
+    EXPECT_EQ(count_lines(r.log, me + "static weights: 4 gathers: 4 shards exported in place"), 1u)
+        << r.log;
+  }
+  EXPECT_TRUE(has_line(r.log, R"(\[2\] MAGI INFO TRANSPORT comm [0-9a-f]+: static weights: 4 )"
+                              R"(gathers: .* prepared in [0-9.]+ ms off the program's calls)"))
       << r.log;
 }
 
