@@ -835,10 +835,10 @@ TEST_P(StaticWeightsPrograms, LayersMovedWhereNoRankCanKnowAreReportedOnEveryRan
 INSTANTIATE_TEST_SUITE_P(Ranks, StaticWeightsPrograms, ::testing::Values(2, 4, 8));
 
 // A model's shards, each in an allocation of its own (the caching allocator gives a shard of
-// 10 MiB or more a segment of its own): 1,000 a rank, every one read in place, none copied,
-// every peer's mapped, every byte right (the program checks each).
+// 10 MiB or more a segment of its own): 8 ranks of 1,000 each, every one read in place, none
+// copied, every peer's mapped, every byte right (the program checks each).
 TEST(StaticWeights, AThousandAllocationsARankAreAllReadInPlace) {
-  constexpr int kRanks = 4;
+  constexpr int kRanks = 8;
   const AgreedRun r = run_agreed(kRanks,
                                  {"weights", "--layers", "1000", "--steps", "40", "--program",
                                   "swap", "--swap-step", "100", "--arena", "1", "--arenas", "1000"},
@@ -854,7 +854,7 @@ TEST(StaticWeights, AThousandAllocationsARankAreAllReadInPlace) {
                                      R"(place \(4096000 bytes in 1000 allocations, 0 copied\), )"
                                      R"(0 bound \(0 bytes copied\))"))
         << "rank " << rank;
-    EXPECT_TRUE(has_line(r.log, me + "static weights: mapped 3000 allocations of the peers"))
+    EXPECT_TRUE(has_line(r.log, me + "static weights: mapped 7000 allocations of the peers"))
         << "rank " << rank;
     // A thousand exports are more than a call should wait for: both halves of the set-up ran
     // off the calls.
