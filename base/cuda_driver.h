@@ -29,7 +29,19 @@ namespace magi {
   X(cuEventCreate, PFN_cuEventCreate_v2000, 2000)                   \
   X(cuEventRecord, PFN_cuEventRecord_v2000, 2000)                   \
   X(cuEventQuery, PFN_cuEventQuery_v2000, 2000)                     \
-  X(cuThreadExchangeStreamCaptureMode, PFN_cuThreadExchangeStreamCaptureMode_v10010, 10010)
+  X(cuThreadExchangeStreamCaptureMode, PFN_cuThreadExchangeStreamCaptureMode_v10010, 10010) \
+  X(cuMemRetainAllocationHandle, PFN_cuMemRetainAllocationHandle_v11000, 11000)             \
+  X(cuMemGetAllocationPropertiesFromHandle, PFN_cuMemGetAllocationPropertiesFromHandle_v10020, \
+    10020)                                                                                  \
+  X(cuMemExportToShareableHandle, PFN_cuMemExportToShareableHandle_v10020, 10020)           \
+  X(cuMemImportFromShareableHandle, PFN_cuMemImportFromShareableHandle_v10020, 10020)       \
+  X(cuMemGetAllocationGranularity, PFN_cuMemGetAllocationGranularity_v10020, 10020)         \
+  X(cuMemAddressReserve, PFN_cuMemAddressReserve_v10020, 10020)                             \
+  X(cuMemAddressFree, PFN_cuMemAddressFree_v10020, 10020)                                   \
+  X(cuMemMap, PFN_cuMemMap_v10020, 10020)                                                   \
+  X(cuMemUnmap, PFN_cuMemUnmap_v10020, 10020)                                               \
+  X(cuMemSetAccess, PFN_cuMemSetAccess_v10020, 10020)                                       \
+  X(cuMemRelease, PFN_cuMemRelease_v10020, 10020)
 
 // One pointer per entry point, named after it (`cuStreamBatchMemOp_fn`); nullptr where the
 // driver lacks it. The `##` keeps cuda.h's renaming macros (cuMemGetAddressRange ->

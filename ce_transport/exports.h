@@ -33,10 +33,14 @@ struct Exportable {
   ExportRecord record{};
   uint64_t identity = 0;  // what tells this allocation from a later one at the same address
   std::string refusal;    // !ok: why the peers cannot read it in place
+  // record.kind ByDescriptor: the physical allocations mapped one after the other from `base`
+  // (start, size), which the peers map in the same order, so they see record.bytes contiguous.
+  std::vector<std::pair<uintptr_t, size_t>> pieces;
 };
 
 // Which shards of a zero-copy plan are exported and which are copied into the region, packed at
-// 256-byte offsets; every allocation exported once. Sources past the table's room are bound.
+// 256-byte offsets; every allocation exported once (a shard inside an export already made, one
+// with its base that covers it, reads that one). Sources past the table's room are bound.
 struct SourcePlan {
   SourceTable table;
   size_t region_bytes = 0;              // the bound shards, packed
@@ -127,9 +131,13 @@ std::function<Exportable(const void* ptr, size_t bytes)> host_export_finder();
 // `bytes`: the exported mapping's size, ExportRecord::bytes).
 bool host_export_alive(uintptr_t base, size_t bytes, uint64_t identity);
 
-// ---- the CUDA backend's exports: a cudaMalloc allocation, by the IPC handle of its base ----
-// Memory from cuMemCreate (PyTorch's expandable segments), pools and managed memory is refused.
-// Only once the program has loaded the driver.
+// ---- the CUDA backend's exports ----
+// A cudaMalloc allocation, by the IPC handle of its base (kind Handle); else cuMemCreate memory
+// (PyTorch's expandable segments) made shareable as a POSIX file descriptor: the physical
+// allocations mapped under the shard, walked in order (kind ByDescriptor, `pieces`; the record's
+// handle and index are filled by the backend that offers them: cuda_memory_ops.cc). Refused:
+// cuMemCreate memory made without that handle type, pools, managed memory. Only once the
+// program has loaded the driver.
 Exportable find_cuda_export(const void* sendbuf, size_t bytes);
 
 // A peer's exported allocation, mapped read-only into this process; unmapped when destroyed.
