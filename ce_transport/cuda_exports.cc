@@ -25,60 +25,79 @@ struct Retained {
   }
 };
 
+// The allocation mapped at `p`, or 0 where none is (cudaMalloc memory, a hole, an address
+// outside any mapping); the handle is not kept.
+CUmemGenericAllocationHandle allocation_at(CUdeviceptr p) {
+  Retained r;
+  if (MAGI_CUDA_DRIVER_FN(cuMemRetainAllocationHandle)(&r.handle, reinterpret_cast<void*>(p)) !=
+      CUDA_SUCCESS)
+    return 0;
+  r.held = true;
+  return r.handle;
+}
+
 // cuMemCreate memory under [at, at + bytes): the physical allocations mapped there, walked in
-// order. cuMemGetAddressRange names the mapping that holds an address (one allocation's, as
-// PyTorch's expandable segments map each 2 MiB or 20 MiB granule on its own); a range it gives
-// that holds more than one allocation, a piece mapped from an offset into its allocation, or an
-// allocation made without the POSIX file descriptor handle type are refused, with the reason.
+// order. Where one allocation's mapping begins and ends is found by asking which allocation is
+// mapped at each granule (mappings are granule-aligned): cuMemGetAddressRange alone may name the
+// whole reserved range, which holds many (PyTorch's expandable segments map each 2 MiB or 20 MiB
+// granule on its own). An allocation made without the POSIX file descriptor handle type, or not
+// on a device, is refused, with the reason.
 bool walk_pieces(CUdeviceptr at, size_t bytes, Exportable& e) {
-  const CUdeviceptr end = at + bytes;
-  for (CUdeviceptr p = at; p < end;) {
-    CUdeviceptr base = 0;
-    size_t size = 0;
-    if (MAGI_CUDA_DRIVER_FN(cuMemGetAddressRange)(&base, &size, p) != CUDA_SUCCESS || base > p ||
-        size == 0) {
-      e.refusal = "cuMemGetAddressRange refused an address inside the shard";
-      return false;
-    }
-    Retained first, last;
-    if (MAGI_CUDA_DRIVER_FN(cuMemRetainAllocationHandle)(
-            &first.handle, reinterpret_cast<void*>(base)) != CUDA_SUCCESS) {
+  CUdeviceptr range_base = 0;
+  size_t range_size = 0;
+  if (MAGI_CUDA_DRIVER_FN(cuMemGetAddressRange)(&range_base, &range_size, at) != CUDA_SUCCESS) {
+    e.refusal = "cuMemGetAddressRange refused its address";
+    return false;
+  }
+  const CUdeviceptr range_end = range_base + range_size;
+  if (at + bytes > range_end) {
+    e.refusal = "the shard runs past its address range";
+    return false;
+  }
+  size_t granularity = 0;
+  for (CUdeviceptr p = at; p < at + bytes;) {
+    const CUmemGenericAllocationHandle handle = allocation_at(p);
+    if (handle == 0) {
       e.refusal = "neither cudaIpcGetMemHandle nor cuMemRetainAllocationHandle takes it (memory "
-                  "from a pool, or managed memory)";
+                  "from a pool, managed memory, or a hole in a reserved range)";
       return false;
     }
-    first.held = true;
-    CUmemAllocationProp prop{};
-    if (MAGI_CUDA_DRIVER_FN(cuMemGetAllocationPropertiesFromHandle)(&prop, first.handle) !=
-        CUDA_SUCCESS) {
-      e.refusal = "cuMemGetAllocationPropertiesFromHandle refused its cuMemCreate allocation";
+    if (granularity == 0) {
+      CUmemAllocationProp prop{};
+      if (MAGI_CUDA_DRIVER_FN(cuMemGetAllocationPropertiesFromHandle)(&prop, handle) !=
+          CUDA_SUCCESS) {
+        e.refusal = "cuMemGetAllocationPropertiesFromHandle refused its cuMemCreate allocation";
+        return false;
+      }
+      if ((prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) == 0) {
+        e.refusal = "a cuMemCreate allocation made without the POSIX file descriptor handle type "
+                    "(requestedHandleTypes), so no other process can map it";
+        return false;
+      }
+      if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
+        e.refusal = "a cuMemCreate allocation that is not device memory";
+        return false;
+      }
+      if (MAGI_CUDA_DRIVER_FN(cuMemGetAllocationGranularity)(
+              &granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS ||
+          granularity == 0) {
+        e.refusal = "cuMemGetAllocationGranularity refused its cuMemCreate allocation";
+        return false;
+      }
+    }
+    // This allocation's mapping: back and forth from p, a granule at a time, inside the range.
+    CUdeviceptr begin = p / granularity * granularity;
+    if (e.pieces.empty()) {
+      while (begin >= range_base + granularity && allocation_at(begin - granularity) == handle)
+        begin -= granularity;
+    } else if (begin != p) {
+      e.refusal = "a cuMemCreate mapping under the shard is not granule-aligned";
       return false;
     }
-    if ((prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) == 0) {
-      e.refusal = "a cuMemCreate allocation made without the POSIX file descriptor handle type "
-                  "(requestedHandleTypes), so no other process can map it";
-      return false;
-    }
-    if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
-      e.refusal = "a cuMemCreate allocation that is not device memory";
-      return false;
-    }
-    if (MAGI_CUDA_DRIVER_FN(cuMemRetainAllocationHandle)(
-            &last.handle, reinterpret_cast<void*>(base + size - 1)) != CUDA_SUCCESS) {
-      e.refusal = "cuMemRetainAllocationHandle refused the end of a mapping under the shard";
-      return false;
-    }
-    last.held = true;
-    if (last.handle != first.handle) {
-      e.refusal = "cuMemGetAddressRange gives a range of more than one cuMemCreate allocation";
-      return false;
-    }
-    if (!e.pieces.empty() && e.pieces.back().first + e.pieces.back().second != base) {
-      e.refusal = "the shard's cuMemCreate mappings are not contiguous";
-      return false;
-    }
-    e.pieces.emplace_back(static_cast<uintptr_t>(base), size);
-    p = base + size;
+    CUdeviceptr end = begin + granularity;
+    while (end < range_end && allocation_at(end) == handle) end += granularity;
+    e.pieces.emplace_back(static_cast<uintptr_t>(begin), static_cast<size_t>(end - begin));
+    p = end;
   }
   return !e.pieces.empty();
 }
