@@ -84,15 +84,6 @@ void check_bindable(const Copy& shard) {
     throw Error(ErrorKind::System, "binding a shard: its send buffer is no longer allocated");
 }
 
-// What an ExportRecord by descriptor holds in its handle: where the owner's channel listens.
-struct DescriptorHandle {
-  static constexpr uint32_t kMagic = 0x4d56'4d4d;  // "MVMM"
-  uint32_t magic;
-  uint32_t reserved;
-  fd_channel::Address address;
-};
-static_assert(sizeof(DescriptorHandle) <= sizeof(ExportRecord::handle));
-
 // A peer's cuMemCreate pieces, imported from their descriptors and mapped one after the other
 // into one reserved range, so its shards read as they do at the owner. The mapping holds the
 // memory: the imported handles are released once mapped; unmapped and freed by unmap().
@@ -113,10 +104,7 @@ struct PieceMapping {
 };
 
 PieceMapping map_by_descriptor(const ExportRecord& record, int device) {
-  DescriptorHandle where;
-  std::memcpy(&where, record.handle, sizeof(where));
-  if (where.magic != DescriptorHandle::kMagic)
-    throw Error(ErrorKind::Usage, "an export by descriptor without its channel's address");
+  const fd_channel::Address where = exports::descriptor_source(record);
   std::vector<CUmemGenericAllocationHandle> handles;
   PieceMapping m;
   auto release_handles = [&] {
@@ -125,7 +113,7 @@ PieceMapping map_by_descriptor(const ExportRecord& record, int device) {
   };
   try {
     const std::vector<uint8_t> payload =
-        fd_channel::fetch(where.address, record.index, [&](size_t, int fd) {
+        fd_channel::fetch(where, record.index, [&](size_t, int fd) {
           CUmemGenericAllocationHandle h = 0;
           const CUresult imported = MAGI_CUDA_DRIVER_FN(cuMemImportFromShareableHandle)(
               &h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
@@ -575,9 +563,7 @@ class CudaMemoryOps final : public MemoryOps {
       };
       known = offered_.emplace(range, server_->offer(std::move(offer))).first;
     }
-    DescriptorHandle where{DescriptorHandle::kMagic, 0, server_->address()};
-    std::memcpy(e.record.handle, &where, sizeof(where));
-    e.record.index = known->second;
+    exports::set_descriptor_source(e.record, server_->address(), known->second);
   }
   // The channel stops before the handles go: no descriptor is made from a released handle.
   void stop_offering() {

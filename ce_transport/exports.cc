@@ -204,6 +204,34 @@ int64_t BindIndex::find(size_t slot_offset) const {
   return it->second;
 }
 
+namespace {
+// What an ExportRecord by descriptor holds in its handle.
+struct DescriptorSource {
+  static constexpr uint32_t kMagic = 0x4d46'4453;  // "MFDS"
+  uint32_t magic;
+  uint32_t reserved;
+  fd_channel::Address address;
+};
+static_assert(sizeof(DescriptorSource) <= sizeof(ExportRecord::handle));
+}  // namespace
+
+void set_descriptor_source(ExportRecord& record, const fd_channel::Address& address,
+                           uint32_t index) {
+  const DescriptorSource source{DescriptorSource::kMagic, 0, address};
+  std::memset(record.handle, 0, sizeof(record.handle));
+  std::memcpy(record.handle, &source, sizeof(source));
+  record.kind = ExportRecord::Kind::ByDescriptor;
+  record.index = index;
+}
+
+fd_channel::Address descriptor_source(const ExportRecord& record) {
+  DescriptorSource source{};
+  std::memcpy(&source, record.handle, sizeof(source));
+  if (record.kind != ExportRecord::Kind::ByDescriptor || source.magic != DescriptorSource::kMagic)
+    throw Error(ErrorKind::Usage, "an export by descriptor that does not say where to ask");
+  return source.address;
+}
+
 uint64_t hash_packed(const uint8_t* packed, const SampleSet& set) {
   return XXH3_64bits(packed, set.bytes());
 }

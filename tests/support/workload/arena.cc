@@ -63,7 +63,7 @@ size_t round_up(size_t bytes, size_t unit) { return (bytes + unit - 1) / unit * 
 
 Arena::Arena(const Placement& placement, Kind kind, size_t bytes, int index)
     : placement_(placement), kind_(kind) {
-  const bool host = kind == Kind::Heap || kind == Kind::SharedFile;
+  const bool host = kind == Kind::Heap || kind == Kind::SharedFile || kind == Kind::HostMemfd;
   if (host == placement.device()) {
     throw ScenarioFailure(
         "the heap and /dev/shm arenas are host memory; the CUDA ones need "
@@ -97,6 +97,16 @@ Arena::Arena(const Placement& placement, Kind kind, size_t bytes, int index)
         ::close(fd);  // the mapping keeps the file's pages; its name keeps it for peers
         errno = err;
         if (mapped == MAP_FAILED) fail_errno("mmap " + name);
+        base_ = mapped;
+        break;
+      }
+      case Kind::HostMemfd: {
+        memfd_ = ::memfd_create("magi-arena", MFD_CLOEXEC);
+        if (memfd_ < 0) fail_errno("memfd_create");
+        capacity_ = round_up(bytes, static_cast<size_t>(::sysconf(_SC_PAGESIZE)));
+        if (::ftruncate(memfd_, static_cast<off_t>(capacity_)) != 0) fail_errno("ftruncate memfd");
+        void* mapped = ::mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_SHARED, memfd_, 0);
+        if (mapped == MAP_FAILED) fail_errno("mmap memfd");
         base_ = mapped;
         break;
       }
@@ -155,6 +165,10 @@ void Arena::release() noexcept {
       if (base_ != nullptr) ::munmap(base_, capacity_);
       if (!file_name_.empty()) ::shm_unlink(file_name_.c_str());
       break;
+    case Kind::HostMemfd:
+      if (base_ != nullptr) ::munmap(base_, capacity_);
+      if (memfd_ >= 0) ::close(memfd_);
+      break;
     case Kind::CudaMalloc:
       if (base_ != nullptr) cudaFree(base_);
       break;
@@ -174,6 +188,7 @@ void Arena::release() noexcept {
     }
   }
   base_ = nullptr;
+  memfd_ = -1;
   file_name_.clear();
   vmm_mapped_.clear();
   vmm_allocations_.clear();
