@@ -76,7 +76,15 @@ struct Options {
   bool static_weights{};
   bool ce_force{};
   struct Fault {
-    enum class Where : uint8_t { None, Prepare, Attach, Gather, Slow, SlowAttach };
+    enum class Where : uint8_t {
+      None,
+      Prepare,
+      Attach,
+      Gather,
+      Slow,
+      SlowAttach,
+      RefuseDescriptors
+    };
     Where where = Where::None;
     int rank = -1;
   };

@@ -58,8 +58,9 @@ bool walk_pieces(CUdeviceptr at, size_t bytes, Exportable& e) {
   for (CUdeviceptr p = at; p < at + bytes;) {
     const CUmemGenericAllocationHandle handle = allocation_at(p);
     if (handle == 0) {
-      e.refusal = "neither cudaIpcGetMemHandle nor cuMemRetainAllocationHandle takes it (memory "
-                  "from a pool, managed memory, or a hole in a reserved range)";
+      e.refusal =
+          "neither cudaIpcGetMemHandle nor cuMemRetainAllocationHandle takes it (memory "
+          "from a pool, managed memory, or a hole in a reserved range)";
       return false;
     }
     if (granularity == 0) {
@@ -70,8 +71,9 @@ bool walk_pieces(CUdeviceptr at, size_t bytes, Exportable& e) {
         return false;
       }
       if ((prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) == 0) {
-        e.refusal = "a cuMemCreate allocation made without the POSIX file descriptor handle type "
-                    "(requestedHandleTypes), so no other process can map it";
+        e.refusal =
+            "a cuMemCreate allocation made without the POSIX file descriptor handle type "
+            "(requestedHandleTypes), so no other process can map it";
         return false;
       }
       if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
@@ -122,14 +124,15 @@ Exportable find_cuda_export(const void* sendbuf, size_t bytes) {
     cudaGetLastError();
     if (!walk_pieces(at, bytes, e)) {
       e.pieces.clear();
-      e.refusal = std::string("cudaIpcGetMemHandle: ") + cudaGetErrorName(got) + ", and " +
-                  e.refusal;
+      e.refusal =
+          std::string("cudaIpcGetMemHandle: ") + cudaGetErrorName(got) + ", and " + e.refusal;
       return e;
     }
     e.base = e.pieces.front().first;
     e.record.kind = ExportRecord::Kind::ByDescriptor;
     e.record.bytes = e.pieces.back().first + e.pieces.back().second - e.base;
-    e.identity = identify_buffer(Backend::Cuda, reinterpret_cast<const void*>(e.base)).allocation_id;
+    e.identity =
+        identify_buffer(Backend::Cuda, reinterpret_cast<const void*>(e.base)).allocation_id;
     e.ok = true;
     return e;
   }

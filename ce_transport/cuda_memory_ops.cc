@@ -9,10 +9,10 @@
 // rights); an IPC handle is 64 plain bytes that travel in the publish round through the
 // communicator itself. Only the program's own cuMemCreate memory, which legacy IPC refuses, is
 // read by descriptor (static weights: fd_channel.h, the descriptor channel's server started at
-// the first such export of a plan). A handle cannot be opened by the process that exported it, which is
-// no loss: a rank reads its own window through its own pointer. A window is one allocation, so
-// one mapping per peer: a communicator costs nranks - 1 mappings per process, far below drivers'
-// limits.
+// the first such export of a plan). A handle cannot be opened by the process that exported it,
+// which is no loss: a rank reads its own window through its own pointer. A window is one
+// allocation, so one mapping per peer: a communicator costs nranks - 1 mappings per process, far
+// below drivers' limits.
 //
 // Layout: the slots (or the bound region) start at offset 0 of the allocation, the flags follow
 // them, and the allocation is rounded up to 2 MiB. Measured on an H200: copies out of a region
@@ -135,8 +135,8 @@ PieceMapping map_by_descriptor(const ExportRecord& record, int device) {
     cuda_check(MAGI_CUDA_DRIVER_FN(cuMemGetAllocationPropertiesFromHandle)(&prop, handles[0]),
                "cuMemGetAllocationPropertiesFromHandle (a peer's piece)");
     size_t granularity = 0;
-    cuda_check(MAGI_CUDA_DRIVER_FN(cuMemGetAllocationGranularity)(
-                   &granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+    cuda_check(MAGI_CUDA_DRIVER_FN(cuMemGetAllocationGranularity)(&granularity, &prop,
+                                                                  CU_MEM_ALLOC_GRANULARITY_MINIMUM),
                "cuMemGetAllocationGranularity");
     cuda_check(MAGI_CUDA_DRIVER_FN(cuMemAddressReserve)(&m.base, record.bytes, granularity, 0, 0),
                "cuMemAddressReserve (a peer's cuMemCreate shards)");
@@ -340,8 +340,8 @@ class CudaMemoryOps final : public MemoryOps {
       offer(e);
     } catch (const Error& error) {
       e.ok = false;
-      e.refusal = std::string("its cuMemCreate memory cannot be offered by descriptor: ") +
-                  error.what();
+      e.refusal =
+          std::string("its cuMemCreate memory cannot be offered by descriptor: ") + error.what();
     }
     return e;
   }
@@ -541,9 +541,9 @@ class CudaMemoryOps final : public MemoryOps {
       auto handles = std::make_shared<std::vector<CUmemGenericAllocationHandle>>();
       for (const auto& [start, size] : e.pieces) {
         CUmemGenericAllocationHandle h = 0;
-        cuda_check(MAGI_CUDA_DRIVER_FN(cuMemRetainAllocationHandle)(
-                       &h, reinterpret_cast<void*>(start)),
-                   "cuMemRetainAllocationHandle (a shard to export)");
+        cuda_check(
+            MAGI_CUDA_DRIVER_FN(cuMemRetainAllocationHandle)(&h, reinterpret_cast<void*>(start)),
+            "cuMemRetainAllocationHandle (a shard to export)");
         retained_.push_back(h);
         handles->push_back(h);
         const uint64_t bytes = size;
@@ -703,8 +703,8 @@ std::unique_ptr<Transport> make_cuda_transport(int rank, int nranks, uint64_t co
   check_rank(rank, nranks);
   if (!cuda_driver_loaded())
     throw Error(ErrorKind::System, "the CUDA driver is not loaded in this process");
-  return make_window_transport(std::make_unique<CudaMemoryOps>(rank, nranks, comm_identity, device), rank, nranks,
-                               comm_identity, fault);
+  return make_window_transport(std::make_unique<CudaMemoryOps>(rank, nranks, comm_identity, device),
+                               rank, nranks, comm_identity, fault);
 }
 
 }  // namespace magi::ce

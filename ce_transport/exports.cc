@@ -49,8 +49,8 @@ SourceTable SourceTable::parse(std::span<const uint8_t> in) {
     std::memcpy(&e, at, kExportBytes);
     at += kExportBytes;
     if (e.kind != ExportRecord::Kind::Handle && e.kind != ExportRecord::Kind::ByDescriptor)
-      throw Error(ErrorKind::Usage, "an export of unknown kind " +
-                                        std::to_string(static_cast<uint32_t>(e.kind)));
+      throw Error(ErrorKind::Usage,
+                  "an export of unknown kind " + std::to_string(static_cast<uint32_t>(e.kind)));
   }
   table.sources.resize(sources_count);
   for (ShardSource& s : table.sources) {

@@ -339,8 +339,8 @@ std::vector<uint8_t> fetch(const Address& address, uint32_t index,
   std::vector<uint8_t> payload(reply.payload_bytes);
   if (!read_all(conn, payload.data(), payload.size())) throw failed("reading its answer");
   if (reply.status != 0)
-    throw Error(ErrorKind::System, owner + " refused descriptors: " +
-                                       std::string(payload.begin(), payload.end()));
+    throw Error(ErrorKind::System,
+                owner + " refused descriptors: " + std::string(payload.begin(), payload.end()));
   size_t received = 0;
   std::vector<int> fds;
   while (received < reply.count) {
@@ -372,10 +372,10 @@ std::vector<uint8_t> fetch(const Address& address, uint32_t index,
     if ((msg.msg_flags & MSG_CTRUNC) != 0 || fds.size() != count ||
         received + fds.size() > reply.count) {
       for (int fd : fds) ::close(fd);
-      throw Error(ErrorKind::System,
-                  owner + "'s descriptor channel: a message lost descriptors (" +
-                      std::to_string(fds.size()) + " of " + std::to_string(count) +
-                      "; is this process short of file descriptors?)");
+      throw Error(ErrorKind::System, owner + "'s descriptor channel: a message lost descriptors (" +
+                                         std::to_string(fds.size()) + " of " +
+                                         std::to_string(count) +
+                                         "; is this process short of file descriptors?)");
     }
     for (size_t i = 0; i < fds.size(); ++i) {
       try {

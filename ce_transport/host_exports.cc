@@ -187,8 +187,7 @@ bool host_export_alive(uintptr_t base, size_t bytes, uint64_t identity) {
   return find_mapping(base, m) && m.start == base && m.shared && m.inode == identity;
 }
 
-int host_export_descriptor(uintptr_t base, size_t bytes, uint64_t identity,
-                           uint64_t& file_offset) {
+int host_export_descriptor(uintptr_t base, size_t bytes, uint64_t identity, uint64_t& file_offset) {
   Mapping m;
   if (!find_mapping(base, m) || m.start != base || m.end - m.start != bytes || m.inode != identity)
     throw Error(ErrorKind::System, "its mapping is no longer the one found");
@@ -252,8 +251,8 @@ void* map_by_descriptor(const ExportRecord& record) {
   const int mapped_errno = errno;
   ::close(file);
   if (base == MAP_FAILED)
-    throw Error(ErrorKind::System,
-                std::string("mapping a peer's export by descriptor: ") + std::strerror(mapped_errno));
+    throw Error(ErrorKind::System, std::string("mapping a peer's export by descriptor: ") +
+                                       std::strerror(mapped_errno));
   return base;
 }
 

@@ -264,8 +264,9 @@ class HostMemoryOps final : public MemoryOps {
       exports::set_descriptor_source(e.record, server_->address(), known->second);
     } catch (const Error& error) {
       e.ok = false;
-      e.refusal = std::string("its shared memory has no name a peer could open, and it cannot be "
-                              "offered by descriptor: ") +
+      e.refusal = std::string(
+                      "its shared memory has no name a peer could open, and it cannot be "
+                      "offered by descriptor: ") +
                   error.what();
     }
     return e;
@@ -305,8 +306,8 @@ class HostMemoryOps final : public MemoryOps {
 
 std::unique_ptr<Transport> make_host_transport(int rank, int nranks, uint64_t comm_identity,
                                                const Options::Fault& fault) {
-  return make_window_transport(std::make_unique<HostMemoryOps>(rank, nranks, comm_identity), rank, nranks, comm_identity,
-                               fault);
+  return make_window_transport(std::make_unique<HostMemoryOps>(rank, nranks, comm_identity), rank,
+                               nranks, comm_identity, fault);
 }
 
 }  // namespace magi::ce

@@ -110,7 +110,8 @@ class WindowTransport final : public Transport {
       pids[i] = static_cast<pid_t>(headers[i].pid);
     }
     // Before any mapping: a peer may already be asking for this rank's exports by descriptor.
-    memory_->allow_peers(pids);
+    memory_->allow_peers(faults_.refuses_descriptors() ? std::span<const pid_t>{}
+                                                       : std::span<const pid_t>(pids));
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
       const auto i = static_cast<size_t>(r);

@@ -134,14 +134,15 @@ TEST(FdChannel, AnIndexWithNoOfferIsRefused) {
   auto server = Server::start(0x1234, 1);
   server->offer(pieces(1));
   const Address at = server->address();
-  EXPECT_EQ(in_child([&] {
-              return throws_with([&] { fetch(at, 7, [](size_t, int fd) { ::close(fd); }); },
-                                 "offers nothing under index 7");
-            },
-                     [&](pid_t child) {
-                       const pid_t peers[] = {child};
-                       server->allow(peers);
-                     }),
+  EXPECT_EQ(in_child(
+                [&] {
+                  return throws_with([&] { fetch(at, 7, [](size_t, int fd) { ::close(fd); }); },
+                                     "offers nothing under index 7");
+                },
+                [&](pid_t child) {
+                  const pid_t peers[] = {child};
+                  server->allow(peers);
+                }),
             0);
 }
 

@@ -259,8 +259,8 @@ TEST(SourceTable, AShardPastAnExportOfItsBaseGetsAnExportThatCoversIt) {
   plan.bound = true;
   plan.zero_copy = true;
   plan.table_room = 1 << 16;
-  plan.bind = {{memory, 1 << 20, 0}, {memory + (1 << 20), 2 << 20, 1 << 20},
-               {memory + 256, 256, 3 << 20}};
+  plan.bind = {
+      {memory, 1 << 20, 0}, {memory + (1 << 20), 2 << 20, 1 << 20}, {memory + 256, 256, 3 << 20}};
   const exports::SourcePlan p = exports::plan_sources(plan, [&](const BindOp& b) {
     exports::Exportable e;
     e.ok = true;

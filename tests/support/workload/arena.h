@@ -64,8 +64,8 @@ class Arena {
   };
   std::vector<Block> free_;  // given back, the last at the end
   void* base_ = nullptr;
-  std::string file_name_;                  // SharedFile: the name shm_open knows it by
-  int memfd_ = -1;                         // HostMemfd: its file
+  std::string file_name_;  // SharedFile: the name shm_open knows it by
+  int memfd_ = -1;         // HostMemfd: its file
   // CudaVmm*: the physical allocations' handles, and the bytes of each mapped from base_ on.
   std::vector<unsigned long long> vmm_allocations_;
   std::vector<size_t> vmm_mapped_;
