@@ -43,19 +43,17 @@ CUmemGenericAllocationHandle allocation_at(CUdeviceptr p) {
 // granule on its own). An allocation made without the POSIX file descriptor handle type, or not
 // on a device, is refused, with the reason.
 bool walk_pieces(CUdeviceptr at, size_t bytes, Exportable& e) {
-  CUdeviceptr range_base = 0;
-  size_t range_size = 0;
-  if (MAGI_CUDA_DRIVER_FN(cuMemGetAddressRange)(&range_base, &range_size, at) != CUDA_SUCCESS) {
-    e.refusal = "cuMemGetAddressRange refused its address";
-    return false;
-  }
-  const CUdeviceptr range_end = range_base + range_size;
-  if (at + bytes > range_end) {
-    e.refusal = "the shard runs past its address range";
-    return false;
-  }
   size_t granularity = 0;
   for (CUdeviceptr p = at; p < at + bytes;) {
+    // The range the driver knows p in (one mapping, or the whole reserved range): the walk
+    // stays inside it.
+    CUdeviceptr range_base = 0;
+    size_t range_size = 0;
+    if (MAGI_CUDA_DRIVER_FN(cuMemGetAddressRange)(&range_base, &range_size, p) != CUDA_SUCCESS) {
+      e.refusal = "cuMemGetAddressRange refused an address inside the shard";
+      return false;
+    }
+    const CUdeviceptr range_end = range_base + range_size;
     const CUmemGenericAllocationHandle handle = allocation_at(p);
     if (handle == 0) {
       e.refusal =
