@@ -15,21 +15,33 @@ namespace magi {
 // Every driver entry point the library calls: name, its function type, the CUDA version asked.
 // cuStreamBatchMemOp is asked at 12.0, where 64-bit waits and writes need no opt-in. The
 // stream, context and event calls serve the flight recorder's completion (capture/completion.h).
-#define MAGI_CUDA_DRIVER_ENTRY_POINTS(X)                            \
-  X(cuGetErrorName, PFN_cuGetErrorName_v6000, 6000)                 \
-  X(cuStreamIsCapturing, PFN_cuStreamIsCapturing_v10000, 10000)     \
-  X(cuPointerGetAttributes, PFN_cuPointerGetAttributes_v7000, 7000) \
-  X(cuMemGetAddressRange, PFN_cuMemGetAddressRange_v3020, 3020)     \
-  X(cuStreamBatchMemOp, PFN_cuStreamBatchMemOp_v11070, 12000)       \
-  X(cuStreamGetCtx, PFN_cuStreamGetCtx_v9020, 9020)                 \
-  X(cuCtxGetCurrent, PFN_cuCtxGetCurrent_v4000, 4000)               \
-  X(cuCtxSetCurrent, PFN_cuCtxSetCurrent_v4000, 4000)               \
-  X(cuCtxPushCurrent, PFN_cuCtxPushCurrent_v4000, 4000)             \
-  X(cuCtxPopCurrent, PFN_cuCtxPopCurrent_v4000, 4000)               \
-  X(cuEventCreate, PFN_cuEventCreate_v2000, 2000)                   \
-  X(cuEventRecord, PFN_cuEventRecord_v2000, 2000)                   \
-  X(cuEventQuery, PFN_cuEventQuery_v2000, 2000)                     \
-  X(cuThreadExchangeStreamCaptureMode, PFN_cuThreadExchangeStreamCaptureMode_v10010, 10010)
+#define MAGI_CUDA_DRIVER_ENTRY_POINTS(X)                                                       \
+  X(cuGetErrorName, PFN_cuGetErrorName_v6000, 6000)                                            \
+  X(cuStreamIsCapturing, PFN_cuStreamIsCapturing_v10000, 10000)                                \
+  X(cuPointerGetAttributes, PFN_cuPointerGetAttributes_v7000, 7000)                            \
+  X(cuMemGetAddressRange, PFN_cuMemGetAddressRange_v3020, 3020)                                \
+  X(cuStreamBatchMemOp, PFN_cuStreamBatchMemOp_v11070, 12000)                                  \
+  X(cuStreamGetCtx, PFN_cuStreamGetCtx_v9020, 9020)                                            \
+  X(cuCtxGetCurrent, PFN_cuCtxGetCurrent_v4000, 4000)                                          \
+  X(cuCtxSetCurrent, PFN_cuCtxSetCurrent_v4000, 4000)                                          \
+  X(cuCtxPushCurrent, PFN_cuCtxPushCurrent_v4000, 4000)                                        \
+  X(cuCtxPopCurrent, PFN_cuCtxPopCurrent_v4000, 4000)                                          \
+  X(cuEventCreate, PFN_cuEventCreate_v2000, 2000)                                              \
+  X(cuEventRecord, PFN_cuEventRecord_v2000, 2000)                                              \
+  X(cuEventQuery, PFN_cuEventQuery_v2000, 2000)                                                \
+  X(cuThreadExchangeStreamCaptureMode, PFN_cuThreadExchangeStreamCaptureMode_v10010, 10010)    \
+  X(cuMemRetainAllocationHandle, PFN_cuMemRetainAllocationHandle_v11000, 11000)                \
+  X(cuMemGetAllocationPropertiesFromHandle, PFN_cuMemGetAllocationPropertiesFromHandle_v10020, \
+    10020)                                                                                     \
+  X(cuMemExportToShareableHandle, PFN_cuMemExportToShareableHandle_v10020, 10020)              \
+  X(cuMemImportFromShareableHandle, PFN_cuMemImportFromShareableHandle_v10020, 10020)          \
+  X(cuMemGetAllocationGranularity, PFN_cuMemGetAllocationGranularity_v10020, 10020)            \
+  X(cuMemAddressReserve, PFN_cuMemAddressReserve_v10020, 10020)                                \
+  X(cuMemAddressFree, PFN_cuMemAddressFree_v10020, 10020)                                      \
+  X(cuMemMap, PFN_cuMemMap_v10020, 10020)                                                      \
+  X(cuMemUnmap, PFN_cuMemUnmap_v10020, 10020)                                                  \
+  X(cuMemSetAccess, PFN_cuMemSetAccess_v10020, 10020)                                          \
+  X(cuMemRelease, PFN_cuMemRelease_v10020, 10020)
 
 // One pointer per entry point, named after it (`cuStreamBatchMemOp_fn`); nullptr where the
 // driver lacks it. The `##` keeps cuda.h's renaming macros (cuMemGetAddressRange ->

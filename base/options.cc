@@ -358,7 +358,8 @@ constexpr ValueName<Options::Fault::Where> kFaultPlaces[] = {
     {"gather", Options::Fault::Where::Gather},
     {"slow", Options::Fault::Where::Slow},
     {"slow-attach", Options::Fault::Where::SlowAttach},
-    {"slow-prepare", Options::Fault::Where::SlowPrepare}};
+    {"slow-prepare", Options::Fault::Where::SlowPrepare},
+    {"refuse-descriptors", Options::Fault::Where::RefuseDescriptors}};
 
 constexpr ValueName<Options::DumpSignal> kDumpSignals[] = {{"none", Options::DumpSignal::None},
                                                            {"USR1", Options::DumpSignal::Usr1},
@@ -453,12 +454,14 @@ constexpr OptionSpec kTable[] = {
                               "copy)."),
     fault_option<&O::inject_fault, kFaultPlaces>(
         "MAGI_INJECT_FAULT", "none",
-        "none, or prepare:RANK, attach:RANK, gather:RANK, slow:RANK, slow-attach:RANK or "
-        "slow-prepare:RANK",
+        "none, or prepare:RANK, attach:RANK, gather:RANK, slow:RANK, slow-attach:RANK, "
+        "slow-prepare:RANK or refuse-descriptors:RANK",
         "For tests: the transport of that rank of every communicator fails there, as a CUDA "
         "error would (slow: each bucket it serves takes 20 ms longer; slow-attach: opening the "
         "peers' memory takes 100 ms longer, as thousands of CUDA IPC mappings do; slow-prepare: "
-        "exporting its own shards and making its window does; gather: on the "
+        "exporting its own shards and making its window does; refuse-descriptors: its "
+        "descriptor channel refuses every peer, so the peers cannot read its static weights "
+        "exported by descriptor; gather: on the "
         "host "
         "backend every rank falls back to NCCL in that bucket, on the CUDA backend that rank's "
         "call fails and its peers wait for it until the communicator is aborted)."),

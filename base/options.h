@@ -76,7 +76,16 @@ struct Options {
   bool static_weights{};
   bool ce_force{};
   struct Fault {
-    enum class Where : uint8_t { None, Prepare, Attach, Gather, Slow, SlowAttach, SlowPrepare };
+    enum class Where : uint8_t {
+      None,
+      Prepare,
+      Attach,
+      Gather,
+      Slow,
+      SlowAttach,
+      SlowPrepare,
+      RefuseDescriptors
+    };
     Where where = Where::None;
     int rank = -1;
   };

@@ -111,10 +111,16 @@ struct WindowPlan {
 
 // Zero-copy static weights: where this rank's shard of each BindOp can be read by a peer.
 // `handle` is the backend's: the CUDA IPC handle of the allocation's base, or the host backend's
-// shared file. Fixed-size records, so a table's size is known before it is filled.
+// shared file (kind Handle: the bytes alone open it); or, for memory only a file descriptor can
+// share (cuMemCreate allocations), where the owner's descriptor channel listens, and `index`,
+// the offer there that hands the descriptors (kind ByDescriptor: fd_channel.h). Fixed-size
+// records, so a table's size is known before it is filled.
 struct ExportRecord {
+  enum class Kind : uint32_t { Handle = 0, ByDescriptor = 1 };
   uint8_t handle[64];
   uint64_t bytes;  // the allocation's size: every source in it must lie inside
+  Kind kind = Kind::Handle;
+  uint32_t index = 0;  // ByDescriptor: the owner's offer
 };
 struct ShardSource {
   static constexpr uint16_t kInWindow = 0xffff;  // copied into the owner's region, at `offset`
@@ -122,7 +128,7 @@ struct ShardSource {
   uint64_t offset = 0;                           // in that allocation or region (< 2^48)
 };
 struct SourceTable {
-  static constexpr size_t kExportBytes = sizeof(ExportRecord);  // 72
+  static constexpr size_t kExportBytes = sizeof(ExportRecord);  // 80
   static constexpr size_t kSourceBytes = 8;  // allocation (16 bits) and offset (48 bits)
   static constexpr uint64_t kMaxOffset = (uint64_t{1} << 48) - 1;
   std::vector<ExportRecord> exports;
@@ -131,7 +137,8 @@ struct SourceTable {
   size_t bytes() const { return exports.size() * kExportBytes + sources.size() * kSourceBytes; }
   // Counts, then the records: what the publish round carries. `out` holds at least bytes() + 8.
   void serialize(std::span<uint8_t> out) const;
-  // Throws Error(Usage) on a table that does not parse or whose sources name no export.
+  // Throws Error(Usage) on a table that does not parse, names a kind of export it does not know
+  // or whose sources name no export.
   static SourceTable parse(std::span<const uint8_t> in);
 };
 

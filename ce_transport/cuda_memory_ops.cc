@@ -4,13 +4,15 @@
 // numbers). Everything is enqueued on the caller's stream: the host never waits, no kernel is
 // launched, no SM is used.
 //
-// Why cudaMalloc + CUDA IPC handles rather than VMM with POSIX file descriptors: an fd reaches
-// another process only over a Unix socket (or pidfd_getfd, which needs ptrace rights); an IPC
-// handle is 64 plain bytes that travel in the publish round through the communicator itself, so
-// no socket is ever opened. A handle cannot be opened by the process that exported it, which is
-// no loss: a rank reads its own window through its own pointer. A window is one allocation, so
-// one mapping per peer: a communicator costs nranks - 1 mappings per process, far below drivers'
-// limits.
+// Why the window is cudaMalloc + CUDA IPC handles rather than VMM with POSIX file descriptors: an
+// fd reaches another process only over a Unix socket (or pidfd_getfd, which needs ptrace
+// rights); an IPC handle is 64 plain bytes that travel in the publish round through the
+// communicator itself. Only the program's own cuMemCreate memory, which legacy IPC refuses, is
+// read by descriptor (static weights: fd_channel.h, the descriptor channel's server started at
+// the first such export of a plan). A handle cannot be opened by the process that exported it,
+// which is no loss: a rank reads its own window through its own pointer. A window is one
+// allocation, so one mapping per peer: a communicator costs nranks - 1 mappings per process, far
+// below drivers' limits.
 //
 // Layout: the slots (or the bound region) start at offset 0 of the allocation, the flags follow
 // them, and the allocation is rounded up to 2 MiB. Measured on an H200: copies out of a region
@@ -33,7 +35,9 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,6 +46,7 @@
 #include "base/cuda_driver.h"
 #include "ce_transport/backends.h"
 #include "ce_transport/exports.h"
+#include "ce_transport/fd_channel.h"
 #include "ce_transport/memory_ops.h"
 #include "ce_transport/process.h"
 
@@ -79,30 +84,127 @@ void check_bindable(const Copy& shard) {
     throw Error(ErrorKind::System, "binding a shard: its send buffer is no longer allocated");
 }
 
+// A peer's cuMemCreate pieces, imported from their descriptors and mapped one after the other
+// into one reserved range, so its shards read as they do at the owner. The mapping holds the
+// memory: the imported handles are released once mapped; unmapped and freed by unmap().
+struct PieceMapping {
+  CUdeviceptr base = 0;
+  size_t bytes = 0;
+  std::vector<size_t> pieces;  // mapped, in order
+  void unmap() {
+    size_t at = 0;
+    for (size_t size : pieces) {
+      MAGI_CUDA_DRIVER_FN(cuMemUnmap)(base + at, size);
+      at += size;
+    }
+    if (base != 0) MAGI_CUDA_DRIVER_FN(cuMemAddressFree)(base, bytes);
+    pieces.clear();
+    base = 0;
+  }
+};
+
+PieceMapping map_by_descriptor(const ExportRecord& record, int device) {
+  const fd_channel::Address where = exports::descriptor_source(record);
+  std::vector<CUmemGenericAllocationHandle> handles;
+  PieceMapping m;
+  auto release_handles = [&] {
+    for (CUmemGenericAllocationHandle h : handles) MAGI_CUDA_DRIVER_FN(cuMemRelease)(h);
+    handles.clear();
+  };
+  try {
+    const std::vector<uint8_t> payload =
+        fd_channel::fetch(where, record.index, [&](size_t, int fd) {
+          CUmemGenericAllocationHandle h = 0;
+          const CUresult imported = MAGI_CUDA_DRIVER_FN(cuMemImportFromShareableHandle)(
+              &h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+          ::close(fd);
+          cuda_check(imported, "cuMemImportFromShareableHandle (a peer's cuMemCreate shards)");
+          handles.push_back(h);
+        });
+    std::vector<uint64_t> sizes(payload.size() / sizeof(uint64_t));
+    std::memcpy(sizes.data(), payload.data(), sizes.size() * sizeof(uint64_t));
+    uint64_t total = 0;
+    for (uint64_t size : sizes) total += size;
+    if (handles.empty() || sizes.size() != handles.size() || total != record.bytes)
+      throw Error(ErrorKind::Usage, "a peer's cuMemCreate export came as " +
+                                        std::to_string(handles.size()) + " pieces of " +
+                                        std::to_string(total) + " bytes, not its record's " +
+                                        std::to_string(record.bytes));
+    CUmemAllocationProp prop{};
+    cuda_check(MAGI_CUDA_DRIVER_FN(cuMemGetAllocationPropertiesFromHandle)(&prop, handles[0]),
+               "cuMemGetAllocationPropertiesFromHandle (a peer's piece)");
+    size_t granularity = 0;
+    cuda_check(MAGI_CUDA_DRIVER_FN(cuMemGetAllocationGranularity)(&granularity, &prop,
+                                                                  CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+               "cuMemGetAllocationGranularity");
+    cuda_check(MAGI_CUDA_DRIVER_FN(cuMemAddressReserve)(&m.base, record.bytes, granularity, 0, 0),
+               "cuMemAddressReserve (a peer's cuMemCreate shards)");
+    m.bytes = record.bytes;
+    size_t at = 0;
+    for (size_t i = 0; i < handles.size(); ++i) {
+      cuda_check(MAGI_CUDA_DRIVER_FN(cuMemMap)(m.base + at, sizes[i], 0, handles[i], 0),
+                 "cuMemMap (a peer's cuMemCreate piece)");
+      m.pieces.push_back(sizes[i]);
+      at += sizes[i];
+    }
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    cuda_check(MAGI_CUDA_DRIVER_FN(cuMemSetAccess)(m.base, m.bytes, &access, 1),
+               "cuMemSetAccess (a peer's cuMemCreate shards)");
+    release_handles();  // the mappings hold the memory
+    return m;
+  } catch (...) {
+    m.unmap();
+    release_handles();
+    throw;
+  }
+}
+
 // The peers' exported allocations this process has mapped. Process-wide: CUDA maps a handle at
 // most once per process ("already mapped" the second time), and two communicators may read the
-// same peer allocation. Counted; unmapped when the last reader lets go.
+// same peer allocation. Counted; unmapped when the last reader lets go. An export by descriptor
+// is fetched and mapped outside the lock (a peer's channel may take its time); two readers that
+// raced map it twice and one mapping goes, which VMM allows (legacy IPC would not).
 class ImportedAllocations {
  public:
   static ImportedAllocations& get() {
     static ImportedAllocations* imports = new ImportedAllocations;  // outlives atexit handlers
     return *imports;
   }
-  uint8_t* open(const ExportRecord& record) {
-    Key key;
-    std::memcpy(key.data(), record.handle, key.size());
-    std::lock_guard<std::mutex> lock(mutex_);
+  uint8_t* open(const ExportRecord& record, int device) {
+    Key key{};
+    std::memcpy(key.data(), record.handle, sizeof(record.handle));
+    std::memcpy(key.data() + sizeof(record.handle), &record.index, sizeof(record.index));
+    key.back() = static_cast<uint8_t>(record.kind);
+    std::unique_lock<std::mutex> lock(mutex_);
     auto it = open_.find(key);
     if (it != open_.end()) {
       ++it->second.readers;
       return it->second.base;
+    }
+    if (record.kind == ExportRecord::Kind::ByDescriptor) {
+      lock.unlock();
+      PieceMapping mapped = map_by_descriptor(record, device);
+      lock.lock();
+      it = open_.find(key);
+      if (it != open_.end()) {
+        mapped.unmap();
+        ++it->second.readers;
+        return it->second.base;
+      }
+      auto* base = reinterpret_cast<uint8_t*>(mapped.base);
+      open_.emplace(key, Entry{base, 1, std::move(mapped)});
+      return base;
     }
     cudaIpcMemHandle_t handle{};
     std::memcpy(&handle, record.handle, sizeof(handle));
     void* mapped = nullptr;
     cuda_check(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess),
                "cudaIpcOpenMemHandle (a peer's exported shards)");
-    open_.emplace(key, Entry{static_cast<uint8_t*>(mapped), 1});
+    open_.emplace(key, Entry{static_cast<uint8_t*>(mapped), 1, {}});
     return static_cast<uint8_t*>(mapped);
   }
   void close(uint8_t* base) {
@@ -110,8 +212,12 @@ class ImportedAllocations {
     for (auto it = open_.begin(); it != open_.end(); ++it) {
       if (it->second.base != base) continue;
       if (--it->second.readers == 0) {
-        cudaIpcCloseMemHandle(base);
-        cudaGetLastError();
+        if (it->second.pieces.base != 0) {
+          it->second.pieces.unmap();
+        } else {
+          cudaIpcCloseMemHandle(base);
+          cudaGetLastError();
+        }
         open_.erase(it);
       }
       return;
@@ -119,10 +225,12 @@ class ImportedAllocations {
   }
 
  private:
-  using Key = std::array<uint8_t, sizeof(ExportRecord::handle)>;
+  // The handle, the index and the kind.
+  using Key = std::array<uint8_t, sizeof(ExportRecord::handle) + sizeof(uint32_t) + 1>;
   struct Entry {
     uint8_t* base;
     size_t readers;
+    PieceMapping pieces;  // by descriptor; empty for legacy IPC
   };
   std::mutex mutex_;
   std::map<Key, Entry> open_;
@@ -149,8 +257,12 @@ CUstreamBatchMemOpParams wait_op(const uint8_t* address, uint64_t at_least) {
 
 class CudaMemoryOps final : public MemoryOps {
  public:
-  CudaMemoryOps(int rank, int nranks, int device)
-      : rank_(rank), nranks_(nranks), device_(device), flags_{kFlagLine, nranks} {}
+  CudaMemoryOps(int rank, int nranks, uint64_t identity, int device)
+      : rank_(rank),
+        nranks_(nranks),
+        identity_(identity),
+        device_(device),
+        flags_{kFlagLine, nranks} {}
 
   Backend backend() const override { return Backend::Cuda; }
   bool synchronous() const override { return false; }
@@ -222,7 +334,19 @@ class CudaMemoryOps final : public MemoryOps {
   }
 
   exports::Exportable find_export(const void* ptr, size_t bytes) override {
-    return exports::find_cuda_export(ptr, bytes);
+    exports::Exportable e = exports::find_cuda_export(ptr, bytes);
+    if (!e.ok || e.record.kind != ExportRecord::Kind::ByDescriptor) return e;
+    try {
+      offer(e);
+    } catch (const Error& error) {
+      e.ok = false;
+      e.refusal =
+          std::string("its cuMemCreate memory cannot be offered by descriptor: ") + error.what();
+    }
+    return e;
+  }
+  void allow_peers(std::span<const pid_t> pids) override {
+    if (server_ != nullptr) server_->allow(pids);
   }
   bool export_alive(uintptr_t base, size_t, uint64_t identity) override {
     return identify_buffer(Backend::Cuda, reinterpret_cast<const void*>(base)).allocation_id ==
@@ -230,7 +354,7 @@ class CudaMemoryOps final : public MemoryOps {
   }
   // Mapped once per process (ImportedAllocations).
   exports::Span import(const ExportRecord& record) override {
-    imports_.push_back(ImportedAllocations::get().open(record));
+    imports_.push_back(ImportedAllocations::get().open(record, current_device()));
     return {imports_.back(), record.bytes};
   }
   size_t imports() const override { return imports_.size(); }
@@ -340,6 +464,7 @@ class CudaMemoryOps final : public MemoryOps {
   }
 
   void release(uint64_t last_bucket, bool attached, bool abandoned) override {
+    stop_offering();
     if (base_ == nullptr) {  // never prepared, or prepare failed part way
       if (own_stream_ != nullptr) cudaStreamDestroy(own_stream_);
       if (flags_host_ != nullptr) cudaFreeHost(flags_host_);
@@ -394,6 +519,60 @@ class CudaMemoryOps final : public MemoryOps {
 
  private:
   uint8_t* region() const { return static_cast<uint8_t*>(base_); }
+  int current_device() const {
+    int device = device_;
+    if (device < 0 && cudaGetDevice(&device) != cudaSuccess) {
+      cudaGetLastError();
+      device = 0;
+    }
+    return device;
+  }
+
+  // Offers the pieces of a cuMemCreate export on this window's descriptor channel (started at
+  // the first), and writes where to ask into its record. The pieces' handles are retained until
+  // release: a descriptor is made from them only when a peer asks (the channel's thread), so
+  // the process holds no descriptor between requests. Once per range a plan exports.
+  void offer(exports::Exportable& e) {
+    const std::pair<uintptr_t, uint64_t> range{e.base, e.record.bytes};
+    auto known = offered_.find(range);
+    if (known == offered_.end()) {
+      if (server_ == nullptr) server_ = fd_channel::Server::start(identity_, rank_);
+      fd_channel::Offer offer;
+      auto handles = std::make_shared<std::vector<CUmemGenericAllocationHandle>>();
+      for (const auto& [start, size] : e.pieces) {
+        CUmemGenericAllocationHandle h = 0;
+        cuda_check(
+            MAGI_CUDA_DRIVER_FN(cuMemRetainAllocationHandle)(&h, reinterpret_cast<void*>(start)),
+            "cuMemRetainAllocationHandle (a shard to export)");
+        retained_.push_back(h);
+        handles->push_back(h);
+        const uint64_t bytes = size;
+        offer.payload.insert(offer.payload.end(), reinterpret_cast<const uint8_t*>(&bytes),
+                             reinterpret_cast<const uint8_t*>(&bytes) + sizeof(bytes));
+      }
+      offer.count = handles->size();
+      CUcontext context = nullptr;
+      MAGI_CUDA_DRIVER_FN(cuCtxGetCurrent)(&context);
+      offer.make = [handles, context](size_t i) {
+        if (context != nullptr) MAGI_CUDA_DRIVER_FN(cuCtxSetCurrent)(context);
+        int fd = -1;
+        cuda_check(MAGI_CUDA_DRIVER_FN(cuMemExportToShareableHandle)(
+                       &fd, (*handles)[i], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                   "cuMemExportToShareableHandle");
+        return fd;
+      };
+      known = offered_.emplace(range, server_->offer(std::move(offer))).first;
+    }
+    exports::set_descriptor_source(e.record, server_->address(), known->second);
+  }
+  // The channel stops before the handles go: no descriptor is made from a released handle.
+  void stop_offering() {
+    if (server_ != nullptr) server_->stop();
+    server_.reset();
+    for (CUmemGenericAllocationHandle h : retained_) MAGI_CUDA_DRIVER_FN(cuMemRelease)(h);
+    retained_.clear();
+    offered_.clear();
+  }
   // A flag word of this rank's window, by its offset from the flags' start (flags_).
   uint8_t* flag(size_t offset) const { return static_cast<uint8_t*>(base_) + flags_at_ + offset; }
 
@@ -489,6 +668,7 @@ class CudaMemoryOps final : public MemoryOps {
 
   const int rank_;
   const int nranks_;
+  const uint64_t identity_;
   const int device_;
   const protocol::FlagLayout flags_;
   void* base_ = nullptr;
@@ -503,6 +683,11 @@ class CudaMemoryOps final : public MemoryOps {
   std::vector<uint8_t*> peers_;
   std::vector<pid_t> peer_pids_;
   std::vector<uint8_t*> imports_;  // opened through ImportedAllocations
+  // cuMemCreate exports: the channel that hands their descriptors, the handles it makes them
+  // from, and each range's offer.
+  std::unique_ptr<fd_channel::Server> server_;
+  std::vector<CUmemGenericAllocationHandle> retained_;
+  std::map<std::pair<uintptr_t, uint64_t>, uint32_t> offered_;
   static constexpr uint64_t kNotSettled = ~uint64_t{0};
   uint64_t settled_at_ = kNotSettled;  // abandon() found buckets 1..settled_at_ all finished
   std::vector<void*> dsts_;
@@ -518,8 +703,8 @@ std::unique_ptr<Transport> make_cuda_transport(int rank, int nranks, uint64_t co
   check_rank(rank, nranks);
   if (!cuda_driver_loaded())
     throw Error(ErrorKind::System, "the CUDA driver is not loaded in this process");
-  return make_window_transport(std::make_unique<CudaMemoryOps>(rank, nranks, device), rank, nranks,
-                               comm_identity, fault);
+  return make_window_transport(std::make_unique<CudaMemoryOps>(rank, nranks, comm_identity, device),
+                               rank, nranks, comm_identity, fault);
 }
 
 }  // namespace magi::ce

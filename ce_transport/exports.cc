@@ -48,6 +48,9 @@ SourceTable SourceTable::parse(std::span<const uint8_t> in) {
   for (ExportRecord& e : table.exports) {
     std::memcpy(&e, at, kExportBytes);
     at += kExportBytes;
+    if (e.kind != ExportRecord::Kind::Handle && e.kind != ExportRecord::Kind::ByDescriptor)
+      throw Error(ErrorKind::Usage,
+                  "an export of unknown kind " + std::to_string(static_cast<uint32_t>(e.kind)));
   }
   table.sources.resize(sources_count);
   for (ShardSource& s : table.sources) {
@@ -85,7 +88,7 @@ SourcePlan plan_sources(const WindowPlan& plan,
                                       " shards do not fit the source table's " +
                                       std::to_string(plan.table_room) + " bytes");
   size_t room = plan.table_room - fixed;
-  std::map<uintptr_t, uint16_t> by_base;
+  std::multimap<uintptr_t, uint16_t> by_base;  // an export may cover more than another of its base
   out.table.sources.resize(plan.bind.size());
   for (size_t i = 0; i < plan.bind.size(); ++i) {
     const BindOp& b = plan.bind[i];
@@ -94,11 +97,15 @@ SourcePlan plan_sources(const WindowPlan& plan,
     if (b.bytes != 0) {
       Exportable e = find_export(b);
       if (e.ok) {
-        auto it = by_base.find(e.base);
+        // A shard of a walked range (cuMemCreate pieces) may end past an export of its base.
+        const uint64_t end = reinterpret_cast<uintptr_t>(b.sendbuf) - e.base + b.bytes;
+        auto [it, last] = by_base.equal_range(e.base);
+        while (it != last && out.table.exports[it->second].bytes < end) ++it;
+        if (it == last) it = by_base.end();
         if (it == by_base.end() && room >= SourceTable::kExportBytes &&
             out.table.exports.size() + 1 < ShardSource::kInWindow) {
           room -= SourceTable::kExportBytes;
-          it = by_base.emplace(e.base, static_cast<uint16_t>(out.table.exports.size())).first;
+          it = by_base.emplace(e.base, static_cast<uint16_t>(out.table.exports.size()));
           out.table.exports.push_back(e.record);
           out.identities.push_back(e.identity);
           out.export_bases.push_back(e.base);
@@ -195,6 +202,34 @@ int64_t BindIndex::find(size_t slot_offset) const {
       std::lower_bound(sorted_.begin(), sorted_.end(), std::pair<size_t, uint32_t>{slot_offset, 0});
   if (it == sorted_.end() || it->first != slot_offset) return -1;
   return it->second;
+}
+
+namespace {
+// What an ExportRecord by descriptor holds in its handle.
+struct DescriptorSource {
+  static constexpr uint32_t kMagic = 0x4d46'4453;  // "MFDS"
+  uint32_t magic;
+  uint32_t reserved;
+  fd_channel::Address address;
+};
+static_assert(sizeof(DescriptorSource) <= sizeof(ExportRecord::handle));
+}  // namespace
+
+void set_descriptor_source(ExportRecord& record, const fd_channel::Address& address,
+                           uint32_t index) {
+  const DescriptorSource source{DescriptorSource::kMagic, 0, address};
+  std::memset(record.handle, 0, sizeof(record.handle));
+  std::memcpy(record.handle, &source, sizeof(source));
+  record.kind = ExportRecord::Kind::ByDescriptor;
+  record.index = index;
+}
+
+fd_channel::Address descriptor_source(const ExportRecord& record) {
+  DescriptorSource source{};
+  std::memcpy(&source, record.handle, sizeof(source));
+  if (record.kind != ExportRecord::Kind::ByDescriptor || source.magic != DescriptorSource::kMagic)
+    throw Error(ErrorKind::Usage, "an export by descriptor that does not say where to ask");
+  return source.address;
 }
 
 uint64_t hash_packed(const uint8_t* packed, const SampleSet& set) {

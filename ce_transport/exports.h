@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "ce_transport/ce_transport.h"
+#include "ce_transport/fd_channel.h"
 #include "ce_transport/sample_plan.h"
 
 namespace magi::ce::exports {
@@ -33,10 +34,14 @@ struct Exportable {
   ExportRecord record{};
   uint64_t identity = 0;  // what tells this allocation from a later one at the same address
   std::string refusal;    // !ok: why the peers cannot read it in place
+  // record.kind ByDescriptor: the physical allocations mapped one after the other from `base`
+  // (start, size), which the peers map in the same order, so they see record.bytes contiguous.
+  std::vector<std::pair<uintptr_t, size_t>> pieces;
 };
 
 // Which shards of a zero-copy plan are exported and which are copied into the region, packed at
-// 256-byte offsets; every allocation exported once. Sources past the table's room are bound.
+// 256-byte offsets; every allocation exported once (a shard inside an export already made, one
+// with its base that covers it, reads that one). Sources past the table's room are bound.
 struct SourcePlan {
   SourceTable table;
   size_t region_bytes = 0;              // the bound shards, packed
@@ -108,6 +113,13 @@ inline bool sent_elsewhere(const GatherOp& op, const BindOp& binding) {
   return op.sendbuf != binding.sendbuf || op.own_offset != GatherOp::kOwn;
 }
 
+// An export by descriptor (ExportRecord::Kind::ByDescriptor): its handle bytes say where the
+// owner's descriptor channel listens, its index which offer there hands the descriptors.
+void set_descriptor_source(ExportRecord& record, const fd_channel::Address& address,
+                           uint32_t index);
+// Throws Error(Usage) on a record that is not by descriptor or does not say where to ask.
+fd_channel::Address descriptor_source(const ExportRecord& record);
+
 // XXH3 of the lines of `set`, packed one after the other as the CUDA backend copies them.
 uint64_t hash_packed(const uint8_t* packed, const SampleSet& set);
 // The same hash, of the lines read in place from a shard.
@@ -119,22 +131,36 @@ namespace magi::ce::exports {
 
 // ---- the host backend's exports: a shard in a shared mapping of a named file in /dev/shm ----
 // The peers open the file by name (the inode must still be the owner's) and map the same file
-// range. Memory from malloc, anonymous mappings and files elsewhere are not exportable.
+// range. Shared memory no peer can open by name (a memfd_create file, a /dev/shm file removed)
+// is exported by descriptor (kind ByDescriptor, the mapping its one piece): its owner's backend
+// offers a descriptor of the file (host_memory_ops.cc). Memory from malloc, anonymous mappings
+// and files elsewhere are not exportable.
 Exportable find_host_export(const void* ptr, size_t bytes);
+// For an export by descriptor: a new descriptor (close-on-exec) of the file mapped at `base`
+// with inode `identity`, from a descriptor this process still holds of it, or else from
+// /proc/self/map_files; `file_offset` gets the mapping's offset in the file. Throws
+// Error(System) saying why there is none.
+int host_export_descriptor(uintptr_t base, size_t bytes, uint64_t identity, uint64_t& file_offset);
 // find_host_export over this process's mappings as they are now, read once: for a whole plan.
 std::function<Exportable(const void* ptr, size_t bytes)> host_export_finder();
 // Whether the mapping that holds `base` is still the exported one (`identity`: its inode,
 // `bytes`: the exported mapping's size, ExportRecord::bytes).
 bool host_export_alive(uintptr_t base, size_t bytes, uint64_t identity);
 
-// ---- the CUDA backend's exports: a cudaMalloc allocation, by the IPC handle of its base ----
-// Memory from cuMemCreate (PyTorch's expandable segments), pools and managed memory is refused.
-// Only once the program has loaded the driver.
+// ---- the CUDA backend's exports ----
+// A cudaMalloc allocation, by the IPC handle of its base (kind Handle); else cuMemCreate memory
+// (PyTorch's expandable segments) made shareable as a POSIX file descriptor: the physical
+// allocations mapped under the shard, walked in order (kind ByDescriptor, `pieces`; the record's
+// handle and index are filled by the backend that offers them: cuda_memory_ops.cc). Refused:
+// cuMemCreate memory made without that handle type, pools, managed memory. Only once the
+// program has loaded the driver.
 Exportable find_cuda_export(const void* sendbuf, size_t bytes);
 
 // A peer's exported allocation, mapped read-only into this process; unmapped when destroyed.
 class HostImport {
  public:
+  // By name, or by descriptor from the owner's channel (a failure to get it throws
+  // Error(System)).
   static HostImport open(const ExportRecord& record);
   HostImport() = default;
   HostImport(HostImport&& other) noexcept;

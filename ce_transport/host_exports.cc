@@ -1,5 +1,6 @@
 // The host backend's exports (exports.h): shared mappings of named files in /dev/shm, found in
 // /proc/self/maps at plan time (never on the call path) and mapped by the peers by name.
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <iterator>
@@ -24,6 +26,7 @@ namespace magi::ce::exports {
 namespace {
 
 constexpr char kSharedMemoryDir[] = "/dev/shm/";
+constexpr char kMemfdPrefix[] = "/memfd:";
 constexpr size_t kNameBytes = 40;
 
 // What the host backend puts in an ExportRecord's handle.
@@ -103,12 +106,23 @@ Exportable export_of(const void* ptr, size_t bytes, const Mapping* mapping) {
   }
   const Mapping& m = *mapping;
   const std::string dir = kSharedMemoryDir;
-  if (!m.shared || m.path.compare(0, dir.size(), dir) != 0 || m.inode == 0) {
-    e.refusal = "not a shared mapping of a file in /dev/shm";
+  const bool memfd = m.path.rfind(kMemfdPrefix, 0) == 0;
+  if (!m.shared || m.inode == 0 || (!memfd && m.path.compare(0, dir.size(), dir) != 0)) {
+    e.refusal = "not a shared mapping of a file in /dev/shm or of a memfd";
     return e;
   }
-  if (m.path.find(" (deleted)") != std::string::npos) {
-    e.refusal = "its file in /dev/shm was removed";
+  if (at + bytes > m.end) {
+    e.refusal = "the shard runs past its mapping";
+    return e;
+  }
+  // No name a peer could open: the owner hands a descriptor of the file instead.
+  if (memfd || m.path.find(" (deleted)") != std::string::npos) {
+    e.record.kind = ExportRecord::Kind::ByDescriptor;
+    e.record.bytes = m.end - m.start;
+    e.base = m.start;
+    e.identity = m.inode;
+    e.pieces = {{m.start, m.end - m.start}};
+    e.ok = true;
     return e;
   }
   const std::string name = m.path.substr(dir.size());
@@ -173,7 +187,84 @@ bool host_export_alive(uintptr_t base, size_t bytes, uint64_t identity) {
   return find_mapping(base, m) && m.start == base && m.shared && m.inode == identity;
 }
 
+int host_export_descriptor(uintptr_t base, size_t bytes, uint64_t identity, uint64_t& file_offset) {
+  Mapping m;
+  if (!find_mapping(base, m) || m.start != base || m.end - m.start != bytes || m.inode != identity)
+    throw Error(ErrorKind::System, "its mapping is no longer the one found");
+  file_offset = m.file_offset;
+  auto same_file = [&](int fd) {
+    struct stat st {};
+    return ::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_ino) == identity &&
+           S_ISREG(st.st_mode);
+  };
+  // A descriptor the program still holds of the file (a memfd usually stays open).
+  if (DIR* fds = ::opendir("/proc/self/fd")) {
+    int found = -1;
+    while (const dirent* entry = ::readdir(fds)) {
+      char* end = nullptr;
+      const long fd = std::strtol(entry->d_name, &end, 10);
+      if (end == entry->d_name || *end != '\0' || fd == ::dirfd(fds)) continue;
+      if (!same_file(static_cast<int>(fd))) continue;
+      found = ::fcntl(static_cast<int>(fd), F_DUPFD_CLOEXEC, 0);
+      if (found >= 0) break;
+    }
+    ::closedir(fds);
+    if (found >= 0) return found;
+  }
+  // Else the mapping itself, where this process may open it (CAP_SYS_ADMIN or
+  // CAP_CHECKPOINT_RESTORE).
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/self/map_files/%" PRIxPTR "-%" PRIxPTR, base,
+                base + bytes);
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd >= 0 && same_file(fd)) return fd;
+  if (fd >= 0) ::close(fd);
+  throw Error(ErrorKind::System,
+              "no descriptor of its file is open in this process, and /proc/self/map_files is "
+              "closed to it");
+}
+
+namespace {
+
+// An export by descriptor: the owner's file, from its channel, mapped like a named one.
+void* map_by_descriptor(const ExportRecord& record) {
+  int file = -1;
+  const std::vector<uint8_t> payload =
+      fd_channel::fetch(descriptor_source(record), record.index, [&](size_t, int fd) {
+        if (file >= 0) ::close(file);
+        file = fd;
+      });
+  uint64_t said[3] = {};  // the file offset, inode and device
+  struct stat st {};
+  if (file < 0 || payload.size() != sizeof(said) || ::fstat(file, &st) != 0) {
+    if (file >= 0) ::close(file);
+    throw Error(ErrorKind::Usage, "a peer's export by descriptor came without its file");
+  }
+  std::memcpy(said, payload.data(), sizeof(said));
+  if (static_cast<uint64_t>(st.st_ino) != said[1] || static_cast<uint64_t>(st.st_dev) != said[2] ||
+      static_cast<uint64_t>(st.st_size) < said[0] + record.bytes) {
+    ::close(file);
+    throw Error(ErrorKind::Usage, "a peer's export by descriptor is not the file it exported");
+  }
+  void* base =
+      mmap(nullptr, record.bytes, PROT_READ, MAP_SHARED, file, static_cast<off_t>(said[0]));
+  const int mapped_errno = errno;
+  ::close(file);
+  if (base == MAP_FAILED)
+    throw Error(ErrorKind::System, std::string("mapping a peer's export by descriptor: ") +
+                                       std::strerror(mapped_errno));
+  return base;
+}
+
+}  // namespace
+
 HostImport HostImport::open(const ExportRecord& record) {
+  if (record.kind == ExportRecord::Kind::ByDescriptor) {
+    HostImport import;
+    import.base_ = map_by_descriptor(record);
+    import.bytes_ = record.bytes;
+    return import;
+  }
   HostHandle handle{};
   std::memcpy(&handle, record.handle, sizeof(handle));
   if (strnlen(handle.name, kNameBytes) == kNameBytes || handle.name[0] == '\0' ||

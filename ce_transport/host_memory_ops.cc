@@ -3,7 +3,9 @@
 // words host atomics on cache lines of their own; copies are memcpy; every operation is done when
 // it returns. A waiting rank notices a dead peer by its pid and throws instead of waiting for
 // ever.
+#include <fcntl.h>
 #include <sched.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -13,13 +15,17 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <new>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "base/base.h"
 #include "ce_transport/backends.h"
 #include "ce_transport/exports.h"
+#include "ce_transport/fd_channel.h"
 #include "ce_transport/host_window.h"
 #include "ce_transport/memory_ops.h"
 #include "ce_transport/process.h"
@@ -108,7 +114,9 @@ std::atomic<uint64_t>& word_at(const uint8_t* word) {
 
 class HostMemoryOps final : public MemoryOps {
  public:
-  explicit HostMemoryOps(int nranks) : nranks_(nranks), flags_{kCacheLine, nranks} {}
+  HostMemoryOps(int rank, int nranks, uint64_t identity)
+      : rank_(rank), nranks_(nranks), identity_(identity), flags_{kCacheLine, nranks} {}
+  ~HostMemoryOps() override { stop_offering(); }
 
   Backend backend() const override { return Backend::Host; }
   bool synchronous() const override { return true; }
@@ -158,10 +166,15 @@ class HostMemoryOps final : public MemoryOps {
   }
 
   exports::Exportable find_export(const void* ptr, size_t bytes) override {
-    return exports::find_host_export(ptr, bytes);
+    return offered(exports::find_host_export(ptr, bytes));
   }
   std::function<exports::Exportable(const void*, size_t)> export_finder() override {
-    return exports::host_export_finder();
+    return [this, find = exports::host_export_finder()](const void* ptr, size_t bytes) {
+      return offered(find(ptr, bytes));
+    };
+  }
+  void allow_peers(std::span<const pid_t> pids) override {
+    if (server_ != nullptr) server_->allow(pids);
   }
   bool export_alive(uintptr_t base, size_t bytes, uint64_t identity) override {
     return exports::host_export_alive(base, bytes, identity);
@@ -211,6 +224,7 @@ class HostMemoryOps final : public MemoryOps {
     abandoned_.store(true, std::memory_order_relaxed);
   }
   void release(uint64_t /*last_bucket*/, bool /*attached*/, bool /*abandoned*/) override {
+    stop_offering();
     imports_.clear();  // unmaps the peers' exported allocations
     peers_.clear();    // unmaps; their names were removed when the last peer opened them
     peer_pids_.clear();
@@ -219,12 +233,61 @@ class HostMemoryOps final : public MemoryOps {
   }
 
  private:
+  // Shared memory with no name a peer could open (exports.h): offered on this window's
+  // descriptor channel (started at the first), a descriptor of its file held until release.
+  // Once per mapping a plan exports. A failure leaves the shard to be bound, with the reason.
+  exports::Exportable offered(exports::Exportable e) {
+    if (!e.ok || e.record.kind != ExportRecord::Kind::ByDescriptor) return e;
+    try {
+      auto known = offered_.find(e.base);
+      if (known == offered_.end()) {
+        uint64_t file_offset = 0;
+        const int fd =
+            exports::host_export_descriptor(e.base, e.record.bytes, e.identity, file_offset);
+        held_.push_back(fd);
+        struct stat st {};
+        if (::fstat(fd, &st) != 0) throw Error(ErrorKind::System, "fstat of its file failed");
+        const uint64_t said[3] = {file_offset, static_cast<uint64_t>(st.st_ino),
+                                  static_cast<uint64_t>(st.st_dev)};
+        if (server_ == nullptr) server_ = fd_channel::Server::start(identity_, rank_);
+        fd_channel::Offer offer;
+        offer.payload.resize(sizeof(said));
+        std::memcpy(offer.payload.data(), said, sizeof(said));
+        offer.count = 1;
+        offer.make = [fd](size_t) {
+          const int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+          if (copy < 0) throw Error(ErrorKind::System, "dup of an exported file failed");
+          return copy;
+        };
+        known = offered_.emplace(e.base, server_->offer(std::move(offer))).first;
+      }
+      exports::set_descriptor_source(e.record, server_->address(), known->second);
+    } catch (const Error& error) {
+      e.ok = false;
+      e.refusal = std::string(
+                      "its shared memory has no name a peer could open, and it cannot be "
+                      "offered by descriptor: ") +
+                  error.what();
+    }
+    return e;
+  }
+  // The channel stops before the descriptors it hands out are closed.
+  void stop_offering() {
+    if (server_ != nullptr) server_->stop();
+    server_.reset();
+    for (int fd : held_) ::close(fd);
+    held_.clear();
+    offered_.clear();
+  }
+
   WindowView view(const HostWindow& window) const {
     return {window.data() + region_at_, window.size() - region_at_, stride_,
             window.data() + sizeof(WindowHead)};
   }
 
+  const int rank_;
   const int nranks_;
+  const uint64_t identity_;
   const protocol::FlagLayout flags_;
   size_t region_at_ = 0;  // where the slots (or the bound region) start in a window
   size_t stride_ = 0;
@@ -234,14 +297,17 @@ class HostMemoryOps final : public MemoryOps {
   std::vector<exports::HostImport> imports_;  // the peers' exported allocations, mapped
   std::vector<uint8_t> check_;
   std::atomic<bool> abandoned_{false};
+  std::unique_ptr<fd_channel::Server> server_;  // exports by descriptor
+  std::vector<int> held_;                       // their files
+  std::map<uintptr_t, uint32_t> offered_;       // by mapping start: the offer
 };
 
 }  // namespace
 
 std::unique_ptr<Transport> make_host_transport(int rank, int nranks, uint64_t comm_identity,
                                                const Options::Fault& fault) {
-  return make_window_transport(std::make_unique<HostMemoryOps>(nranks), rank, nranks, comm_identity,
-                               fault);
+  return make_window_transport(std::make_unique<HostMemoryOps>(rank, nranks, comm_identity), rank,
+                               nranks, comm_identity, fault);
 }
 
 }  // namespace magi::ce

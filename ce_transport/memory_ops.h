@@ -12,6 +12,8 @@
 // when it returns (host), or queued on the caller's stream to run later, in order (device).
 #pragma once
 
+#include <sys/types.h>
+
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -107,6 +109,9 @@ class MemoryOps {
   // Whether the allocation exported at `base` is still the one exported (`identity`; `bytes`:
   // the export's size, ExportRecord::bytes).
   virtual bool export_alive(uintptr_t base, size_t bytes, uint64_t identity) = 0;
+  // The peers' processes (by rank, this rank's own 0), known at attach before any import: the
+  // only ones this rank's exports by descriptor are handed to (fd_channel.h).
+  virtual void allow_peers(std::span<const pid_t> /*pids*/) {}
   // Maps a peer's exported allocation, until release().
   virtual exports::Span import(const ExportRecord& record) = 0;
   virtual size_t imports() const = 0;

@@ -125,6 +125,9 @@ struct FlagLayout {
 // on every rank. Each backend asks at the same points:
 //  - prepare: first thing in prepare(), once the previous window is released;
 //  - attach: in attach(), after its usage checks, before any peer's window is opened;
+//  - refuse-descriptors: in attach(), the rank's descriptor channel is told no peer may take
+//    its descriptors (fd_channel.h), so every peer that reads an export of it by descriptor
+//    fails its attach, as when the owner is gone;
 //  - slow: at every bucket's start, before anything is queued or copied (a timed bucket counts
 //    it: the host waits before queuing anything, and the stream's clock runs meanwhile);
 //  - gather: in a handshake bucket (not a bound window's, which has none), once it has its
@@ -147,6 +150,8 @@ class FaultPoints {
   void at_bucket_start() const;
   // gather: this bucket fails before this rank stages anything.
   bool fails_bucket() const { return where_ == Options::Fault::Where::Gather; }
+  // refuse-descriptors: no peer may take this rank's descriptors.
+  bool refuses_descriptors() const { return where_ == Options::Fault::Where::RefuseDescriptors; }
 
  private:
   Options::Fault::Where where_;

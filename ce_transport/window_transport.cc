@@ -100,13 +100,23 @@ class WindowTransport final : public Transport {
     memory_->begin_attach();
     peers_.assign(static_cast<size_t>(nranks_), WindowView{});
     std::vector<std::string> logs(static_cast<size_t>(nranks_));
+    std::vector<protocol::BlobHeader> headers(static_cast<size_t>(nranks_));
+    std::vector<Medium> media(static_cast<size_t>(nranks_));
+    std::vector<pid_t> pids(static_cast<size_t>(nranks_), 0);
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
-      protocol::BlobHeader header{};
-      const auto medium =
-          protocol::read_blob<Medium>(blobs[static_cast<size_t>(r)], r, shape_, header);
-      logs[static_cast<size_t>(r)] = protocol::source_log_of(header);
-      peers_[static_cast<size_t>(r)] = memory_->map_peer(r, header, medium);
+      const auto i = static_cast<size_t>(r);
+      media[i] = protocol::read_blob<Medium>(blobs[i], r, shape_, headers[i]);
+      pids[i] = static_cast<pid_t>(headers[i].pid);
+    }
+    // Before any mapping: a peer may already be asking for this rank's exports by descriptor.
+    memory_->allow_peers(faults_.refuses_descriptors() ? std::span<const pid_t>{}
+                                                       : std::span<const pid_t>(pids));
+    for (int r = 0; r < nranks_; ++r) {
+      if (r == rank_) continue;
+      const auto i = static_cast<size_t>(r);
+      logs[i] = protocol::source_log_of(headers[i]);
+      peers_[i] = memory_->map_peer(r, headers[i], media[i]);
     }
     if (bound_) {
       // Each peer's shards: in its window's region, or in its exported allocations, mapped here.

@@ -554,16 +554,23 @@ void CommAgreement::read_publish(std::span<const uint8_t> all, const Round& roun
   const bool slow = options_.inject_fault.where == Options::Fault::Where::SlowAttach &&
                     options_.inject_fault.rank == info_.rank;
   const std::chrono::milliseconds delay(slow ? kSlowSetUpMs : 0);
+  // An export by descriptor is fetched from its owner's channel, which may wait for the owner's
+  // own attach (ce_transport/fd_channel.h): never at a program call.
   size_t mappings = 0;
-  for (size_t r = 0; r < c.handles.size(); ++r)
-    if (static_cast<int>(r) != info_.rank)
-      mappings += 1 + (r < c.tables.size() ? c.tables[r].exports.size() : 0);
+  bool by_descriptor = false;
+  for (size_t r = 0; r < c.handles.size(); ++r) {
+    if (static_cast<int>(r) == info_.rank) continue;
+    mappings += 1 + (r < c.tables.size() ? c.tables[r].exports.size() : 0);
+    if (r < c.tables.size())
+      for (const ce::ExportRecord& e : c.tables[r].exports)
+        by_descriptor |= e.kind == ce::ExportRecord::Kind::ByDescriptor;
+  }
   const uint64_t expected_ns = mappings * world_.make.mapping_ns +
                                static_cast<uint64_t>(std::chrono::nanoseconds(delay).count());
   set_up_failed_.clear();
   set_up_unsaid_ = true;
   try {
-    set_up_in_background_ = expected_ns > kSetUpAtTheCallNs;
+    set_up_in_background_ = by_descriptor || expected_ns > kSetUpAtTheCallNs;
     if (set_up_in_background_)
       serving_.begin_attach(c.handles, c.tables, delay);
     else

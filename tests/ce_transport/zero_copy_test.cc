@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -222,9 +223,59 @@ TEST(SourceTable, RoundTripsAndRefusesWhatDoesNotParse) {
   // A source naming an export that is not there, and a table longer than its bytes.
   std::vector<uint8_t> bad = bytes;
   const uint64_t word = uint64_t{3} << 48;
-  std::memcpy(bad.data() + 8 + 72, &word, 8);
+  std::memcpy(bad.data() + 8 + SourceTable::kExportBytes, &word, 8);
   EXPECT_THROW(SourceTable::parse(bad), Error);
   EXPECT_THROW(SourceTable::parse(std::span<const uint8_t>(bytes.data(), bytes.size() - 1)), Error);
+  // An export of a kind this build does not know.
+  std::vector<uint8_t> unknown = bytes;
+  const uint32_t kind = 9;
+  std::memcpy(unknown.data() + 8 + offsetof(ExportRecord, kind), &kind, 4);
+  EXPECT_THROW(SourceTable::parse(unknown), Error);
+}
+
+TEST(SourceTable, ARecordByDescriptorKeepsItsKindAndIndex) {
+  SourceTable t;
+  ExportRecord e{};
+  e.kind = ExportRecord::Kind::ByDescriptor;
+  e.index = 41;
+  e.bytes = 6 << 20;
+  t.exports = {e};
+  t.sources = {{0, 0}};
+  std::vector<uint8_t> bytes(t.bytes() + 8);
+  t.serialize(bytes);
+  const SourceTable back = SourceTable::parse(bytes);
+  ASSERT_EQ(back.exports.size(), 1u);
+  EXPECT_EQ(back.exports[0].kind, ExportRecord::Kind::ByDescriptor);
+  EXPECT_EQ(back.exports[0].index, 41u);
+}
+
+// Expandable segments map granules one after the other: a shard that lies in the first only is
+// exported as that granule; a later shard of the same base that runs into the second needs an
+// export of both, not the first's (its peers would find it outside the allocation).
+TEST(SourceTable, AShardPastAnExportOfItsBaseGetsAnExportThatCoversIt) {
+  static uint8_t memory[4 << 20];
+  const auto base = reinterpret_cast<uintptr_t>(memory);
+  WindowPlan plan;
+  plan.bound = true;
+  plan.zero_copy = true;
+  plan.table_room = 1 << 16;
+  plan.bind = {
+      {memory, 1 << 20, 0}, {memory + (1 << 20), 2 << 20, 1 << 20}, {memory + 256, 256, 3 << 20}};
+  const exports::SourcePlan p = exports::plan_sources(plan, [&](const BindOp& b) {
+    exports::Exportable e;
+    e.ok = true;
+    e.base = base;
+    const size_t end = reinterpret_cast<uintptr_t>(b.sendbuf) - base + b.bytes;
+    e.record.bytes = end <= (2 << 20) ? 2 << 20 : 4 << 20;  // the granules under the shard
+    e.record.kind = ExportRecord::Kind::ByDescriptor;
+    return e;
+  });
+  ASSERT_EQ(p.table.exports.size(), 2u);
+  EXPECT_EQ(p.table.sources[0].allocation, 0);
+  EXPECT_EQ(p.table.sources[1].allocation, 1);
+  EXPECT_EQ(p.table.sources[1].offset, 1u << 20);
+  EXPECT_EQ(p.table.sources[2].allocation, 0);  // inside the first export: read there
+  EXPECT_EQ(p.memory.bound_shards, 0u);
 }
 
 TEST(SourceTable, ShardsPastTheTablesRoomAreBound) {

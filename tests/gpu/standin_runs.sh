@@ -206,8 +206,12 @@ standin_log_check() {
 # (1 allocation); nothing is bound, and no shard whose bytes stayed the same is reported
 # changed. A shard re-homed to other bytes (a broken promise) must be reported by the rank that
 # re-homed it: a WARN naming its position (layer 0 is gathered at position 0), and that gather
-# back on NCCL in the traces' verdict. Shards in one cuMemCreate mapping (--vmm 1, PyTorch's
-# expandable segments) cannot be exported with legacy IPC: bound instead, and the log says so.
+# back on NCCL in the traces' verdict. Shards in cuMemCreate granules made shareable as POSIX
+# file descriptors (--vmm 1, as PyTorch's expandable segments are) are read in place too: legacy
+# IPC refuses them, so their owner hands the granules' descriptors to its peers over its
+# descriptor channel (ce_transport/fd_channel.h) and each peer maps them contiguously. One
+# cuMemCreate allocation made without a shareable handle type (--vmm 2) cannot be mapped by any
+# other process: bound instead, and the log says why.
 standin_weights_runs() {
   local cases=("reused --steps 24" "swap --steps 40 --swap-step 15"
     "alternate --steps 30 --swap-step 10" "rehome --steps 30 --rehome-rank 1 --rehome-step 15")
@@ -254,12 +258,32 @@ standin_weights_runs() {
     standin_log_check "$name" "rank $rank is told (ncclRemoteError)" \
       "rank $rank: [0-9]+ gathers received wrong bytes, [1-9][0-9]* returned an error; asynchronous error: remote process"
   done
-  # Every received byte is checked by the program (exit 0): bound shards are read right too.
+  # Every received byte is checked by the program (exit 0). cuMemCreate granules shareable as
+  # descriptors: read in place (4 KiB shards, all in the first 2 MiB granule).
   name=weights-swap-vmm-static
   standin_run "$name" 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --vmm 1 \
     --layers 4 --steps 40 --program swap --swap-step 15
-  standin_log_check "$name" "cuMemCreate shards cannot be read in place: bound instead" \
-    "cannot be read in place \(.*\); bound instead"
+  standin_log_check "$name" "cuMemCreate shards exported in place (by descriptor)" \
+    "static weights: 4 gathers: 4 shards exported in place .* in [0-9]+ allocations"
+  standin_log_check "$name" "0 bound" "static weights: 4 gathers: .*, 0 bound \("
+  standin_log_check "$name" "no shard refused" "cannot be read in place" absent
+  standin_log_check "$name" "no WARN" " MAGI WARN " absent
+  # Shards of 3 MiB in 2 MiB granules: each spans two or three of them, which the peers map one
+  # after the other, so every byte of every shard must read right across the granules' seams.
+  name=weights-vmm-in-place-static
+  standin_run "$name" 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --vmm 1 \
+    --layers 4 --steps 30 --program swap --swap-step 12 --shard-elements 786432
+  standin_log_check "$name" "4 shards of several granules exported in place (by descriptor)" \
+    "static weights: 4 gathers: 4 shards exported in place \(12582912 bytes in [0-9]+ allocations"
+  standin_log_check "$name" "0 bound" "static weights: 4 gathers: .*, 0 bound \("
+  standin_log_check "$name" "no shard refused" "cannot be read in place" absent
+  standin_log_check "$name" "no WARN" " MAGI WARN " absent
+  # One cuMemCreate allocation no other process can map: bound, and the reason is said.
+  name=weights-swap-vmm-private-static
+  standin_run "$name" 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --vmm 2 \
+    --layers 4 --steps 40 --program swap --swap-step 15
+  standin_log_check "$name" "a cuMemCreate allocation without a shareable handle type is bound" \
+    "cannot be read in place \(.*without the POSIX file descriptor handle type.*\); bound instead"
   standin_log_check "$name" "0 shards exported in place, 4 bound" \
     "static weights: 4 gathers: 0 shards exported in place .*, 4 bound \("
   standin_weights_one_rank_runs
@@ -269,13 +293,13 @@ standin_weights_runs() {
 
 # Every rank moves its weights at step 12 (new blocks, values copied, old ones poisoned and given
 # back, so that layer i + 1 lands in layer i's block: tests/support/workload/weights.cc, move).
-# Bound shards (--vmm 1: copied into the window): every byte exact at every call. Read in place
+# Bound shards (--vmm 2: copied into the window): every byte exact at every call. Read in place
 # (--arena 1): the block a peer reads may hold another layer; reported on every rank
 # (ncclRemoteError), never silent (--errors-expected 1 fails a rank with a wrong byte and no error).
 standin_weights_move_runs() {
-  standin_run weights-move-vmm-static 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights \
-    --device 1 --vmm 1 --layers 4 --steps 30 --program move --move-step 12
-  standin_log_check weights-move-vmm-static "no WARN" " MAGI WARN " absent
+  standin_run weights-move-vmm-bound-static 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights \
+    --device 1 --vmm 2 --layers 4 --steps 30 --program move --move-step 12
+  standin_log_check weights-move-vmm-bound-static "no WARN" " MAGI WARN " absent
   standin_run weights-move-arena-static 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights \
     --device 1 --arena 1 --layers 4 --steps 30 --program move --move-step 12 --errors-expected 1
   standin_log_check weights-move-arena-static "reported on every rank" \
@@ -313,12 +337,13 @@ wrong bytes, [1-9][0-9]* returned an error; asynchronous error: remote"
 # shows is the whole job's, divided by the rank count per rank. Each rank holds 4 shards of 4 MiB.
 # Read in place (--arena 1: one cudaMalloc; --arena 0: one each), a rank takes its window (the
 # flags: 2 MiB, rounded) and the agreement's exchange buffers (2 MiB): at most 4 MiB + 64 KiB,
-# whatever the shards' size. In one cuMemCreate mapping the shards are bound: the window holds
+# whatever the shards' size; so in cuMemCreate granules shareable as descriptors (--vmm 1). In
+# one cuMemCreate allocation no peer can map (--vmm 2) the shards are bound: the window holds
 # their copy too, at least the 16 MiB of shards.
 standin_weights_memory_run() {
   local n=4 shard_elements=$((1024 * 1024)) entry kind memory name per_rank
   local read_in_place=$((4 * 1024 * 1024 + 64 * 1024)) shards=$((4 * 4 * 1024 * 1024))
-  for entry in "arena --arena 1" "cudamalloc --arena 0" "vmm --vmm 1"; do
+  for entry in "arena --arena 1" "cudamalloc --arena 0" "vmm --vmm 1" "vmm-bound --vmm 2"; do
     read -r kind memory <<<"$entry"
     name=weights-memory-$kind
     # shellcheck disable=SC2086  # memory: the option and its value
@@ -334,7 +359,7 @@ standin_weights_memory_run() {
       continue
     }
     echo "  $name: $per_rank bytes of device memory per rank ($((per_rank / 1024)) KiB)"
-    if [ "$kind" = vmm ]; then
+    if [ "$kind" = vmm-bound ]; then
       if [ "$per_rank" -ge "$shards" ]; then
         pass "$name: bound shards take their copy ($per_rank bytes per rank, >= $shards)"
       else

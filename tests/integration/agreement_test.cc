@@ -581,10 +581,12 @@ const std::vector<WeightsCase> kWeightsCases = {
     {{"--program", "rehome", "--rehome-rank", "1", "--rehome-step", "15"}, 30},
 };
 
-AgreedRun run_weights(int n, const WeightsCase& c, bool static_weights, bool arena = false) {
+AgreedRun run_weights(int n, const WeightsCase& c, bool static_weights, bool arena = false,
+                      std::vector<std::string> memory = {}) {
   std::vector<std::string> args = {"weights", "--layers", "4", "--steps", std::to_string(c.steps)};
   args.insert(args.end(), c.program.begin(), c.program.end());
   if (arena) args.insert(args.end(), {"--arena", "1"});
+  args.insert(args.end(), memory.begin(), memory.end());
   std::vector<std::pair<std::string, std::string>> env;
   if (static_weights) env.emplace_back("MAGI_STATIC_WEIGHTS", "1");
   return run_agreed(n, args, env, 90);
@@ -661,6 +663,58 @@ TEST_P(StaticWeightsPrograms, InOneSharedFileAreReadInPlaceByteExactAndLeaveNoFi
       const std::string file = "/dev/shm/magi-arena-" + std::to_string(rank.pid);
       EXPECT_FALSE(fs::exists(file)) << file << " is left behind";
     }
+  }
+}
+
+// Shared memory with no name a peer could open (one memfd_create file a rank, its descriptor
+// kept open by the program): each owner hands its peers a descriptor of it over its descriptor
+// channel (ce_transport/fd_channel.h), only to its peer ranks' processes; read in place, byte
+// exact, nothing bound. A set-up that fetches descriptors runs off the calls (its fetch may
+// wait for the owner's attach), so a plan moves a few steps after its publish: runs long enough
+// for that under a loaded machine.
+TEST_P(StaticWeightsPrograms, InAMemfdAreReadInPlaceByDescriptorByteExact) {
+  const int n = GetParam();
+  const std::vector<WeightsCase> cases = {
+      {{"--program", "swap", "--swap-step", "50"}, 100},
+      {{"--program", "alternate", "--swap-step", "10"}, 80},
+      {{"--program", "rehome", "--rehome-rank", "1", "--rehome-step", "50"}, 100},
+  };
+  for (const WeightsCase& c : cases) {
+    SCOPED_TRACE(c.program[1] + " (static, memfd) on " + std::to_string(n) + " ranks");
+    const AgreedRun r = run_weights(n, c, true, false, {"--memfd", "1"});
+    ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+    expect_ranks_agree(r);
+    ASSERT_EQ(r.comms.size(), 1u);
+    for (const auto& [rank, v] : r.comms.begin()->second)
+      EXPECT_GE(v.moved.size(), 4u * 4) << "rank " << rank << "\n" << transcript(r);
+    EXPECT_TRUE(has_line(r.log, R"(static weights: 4 gathers: 4 shards exported in place )"
+                                R"(\(16384 bytes in 1 allocations, 0 copied\), 0 bound \()"))
+        << r.log;
+    if (c.program[1] != "rehome") {
+      EXPECT_EQ(r.log.find("cannot be read in place"), std::string::npos) << r.log;
+    }
+    EXPECT_EQ(r.log.find("descriptor channel"), std::string::npos) << r.log;
+    EXPECT_EQ(r.log.find("changed after it was bound"), std::string::npos) << r.log;
+  }
+}
+
+// An owner whose peers cannot get its descriptors (refused, as a process gone would be): their
+// attach fails, and every rank keeps the plan's gathers on NCCL, byte exact, never hanging.
+TEST(StaticWeights, DescriptorsRefusedKeepEveryRankOnNccl) {
+  const WeightsCase c = {{"--program", "swap", "--swap-step", "50"}, 100};
+  const AgreedRun r = [&] {
+    std::vector<std::string> args = {"weights", "--layers", "4", "--steps", std::to_string(c.steps),
+                                     "--memfd", "1"};
+    args.insert(args.end(), c.program.begin(), c.program.end());
+    return run_agreed(
+        4, args, {{"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_INJECT_FAULT", "refuse-descriptors:2"}}, 90);
+  }();
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  EXPECT_NE(r.log.find("is not a peer rank of this communicator"), std::string::npos) << r.log;
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    EXPECT_TRUE(v.moved.empty()) << "rank " << rank << "\n" << transcript(r);
+    EXPECT_TRUE(rounds_with(v, RoundKind::Confirm, RoundEvent::Activated).empty()) << rank;
   }
 }
 

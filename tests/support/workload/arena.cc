@@ -63,7 +63,7 @@ size_t round_up(size_t bytes, size_t unit) { return (bytes + unit - 1) / unit * 
 
 Arena::Arena(const Placement& placement, Kind kind, size_t bytes, int index)
     : placement_(placement), kind_(kind) {
-  const bool host = kind == Kind::Heap || kind == Kind::SharedFile;
+  const bool host = kind == Kind::Heap || kind == Kind::SharedFile || kind == Kind::HostMemfd;
   if (host == placement.device()) {
     throw ScenarioFailure(
         "the heap and /dev/shm arenas are host memory; the CUDA ones need "
@@ -100,11 +100,22 @@ Arena::Arena(const Placement& placement, Kind kind, size_t bytes, int index)
         base_ = mapped;
         break;
       }
+      case Kind::HostMemfd: {
+        memfd_ = ::memfd_create("magi-arena", MFD_CLOEXEC);
+        if (memfd_ < 0) fail_errno("memfd_create");
+        capacity_ = round_up(bytes, static_cast<size_t>(::sysconf(_SC_PAGESIZE)));
+        if (::ftruncate(memfd_, static_cast<off_t>(capacity_)) != 0) fail_errno("ftruncate memfd");
+        void* mapped = ::mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_SHARED, memfd_, 0);
+        if (mapped == MAP_FAILED) fail_errno("mmap memfd");
+        base_ = mapped;
+        break;
+      }
       case Kind::CudaMalloc:
         capacity_ = aligned(bytes);
         Placement::cuda_check(cudaMalloc(&base_, capacity_), "cudaMalloc of the arena");
         break;
-      case Kind::CudaVmm: {
+      case Kind::CudaVmm:
+      case Kind::CudaVmmPrivate: {
         const VmmCalls& vmm = VmmCalls::get();
         int device = 0;
         Placement::cuda_check(cudaGetDevice(&device), "cudaGetDevice");
@@ -112,19 +123,26 @@ Arena::Arena(const Placement& placement, Kind kind, size_t bytes, int index)
         prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
         prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
         prop.location.id = device;
+        if (kind == Kind::CudaVmm)
+          prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
         size_t granularity = 0;
         driver_check(vmm.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
                      "cuMemGetAllocationGranularity");
-        const size_t size = round_up(bytes, granularity);
-        CUmemGenericAllocationHandle allocation = 0;
-        driver_check(vmm.create(&allocation, size, &prop, 0), "cuMemCreate");
-        vmm_allocation_ = allocation;
+        // Expandable segments map a small pool's segment in 2 MiB granules.
+        const size_t granule = kind == Kind::CudaVmm ? round_up(size_t{2} << 20, granularity) : 0;
+        const size_t size = round_up(bytes, kind == Kind::CudaVmm ? granule : granularity);
         CUdeviceptr address = 0;
         driver_check(vmm.reserve(&address, size, 0, 0, 0), "cuMemAddressReserve");
         base_ = reinterpret_cast<void*>(address);
         capacity_ = size;
-        driver_check(vmm.map(address, size, 0, allocation, 0), "cuMemMap");
-        vmm_mapped_ = true;
+        const size_t piece = kind == Kind::CudaVmm ? granule : size;
+        for (size_t at = 0; at < size; at += piece) {
+          CUmemGenericAllocationHandle allocation = 0;
+          driver_check(vmm.create(&allocation, piece, &prop, 0), "cuMemCreate");
+          vmm_allocations_.push_back(allocation);
+          driver_check(vmm.map(address + at, piece, 0, allocation, 0), "cuMemMap");
+          vmm_mapped_.push_back(piece);
+        }
         CUmemAccessDesc access{};
         access.location = prop.location;
         access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
@@ -147,23 +165,33 @@ void Arena::release() noexcept {
       if (base_ != nullptr) ::munmap(base_, capacity_);
       if (!file_name_.empty()) ::shm_unlink(file_name_.c_str());
       break;
+    case Kind::HostMemfd:
+      if (base_ != nullptr) ::munmap(base_, capacity_);
+      if (memfd_ >= 0) ::close(memfd_);
+      break;
     case Kind::CudaMalloc:
       if (base_ != nullptr) cudaFree(base_);
       break;
-    case Kind::CudaVmm: {
-      if (vmm_allocation_ == 0) break;  // nothing made (perhaps not even the calls looked up)
+    case Kind::CudaVmm:
+    case Kind::CudaVmmPrivate: {
+      if (vmm_allocations_.empty() && base_ == nullptr) break;  // nothing made
       const VmmCalls& vmm = VmmCalls::get();
       const auto address = reinterpret_cast<CUdeviceptr>(base_);
-      if (vmm_mapped_) vmm.unmap(address, capacity_);
+      size_t at = 0;
+      for (size_t mapped : vmm_mapped_) {
+        vmm.unmap(address + at, mapped);
+        at += mapped;
+      }
       if (base_ != nullptr) vmm.address_free(address, capacity_);
-      vmm.release(vmm_allocation_);
+      for (unsigned long long allocation : vmm_allocations_) vmm.release(allocation);
       break;
     }
   }
   base_ = nullptr;
+  memfd_ = -1;
   file_name_.clear();
-  vmm_mapped_ = false;
-  vmm_allocation_ = 0;
+  vmm_mapped_.clear();
+  vmm_allocations_.clear();
 }
 
 Buffer Arena::carve(size_t bytes) {

@@ -9,9 +9,15 @@
 //               kept under its name while the arena lives so a peer can open and map it, and
 //               unlinked when the arena goes, however the scenario ends (only a rank killed by a
 //               signal leaves it behind)
+//   HostMemfd   host memory: a MAP_SHARED mapping of a memfd_create file, which has no name a
+//               peer could open; the arena keeps its descriptor open while it lives, as a program
+//               that shares such memory does
 //   CudaMalloc  one cudaMalloc on the current device (legacy IPC exports its base)
-//   CudaVmm     one cuMemCreate allocation reserved, mapped and made accessible with the driver's
-//               virtual memory calls, as PyTorch's expandable segments are: legacy IPC refuses it
+//   CudaVmm     a reserved range mapped granule by granule (2 MiB each, its own cuMemCreate made
+//               shareable as a POSIX file descriptor), as PyTorch's expandable segments are: legacy
+//               IPC refuses it, a peer maps it from descriptors
+//   CudaVmmPrivate  one cuMemCreate allocation made without a shareable handle type: no other
+//               process can map it
 #pragma once
 
 #include <cstddef>
@@ -24,7 +30,7 @@ namespace workload {
 
 class Arena {
  public:
-  enum class Kind { Heap, SharedFile, CudaMalloc, CudaVmm };
+  enum class Kind { Heap, SharedFile, HostMemfd, CudaMalloc, CudaVmm, CudaVmmPrivate };
   static constexpr size_t kAlignment = 256;
 
   // Room for `bytes` (rounded up to what the memory is allocated in). Heap and SharedFile need
@@ -58,9 +64,11 @@ class Arena {
   };
   std::vector<Block> free_;  // given back, the last at the end
   void* base_ = nullptr;
-  std::string file_name_;                  // SharedFile: the name shm_open knows it by
-  unsigned long long vmm_allocation_ = 0;  // CudaVmm: the physical allocation's handle
-  bool vmm_mapped_ = false;                // CudaVmm: the allocation is mapped at base_
+  std::string file_name_;  // SharedFile: the name shm_open knows it by
+  int memfd_ = -1;         // HostMemfd: its file
+  // CudaVmm*: the physical allocations' handles, and the bytes of each mapped from base_ on.
+  std::vector<unsigned long long> vmm_allocations_;
+  std::vector<size_t> vmm_mapped_;
 };
 
 }  // namespace workload

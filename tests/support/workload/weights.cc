@@ -1,7 +1,7 @@
 // weights --layers L --steps S --program reused|swap|alternate|rehome|move [--swap-step K]
 //         [--rehome-rank R --rehome-step K [--rehome-other 1] [--rehome-reuse 1]]
 //         [--move-step K [--move-rank R] [--move-order forward|reverse]] [--device 1]
-//         [--arena 1 [--arenas N]] [--vmm 1] [--report-memory 1] [--shard-elements N]
+//         [--arena 1 [--arenas N]] [--vmm 1|2] [--memfd 1] [--report-memory 1] [--shard-elements N]
 //         [--swap-rank R] [--errors-expected 1] [--report-slowest 1]
 //
 // Weights that never change after load, gathered every step in the ways a program may hold
@@ -43,8 +43,12 @@
 //   --arenas N      (with --arena 1) N such allocations, the layers split among them in order, as a
 //                   large model's shards are (the caching allocator gives a shard of 10 MiB or
 //                   more a segment of its own): --arenas L gives every shard its own allocation
-//   --vmm 1         (with --device 1) all in one cuMemCreate allocation, as PyTorch's expandable
-//                   segments are
+//   --vmm 1         (with --device 1) all in one range of cuMemCreate granules (2 MiB each, made
+//                   shareable as POSIX file descriptors), as PyTorch's expandable segments are
+//   --memfd 1       (host memory) all in one memfd_create file mapped MAP_SHARED: no name a peer
+//                   could open, so its owner hands peers a descriptor of it
+//   --vmm 2         (with --device 1) all in one cuMemCreate allocation made without a shareable
+//                   handle type: no other process can map it
 // The shards are loaded before the communicator is made, as a program loads its model first.
 // --shard-elements N: int32 elements of every shard (default 1024).
 // --errors-expected 1: a gather may return an error and receive wrong bytes, as long as the
@@ -96,9 +100,13 @@ Buffer load_shard(Buffer s, int layer, int rank) {
 
 // The arena the shards are carved out of, if the options ask for one.
 std::optional<Arena::Kind> arena_kind(const ScenarioOptions& options, const Placement& placement) {
-  const bool vmm = options.number("vmm", 0) != 0;
-  if (vmm && !placement.device()) throw ScenarioFailure("--vmm 1 needs --device 1");
-  if (vmm) return Arena::Kind::CudaVmm;
+  const auto vmm = options.number("vmm", 0);
+  if (vmm != 0 && !placement.device()) throw ScenarioFailure("--vmm needs --device 1");
+  if (vmm != 0) return vmm == 2 ? Arena::Kind::CudaVmmPrivate : Arena::Kind::CudaVmm;
+  if (options.number("memfd", 0) != 0) {
+    if (placement.device()) throw ScenarioFailure("--memfd 1 is host memory: not with --device 1");
+    return Arena::Kind::HostMemfd;
+  }
   if (options.number("arena", 0) == 0) return std::nullopt;
   return placement.device() ? Arena::Kind::CudaMalloc : Arena::Kind::SharedFile;
 }
