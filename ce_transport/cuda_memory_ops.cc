@@ -271,7 +271,12 @@ class CudaMemoryOps final : public MemoryOps {
   void use() override {
     if (device_ < 0) return;
     int current = -1;
-    if (cudaGetDevice(&current) != cudaSuccess || current != device_)
+    CUcontext context = nullptr;
+    // On a thread that never called CUDA (the set-up's), cudaGetDevice answers device 0 without
+    // making a context current there, and the driver's calls (cuMemGetAddressRange for each
+    // export) then fail: every shard was bound instead of read in place.
+    if (cudaGetDevice(&current) != cudaSuccess || current != device_ ||
+        MAGI_CUDA_DRIVER_FN(cuCtxGetCurrent)(&context) != CUDA_SUCCESS || context == nullptr)
       cuda_check(cudaSetDevice(device_), "cudaSetDevice");
   }
 
