@@ -55,6 +55,13 @@ BufferIdentity identify_buffer(Backend backend, const void* ptr);
 // whether the memory can be exported (exports.h). Asked at plan time, never on the call path.
 bool exportable(Backend backend, const void* ptr, size_t bytes);
 
+// The calling thread sets up a window off the program's calls (rewrite/set_up.h): between two
+// mappings of the peers' memory it steps aside for a moment. Opening a CUDA IPC handle holds up
+// the program's own CUDA calls for as long as it takes (in proportion to the bytes mapped: 768
+// allocations of 4 MiB stalled one program call by 60-90 ms on an H200), so the mappings are
+// spread out rather than made back to back.
+void pace_mappings_on_this_thread(bool on);
+
 // Where this process runs, for "every peer is on this node and can reach my memory".
 struct Locality {
   uint64_t host = 0;    // XXH3 of hostname and boot id

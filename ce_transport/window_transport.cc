@@ -16,9 +16,11 @@
 // the peer's pid and reports; on a stream, a wait holds the stream as NCCL's kernels would, until
 // the communicator is aborted, which releases this rank's waits by writing its own words.
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -33,6 +35,11 @@
 
 namespace magi::ce {
 namespace {
+
+// pace_mappings_on_this_thread (ce_transport.h): a pause after each mapping of a set-up made off
+// the program's calls, which lets the program's CUDA calls waiting behind it in.
+thread_local bool t_pace_mappings = false;
+constexpr std::chrono::microseconds kMappingPause{100};
 
 class WindowTransport final : public Transport {
  public:
@@ -127,7 +134,11 @@ class WindowTransport final : public Transport {
                                              peers_[static_cast<size_t>(r)].region_bytes};
       peer_sources_ = exports::locate_peer_sources(
           rank_, bind_, zero_copy_ ? tables : std::span<const SourceTable>{}, regions,
-          [&](const ExportRecord& record) { return memory_->import(record); });
+          [&](const ExportRecord& record) {
+            const exports::Span mapped = memory_->import(record);
+            if (t_pace_mappings) std::this_thread::sleep_for(kMappingPause);
+            return mapped;
+          });
       log_.open_peers(logs);
     }
     attached_ = true;
@@ -502,6 +513,8 @@ class WindowTransport final : public Transport {
 };
 
 }  // namespace
+
+void pace_mappings_on_this_thread(bool on) { t_pace_mappings = on; }
 
 void check_rank(int rank, int nranks) {
   if (nranks < 1 || rank < 0 || rank >= nranks)

@@ -60,6 +60,7 @@ void SetUpJob::run(Work work, std::chrono::milliseconds delay) noexcept {
   const auto began = std::chrono::steady_clock::now();
   try {
     if (delay.count() > 0) std::this_thread::sleep_for(delay);
+    ce::pace_mappings_on_this_thread(true);
     work(*transport_, handle_);
   } catch (const std::exception& e) {
     error_ = e.what();

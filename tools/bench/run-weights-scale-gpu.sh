@@ -4,8 +4,8 @@
 # plain and once under the library (MAGI_STATIC_WEIGHTS=1 MAGI_CE_FORCE=1). Prints, per shape,
 # what the library said of the set-up (exports, mappings, where and how long) and each run's
 # slowest gather call, gathers moved and device memory taken.
-# Usage: tools/bench/run-weights-scale-gpu.sh BUILD_DIR [RANKSxALLOCATIONSxKIB ...]
-#   default shapes: 4x256x4096 8x1000x64 8x128x4096
+# Usage: [STEPS=30] [PLAIN=1] tools/bench/run-weights-scale-gpu.sh BUILD_DIR [RANKSxALLOCATIONSxKIB ...]
+#   default shapes: 4x256x4096 8x1000x64 8x128x4096; PLAIN=0 skips the runs without the library
 set -u
 build=$(cd "${1:?usage: $0 BUILD_DIR [RANKSxALLOCATIONSxKIB ...]}" && pwd)
 shift
@@ -53,8 +53,10 @@ summary() {
 for shape in "${shapes[@]}"; do
   IFS=x read -r n allocations kib <<<"$shape"
   echo "== $n ranks x $allocations allocations of $kib KiB (steps ${STEPS:-30})"
-  run "plain-$shape" "$n" "$allocations" "$kib" 0
-  summary "$work/plain-$shape.log"
+  if [ "${PLAIN:-1}" = 1 ]; then
+    run "plain-$shape" "$n" "$allocations" "$kib" 0
+    summary "$work/plain-$shape.log"
+  fi
   run "library-$shape" "$n" "$allocations" "$kib" 1
   summary "$work/library-$shape.log"
   grep -v " MAGI INFO " "$work/library-$shape.log" | grep -E "WARN|error|FAIL" | head -n 5
