@@ -136,7 +136,8 @@ class WindowTransport final : public Transport {
           rank_, bind_, zero_copy_ ? tables : std::span<const SourceTable>{}, regions,
           [&](const ExportRecord& record) {
             const exports::Span mapped = memory_->import(record);
-            if (t_pace_mappings) std::this_thread::sleep_for(kMappingPause);
+            if (t_pace_mappings && memory_->backend() == Backend::Cuda)
+              std::this_thread::sleep_for(kMappingPause);
             return mapped;
           });
       log_.open_peers(logs);
