@@ -889,14 +889,16 @@ TEST_P(StaticWeightsPrograms, LayersMovedWhereNoRankCanKnowAreReportedOnEveryRan
 INSTANTIATE_TEST_SUITE_P(Ranks, StaticWeightsPrograms, ::testing::Values(2, 4, 8));
 
 // A model's shards, each in an allocation of its own (the caching allocator gives a shard of
-// 10 MiB or more a segment of its own): 8 ranks of 1,000 each, every one read in place, none
-// copied, every peer's mapped, every byte right (the program checks each).
+// 10 MiB or more a segment of its own): 8 ranks of 1,000 each, of sizes mixed as a model's
+// projections are (256 B to 8 KiB here, 1x to 32x as 2 to 64 MiB would be), every one read in
+// place, none copied, every peer's mapped, every byte right (the program checks each).
 TEST(StaticWeights, AThousandAllocationsARankAreAllReadInPlace) {
   constexpr int kRanks = 8;
-  const AgreedRun r = run_agreed(kRanks,
-                                 {"weights", "--layers", "1000", "--steps", "40", "--program",
-                                  "swap", "--swap-step", "100", "--arena", "1", "--arenas", "1000"},
-                                 {{"MAGI_STATIC_WEIGHTS", "1"}}, 120);
+  const AgreedRun r = run_agreed(
+      kRanks,
+      {"weights", "--layers", "1000", "--steps", "40", "--program", "swap", "--swap-step", "100",
+       "--arena", "1", "--arenas", "1000", "--mixed", "1", "--shard-elements", "64"},
+      {{"MAGI_STATIC_WEIGHTS", "1"}}, 120);
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   ASSERT_EQ(r.comms.size(), 1u);
@@ -905,7 +907,7 @@ TEST(StaticWeights, AThousandAllocationsARankAreAllReadInPlace) {
     const std::string me =
         "\\[" + std::to_string(rank) + "\\] MAGI INFO TRANSPORT comm [0-9a-f]+: ";
     EXPECT_TRUE(has_line(r.log, me + R"(static weights: 1000 gathers: 1000 shards exported in )"
-                                     R"(place \(4096000 bytes in 1000 allocations, 0 copied\), )"
+                                     R"(place \(1017856 bytes in 1000 allocations, 0 copied\), )"
                                      R"(0 bound \(0 bytes copied\))"))
         << "rank " << rank;
     EXPECT_TRUE(has_line(r.log, me + "static weights: mapped 7000 allocations of the peers"))

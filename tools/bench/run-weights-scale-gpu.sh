@@ -4,8 +4,13 @@
 # plain and once under the library (MAGI_STATIC_WEIGHTS=1 MAGI_CE_FORCE=1). Prints, per shape,
 # what the library said of the set-up (exports, mappings, where and how long) and each run's
 # slowest gather call, gathers moved and device memory taken.
-# Usage: [STEPS=30] [PLAIN=1] tools/bench/run-weights-scale-gpu.sh BUILD_DIR [RANKSxALLOCATIONSxKIB ...]
-#   default shapes: 4x256x4096 8x1000x64 8x128x4096; PLAIN=0 skips the runs without the library
+# Usage: [STEPS=30] [PLAIN=1] [MIXED=0] [CHECK_EVERY=1] [RECV_BUFFERS=0] \
+#        tools/bench/run-weights-scale-gpu.sh BUILD_DIR [RANKSxALLOCATIONSxKIB ...]
+#   default shapes: 4x256x4096 8x1000x64 8x128x4096; PLAIN=0 skips the runs without the library;
+#   MIXED=1: shards of 1 to 32 times KIB, 4 times on average (the workload's --mixed 1);
+#   CHECK_EVERY=K checks the received bytes every K-th step and the last; RECV_BUFFERS=N gathers
+#   into N buffers taken in turn. The proof, 8 ranks of 1,000 allocations of 2 to 64 MiB
+#   (8 GiB a rank): MIXED=1 CHECK_EVERY=8 RECV_BUFFERS=2 PLAIN=0 STEPS=16 ... 8x1000x2048
 set -u
 build=$(cd "${1:?usage: $0 BUILD_DIR [RANKSxALLOCATIONSxKIB ...]}" && pwd)
 shift
@@ -33,6 +38,7 @@ run() {
   "$launch" -n "$n" --timeout 580 "${envs[@]}" -- "$workload" weights --device 1 --arena 1 \
     --arenas "$allocations" --layers "$allocations" --steps "${STEPS:-30}" --program swap \
     --swap-step 100000 --shard-elements $((kib * 256)) --report-slowest 1 --report-memory 1 \
+    --mixed "${MIXED:-0}" --check-every "${CHECK_EVERY:-1}" --recv-buffers "${RECV_BUFFERS:-0}" \
     >"$work/$name.log" 2>&1
   echo "$name: launcher exit $?"
 }

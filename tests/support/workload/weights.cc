@@ -2,7 +2,8 @@
 //         [--rehome-rank R --rehome-step K [--rehome-other 1] [--rehome-reuse 1]]
 //         [--move-step K [--move-rank R] [--move-order forward|reverse]] [--device 1]
 //         [--arena 1 [--arenas N]] [--vmm 1|2] [--memfd 1] [--report-memory 1] [--shard-elements N]
-//         [--swap-rank R] [--errors-expected 1] [--report-slowest 1]
+//         [--swap-rank R] [--errors-expected 1] [--report-slowest 1] [--mixed 1]
+//         [--check-every K] [--recv-buffers N]
 //
 // Weights that never change after load, gathered every step in the ways a program may hold
 // them, for MAGI_STATIC_WEIGHTS=1 (whose promise each one keeps: the gathered contents never
@@ -50,7 +51,13 @@
 //   --vmm 2         (with --device 1) all in one cuMemCreate allocation made without a shareable
 //                   handle type: no other process can map it
 // The shards are loaded before the communicator is made, as a program loads its model first.
-// --shard-elements N: int32 elements of every shard (default 1024).
+// --shard-elements N: int32 elements of every shard (default 1024); with --mixed 1 (--program
+// swap) layer l >= 2 holds 1 to 32 times N, 4 times on average (2 to 64 MiB from N of 512 Ki,
+// 8 MiB on average), as a model's projections differ.
+// --check-every K: the received bytes are checked at every K-th step and the last (default 1:
+// every step), so that a run of many large gathers spends its time gathering.
+// --recv-buffers N: N receive buffers taken in turn instead of one a layer (so 1,000 layers of
+// up to 64 MiB on 8 ranks fit one GPU).
 // --errors-expected 1: a gather may return an error and receive wrong bytes, as long as the
 // rank learns of it: at the end, every rank with a wrong byte must have had an error from a
 // gather or from ncclCommGetAsyncError, else the run fails ("silent").
@@ -62,6 +69,7 @@
 // the communicator goes ("device memory free after: <bytes>"), between all-reduces that keep
 // every rank from allocating or freeing while another reads it. All ranks share the GPU: the
 // difference is what the whole job allocated on the way, for every rank together.
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -81,6 +89,15 @@ namespace {
 
 // Elements of every shard (--shard-elements, default 1024), set once before anything runs.
 size_t shard_elements = 1024;
+// --mixed 1: layer l >= 2 holds shard_elements times kMixed[(l - 2) % 16] elements (1x to 32x,
+// 4x on average, as a model's projections differ: 2 to 64 MiB, 8 MiB on average, from 2 MiB);
+// layers 0 and 1, which programs swap, the base.
+bool mixed_sizes = false;
+constexpr size_t kMixed[16] = {1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 4, 4, 8, 32};
+
+size_t layer_elements(int layer) {
+  return mixed_sizes && layer >= 2 ? shard_elements * kMixed[(layer - 2) % 16] : shard_elements;
+}
 
 int32_t element(int layer, int rank, size_t index) {
   const uint32_t h = static_cast<uint32_t>(index * 2654435761u) ^
@@ -93,7 +110,8 @@ int32_t* elements(const Buffer& buffer) { return reinterpret_cast<int32_t*>(buff
 
 // `s` filled with a shard of `layer`'s weights, written once where NCCL reads it (as a load does).
 Buffer load_shard(Buffer s, int layer, int rank) {
-  for (size_t i = 0; i < shard_elements; ++i) elements(s)[i] = element(layer, rank, i);
+  const size_t count = std::min(layer_elements(layer), s.bytes() / sizeof(int32_t));
+  for (size_t i = 0; i < count; ++i) elements(s)[i] = element(layer, rank, i);
   s.upload(0, s.bytes());
   return s;
 }
@@ -131,14 +149,14 @@ constexpr int kReusedBytes = 101;  // what --rehome-reuse writes into the old bl
 // What a gather should have received: rank r's part is `layer_of(r)`'s shard of r, or, for
 // `either_rank`, possibly kOtherBytes'. "" when it did, else what was wrong.
 template <class LayerOf>
-std::string wrong_parts(const int32_t* full, int nranks, LayerOf layer_of, int me, int step,
-                        int position, int either_rank = -1) {
+std::string wrong_parts(const int32_t* full, size_t count, int nranks, LayerOf layer_of, int me,
+                        int step, int position, int either_rank = -1) {
   for (int r = 0; r < nranks; ++r) {
     const int layer = layer_of(r);
-    const int32_t* part = full + static_cast<size_t>(r) * shard_elements;
+    const int32_t* part = full + static_cast<size_t>(r) * count;
     size_t wrong = 0;
     size_t first = 0;
-    for (size_t i = 0; i < shard_elements; ++i) {
+    for (size_t i = 0; i < count; ++i) {
       if (part[i] == element(layer, r, i)) continue;
       if (r == either_rank && part[i] == element(kOtherBytes, r, i)) continue;
       if (wrong++ == 0) first = i;
@@ -172,6 +190,12 @@ int run_weights(const ScenarioOptions& options) {
   const bool rehome_reuse = options.number("rehome-reuse", 0) != 0;
   const bool report_memory = options.number("report-memory", 0) != 0;
   const bool report_slowest = options.number("report-slowest", 0) != 0;
+  mixed_sizes = options.number("mixed", 0) != 0;
+  if (mixed_sizes && program != "swap") throw ScenarioFailure("--mixed 1 takes --program swap");
+  const int check_every = static_cast<int>(options.number("check-every", 1));
+  if (check_every < 1) throw ScenarioFailure("--check-every must be at least 1");
+  const int recv_buffers = static_cast<int>(options.number("recv-buffers", 0));
+  if (recv_buffers < 0) throw ScenarioFailure("--recv-buffers must be at least 1 (0: one a layer)");
   std::chrono::steady_clock::duration slowest{};  // the longest ncclAllGather call, host time
   int slowest_step = -1;
   if (layers < 2) throw ScenarioFailure("--layers must be at least 2");
@@ -208,9 +232,10 @@ int run_weights(const ScenarioOptions& options) {
     for (int a = 0; a < arena_count; ++a) {
       const int first = a * layers / arena_count, end = (a + 1) * layers / arena_count;
       // move: room for one more block, the one layer 0 moves to.
-      const size_t blocks = static_cast<size_t>(end - first) + (program == "move" ? 1 : 0);
-      arenas.push_back(
-          std::make_unique<Arena>(placement, *kind, blocks * Arena::aligned(shard_bytes), a));
+      size_t bytes = program == "move" ? Arena::aligned(shard_bytes) : 0;
+      for (int l = first; l < end; ++l)
+        bytes += Arena::aligned(layer_elements(l) * sizeof(int32_t));
+      arenas.push_back(std::make_unique<Arena>(placement, *kind, bytes, a));
     }
   }
   Arena* const arena = arenas.empty() ? nullptr : arenas.front().get();  // move's one arena
@@ -219,9 +244,10 @@ int run_weights(const ScenarioOptions& options) {
     // Arena a holds layers [a * layers / arena_count, (a + 1) * layers / arena_count).
     int a = 0;
     while (!arenas.empty() && (a + 1) * layers / arena_count <= l) ++a;
-    shards.push_back(load_shard(arenas.empty() ? Buffer(placement, shard_bytes)
-                                               : arenas[static_cast<size_t>(a)]->carve(shard_bytes),
-                                l, me));
+    const size_t bytes = layer_elements(l) * sizeof(int32_t);
+    shards.push_back(load_shard(
+        arenas.empty() ? Buffer(placement, bytes) : arenas[static_cast<size_t>(a)]->carve(bytes), l,
+        me));
   }
 
   OwnedComm owned;
@@ -231,8 +257,17 @@ int run_weights(const ScenarioOptions& options) {
 
   const Buffer staging(placement, shard_bytes);  // reused: the one send buffer
   std::vector<Buffer> retired;                   // rehome: the old buffer, kept unchanged
-  std::vector<Buffer> full;                      // one receive buffer per position
-  for (int l = 0; l < layers; ++l) full.emplace_back(placement, shard_bytes * n);
+  // One receive buffer per position, or --recv-buffers N taken in turn (position p gathers into
+  // buffer p % N, as a program that frees each layer's gathered weights after use does).
+  const int receivers = recv_buffers == 0 ? layers : std::min(recv_buffers, layers);
+  std::vector<size_t> receiver_elements(static_cast<size_t>(receivers), 0);
+  for (int l = 0; l < layers; ++l) {
+    size_t& most = receiver_elements[static_cast<size_t>(l % receivers)];
+    most = std::max(most, layer_elements(l));
+  }
+  std::vector<Buffer> full;
+  for (const size_t most : receiver_elements)
+    full.emplace_back(placement, most * sizeof(int32_t) * n);
   Buffer counter(placement, sizeof(int32_t));
   // Every rank adds 1: the sum says every rank got here (and a step's calls are all done).
   const auto count_ranks = [&](int step) {
@@ -307,13 +342,17 @@ int run_weights(const ScenarioOptions& options) {
         }
         send = &staging;
       }
-      const Buffer& recv = full[static_cast<size_t>(position)];
-      // Poisoned before every call, so a byte the gather did not write cannot pass as right.
-      std::memset(recv.host(), 0xee, recv.bytes());
-      recv.upload(0, recv.bytes());
+      const Buffer& recv = full[static_cast<size_t>(position % receivers)];
+      const size_t count = layer_elements(layer);  // equal at the positions swaps exchange
+      // --check-every K: the received bytes are checked at every K-th step and the last.
+      const bool checked = step % check_every == 0 || step == steps - 1;
+      // Poisoned before every checked call, so a byte the gather did not write cannot pass.
+      if (checked) {
+        std::memset(recv.host(), 0xee, recv.bytes());
+        recv.upload(0, recv.bytes());
+      }
       const auto called = std::chrono::steady_clock::now();
-      const ncclResult_t gathered =
-          gather_layer(send->nccl(), recv.nccl(), shard_elements, comm, stream);
+      const ncclResult_t gathered = gather_layer(send->nccl(), recv.nccl(), count, comm, stream);
       const auto took = std::chrono::steady_clock::now() - called;
       if (took > slowest) {
         slowest = took;
@@ -323,12 +362,13 @@ int run_weights(const ScenarioOptions& options) {
       if (gathered != ncclSuccess && failed_gathers++ == 0)
         std::fprintf(stderr, "rank %d: step %d position %d: ncclAllGather returned %s\n", me, step,
                      position, ncclGetErrorString(gathered));
+      if (!checked) continue;
       placement.synchronize();
       recv.download(0, recv.bytes());
       const bool either = rehome_other && layer == 0 && step >= rehome_step;
       const std::string wrong = wrong_parts(
-          elements(recv), n, [&](int r) { return layer_at(r, position); }, me, step, position,
-          either ? rehome_rank : -1);
+          elements(recv), count, n, [&](int r) { return layer_at(r, position); }, me, step,
+          position, either ? rehome_rank : -1);
       if (wrong.empty()) continue;
       if (!errors_expected) throw ScenarioFailure(wrong);
       if (wrong_gathers++ == 0) std::fprintf(stderr, "%s\n", wrong.c_str());
