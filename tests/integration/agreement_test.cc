@@ -989,6 +989,34 @@ TEST(Agreement, ATransportThatCannotPrepareOrAttachKeepsEveryRankOnNccl) {
   }
 }
 
+// The same where the failing rank's window is made off the program's calls (600 exports): its
+// publish says "still setting up" until the prepare has failed, then refuses; every rank reads
+// that alike and stays on NCCL, and the program never notices.
+TEST(StaticWeights, APrepareThatFailsOffTheCallsKeepsEveryRankOnNccl) {
+  const AgreedRun r =
+      run_agreed(4,
+                 {"weights", "--layers", "600", "--steps", "30", "--program", "swap", "--swap-step",
+                  "1000", "--arena", "1", "--arenas", "600", "--shard-elements", "16"},
+                 {{"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_INJECT_FAULT", "prepare:1"}}, 120);
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    EXPECT_TRUE(v.moved.empty()) << "rank " << rank;
+    EXPECT_TRUE(rounds_with(v, RoundKind::Confirm, RoundEvent::Activated).empty());
+    bool waited = false;  // made off the calls: the first read says "still setting up"
+    bool refused = false;
+    for (const auto& p : rounds_with(v, RoundKind::Publish, RoundEvent::Read)) {
+      waited |= p.reason == static_cast<uint8_t>(Reason::SettingUp);
+      refused |= p.reason == static_cast<uint8_t>(Reason::TransportFailed);
+    }
+    EXPECT_TRUE(waited) << "rank " << rank << "\n" << transcript(r);
+    EXPECT_TRUE(refused) << "rank " << rank << "\n" << transcript(r);
+  }
+  EXPECT_TRUE(has_line(r.log, R"(\[1\] MAGI WARN TRANSPORT comm [0-9a-f]+: cannot prepare a )"
+                              R"(window: preparing the window: injected by MAGI_INJECT_FAULT)"))
+      << r.log;
+}
+
 TEST(Agreement, ATransportThatFailsWhileGatheringFallsBackOnEveryRankInTheSameBucket) {
   const AgreedRun r =
       run_agreed(4, fsdp({}, 24), {{"MAGI_INJECT_FAULT", "gather:3"}, {"MAGI_REAGREE_STEPS", "2"}});
