@@ -1556,15 +1556,16 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
                                            "14",    "--comms", seed % 3 == 0 ? "2" : "1"};
     // Every other seed runs the cost trial too: its routes alternate and then narrow, and must
     // still be the same on every rank.
-    // Every fifth seed has one rank's transport fail, at prepare, attach or inside a bucket.
+    // Every fifth seed has one rank's transport fail, at prepare, attach or inside a bucket, or
+    // set up 100 ms late (its window, or its mappings of the peers', made off the calls).
     std::vector<std::pair<std::string, std::string>> env = {
         {"MAGI_WARMUP_STEPS", "2"},
         {"MAGI_REAGREE_STEPS", "3"},
         {"MAGI_CE_FORCE", seed % 2 == 0 ? "0" : "1"}};
     if (seed % 5 == 4) {
-      static const char* kWhere[] = {"prepare", "attach", "gather"};
+      static const char* kWhere[] = {"prepare", "attach", "gather", "slow-prepare", "slow-attach"};
       env.emplace_back("MAGI_INJECT_FAULT",
-                       std::string(kWhere[(seed / 5) % 3]) + ":" + std::to_string(seed % n));
+                       std::string(kWhere[(seed / 5) % 5]) + ":" + std::to_string(seed % n));
     }
     // Every third seed has the stand-in run each group's collectives largest first, as NCCL does.
     if (seed % 3 == 1) env.emplace_back("STANDIN_GROUP_ORDER", "size");
