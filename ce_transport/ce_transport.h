@@ -59,7 +59,8 @@ bool exportable(Backend backend, const void* ptr, size_t bytes);
 // mappings of the peers' memory it steps aside for a moment. Opening a CUDA IPC handle holds up
 // the program's own CUDA calls for as long as it takes (in proportion to the bytes mapped: 768
 // allocations of 4 MiB stalled one program call by 60-90 ms on an H200), so the mappings are
-// spread out rather than made back to back. (Shared-memory mappings hold nothing up: not paced.)
+// spread out rather than made back to back: after each, a pause as long as it took (20 µs to
+// 1 ms). (Shared-memory mappings hold nothing up: not paced.)
 void pace_mappings_on_this_thread(bool on);
 
 // Where this process runs, for "every peer is on this node and can reach my memory".

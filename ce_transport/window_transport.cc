@@ -15,6 +15,7 @@
 // then gets there, as every rank runs the same buckets) or dead, which the wait notices through
 // the peer's pid and reports; on a stream, a wait holds the stream as NCCL's kernels would, until
 // the communicator is aborted, which releases this rank's waits by writing its own words.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -36,10 +37,13 @@
 namespace magi::ce {
 namespace {
 
-// pace_mappings_on_this_thread (ce_transport.h): a pause after each mapping of a set-up made off
-// the program's calls, which lets the program's CUDA calls waiting behind it in.
+// pace_mappings_on_this_thread (ce_transport.h): after each mapping of a set-up made off the
+// program's calls, a pause as long as the mapping took (within these bounds), which lets the
+// program's CUDA calls waiting behind it in: the set-up holds the driver at most half the time,
+// and a mapping of a few KiB costs the set-up a few µs, not a fixed tenth of a millisecond.
 thread_local bool t_pace_mappings = false;
-constexpr std::chrono::microseconds kMappingPause{100};
+constexpr std::chrono::microseconds kMappingPauseMin{20};
+constexpr std::chrono::microseconds kMappingPauseMax{1000};
 
 class WindowTransport final : public Transport {
  public:
@@ -135,9 +139,11 @@ class WindowTransport final : public Transport {
       peer_sources_ = exports::locate_peer_sources(
           rank_, bind_, zero_copy_ ? tables : std::span<const SourceTable>{}, regions,
           [&](const ExportRecord& record) {
+            const auto began = std::chrono::steady_clock::now();
             const exports::Span mapped = memory_->import(record);
             if (t_pace_mappings && memory_->backend() == Backend::Cuda)
-              std::this_thread::sleep_for(kMappingPause);
+              std::this_thread::sleep_for(std::clamp<std::chrono::steady_clock::duration>(
+                  std::chrono::steady_clock::now() - began, kMappingPauseMin, kMappingPauseMax));
             return mapped;
           });
       log_.open_peers(logs);
