@@ -46,6 +46,7 @@ enum class RecordType : uint16_t {
   PyCallsite = 11,   // the Python frames behind a Python call-site fingerprint, written once each
   PyCall = 12,       // a call's Python call site (MAGI_PY_CALLSITES=1, the caller held the GIL)
   GroupServed = 13,  // how a gather queued inside a group was served once its group ended
+  WindowRefusal = 14,  // why some of a plan's shards were copied into the window (one per reason)
 };
 
 struct RecordHeader {
@@ -327,6 +328,19 @@ struct GroupServedRecord {
   uint8_t reserved[3];
 };
 static_assert(sizeof(GroupServedRecord) == 24);
+
+// Followed by `text_bytes` of the reason (not NUL-terminated), then padding to 8. Written with
+// its plan's WindowRecord, one per reason its shards could not be read in place.
+struct WindowRefusalRecord {
+  uint64_t comm_id;
+  uint64_t bytes;  // of the shards bound for this reason
+  int64_t first;   // the first of them: its index among the plan's bound gathers
+  uint32_t round;
+  int32_t rank;
+  uint32_t shards;
+  uint32_t text_bytes;
+};
+static_assert(sizeof(WindowRefusalRecord) == 40);
 
 struct DroppedRecord {
   uint64_t records;

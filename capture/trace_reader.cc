@@ -187,6 +187,17 @@ class TraceParser {
         need(sizeof(WindowRecord), "Window");
         trace.windows.push_back(load<WindowRecord>(payload));
         break;
+      case RecordType::WindowRefusal: {
+        need(sizeof(WindowRefusalRecord), "WindowRefusal");
+        const auto r = load<WindowRefusalRecord>(payload);
+        if (r.text_bytes > payload_bytes - sizeof(WindowRefusalRecord))
+          fail(offset, "WindowRefusal record claims " + std::to_string(r.text_bytes) +
+                           " bytes of text but holds room for " +
+                           std::to_string(payload_bytes - sizeof(WindowRefusalRecord)));
+        trace.window_refusals.push_back(
+            {r, std::string(data_ + payload + sizeof(WindowRefusalRecord), r.text_bytes)});
+        break;
+      }
       case RecordType::Dropped:
         need(sizeof(DroppedRecord), "Dropped");
         trace.dropped += load<DroppedRecord>(payload).records;

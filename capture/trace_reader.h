@@ -46,6 +46,12 @@ struct Trace {
   std::vector<AgreementRecord> agreements;  // in file order
   std::vector<DecisionRecord> decisions;    // in file order
   std::vector<WindowRecord> windows;        // in file order
+  // Why shards were bound, one per reason per plan window, in file order.
+  struct WindowRefusal {
+    WindowRefusalRecord record;
+    std::string why;
+  };
+  std::vector<WindowRefusal> window_refusals;
   std::unordered_map<uint64_t, CallsiteFrames> callsites;
   std::unordered_map<uint64_t, std::string> modules;  // the path (older traces: the file name)
   std::unordered_map<uint64_t, std::string> module_build_ids;  // raw bytes, where recorded

@@ -163,6 +163,15 @@ struct WindowMemory {
   // The first shard that could not be exported, and why ("" when none).
   int64_t first_refused = -1;  // its index in the plan's bind
   std::string refusal;
+  // Every reason shards were bound for, in the order first met: how many shards and bytes, and
+  // the first of them (its index in the plan's bind).
+  struct Refusal {
+    std::string why;
+    size_t shards = 0;
+    size_t bytes = 0;
+    int64_t first = -1;
+  };
+  std::vector<Refusal> refusals;
 };
 
 // One gather of a bucket. `bytes` is this rank's shard (sendcount × element size); the receive

@@ -132,6 +132,12 @@ SourcePlan plan_sources(const WindowPlan& plan,
       out.memory.first_refused = static_cast<int64_t>(i);
       out.memory.refusal = refusal;
     }
+    auto reason = std::find_if(out.memory.refusals.begin(), out.memory.refusals.end(),
+                               [&](const WindowMemory::Refusal& r) { return r.why == refusal; });
+    if (reason == out.memory.refusals.end())
+      reason = out.memory.refusals.insert(reason, {refusal, 0, 0, static_cast<int64_t>(i)});
+    ++reason->shards;
+    reason->bytes += b.bytes;
   }
   out.memory.exported_allocations = out.table.exports.size();
   return out;

@@ -833,12 +833,13 @@ void CommAgreement::fill_publish(Contribution& c) {
             short_id(info_.identity), decision_.moved, m.exported_shards, m.exported_bytes,
             m.exported_allocations, m.bound_shards, m.bound_bytes, window,
             static_cast<double>(window) / (1 << 20), where);
-  if (m.first_refused >= 0)
+  // One line per reason (the trace's windows table says the same), each with its count.
+  for (const ce::WindowMemory::Refusal& r : m.refusals)
     MAGI_INFO(Transport,
-              "comm %012llx: static weights: %zu shards (the first: gather %lld of the plan) "
-              "cannot be read in place (%s); bound instead",
-              short_id(info_.identity), m.bound_shards, static_cast<long long>(m.first_refused),
-              m.refusal.c_str());
+              "comm %012llx: static weights: %zu shards (%zu bytes; the first: gather %lld of the "
+              "plan) cannot be read in place (%s); bound instead",
+              short_id(info_.identity), r.shards, r.bytes, static_cast<long long>(r.first),
+              r.why.c_str());
   prepare_unsaid_ = false;
 }
 

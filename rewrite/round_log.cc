@@ -1,7 +1,10 @@
 #include "rewrite/round_log.h"
 
+#include <algorithm>
+#include <cstring>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace magi::rewrite {
 
@@ -78,6 +81,20 @@ void record_window(const TraceSink& trace, const RoundStamp& stamp, uint64_t seq
   r.peer_mappings = static_cast<uint32_t>(memory.peer_mappings);
   r.mode = static_cast<uint8_t>(mode);
   trace(trace::RecordType::Window, &r, sizeof(r));
+  for (const ce::WindowMemory::Refusal& refusal : memory.refusals) {
+    trace::WindowRefusalRecord why{};
+    why.comm_id = stamp.comm_id;
+    why.bytes = refusal.bytes;
+    why.first = refusal.first;
+    why.round = stamp.round;
+    why.rank = stamp.rank;
+    why.shards = static_cast<uint32_t>(refusal.shards);
+    why.text_bytes = static_cast<uint32_t>(std::min<size_t>(refusal.why.size(), 1024));
+    std::vector<uint8_t> payload(sizeof(why) + why.text_bytes);
+    std::memcpy(payload.data(), &why, sizeof(why));
+    std::memcpy(payload.data() + sizeof(why), refusal.why.data(), why.text_bytes);
+    trace(trace::RecordType::WindowRefusal, payload.data(), static_cast<uint32_t>(payload.size()));
+  }
 }
 
 }  // namespace magi::rewrite

@@ -278,6 +278,44 @@ TEST(SourceTable, AShardPastAnExportOfItsBaseGetsAnExportThatCoversIt) {
   EXPECT_EQ(p.memory.bound_shards, 0u);
 }
 
+// Every reason a shard is bound for is counted, with its shards' bytes and the first of them
+// (the INFO line and the trace's windows table say each): not only the first reason met.
+TEST(SourceTable, EveryReasonShardsAreBoundForIsCounted) {
+  static uint8_t memory[1 << 16];
+  WindowPlan plan;
+  plan.bound = true;
+  plan.zero_copy = true;
+  plan.table_room = 1 << 16;
+  plan.bind = {{memory, 100, 0},
+               {memory + 512, 200, 256},
+               {memory + 1024, 300, 512},
+               {memory + 2048, 400, 1024},
+               {memory + 4096, 500, 2048}};
+  const exports::SourcePlan p = exports::plan_sources(plan, [&](const BindOp& b) {
+    exports::Exportable e;
+    const size_t at = static_cast<size_t>(static_cast<const uint8_t*>(b.sendbuf) - memory);
+    if (at == 0) {  // the one exportable shard
+      e.ok = true;
+      e.base = reinterpret_cast<uintptr_t>(memory);
+      e.record.bytes = sizeof(memory);
+      return e;
+    }
+    e.refusal = at == 1024 || at == 4096 ? "from a pool" : "managed memory";
+    return e;
+  });
+  EXPECT_EQ(p.memory.exported_shards, 1u);
+  EXPECT_EQ(p.memory.bound_shards, 4u);
+  ASSERT_EQ(p.memory.refusals.size(), 2u);
+  EXPECT_EQ(p.memory.refusals[0].why, "managed memory");  // in the order first met
+  EXPECT_EQ(p.memory.refusals[0].shards, 2u);
+  EXPECT_EQ(p.memory.refusals[0].bytes, 200u + 400u);
+  EXPECT_EQ(p.memory.refusals[0].first, 1);
+  EXPECT_EQ(p.memory.refusals[1].why, "from a pool");
+  EXPECT_EQ(p.memory.refusals[1].shards, 2u);
+  EXPECT_EQ(p.memory.refusals[1].bytes, 300u + 500u);
+  EXPECT_EQ(p.memory.refusals[1].first, 2);
+}
+
 TEST(SourceTable, ShardsPastTheTablesRoomAreBound) {
   SharedFile a(1 << 16), b(1 << 16);
   WindowPlan plan;

@@ -179,6 +179,11 @@ class TraceBuilder {
   TraceBuilder& agreement(const AgreementRecord& r) { return typed(RecordType::Agreement, r); }
   TraceBuilder& decision(const DecisionRecord& r) { return typed(RecordType::Decision, r); }
   TraceBuilder& window(const WindowRecord& r) { return typed(RecordType::Window, r); }
+  TraceBuilder& window_refusal(WindowRefusalRecord r, std::string_view why) {
+    r.text_bytes = static_cast<uint32_t>(why.size());
+    return record(static_cast<uint16_t>(RecordType::WindowRefusal), &r, sizeof(r), why.data(),
+                  why.size());
+  }
   TraceBuilder& dropped(uint64_t records) {
     return typed(RecordType::Dropped, DroppedRecord{records});
   }

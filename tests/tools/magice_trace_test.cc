@@ -829,6 +829,14 @@ TEST_F(MagiceTraceDecisions, DumpShowsWhatEachPlansWindowTook) {
   w.peer_mappings = 6;
   w.mode = static_cast<uint8_t>(AgreementMode::Identical);
   b.window(w);
+  WindowRefusalRecord why{};
+  why.comm_id = kWorld;
+  why.bytes = 4096;
+  why.first = 2;
+  why.round = 3;
+  why.rank = 1;
+  why.shards = 1;
+  b.window_refusal(why, "memory from a pool");
   const std::string file = dir_ + "/windows.trace";
   b.write(file);
 
@@ -843,6 +851,11 @@ TEST_F(MagiceTraceDecisions, DumpShowsWhatEachPlansWindowTook) {
     if (contains(line, "2097152")) row = line;
   for (const char* field : {" 1 ", " 3 ", " 57 ", "identical", "12288 (3 in 2)", "4096 (1)", " 6"})
     EXPECT_TRUE(contains(row, field)) << field << " missing from: " << row;
+  // And why the bound shard was copied, counted by reason.
+  EXPECT_TRUE(contains(run.out,
+                       "bound 1 shards (4096 bytes; the first: gather 2 of the plan): "
+                       "memory from a pool\n"))
+      << run.out;
 }
 
 TEST_F(MagiceTraceDecisions, SaysPerRankHowManyGathersLeftNcclAndHowManyFellBack) {

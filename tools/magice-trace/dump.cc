@@ -191,6 +191,15 @@ class Dumper {
                   name(trace::mode_name(static_cast<trace::AgreementMode>(w.mode))).c_str(),
                   w.window_bytes, exported.c_str(), bound.c_str(), w.peer_mappings);
     }
+    // Every reason shards were copied instead of read in place, with how many.
+    for (const trace::Trace::WindowRefusal& r : t_.window_refusals) {
+      if (!wanted(r.record.comm_id)) continue;
+      std::printf("  %-12s  %5d  %5u  bound %u shards (%" PRIu64
+                  " bytes; the first: gather %lld of the plan): %s\n",
+                  short_id_text(r.record.comm_id).c_str(), r.record.rank, r.record.round,
+                  r.record.shards, r.record.bytes, static_cast<long long>(r.record.first),
+                  r.why.c_str());
+    }
   }
 
   static std::string name(std::string_view text) { return std::string(text); }
