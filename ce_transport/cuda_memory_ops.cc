@@ -271,13 +271,15 @@ class CudaMemoryOps final : public MemoryOps {
   void use() override {
     if (device_ < 0) return;
     int current = -1;
-    CUcontext context = nullptr;
-    // On a thread that never called CUDA (the set-up's), cudaGetDevice answers device 0 without
-    // making a context current there, and the driver's calls (cuMemGetAddressRange for each
-    // export) then fail: every shard was bound instead of read in place.
-    if (cudaGetDevice(&current) != cudaSuccess || current != device_ ||
-        MAGI_CUDA_DRIVER_FN(cuCtxGetCurrent)(&context) != CUDA_SUCCESS || context == nullptr)
+    if (cudaGetDevice(&current) != cudaSuccess || current != device_)
       cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+  }
+  // On a thread that never called CUDA (the set-up's), cudaGetDevice answers device 0 without
+  // making a context current there, and the driver's calls (cuMemGetAddressRange for each
+  // export) then fail: every shard was bound instead of read in place. cudaSetDevice makes the
+  // device's context current.
+  void use_on_any_thread() override {
+    if (device_ >= 0) cuda_check(cudaSetDevice(device_), "cudaSetDevice");
   }
 
   WindowView allocate(size_t slot_bytes, bool bound) override {
@@ -314,7 +316,7 @@ class CudaMemoryOps final : public MemoryOps {
   }
 
   void begin_attach() override {
-    use();
+    use_on_any_thread();
     if (nranks_ > 1)
       MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp);  // refuse now, not on the first gather
     peers_.assign(static_cast<size_t>(nranks_), nullptr);
@@ -459,7 +461,7 @@ class CudaMemoryOps final : public MemoryOps {
   // A healthy abort (the program's shutdown) finds every bucket run or about to be; anything
   // else is released at once (a dead peer) or after a short grace (a peer that stalls).
   void abandon(uint64_t last_bucket) override {
-    use();
+    use_on_any_thread();
     std::string unfinished;  // not said: an abort that finds a bucket in flight says so at release
     if (settle(last_bucket, kAbortGrace, unfinished) == Settled::Finished) {
       settled_at_ = last_bucket;
@@ -480,7 +482,7 @@ class CudaMemoryOps final : public MemoryOps {
       cudaGetLastError();
       return;
     }
-    use();
+    use_on_any_thread();
     Settled settled = Settled::Finished;
     std::string unfinished;
     if (attached && last_bucket > 0) {

@@ -75,9 +75,12 @@ class MemoryOps {
   virtual bool synchronous() const = 0;
   // Where the flag words lie in a window (the line each takes is the kind's).
   virtual const protocol::FlagLayout& flags() const = 0;
-  // Makes the calling thread ready to use this memory (CUDA: the communicator's device); first
-  // in prepare and gather.
+  // Makes the calling thread ready to use this memory (CUDA: the communicator's device): first in
+  // gather, on the program's thread, so as cheap as can be.
   virtual void use() {}
+  // The same on a thread that may never have used it (the set-up's, a watchdog's): first in
+  // prepare, attach, abandon and release, off the gathers' path.
+  virtual void use_on_any_thread() { use(); }
 
   // ---- this rank's window ----
   // Allocates it, its flag words zeroed: two staging slots of `slot_bytes`, or one bound region

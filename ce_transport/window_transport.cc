@@ -65,7 +65,7 @@ class WindowTransport final : public Transport {
     std::lock_guard<std::mutex> lock(lifetime_);
     release_locked();  // a new plan starts from a new window and bucket 1
     faults_.at_prepare();
-    memory_->use();
+    memory_->use_on_any_thread();
     slot_bytes_ = plan.slot_bytes;
     bound_ = plan.bound;
     zero_copy_ = plan.bound && plan.zero_copy;

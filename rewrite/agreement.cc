@@ -736,14 +736,17 @@ void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
   publish(seq);
 }
 
+// The shards a static plan binds (each exported, or copied): none in the default mode.
+size_t CommAgreement::bound_shards() const {
+  size_t shards = 0;
+  if (decision_.bound)
+    for (const GatherDecision& g : decision_.gathers) shards += g.moves ? 1 : 0;
+  return shards;
+}
+
 // Sized by the agreed plan (its bound shards), not by this rank's table: the same on every rank,
 // even one whose window fails.
-size_t CommAgreement::publish_bytes() const {
-  size_t bound_shards = 0;
-  if (decision_.bound)
-    for (const GatherDecision& g : decision_.gathers) bound_shards += g.moves ? 1 : 0;
-  return publish_round_bytes(bound_shards);
-}
+size_t CommAgreement::publish_bytes() const { return publish_round_bytes(bound_shards()); }
 
 void CommAgreement::publish(uint64_t seq) {
   Contribution c = header_for(RoundKind::Publish);
@@ -755,10 +758,7 @@ void CommAgreement::publish(uint64_t seq) {
   const bool slow = options_.inject_fault.where == Options::Fault::Where::SlowPrepare &&
                     options_.inject_fault.rank == info_.rank;
   const std::chrono::milliseconds delay(slow ? kSlowSetUpMs : 0);
-  size_t shards = 0;
-  if (decision_.bound)
-    for (const GatherDecision& g : decision_.gathers) shards += g.moves ? 1 : 0;
-  const uint64_t expected_ns = shards * world_.make.export_ns +
+  const uint64_t expected_ns = bound_shards() * world_.make.export_ns +
                                static_cast<uint64_t>(std::chrono::nanoseconds(delay).count());
   wait_ = SetUpWait{};
   prepare_in_background_ = expected_ns > kSetUpAtTheCallNs;

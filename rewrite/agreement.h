@@ -208,6 +208,7 @@ class CommAgreement {
   void fill_publish(Contribution& c);
   // A publish or confirm read pending: issued again at the same later step on every rank.
   void wait_for_set_up(RoundKind kind, uint64_t decision_hash, uint64_t seq);
+  size_t bound_shards() const;
   size_t publish_bytes() const;
   void activate(uint64_t seq);
   void issue_cost(uint64_t seq);

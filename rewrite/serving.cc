@@ -279,7 +279,7 @@ Serving::SetUp Serving::poll_set_up(std::string& error) {
   error = set_up_->error();
   set_up_ns_ = set_up_->took_ns();
   transport_ = set_up_->take();
-  if (state == SetUpJob::State::Done) handle_ = set_up_->handle();
+  if (state == SetUpJob::State::Done && set_up_->handle() != nullptr) handle_ = *set_up_->handle();
   set_up_.reset();
   return state == SetUpJob::State::Done ? SetUp::Done : SetUp::Failed;
 }

@@ -36,12 +36,14 @@ std::unique_ptr<SetUpJob> SetUpJob::start(std::unique_ptr<ce::Transport> transpo
 
 std::unique_ptr<SetUpJob> SetUpJob::prepare(std::unique_ptr<ce::Transport> transport,
                                             ce::WindowPlan plan, std::chrono::milliseconds delay) {
-  return start(
+  std::unique_ptr<SetUpJob> job = start(
       std::move(transport),
       [plan = std::move(plan)](ce::Transport& t, ce::HandleBlob& handle) {
         t.prepare(plan, handle);
       },
       delay);
+  job->prepares_ = true;  // read only by whoever takes the job, after it is done
+  return job;
 }
 
 std::unique_ptr<SetUpJob> SetUpJob::attach(std::unique_ptr<ce::Transport> transport,

@@ -55,8 +55,8 @@ class SetUpJob {
   std::unique_ptr<ce::Transport> take();
   // Failed: why.
   const std::string& error() const { return error_; }
-  // A prepare job, Done: the window's handle for the peers (else empty).
-  const ce::HandleBlob& handle() const { return handle_; }
+  // A prepare job (else nullptr), once Done: the window's handle for the peers.
+  const ce::HandleBlob* handle() const { return prepares_ ? &handle_ : nullptr; }
   // Once not Running: how long the set-up took on its thread (not how long until it was asked).
   uint64_t took_ns() const { return took_ns_; }
 
@@ -69,6 +69,7 @@ class SetUpJob {
 
   std::unique_ptr<ce::Transport> transport_;
   ce::HandleBlob handle_{};
+  bool prepares_ = false;
   std::string error_;
   uint64_t took_ns_ = 0;
   std::atomic<State> state_{State::Running};
