@@ -1539,7 +1539,8 @@ TEST(Agreement, EveryOptionAtTheEndsOfItsRangeKeepsTheJobRightAndAgreed) {
 // Seeded random programs (tests/support/workload/agree.cc): random steps of gathers, groups,
 // reductions and broadcasts over one or two communicators, with random per-rank call sites,
 // flapping call sites, new buffers, shared count changes and different grouping; half of them
-// run the cost trial, and every fifth has one rank's transport fail. Every byte is checked by
+// run the cost trial, every fourth promises static weights (and keeps it), and every fifth has
+// one rank's transport fail. Every byte is checked by
 // the program; here every run must end in time and the ranks' traces must agree.
 // TEST_AGREE_SCENARIOS=N runs N of them (default 200), kScenariosAtOnce at a time (their ranks
 // mostly wait on each other); each is checked here, in seed order, once it has ended.
@@ -1558,8 +1559,8 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
   auto start = [](int seed) {
     Scenario s;
     const int n = s.n = 2 + seed % 7;
-    const std::vector<std::string> args = {"agree", "--seed",  std::to_string(seed),     "--steps",
-                                           "14",    "--comms", seed % 3 == 0 ? "2" : "1"};
+    std::vector<std::string> args = {"agree", "--seed",  std::to_string(seed),     "--steps",
+                                     "14",    "--comms", seed % 3 == 0 ? "2" : "1"};
     // Every other seed runs the cost trial too: its routes alternate and then narrow, and must
     // still be the same on every rank.
     // Every fifth seed has one rank's transport fail, at prepare, attach or inside a bucket, or
@@ -1572,6 +1573,12 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
       static const char* kWhere[] = {"prepare", "attach", "gather", "slow-prepare", "slow-attach"};
       env.emplace_back("MAGI_INJECT_FAULT",
                        std::string(kWhere[(seed / 5) % 5]) + ":" + std::to_string(seed % n));
+    }
+    // Every fourth seed promises static weights and keeps the promise (its gathers send the same
+    // bytes every step, from buffers that may still move): bound or read in place, never wrong.
+    if (seed % 4 == 2) {
+      env.emplace_back("MAGI_STATIC_WEIGHTS", "1");
+      args.insert(args.end(), {"--static-gathers", "1"});
     }
     // Every third seed has the stand-in run each group's collectives largest first, as NCCL does.
     if (seed % 3 == 1) env.emplace_back("STANDIN_GROUP_ORDER", "size");

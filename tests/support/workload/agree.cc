@@ -1,4 +1,4 @@
-// agree --seed S --steps N [--comms 1|2] [--dump 1] [--device 1]
+// agree --seed S --steps N [--comms 1|2] [--dump 1] [--device 1] [--static-gathers 1]
 //
 // A seeded random program (random_skeleton.h) for the ranks' agreement on each communicator's
 // step: a prologue, then a step of all-gathers (single and grouped, every datatype, odd counts,
@@ -14,6 +14,10 @@
 // every buffer NCCL sees is device memory on GPU 0 and the calls run on a stream of the
 // scenario's own (Placement, scenario.h): the data goes in before each call and the results come
 // out after the step, before they are checked.
+//
+// --static-gathers 1: every all-gather sends the same bytes at every step (its data does not
+// depend on the step), as weights do: the promise MAGI_STATIC_WEIGHTS=1 asks of a program. The
+// buffers holding them may still change (the perturbations), values never.
 //
 // Hidden, for the test that a wrong byte is caught: --corrupt-rank R [--corrupt-offset O] flips
 // byte O (modulo its size) of the first all-gather's result on rank R at step 0 before checking.
@@ -62,6 +66,8 @@ struct Party {
   int rank = 0;
   int size = 1;
 };
+
+bool static_gathers = false;  // --static-gathers 1, set once before anything runs
 
 uint64_t data_key(uint64_t seed, int step, int call_id, int rank) {
   uint64_t key = mix64(seed);
@@ -201,7 +207,10 @@ class CallSlot {
                : 0;
   }
 
-  uint64_t key(int rank) const { return data_key(seed_, step_, call_.id, rank); }
+  uint64_t key(int rank) const {
+    const bool same_every_step = static_gathers && call_.kind == CallKind::AllGather;
+    return data_key(seed_, same_every_step ? 0 : step_, call_.id, rank);
+  }
   int root() const { return call_.root_pick % party_.size; }
 
   Bytes expected_result() const {
@@ -330,6 +339,7 @@ int run_agree(const ScenarioOptions& options) {
   const long seed = options.number("seed", 1);
   const int steps = static_cast<int>(options.number("steps", 8));
   const int comms = static_cast<int>(options.number("comms", 1));
+  static_gathers = options.number("static-gathers", 0) != 0;
   const int corrupt_rank = static_cast<int>(options.number("corrupt-rank", -1));
   const long corrupt_offset = options.number("corrupt-offset", 0);
   if (steps < 0 || (comms != 1 && comms != 2) || corrupt_offset < 0) {
