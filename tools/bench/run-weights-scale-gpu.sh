@@ -4,7 +4,7 @@
 # plain and once under the library (MAGI_STATIC_WEIGHTS=1 MAGI_CE_FORCE=1). Prints, per shape,
 # what the library said of the set-up (exports, mappings, where and how long) and each run's
 # slowest gather call, gathers moved and device memory taken.
-# Usage: [STEPS=30] [PLAIN=1] [MIXED=0] [CHECK_EVERY=1] [RECV_BUFFERS=0] \
+# Usage: [STEPS=30] [PLAIN=1] [MIXED=0] [CHECK_EVERY=1] [RECV_BUFFERS=0] [WORK_DIR=DIR] \
 #        tools/bench/run-weights-scale-gpu.sh BUILD_DIR [RANKSxALLOCATIONSxKIB ...]
 #   default shapes: 4x256x4096 8x1000x64 8x128x4096; PLAIN=0 skips the runs without the library;
 #   MIXED=1: shards of 1 to 32 times KIB, 4 times on average (the workload's --mixed 1);
@@ -18,10 +18,12 @@ shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(4x256x4096 8x1000x64 8x128x4096)
 launch="$build/tests/support/magi-launch"
 workload="$build/tests/support/magi-workload"
-work=$(mktemp -d)
+# WORK_DIR=DIR keeps each run's log in DIR (a run cut short by a timeout still leaves its log).
+work=${WORK_DIR:-$(mktemp -d)}
+mkdir -p "$work"
 mps=0
 stop_mps() { [ "$mps" = 1 ] && echo quit | timeout 20 nvidia-cuda-mps-control >/dev/null; }
-trap 'stop_mps; rm -rf "$work"' EXIT
+trap 'stop_mps; [ -n "${WORK_DIR:-}" ] || rm -rf "$work"' EXIT
 export STANDIN_TIMEOUT_S=120
 if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
   export CUDA_MPS_PIPE_DIRECTORY=$work/mps-pipe CUDA_MPS_LOG_DIRECTORY=$work/mps-log

@@ -63,7 +63,8 @@
 // gather or from ncclCommGetAsyncError, else the run fails ("silent").
 // --report-slowest 1 prints the longest time one ncclAllGather call took on this rank, host
 // time, and its step ("rank R: slowest gather call: <us> us (step S)"): whether any call waited
-// for the library's set-up.
+// for the library's set-up. Rank 0 also prints, each step, its gather calls' mean host time and
+// the step's time ("rank 0: step S: <us> us a gather call on average, <s> s the step").
 // --report-memory 1 (with --device 1) prints the device's free memory to stderr once every rank
 // has loaded and joined ("device memory free before: <bytes>") and after the last step, before
 // the communicator goes ("device memory free after: <bytes>"), between all-reduces that keep
@@ -289,6 +290,8 @@ int run_weights(const ScenarioOptions& options) {
   int wrong_gathers = 0;   // --errors-expected: gathers that received a wrong byte
   int failed_gathers = 0;  // and that returned an error
   for (int step = 0; step < steps; ++step) {
+    const auto step_began = std::chrono::steady_clock::now();
+    std::chrono::steady_clock::duration step_calls{};  // host time inside ncclAllGather
     if (program == "rehome" && me == rehome_rank && step == rehome_step) {
       retired.push_back(std::exchange(shards[0], load_shard(Buffer(placement, shard_bytes),
                                                             rehome_other ? kOtherBytes : 0, me)));
@@ -354,6 +357,7 @@ int run_weights(const ScenarioOptions& options) {
       const auto called = std::chrono::steady_clock::now();
       const ncclResult_t gathered = gather_layer(send->nccl(), recv.nccl(), count, comm, stream);
       const auto took = std::chrono::steady_clock::now() - called;
+      step_calls += took;
       if (took > slowest) {
         slowest = took;
         slowest_step = step;
@@ -373,6 +377,11 @@ int run_weights(const ScenarioOptions& options) {
       if (!errors_expected) throw ScenarioFailure(wrong);
       if (wrong_gathers++ == 0) std::fprintf(stderr, "%s\n", wrong.c_str());
     }
+    if (report_slowest && me == 0)
+      std::fprintf(stderr, "rank 0: step %d: %.1f us a gather call on average, %.3f s the step\n",
+                   step, std::chrono::duration<double, std::micro>(step_calls).count() / layers,
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - step_began)
+                       .count());
     count_ranks(step);
   }
   if (report_slowest)
