@@ -184,6 +184,8 @@ struct WindowMemory {
 // `own_offset` (bound windows): the slot offset of the gather's own position, when the caller
 // reads another position's sources (slot_offset) because that is the buffer it sends; kOwn:
 // the same. Such a call is a deviation, which the peers compare (source_log.h).
+// `captured`: the call's stream is capturing a CUDA graph (bound windows only): the bucket is
+// served with Timing::Captured.
 struct GatherOp {
   static constexpr size_t kOwn = ~size_t{0};
   const void* sendbuf;
@@ -192,6 +194,7 @@ struct GatherOp {
   size_t slot_offset;
   bool verify_now = false;
   size_t own_offset = kOwn;
+  bool captured = false;
 };
 
 // A transport for one communicator. Every method may throw magi::Error; the caller (rewrite/)
@@ -221,9 +224,14 @@ class Transport {
   // its peers' streams wait for it (as they would in NCCL's kernels) until the communicator is
   // aborted. MAGI_INJECT_FAULT=gather:RANK follows the same rule (ce_transport/protocol.h).
   // Timed: the cost trial times this bucket, so nothing else (a static binding's check) may run
-  // in it.
+  // in it. Captured (bound windows only; throws Error(Usage) on a staged one): the stream is
+  // capturing a CUDA graph, and the bucket is recorded for every replay of it: the reads alone,
+  // as plain copies (the batch call is refused in a capture), with no flag and no check, which a
+  // replay would repeat from the capture's values. Every mapping the copies read stays mapped
+  // while a graph holds them (release() then leaves them, and a later release or prepare frees
+  // them once every such graph and its instances are destroyed).
   enum class Served : uint8_t { Moved, FallBack };
-  enum class Timing : uint8_t { Untimed, Timed };
+  enum class Timing : uint8_t { Untimed, Timed, Captured };
   virtual Served gather(std::span<const GatherOp> bucket, void* stream,
                         Timing timing = Timing::Untimed) = 0;
   // Frees the window and unmaps the peers', once every peer has finished reading it and this

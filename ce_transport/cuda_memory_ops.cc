@@ -236,6 +236,43 @@ class ImportedAllocations {
   std::map<Key, Entry> open_;
 };
 
+// ---- windows read by captured CUDA graphs ----
+// A graph captured with moved gathers (Timing::Captured) holds one user object per capture; its
+// destructor runs on a CUDA thread once the graph and every instance of it are destroyed (and
+// their launches have run), and may make no CUDA call: it only counts down. A window released
+// while the count is above zero keeps its memory and mappings in KeptForGraphs, freed by a later
+// release or allocate (any communicator's) once the count is zero, or by the process's end.
+struct GraphHolds {
+  std::atomic<int64_t> live{0};
+};
+
+void CUDART_CB drop_graph_hold(void* held) {
+  auto* holds = static_cast<std::shared_ptr<GraphHolds>*>(held);
+  (*holds)->live.fetch_sub(1, std::memory_order_acq_rel);
+  delete holds;
+}
+
+struct KeptForGraphs {
+  std::shared_ptr<GraphHolds> holds;
+  int device = -1;
+  void* base = nullptr;
+  void* flags_host = nullptr;
+  void* host_check = nullptr;
+  cudaEvent_t lines_copied = nullptr;
+  std::vector<uint8_t*> peers;
+  std::vector<uint8_t*> imports;
+};
+
+// Never destroyed: a CUDA thread may still count down while the process exits.
+std::mutex& kept_mutex() {
+  static auto* mutex = new std::mutex;
+  return *mutex;
+}
+std::vector<KeptForGraphs>& kept_for_graphs() {
+  static auto* kept = new std::vector<KeptForGraphs>;
+  return *kept;
+}
+
 CUstreamBatchMemOpParams write_op(const uint8_t* address, uint64_t value) {
   CUstreamBatchMemOpParams op{};
   op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
@@ -283,6 +320,7 @@ class CudaMemoryOps final : public MemoryOps {
   }
 
   WindowView allocate(size_t slot_bytes, bool bound) override {
+    free_kept_for_graphs();
     stride_ = round_up(std::max<size_t>(slot_bytes, 1), kSlotAlign);
     flags_at_ = (bound ? 1 : 2) * stride_;
     flag_bytes_ = flags_.bytes_through_own();
@@ -404,6 +442,41 @@ class CudaMemoryOps final : public MemoryOps {
       cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream),
                  "cudaMemcpyAsync");
   }
+  void copy_captured(std::span<const Copy> copies, void* stream) override {
+    for (const Copy& c : copies)
+      cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault,
+                                 static_cast<cudaStream_t>(stream)),
+                 "cudaMemcpyAsync (captured)");
+  }
+  // Once per capture: a graph holds the window from its first moved gather on.
+  void hold_for_graph(void* stream) override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long capture = 0;
+    cudaGraph_t graph = nullptr;
+    cuda_check(
+        cudaStreamGetCaptureInfo(static_cast<cudaStream_t>(stream), &status, &capture, &graph),
+        "cudaStreamGetCaptureInfo");
+    if (status != cudaStreamCaptureStatusActive || capture == held_capture_) return;
+    if (!graph_holds_) graph_holds_ = std::make_shared<GraphHolds>();
+    auto* held = new std::shared_ptr<GraphHolds>(graph_holds_);
+    cudaUserObject_t object = nullptr;
+    if (const cudaError_t made =
+            cudaUserObjectCreate(&object, held, drop_graph_hold, 1, cudaUserObjectNoDestructorSync);
+        made != cudaSuccess) {
+      delete held;
+      cuda_check(made, "cudaUserObjectCreate (a graph's hold on the window)");
+    }
+    graph_holds_->live.fetch_add(1, std::memory_order_acq_rel);
+    // Moved to the graph: its reference is the only one, so the count falls with the graph.
+    if (const cudaError_t retained =
+            cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
+        retained != cudaSuccess) {
+      cudaUserObjectRelease(object, 1);  // runs the destructor: the count is back
+      cuda_check(retained, "cudaGraphRetainUserObject (a graph's hold on the window)");
+    }
+    held_capture_ = capture;
+    ++graphs_held_;
+  }
   void rebind(const Copy& shard, void* stream) override {
     cuda_check(cudaMemcpyAsync(shard.dst, shard.src, shard.bytes, cudaMemcpyDefault,
                                static_cast<cudaStream_t>(stream)),
@@ -495,13 +568,20 @@ class CudaMemoryOps final : public MemoryOps {
       // Nothing was gathered: only this rank's own setup (flags, binding) may still be queued.
       if (cudaStreamSynchronize(own_stream_) != cudaSuccess) settled = Settled::Unreadable;
     }
-    if (settled == Settled::Finished) {
-      for (uint8_t* p : peers_)
-        if (p != nullptr) cudaIpcCloseMemHandle(p);
-      for (uint8_t* p : imports_) ImportedAllocations::get().close(p);
-      cudaFree(base_);
-      cudaFreeHost(flags_host_);
-      if (host_check_ != nullptr) cudaFreeHost(host_check_);
+    const int64_t graphs = graph_holds_ ? graph_holds_->live.load(std::memory_order_acquire) : 0;
+    if (settled == Settled::Finished && graphs > 0) {
+      MAGI_INFO(Transport,
+                "window of %zu bytes kept, with its %d peer mappings and %zu mapped peer "
+                "allocations, while %lld CUDA graph(s) that read them live (of %llu captured with "
+                "it); freed once they are destroyed",
+                bytes_, nranks_ - 1, imports_.size(), static_cast<long long>(graphs),
+                static_cast<unsigned long long>(graphs_held_));
+      std::lock_guard<std::mutex> lock(kept_mutex());
+      kept_for_graphs().push_back({graph_holds_, current_device(), base_, flags_host_, host_check_,
+                                   lines_copied_, peers_, imports_});
+      lines_copied_ = nullptr;
+    } else if (settled == Settled::Finished) {
+      free_window(-1, base_, flags_host_, host_check_, nullptr, peers_, imports_);
     } else {
       // This rank's stream must not wait for ever on peers that will never come; freeing would
       // wait for the whole device (see the top of this file). The process's end returns it all.
@@ -522,6 +602,10 @@ class CudaMemoryOps final : public MemoryOps {
     imports_.clear();
     if (lines_copied_ != nullptr) cudaEventDestroy(lines_copied_);  // freed once it has passed
     lines_copied_ = nullptr;
+    graph_holds_.reset();
+    held_capture_ = 0;
+    graphs_held_ = 0;
+    free_kept_for_graphs();
   }
 
  private:
@@ -651,6 +735,50 @@ class CudaMemoryOps final : public MemoryOps {
     }
   }
 
+  // `device` >= 0: made current first (a window kept for graphs, freed from any thread).
+  static void free_window(int device, void* base, void* flags_host, void* host_check,
+                          cudaEvent_t lines_copied, const std::vector<uint8_t*>& peers,
+                          const std::vector<uint8_t*>& imports) {
+    if (device >= 0) cudaSetDevice(device);
+    for (uint8_t* p : peers)
+      if (p != nullptr) cudaIpcCloseMemHandle(p);
+    for (uint8_t* p : imports) ImportedAllocations::get().close(p);
+    cudaFree(base);
+    cudaFreeHost(flags_host);
+    if (host_check != nullptr) cudaFreeHost(host_check);
+    if (lines_copied != nullptr) cudaEventDestroy(lines_copied);
+    cudaGetLastError();
+  }
+
+  // What earlier releases kept for graphs now destroyed (KeptForGraphs).
+  static void free_kept_for_graphs() {
+    std::vector<KeptForGraphs> free;
+    {
+      std::lock_guard<std::mutex> lock(kept_mutex());
+      auto& kept = kept_for_graphs();
+      for (auto it = kept.begin(); it != kept.end();) {
+        if (it->holds->live.load(std::memory_order_acquire) > 0) {
+          ++it;
+          continue;
+        }
+        free.push_back(std::move(*it));
+        it = kept.erase(it);
+      }
+    }
+    if (free.empty()) return;
+    int device = -1;  // the thread's, given back after (another device's window may be freed)
+    if (cudaGetDevice(&device) != cudaSuccess) device = -1;
+    for (const KeptForGraphs& k : free) {
+      free_window(k.device, k.base, k.flags_host, k.host_check, k.lines_copied, k.peers, k.imports);
+      MAGI_INFO(Transport,
+                "a window of %zu peer mappings kept for CUDA graphs was freed: those graphs are "
+                "all destroyed",
+                k.peers.size() + k.imports.size());
+    }
+    if (device >= 0) cudaSetDevice(device);
+    cudaGetLastError();
+  }
+
   // Every wait of this rank, queued or to come, passes: its own window's ready and done words.
   // Not mem_ops_: a call may be filling that on another thread.
   void release_waits() {
@@ -701,9 +829,30 @@ class CudaMemoryOps final : public MemoryOps {
   std::vector<const void*> srcs_;
   std::vector<size_t> sizes_;
   std::vector<CUstreamBatchMemOpParams> mem_ops_;
+  // Graphs captured with this window's gathers (hold_for_graph): their count, the last capture
+  // that took a hold, and how many did.
+  std::shared_ptr<GraphHolds> graph_holds_;
+  unsigned long long held_capture_ = 0;
+  uint64_t graphs_held_ = 0;
 };
 
 }  // namespace
+
+RelaxedCaptureMode::RelaxedCaptureMode(bool cuda) {
+  if (!cuda) return;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  if (cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess)
+    saved_ = static_cast<int>(mode);
+  else
+    cudaGetLastError();
+}
+
+RelaxedCaptureMode::~RelaxedCaptureMode() {
+  if (saved_ < 0) return;
+  auto mode = static_cast<cudaStreamCaptureMode>(saved_);
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  cudaGetLastError();
+}
 
 std::unique_ptr<Transport> make_cuda_transport(int rank, int nranks, uint64_t comm_identity,
                                                int device, const Options::Fault& fault) {

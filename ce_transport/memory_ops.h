@@ -122,6 +122,15 @@ class MemoryOps {
   // ---- the call path ----
   // A bucket's copies on `stream`, as one batch (CUDA: spread over the copy engines).
   virtual void copy_batch(std::span<const Copy> copies, void* stream) = 0;
+  // The same while `stream` captures a CUDA graph, where a batch is refused: each copy recorded
+  // on its own (a graph's memcpy nodes). Host memory has no graph: the copies are made now.
+  virtual void copy_captured(std::span<const Copy> copies, void* stream) {
+    copy_batch(copies, stream);
+  }
+  // The graph `stream` is capturing reads this window's mappings: they stay mapped until that
+  // graph, and every instance of it, is destroyed (release() leaves them mapped meanwhile).
+  // Nothing when the stream is not capturing, and nothing for host memory.
+  virtual void hold_for_graph(void* /*stream*/) {}
   // A bound shard copied into the window again, on `stream` (ahead of that call's reads).
   virtual void rebind(const Copy& shard, void* stream) = 0;
   // Flag operations on `stream`, in order.
@@ -147,6 +156,23 @@ class MemoryOps {
   // Frees the window, the peers' mappings and imports, once that is safe (ce_transport.h's
   // release()); `abandoned`: abandon() came first.
   virtual void release(uint64_t last_bucket, bool attached, bool abandoned) = 0;
+};
+
+// For its life, the calling thread's CUDA calls for the transport itself (a window's set-up or
+// release, on the program's thread or the set-up's) are not taken for part of a CUDA graph that
+// a thread of the program is capturing: the thread's capture mode is relaxed, and restored at
+// the end. Under the default (global) mode, a cudaMalloc or a cudaStreamSynchronize made while
+// any thread captures would be refused, and on the capturing thread would end its capture.
+// `cuda`: false for host memory, which needs nothing.
+class RelaxedCaptureMode {
+ public:
+  explicit RelaxedCaptureMode(bool cuda);
+  ~RelaxedCaptureMode();
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  int saved_ = -1;  // the thread's mode before, or -1: nothing to restore
 };
 
 // Throws Error(Usage) unless 0 <= rank < nranks.

@@ -63,6 +63,7 @@ class WindowTransport final : public Transport {
 
   void prepare(const WindowPlan& plan, HandleBlob& out) override {
     std::lock_guard<std::mutex> lock(lifetime_);
+    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
     release_locked();  // a new plan starts from a new window and bucket 1
     faults_.at_prepare();
     memory_->use_on_any_thread();
@@ -99,6 +100,7 @@ class WindowTransport final : public Transport {
   }
 
   void attach(std::span<const HandleBlob> blobs, std::span<const SourceTable> tables) override {
+    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
     if (memory_->window_bytes() == 0) throw Error(ErrorKind::Usage, "attach before prepare");
     if (attached_) throw Error(ErrorKind::Usage, "attach called twice for one window");
     if (blobs.size() != static_cast<size_t>(nranks_))
@@ -166,8 +168,17 @@ class WindowTransport final : public Transport {
                                           " bytes at slot offset " +
                                           std::to_string(op.slot_offset) + " overflows a slot of " +
                                           std::to_string(slot_bytes_));
+    if (timing == Timing::Captured && !bound_)
+      throw Error(ErrorKind::Usage,
+                  "a captured bucket on a staged window (its handshake counts buckets, which a "
+                  "replay repeats)");
     const uint64_t n = sequence_.load() + 1;
     sequence_.store(n);
+    if (timing != Timing::Captured) eager_.store(n);
+    if (timing == Timing::Captured) {
+      gather_captured(bucket, n, stream);
+      return Served::Moved;
+    }
     if (bound_) {
       gather_bound(bucket, n, stream, timing);
       return Served::Moved;
@@ -177,12 +188,14 @@ class WindowTransport final : public Transport {
 
   void abandon() override {
     std::lock_guard<std::mutex> lock(lifetime_);
+    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
     abandoned_.store(true);
-    if (attached_) memory_->abandon(sequence_.load());
+    if (attached_) memory_->abandon(settling_bucket());
   }
 
   void release() override {
     std::lock_guard<std::mutex> lock(lifetime_);
+    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
     release_locked();
   }
 
@@ -292,6 +305,27 @@ class WindowTransport final : public Transport {
     // release that sees this bucket finished knows the check's copies have run too.
     start_check(bucket, stream, timing);
     finish_bucket(n, stream);
+  }
+
+  // A bound bucket recorded into the CUDA graph its stream is capturing: the reads only, from
+  // memory that does not change while the promise holds, so every replay gets the same bytes
+  // the eager call would. No check (its lines would be compared once, at the capture) and no
+  // flag (a replay would write the capture's numbers again): a check this call owes stays
+  // owed to a later eager one, and release() settles on the last bucket that wrote its flags.
+  // The graph keeps what it reads mapped (hold_for_graph).
+  void gather_captured(std::span<const GatherOp> bucket, uint64_t n, void* stream) {
+    copies_.clear();
+    add_reads(bucket, [&](int r, const GatherOp& op) {
+      return peer_sources_[static_cast<size_t>(r) * bind_.size() + bound_index(op)];
+    });
+    memory_->hold_for_graph(stream);
+    memory_->copy_captured(copies_, stream);
+    for (const GatherOp& op : bucket) {
+      if (op.verify_now) verify_.owe(op.slot_offset);
+      if (op.own_offset != GatherOp::kOwn && op.own_offset != op.slot_offset)
+        log_.deviate(n, op.own_offset, op.slot_offset);
+    }
+    log_.publish(n);
   }
 
   // A bucket's reads: every peer's part of each gather from `peer_part(r, op)`, this rank's own
@@ -459,8 +493,13 @@ class WindowTransport final : public Transport {
     if (!same) stale_.push_back(op.slot_offset);
   }
 
+  // The bucket whose end (the peers' done words, this rank's own word) an abort or a release
+  // waits for: the last one started that was not captured, since a captured bucket writes no
+  // flag (gather_captured) on any rank.
+  uint64_t settling_bucket() const { return eager_.load(); }
+
   void release_locked() {
-    memory_->release(sequence_.load(), attached_, abandoned_.load());
+    memory_->release(settling_bucket(), attached_, abandoned_.load());
     log_.close();
     peers_.clear();
     own_ = {};
@@ -471,6 +510,7 @@ class WindowTransport final : public Transport {
     bound_ = zero_copy_ = false;
     shape_ = {};
     sequence_.store(0);
+    eager_.store(0);
     verify_.reset(0, 0);
     check_ = {};
     checked_bytes_ = 0;
@@ -515,6 +555,7 @@ class WindowTransport final : public Transport {
   bool attached_ = false;
   bool broken_ = false;                // synchronous memory: a bucket threw part way
   std::atomic<uint64_t> sequence_{0};  // the last bucket started; read by abandon() from any thread
+  std::atomic<uint64_t> eager_{0};     // the last bucket started that was not captured
   std::atomic<bool> abandoned_{false};
   std::mutex lifetime_;  // prepare, attach, release and abandon, which may come from another thread
 };

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <utility>
 
 #include "base/clock.h"
 
@@ -86,11 +87,11 @@ CommAgreement::~CommAgreement() {
 Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallRecord& record,
                                    const capture::StepView& view) {
   if (!view.collective) return {};
-  // A call captured into a CUDA graph stays on NCCL: a replayed graph would repeat the
-  // handshake's sequence numbers of the capture. Nor does a round happen at a captured call:
-  // a capture forbids the waits and allocations a round may need, and the round's all-gather
-  // must run now, not at each replay. Capture is the one input here that is not a shape:
-  // programs capture the same calls on every rank (one graph, replayed by all).
+  // No round happens at a call captured into a CUDA graph: a capture forbids the waits and
+  // allocations a round may need, and the round's all-gather must run now, not at each replay.
+  // Whether a captured gather moves is decided below, by the agreed plan (static weights only).
+  // Capture is the one input here that is not a shape: programs capture the same calls on every
+  // rank (one graph, replayed by all).
   if (hello_due_ && !capture::stream_capturing(args, record)) issue_hello(view.collective_index);
   last_seq_ = view.collective_index;
   if (quiet_ != Reason::None) stay_quiet(quiet_, view.collective_index);
@@ -99,7 +100,9 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   if (gather) coverage_.count_gather(args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)));
   if (!agreeable_) {
     if (hello_) look_at_hello(view.collective_index);
-    if (buffers_.any_retired()) buffers_.free_ready();
+    // Not at a captured call: the buffers' event queries would be refused there, and could end
+    // the program's capture.
+    if (buffers_.any_retired() && !capture::stream_capturing(args, record)) buffers_.free_ready();
     return {};
   }
   if (gather) capture::stream_capturing(args, record);  // a fact of the observation
@@ -130,14 +133,31 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
     sources_.observe(position, record.sendbuf, send_bytes, layout_.offset_by_position[position]);
   if (committing_ && !capturing && view.digest == step_digest_)
     return route_while_committing(position, gather);
-  if (active_ && !capturing && view.digest == active_digest_ && gather &&
+  // A captured gather moves only with static weights: its copies read memory that never
+  // changes, so a replay repeats nothing that orders the ranks (no flags, no sequence). The
+  // default mode's handshake counts buckets, which a replay cannot: its captured gathers stay
+  // on NCCL. The route still follows the agreed plan by position alone, as an eager call's
+  // does, so every rank that captures the same calls captures the same route; and since a
+  // static read waits on no peer, a rank that runs the call eagerly instead is served alike.
+  const bool captured_moves = capturing && active_bound_ && !active_dry_;
+  if (capturing && active_ && gather && view.digest == active_digest_ &&
+      position < layout_.offset_by_position.size() &&
+      layout_.offset_by_position[position] != SIZE_MAX)
+    say_captured(captured_moves);
+  if (active_ && (!capturing || captured_moves) && view.digest == active_digest_ && gather &&
       position < layout_.offset_by_position.size()) {
     const size_t offset = layout_.offset_by_position[position];
     if (offset != SIZE_MAX) {
       Route::Kind kind = active_dry_ ? Route::Kind::WouldMove : Route::Kind::Move;
-      if (trial_.sends_to_nccl(policy_.steps())) kind = Route::Kind::TrialNccl;
+      if (trial_.sends_to_nccl(policy_.steps())) {
+        // The trial's NCCL side is timed with events, which a graph cannot hold: a captured
+        // call of that step is plain NCCL, on every rank (the step count is shared).
+        if (capturing) return {};
+        kind = Route::Kind::TrialNccl;
+      }
       Route route{kind, offset, layout_.bucket_by_position[position]};
       route.plan = active_plan_;
+      route.captured = capturing;
       if (kind != Route::Kind::Move && !sources_.empty())
         sources_.observe(position, record.sendbuf, send_bytes, offset);
       if (kind == Route::Kind::Move && !sources_.empty()) {
@@ -157,6 +177,26 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
     }
   }
   return {};
+}
+
+// Once for each answer, per communicator: what a graph captured at an agreed position gets.
+void CommAgreement::say_captured(bool moves) {
+  bool& said = moves ? captured_moves_said_ : captured_stays_said_;
+  if (std::exchange(said, true)) return;
+  if (moves)
+    MAGI_INFO(Rewrite,
+              "comm %012llx: gathers captured into a CUDA graph move with the plan (static "
+              "weights): each replay reads the peers' shards where they lie, with no handshake; "
+              "the mappings live as long as the graph",
+              short_id(info_.identity));
+  else
+    MAGI_INFO(Rewrite,
+              "comm %012llx: gathers captured into a CUDA graph stay on NCCL on every rank: %s",
+              short_id(info_.identity),
+              active_dry_ ? "MAGI_DRY_RUN=1"
+                          : "the default mode's handshake counts buckets, which a replay would "
+                            "repeat (MAGI_STATIC_WEIGHTS=1 moves them, when the weights do not "
+                            "change)");
 }
 
 Route CommAgreement::route_while_committing(uint32_t position, bool gather) const {
@@ -848,6 +888,7 @@ void CommAgreement::activate(uint64_t seq) {
   ++active_plan_;
   active_digest_ = step_digest_;
   active_hash_ = decision_.hash;
+  active_bound_ = decision_.bound;
   trial_.start(policy_.steps(), static_cast<uint64_t>(options_.warmup_steps));
   record(active_dry_ ? RoundKind::Propose : RoundKind::Confirm, trace::RoundEvent::Activated, seq,
          decision_.mode, Reason::None, decision_.moved);
@@ -906,6 +947,7 @@ void CommAgreement::deactivate(uint64_t seq, Reason why) {
   if (!active_) return;
   active_ = false;
   active_dry_ = false;
+  active_bound_ = false;
   active_hash_ = 0;
   trial_.stop();
   if (other_source_calls_ != 0)

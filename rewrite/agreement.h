@@ -113,6 +113,9 @@ struct Route {
   size_t own_offset = ce::GatherOp::kOwn;
   // The activation that routed it (CommAgreement::serve serves it by that plan's window only).
   uint32_t plan = 0;
+  // The call's stream is capturing a CUDA graph (a Move of a static plan only): its copies are
+  // recorded for every replay (ce::Transport::Timing::Captured).
+  bool captured = false;
 };
 
 // Coordinates the parts for one communicator: the exploration policy, the step rounds follow
@@ -181,6 +184,7 @@ class CommAgreement {
   // Before the plan being committed is active, its gathers go to NCCL anyway: timed there, they
   // are the cost trial's NCCL side, so no call has to run the slower way on purpose.
   Route route_while_committing(uint32_t position, bool gather) const;
+  void say_captured(bool moves);
   // What remembered verdicts say of a propose every rank read alike (ExplorationPolicy).
   Decision judged(Decision decision) const;
   uint64_t bucket_bytes_of(const Decision& decision, uint16_t bucket) const;
@@ -282,6 +286,9 @@ class CommAgreement {
   // The active plan: routes follow it while the step digest is this one.
   bool active_ = false;
   bool active_dry_ = false;
+  bool active_bound_ = false;  // static weights: its captured gathers move too
+  bool captured_moves_said_ = false;
+  bool captured_stays_said_ = false;
   uint32_t active_plan_ = 0;  // counts activations: Route::plan
   uint64_t active_digest_ = 0;
   uint64_t active_hash_ = 0;

@@ -142,7 +142,8 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
                           args.count * datatype_bytes(static_cast<uint8_t>(args.dtype)),
                           route.slot_offset,
                           route.verify_now,
-                          route.own_offset};
+                          route.own_offset,
+                          route.captured};
     const NcclGather call{args.sendbuf, args.recvbuf, args.count, args.dtype};
     if (agreement->world().group().depth > 0) {
       t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, route.plan,

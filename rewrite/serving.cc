@@ -129,6 +129,9 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<cons
   // A trial's NCCL side needs no transport: before the activation it is timed while the window
   // may not be there on every rank (routes never depend on it).
   if (!transport_ && !via_nccl) return ncclInternalError;  // routes say Move only with one
+  // Recorded into a CUDA graph: never timed (a graph holds no host clock of this run).
+  const bool captured =
+      std::any_of(bucket.begin(), bucket.end(), [](const ce::GatherOp& op) { return op.captured; });
   struct Timed {  // stops the timer once the bucket is served, whichever way it leaves
     CostTrial& trial;
     std::unique_ptr<ce::CompletionTimer> timer;
@@ -136,10 +139,13 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<cons
     uint16_t bucket;
     bool via_nccl;
     ~Timed() { trial.end_timing(std::move(timer), stream, bucket, via_nccl); }
-  } timed{trial, trial.begin_timing(world_.make, stream), stream, bucket_id, via_nccl};
+  } timed{trial, captured ? nullptr : trial.begin_timing(world_.make, stream), stream, bucket_id,
+          via_nccl};
   if (via_nccl) return forward_to_nccl(calls, stream);
   try {
-    const auto timing = timed.timer ? ce::Transport::Timing::Timed : ce::Transport::Timing::Untimed;
+    const auto timing = captured      ? ce::Transport::Timing::Captured
+                        : timed.timer ? ce::Transport::Timing::Timed
+                                      : ce::Transport::Timing::Untimed;
     if (transport_->gather(bucket, stream, timing) == ce::Transport::Served::FallBack) {
       // Every rank learned of the failure in this bucket: all of them hand it to NCCL now, and
       // refuse its gathers at the next round.

@@ -58,7 +58,7 @@ struct FakeExports {
 
 // What a rank queued, in order.
 struct Event {
-  enum class Kind { Copies, Rebind, Flags, Lines, Mark };
+  enum class Kind { Copies, Rebind, Flags, Lines, Mark, Captured };
   Kind kind;
   std::vector<Copy> copies;        // Copies, Rebind
   std::vector<std::string> flags;  // Flags: "write r1:ready[0]=3", "wait done[1]>=1"
@@ -138,6 +138,15 @@ class FakeMemory final : public MemoryOps {
       return true;
     });
   }
+  // A graph: its copies are recorded, not queued; replay() runs them.
+  void copy_captured(std::span<const Copy> copies, void*) override {
+    events.push_back({Event::Kind::Captured, {copies.begin(), copies.end()}, {}});
+    graph.insert(graph.end(), copies.begin(), copies.end());
+  }
+  void hold_for_graph(void*) override { ++graph_holds; }
+  void replay() const {
+    for (const Copy& one : graph) std::memcpy(one.dst, one.src, one.bytes);
+  }
   void rebind(const Copy& shard, void* stream) override {
     events.push_back({Event::Kind::Rebind, {shard}, {}});
     on(stream).work.push_back([shard] {
@@ -203,6 +212,8 @@ class FakeMemory final : public MemoryOps {
   std::vector<Event> events;
   std::vector<uint64_t> abandoned_at;
   std::vector<Release> releases;
+  std::vector<Copy> graph;  // what copy_captured recorded
+  int graph_holds = 0;
 
  private:
   static FakeStream& on(void* stream) { return *static_cast<FakeStream*>(stream); }
@@ -264,8 +275,9 @@ class FakeRanks {
                                                     : std::span<const SourceTable>{});
   }
 
-  Transport::Served gather(int r, std::span<const GatherOp> bucket) {
-    return transport(r).gather(bucket, &streams_[static_cast<size_t>(r)]);
+  Transport::Served gather(int r, std::span<const GatherOp> bucket,
+                           Transport::Timing timing = Transport::Timing::Untimed) {
+    return transport(r).gather(bucket, &streams_[static_cast<size_t>(r)], timing);
   }
 
   // Runs the streams until every one is empty, each as far as it goes before the next (in
@@ -603,6 +615,119 @@ TEST(WindowTransport, PeersReadExportedShardsInPlaceAndTheOthersFromTheOwnersReg
               recv[static_cast<size_t>(reader) * 2 + g][static_cast<size_t>(r) * kBytes[g] + i],
               pattern(0, r, g, i))
               << "rank " << reader << " reading rank " << r << "'s shard " << g << " byte " << i;
+}
+
+// A bucket captured into a CUDA graph (static weights): the reads alone are recorded, the same
+// reads an eager bucket makes, with no flag and no check (a replay would repeat the capture's
+// values); the graph holds the window. Every replay then delivers every byte, also after later
+// eager buckets, and a release settles on the last eager bucket.
+TEST(WindowTransport, ACapturedBucketRecordsTheReadsAloneAndEveryReplayIsRight) {
+  constexpr int kRanks = 3;
+  constexpr size_t kBytes[] = {300, 200};
+  FakeRanks ranks(kRanks);
+  std::vector<std::vector<uint8_t>> allocations, heap, recv;
+  std::vector<WindowPlan> plans;
+  allocations.reserve(kRanks);
+  heap.reserve(kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    allocations.emplace_back(4096);
+    heap.emplace_back(kBytes[1]);
+    ranks.exports().allocations.push_back(
+        {allocations.back().data(), allocations.back().size(), 100u + static_cast<uint64_t>(r)});
+    const uint8_t* shards[] = {allocations.back().data() + 1000, heap.back().data()};
+    WindowPlan plan = staging_plan(512);
+    plan.bound = plan.zero_copy = true;
+    plan.table_room = 4096;
+    plan.verify_first = 3;  // the first calls owe a check: a captured one must not take it
+    for (size_t g = 0; g < 2; ++g) {
+      for (size_t i = 0; i < kBytes[g]; ++i)
+        const_cast<uint8_t*>(shards[g])[i] = pattern(0, r, g, i);
+      plan.bind.push_back({shards[g], kBytes[g], g * 256});
+    }
+    plans.push_back(plan);
+  }
+  ranks.join(plans);
+  std::vector<std::vector<GatherOp>> ops(kRanks);
+  for (int r = 0; r < kRanks; ++r)
+    for (size_t g = 0; g < 2; ++g) {
+      recv.emplace_back(kBytes[g] * kRanks, 0xee);
+      ops[static_cast<size_t>(r)].push_back(
+          {plans[static_cast<size_t>(r)].bind[g].sendbuf, recv.back().data(), kBytes[g], g * 256});
+    }
+  const auto all_right = [&] {
+    for (int reader = 0; reader < kRanks; ++reader)
+      for (size_t g = 0; g < 2; ++g)
+        for (int r = 0; r < kRanks; ++r)
+          for (size_t i = 0; i < kBytes[g]; ++i)
+            if (recv[static_cast<size_t>(reader) * 2 + g][static_cast<size_t>(r) * kBytes[g] + i] !=
+                pattern(0, r, g, i))
+              return false;
+    return true;
+  };
+  const auto poison = [&] {
+    for (auto& buffer : recv) std::fill(buffer.begin(), buffer.end(), 0xee);
+  };
+
+  // Bucket 1, captured on every rank: nothing queued on the streams, one recorded batch.
+  for (int r = 0; r < kRanks; ++r)
+    EXPECT_EQ(ranks.gather(r, ops[static_cast<size_t>(r)], Transport::Timing::Captured),
+              Transport::Served::Moved);
+  for (int r = 0; r < kRanks; ++r) {
+    const FakeMemory& m = ranks.memory(r);
+    ASSERT_EQ(m.events.size(), 1u) << "rank " << r;
+    EXPECT_EQ(m.events[0].kind, Event::Kind::Captured);
+    EXPECT_EQ(m.events[0].copies.size(), 2u * kRanks);  // every rank's part of both gathers
+    EXPECT_EQ(m.graph_holds, 1);
+    EXPECT_TRUE(ranks.stream(r).work.empty());
+  }
+  // Replayed three times, each after the receive buffers were poisoned.
+  for (int replay = 0; replay < 3; ++replay) {
+    poison();
+    for (int r = 0; r < kRanks; ++r) ranks.memory(r).replay();
+    EXPECT_TRUE(all_right()) << "replay " << replay;
+  }
+  // An eager bucket (2) after the capture: the reads, its check and its flags, as ever.
+  poison();
+  for (int r = 0; r < kRanks; ++r) ranks.gather(r, ops[static_cast<size_t>(r)]);
+  ASSERT_TRUE(ranks.run());
+  EXPECT_TRUE(all_right());
+  const std::vector<Event>& events = ranks.memory(0).events;
+  EXPECT_EQ(events[1].kind, Event::Kind::Copies);
+  EXPECT_EQ(events.back().kind, Event::Kind::Flags);
+  EXPECT_EQ(
+      events.back().flags,
+      (std::vector<std::string>{"write r1:done[0]=2", "write r2:done[0]=2", "write r0:own=2"}));
+  // A replay after the eager bucket still reads the same bytes.
+  poison();
+  for (int r = 0; r < kRanks; ++r) ranks.memory(r).replay();
+  EXPECT_TRUE(all_right());
+  // Bucket 3 captured last: the release settles on bucket 2, the last eager one (a captured
+  // bucket writes no flag on any rank: its end would be waited for in vain).
+  for (int r = 0; r < kRanks; ++r)
+    ranks.gather(r, ops[static_cast<size_t>(r)], Transport::Timing::Captured);
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(ranks.memory(r).graph_holds, 2);
+    ranks.transport(r).release();
+    ASSERT_EQ(ranks.memory(r).releases.size(), 1u);
+    EXPECT_EQ(ranks.memory(r).releases[0].last_bucket, 2u) << "rank " << r;
+  }
+}
+
+// A staged window's handshake counts buckets, which a replay would repeat: a captured bucket
+// there is refused before it takes a number or queues anything.
+TEST(WindowTransport, ACapturedBucketOnAStagedWindowIsRefused) {
+  FakeRanks ranks(2);
+  ranks.join({staging_plan(kSlotBytes), staging_plan(kSlotBytes)});
+  BucketBuffers b(1, 2);
+  EXPECT_EQ(kind_of([&] { ranks.gather(0, b.ops[0], Transport::Timing::Captured); }),
+            ErrorKind::Usage);
+  EXPECT_TRUE(ranks.memory(0).events.empty());
+  EXPECT_TRUE(ranks.stream(0).work.empty());
+  // The bucket numbers are untouched: the next eager bucket is bucket 1 on both ranks.
+  for (int r = 0; r < 2; ++r) ranks.gather(r, b.ops[static_cast<size_t>(r)]);
+  ASSERT_TRUE(ranks.run());
+  EXPECT_EQ(b.wrong(1, 0, 2), 0u);
+  EXPECT_EQ(b.wrong(1, 1, 2), 0u);
 }
 
 TEST(WindowTransport, ASourceTableNamingBytesOutsideItsExportIsRefusedAtAttach) {

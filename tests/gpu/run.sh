@@ -11,6 +11,23 @@ pass() { echo "PASS $1"; passed=$((passed + 1)); }
 fail() { echo "FAIL $1"; failed=$((failed + 1)); }
 
 [ -f "$build/libmagice.so" ] || { echo "no $build/libmagice.so: run make first"; exit 2; }
+# shellcheck source=tests/gpu/standin_runs.sh
+. "$here/standin_runs.sh"
+# shellcheck source=tests/gpu/graph_runs.sh
+. "$here/graph_runs.sh"
+# GPU_ONLY=graphs: the CUDA-graph runs alone (graph_runs.sh), a few minutes.
+if [ "${GPU_ONLY:-}" = graphs ]; then
+  export NCCL_NVLS_ENABLE=0
+  echo "== CUDA graphs only (GPU_ONLY=graphs)"
+  graph_torch_runs
+  if mps_start; then
+    graph_standin_runs
+    mps_stop
+  fi
+  echo "gpu-tests: $passed passed, $failed failed"
+  [ "$failed" -eq 0 ]
+  exit
+fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -178,12 +195,15 @@ else
   fi
 fi
 
+# 1c. CUDA graphs at world size 1 (graph_runs.sh): a step captured with torch.cuda.graph and
+# replayed; the captured gathers move with static weights and stay on NCCL in the default mode.
+echo "== CUDA graphs, PyTorch at world size 1"
+graph_torch_runs
+
 # 2. Multi-process on one GPU with the stand-in. Real NCCL refuses two ranks on one GPU, so these
 # runs use the NCCL stand-in (tests/support/standin), which stages device memory through host
 # memory. Every rank checks every byte it receives; the shim must leave them right whatever its
 # agreement decides, and its traces must read back with the same verdict on every rank.
-# shellcheck source=tests/gpu/standin_runs.sh
-. "$here/standin_runs.sh"
 if [ "$gpus" -lt 1 ]; then
   fail "multi-process on one GPU with the stand-in: no GPU (nvidia-smi -L lists none)"
 elif ! standin_programs_present; then

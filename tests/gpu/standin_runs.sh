@@ -456,18 +456,36 @@ standin_hang_report_runs() {
 # taking turns between their contexts (which hides orderings that one GPU per rank can show, and
 # makes every cross-process wait cost a context switch: BENCHMARKS.md, "Under MPS"). The daemon
 # gets pipe and log directories of its own and is stopped at the end.
-standin_mps_runs() {
+# mps_start: the daemon, with pipe and log directories of its own (false, having said why, when
+# it cannot run); mps_stop: stops it and checks that the ranks connected to it.
+mps_start() {
   if ! command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
     echo "SKIP MPS runs: nvidia-cuda-mps-control is not in PATH"
-    return
+    return 1
   fi
   local pipe="$work/mps-pipe" logs="$work/mps-log"
   mkdir -p "$pipe" "$logs"
   if ! CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=$logs timeout 20 nvidia-cuda-mps-control -d; then
     echo "SKIP MPS runs: the MPS control daemon did not start"
-    return
+    return 1
   fi
   export CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=$logs
+}
+mps_stop() {
+  local logs=$CUDA_MPS_LOG_DIRECTORY
+  echo quit | timeout 20 nvidia-cuda-mps-control >/dev/null
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  local clients
+  clients=$(grep -c "Client {PID: [0-9]*, Context ID: [0-9]*} connected" "$logs/server.log" 2>/dev/null)
+  if [ "${clients:-0}" -gt 0 ]; then
+    pass "MPS runs: the ranks ran as MPS clients ($clients client connections)"
+  else
+    fail "MPS runs: no rank connected to the MPS daemon (the runs above did not test MPS)"
+  fi
+}
+
+standin_mps_runs() {
+  mps_start || return
   standin_run "mps-fsdp-4" 4 -- fsdp --device 1 --layers 6 --steps 24 --rewrite 1
   for seed in 1 2 3 4 5 6; do
     standin_run "mps-agree-seed-$seed" $((2 + seed % 7)) -- agree --device 1 --seed "$seed" \
@@ -478,13 +496,6 @@ standin_mps_runs() {
   standin_fault_run "mps-fault-hung-peer" 3 "^magi-launch: .*: rank 0 exited 3; rank 2 exited 3 " \
     "exited 4|signal" "refused" MAGI_CE_FORCE=1 -- fsdp --device 1 --layers 6 --steps 24 --comms 2 \
     --stall-rank 1 --stall-step 16 --stall-s 40 --watchdog-s 5 --watchdog-grace-s 25
-  echo quit | timeout 20 nvidia-cuda-mps-control >/dev/null
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  local clients
-  clients=$(grep -c "Client {PID: [0-9]*, Context ID: [0-9]*} connected" "$logs/server.log" 2>/dev/null)
-  if [ "${clients:-0}" -gt 0 ]; then
-    pass "MPS runs: the ranks ran as MPS clients ($clients client connections)"
-  else
-    fail "MPS runs: no rank connected to the MPS daemon (the runs above did not test MPS)"
-  fi
+  graph_standin_runs
+  mps_stop
 }

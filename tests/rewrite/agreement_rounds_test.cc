@@ -47,6 +47,7 @@ struct Fakes : fakes::TracedRounds {
   uint64_t clock_ns = 0;
   GroupView group;
   uint32_t group_ordinal = 0;  // of the open group, recorded in calls made while group.depth > 0
+  std::vector<ce::Transport::Timing> timings;  // how the transport served each bucket
 };
 Fakes* g_fakes = nullptr;
 
@@ -136,7 +137,7 @@ class Rank0 {
     TransportFactory make = fakes::fake_factory(
         [] {
           ++g_fakes->transports_made;
-          return std::make_unique<fakes::MovingTransport>(
+          auto transport = std::make_unique<fakes::MovingTransport>(
               [] {
                 if (g_fakes->gather_throws &&
                     g_fakes->transport_gathers >= g_fakes->gathers_before_throw)
@@ -145,6 +146,8 @@ class Rank0 {
                 g_fakes->clock_ns += g_fakes->moved_ns;
               },
               kRanks);
+          transport->timings = &g_fakes->timings;
+          return transport;
         },
         [](int rank) { return std::make_unique<FakeExchange>(rank); },
         [] { return std::make_unique<FakeTimer>(); });
@@ -676,6 +679,36 @@ TEST(AgreementRounds, AThrowAtTheGroupsEndFailsTheMovedCallsNotYetServed) {
   EXPECT_EQ(group_ended(ncclSuccess), ncclInternalError);
   EXPECT_EQ(rank.fakes.transport_gathers, rank.fakes.gathers_before_throw);
   EXPECT_EQ(rank.fakes.nccl_gathers, 0);
+}
+
+// A gather captured into a CUDA graph at an agreed position: with static weights it moves, and
+// the transport records it for the graph (Timing::Captured, never timed); in the default mode
+// it stays on NCCL. Either way the route is the plan's by position, as every rank sees it.
+TEST(AgreementRounds, CapturedGathersMoveWithStaticWeightsAndStayOnNcclInTheDefaultMode) {
+  using Timing = ce::Transport::Timing;
+  for (const bool static_weights : {true, false}) {
+    SCOPED_TRACE(static_weights ? "static weights" : "default mode");
+    Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_STATIC_WEIGHTS", static_weights ? "1" : "0"}});
+    rank.run_to(30);
+    ASSERT_EQ(rank.next() % 3, 0u);
+    EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
+    const size_t eager = rank.fakes.timings.size();
+    rank.capturing = true;
+    const std::vector<Kind> captured = rank.steps(1);
+    rank.capturing = false;
+    if (static_weights) {
+      EXPECT_EQ(captured, (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
+      EXPECT_EQ(rank.fakes.timings.size(), eager + 2);
+      for (size_t i = eager; i < rank.fakes.timings.size(); ++i)
+        EXPECT_EQ(rank.fakes.timings[i], Timing::Captured);
+    } else {
+      EXPECT_EQ(captured, (std::vector<Kind>{Kind::Nccl, Kind::Nccl, Kind::Nccl}));
+      EXPECT_EQ(rank.fakes.timings.size(), eager);  // left to NCCL (the shim forwards them)
+    }
+    // Eager again after the capture: the plan goes on as before.
+    EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
+    EXPECT_NE(rank.fakes.timings.back(), Timing::Captured);
+  }
 }
 
 // The hello: issued at the first collective not captured into a CUDA graph (the round's

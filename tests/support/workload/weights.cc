@@ -3,7 +3,7 @@
 //         [--move-step K [--move-rank R] [--move-order forward|reverse]] [--device 1]
 //         [--arena 1 [--arenas N]] [--vmm 1|2] [--memfd 1] [--report-memory 1] [--shard-elements N]
 //         [--swap-rank R] [--errors-expected 1] [--report-slowest 1] [--mixed 1]
-//         [--check-every K] [--recv-buffers N]
+//         [--check-every K] [--recv-buffers N] [--graph-step K]
 //
 // Weights that never change after load, gathered every step in the ways a program may hold
 // them, for MAGI_STATIC_WEIGHTS=1 (whose promise each one keeps: the gathered contents never
@@ -58,6 +58,11 @@
 // every step), so that a run of many large gathers spends its time gathering.
 // --recv-buffers N: N receive buffers taken in turn instead of one a layer (so 1,000 layers of
 // up to 64 MiB on 8 ranks fit one GPU).
+// --graph-step K (--device 1, --program swap with no swap, one receive buffer a layer): step K's
+// gathers are captured into a CUDA graph (the global capture mode, as torch.cuda.graph's) and
+// every step from K on replays it instead of calling NCCL; the counter's all-reduce stays an
+// eager call. The received bytes are checked after each replay as after eager calls. The graph
+// is destroyed after the communicator, as a program that keeps its graphs to the end does.
 // --errors-expected 1: a gather may return an error and receive wrong bytes, as long as the
 // rank learns of it: at the end, every rank with a wrong byte must have had an error from a
 // gather or from ncclCommGetAsyncError, else the run fails ("silent").
@@ -251,6 +256,22 @@ int run_weights(const ScenarioOptions& options) {
         me));
   }
 
+  const int graph_step = static_cast<int>(options.number("graph-step", -1));
+  if (graph_step >= 0 &&
+      (!placement.device() || program != "swap" || swap_step < steps || recv_buffers != 0))
+    throw ScenarioFailure(
+        "--graph-step takes --device 1, --program swap with no swap and one receive buffer a "
+        "layer");
+  // Declared before the communicator, so destroyed after it.
+  struct Graph {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ~Graph() {
+      if (exec != nullptr) cudaGraphExecDestroy(exec);
+      if (graph != nullptr) cudaGraphDestroy(graph);
+    }
+  } graph;
+
   OwnedComm owned;
   WORKLOAD_CHECK(ncclCommInitRank(owned.out(), n, boot.id, me));
   const ncclComm_t comm = owned.get();
@@ -323,6 +344,50 @@ int run_weights(const ScenarioOptions& options) {
         arena->give_back(std::exchange(shard, std::move(moved)));
       }
     }
+    if (graph_step >= 0 && step >= graph_step) {
+      const bool checked = step % check_every == 0 || step == steps - 1;
+      if (checked)
+        for (const Buffer& recv : full) {
+          std::memset(recv.host(), 0xee, recv.bytes());
+          recv.upload(0, recv.bytes());
+        }
+      if (step == graph_step) {
+        Placement::cuda_check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal),
+                              "cudaStreamBeginCapture");
+        ncclResult_t captured = ncclSuccess;
+        for (int position = 0; position < layers; ++position) {
+          const ncclResult_t r = gather_layer(shards[static_cast<size_t>(position)].nccl(),
+                                              full[static_cast<size_t>(position)].nccl(),
+                                              layer_elements(position), comm, stream);
+          if (captured == ncclSuccess) captured = r;
+        }
+        const cudaError_t ended = cudaStreamEndCapture(stream, &graph.graph);
+        check(captured, "ncclAllGather (captured into a CUDA graph)");
+        Placement::cuda_check(ended, "cudaStreamEndCapture");
+        Placement::cuda_check(cudaGraphInstantiate(&graph.exec, graph.graph, 0),
+                              "cudaGraphInstantiate");
+      }
+      const auto launched = std::chrono::steady_clock::now();
+      Placement::cuda_check(cudaGraphLaunch(graph.exec, stream), "cudaGraphLaunch");
+      placement.synchronize();
+      step_calls += std::chrono::steady_clock::now() - launched;
+      if (checked)
+        for (int position = 0; position < layers; ++position) {
+          const Buffer& recv = full[static_cast<size_t>(position)];
+          recv.download(0, recv.bytes());
+          const std::string wrong = wrong_parts(
+              elements(recv), layer_elements(position), n, [&](int) { return position; }, me, step,
+              position);
+          if (!wrong.empty()) throw ScenarioFailure("replay: " + wrong);
+        }
+      if (report_slowest && me == 0)
+        std::fprintf(stderr,
+                     "rank 0: step %d: %.1f us a gather replayed on average (the graph launched "
+                     "and waited for)\n",
+                     step, std::chrono::duration<double, std::micro>(step_calls).count() / layers);
+      count_ranks(step);
+      continue;
+    }
     const bool swapping = (program == "swap" && step >= swap_step) ||
                           (program == "alternate" && step >= swap_step && step % 2 == 1);
     // The layer rank r gathers at `position`: swapped on every rank, or on --swap-rank only.
@@ -378,10 +443,10 @@ int run_weights(const ScenarioOptions& options) {
       if (wrong_gathers++ == 0) std::fprintf(stderr, "%s\n", wrong.c_str());
     }
     if (report_slowest && me == 0)
-      std::fprintf(stderr, "rank 0: step %d: %.1f us a gather call on average, %.3f s the step\n",
-                   step, std::chrono::duration<double, std::micro>(step_calls).count() / layers,
-                   std::chrono::duration<double>(std::chrono::steady_clock::now() - step_began)
-                       .count());
+      std::fprintf(
+          stderr, "rank 0: step %d: %.1f us a gather call on average, %.3f s the step\n", step,
+          std::chrono::duration<double, std::micro>(step_calls).count() / layers,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - step_began).count());
     count_ranks(step);
   }
   if (report_slowest)

@@ -1,0 +1,85 @@
+# shellcheck shell=bash disable=SC2154  # build, here, work, pass, fail: from run.sh
+# Sourced by tests/gpu/run.sh: gathers captured into CUDA graphs (issue 23).
+#  - graph_torch_runs: PyTorch at world size 1 (real NCCL), a step run eagerly and then captured
+#    with torch.cuda.graph and replayed into poisoned buffers; bitwise equal with and without
+#    the shim. With static weights the captured gathers move (the log says so, the trace marks
+#    them moved), also with PyTorch's expandable segments; in the default mode they stay on NCCL.
+#  - graph_standin_runs (under MPS, from standin_mps_runs): ranks of the weights program over the
+#    stand-in, whose collectives refuse a capturing stream: a captured gather that did not move
+#    fails the run. Every byte of every replay is checked by the program.
+
+# graph_torch_run NAME [KEY=VALUE...]: the program under the shim with the settings given.
+graph_torch_run() {
+  local name=$1 d="$work/$1"
+  shift
+  mkdir -p "$d/trace"
+  env LD_PRELOAD="$build/libmagice.so" MAGI_TRACE_DIR="$d/trace" MAGI_LOG=INFO MAGI_CE_FORCE=1 "$@" \
+    python3 "$here/torch_graphs.py" "$d/out.pt" >"$d/log" 2>&1
+}
+
+graph_torch_runs() {
+  local plain="$work/graphs-plain"
+  mkdir -p "$plain"
+  if ! python3 "$here/torch_graphs.py" "$plain/out.pt" >"$plain/log" 2>&1; then
+    fail "torch graphs without the shim (environment problem)"
+    tail -n 10 "$plain/log"
+    return
+  fi
+  local name alloc moved
+  for name in graphs-static graphs-static-expandable graphs-default; do
+    alloc=""
+    [ "$name" = graphs-static-expandable ] && alloc=expandable_segments:True
+    if [ "$name" = graphs-default ]; then
+      graph_torch_run "$name" ${alloc:+PYTORCH_CUDA_ALLOC_CONF=$alloc}
+    else
+      graph_torch_run "$name" MAGI_STATIC_WEIGHTS=1 ${alloc:+PYTORCH_CUDA_ALLOC_CONF=$alloc}
+    fi
+    if python3 "$here/compare_results.py" "$plain/out.pt" "$work/$name/out.pt" >/dev/null 2>&1; then
+      pass "$name: eager steps and 5 graph replays bitwise equal with and without the shim"
+    else
+      fail "$name: eager steps and 5 graph replays bitwise equal with and without the shim"
+      grep -v " MAGI INFO " "$work/$name/log" | tail -n 10
+    fi
+    "$build/magice-trace" dump "$work/$name"/trace/*.trace >"$work/$name/dump.txt" 2>&1
+    # Captured calls carry flag C (the dump's tenth column); a moved one ends "moved".
+    moved=$(awk 'length($1) == 12 && $2 ~ /^[0-9]+$/ && $3 == "AllGather" && $10 ~ /C/ && $NF == "moved"' \
+      "$work/$name/dump.txt" | wc -l)
+    if [ "$name" = graphs-default ]; then
+      if [ "$moved" = 0 ] && grep -q "captured into a CUDA graph stay on NCCL on every rank" "$work/$name/log"; then
+        pass "$name: the captured gathers stay on NCCL, and the log says why"
+      else
+        fail "$name: the captured gathers stay on NCCL, and the log says why ($moved captured moved)"
+      fi
+    elif [ "$moved" = 4 ] && grep -q "captured into a CUDA graph move with the plan" "$work/$name/log"; then
+      pass "$name: the 4 captured gathers moved (trace), and the log says so"
+    else
+      fail "$name: the 4 captured gathers moved (trace), and the log says so ($moved moved)"
+      grep " MAGI " "$work/$name/log" | grep -v "options:" | tail -n 8
+    fi
+  done
+}
+
+graph_standin_runs() {
+  local name=mps-weights-graph-static
+  standin_run "$name" 3 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --layers 6 \
+    --steps 30 --program swap --swap-step 100 --graph-step 16 --report-slowest 1
+  standin_log_check "$name" "the log says the captured gathers move" \
+    "captured into a CUDA graph move with the plan"
+  standin_log_check "$name" "the window outlives the communicator while the graph lives" \
+    "kept, with its 2 peer mappings .* while 1 CUDA graph"
+  standin_log_check "$name" "no WARN" " MAGI WARN " absent
+  grep -E "rank 0: step (15|16|29):" "$work/$name/log" | sed 's/^/  /'
+  # The default mode: the captured gathers stay on NCCL on every rank, which the stand-in
+  # refuses while capturing: every rank fails at its capture, none hangs.
+  name=mps-weights-graph-default
+  launch_ranks "$name" 3 "" MAGI_CE_FORCE=1 -- weights --device 1 --layers 6 --steps 30 \
+    --program swap --swap-step 100 --graph-step 16
+  if grep -q "captured into a CUDA graph stay on NCCL on every rank" "$work/$name/log" &&
+      grep -q "ncclAllGather (captured into a CUDA graph)" "$work/$name/log" &&
+      ! grep -q "timed out" "$work/$name/log"; then
+    pass "$name: captured gathers stay on NCCL on every rank (the stand-in refuses them), no hang"
+  else
+    fail "$name: captured gathers stay on NCCL on every rank (the stand-in refuses them), no hang"
+    tail -n 8 "$work/$name/log" | sed 's/^/  /'
+  fi
+}
