@@ -106,6 +106,16 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
     return {};
   }
   if (gather) capture::stream_capturing(args, record);  // a fact of the observation
+  // A graph captured before any plan was active keeps its gathers on NCCL at every replay:
+  // plans are agreed on eager calls only.
+  if (gather && !active_ && (record.flags & trace::kCallCapturing) != 0 &&
+      !std::exchange(early_capture_said_, true))
+    MAGI_INFO(Rewrite,
+              "comm %012llx: a gather captured into a CUDA graph at collective #%llu, before any "
+              "plan was active: that graph keeps its gathers on NCCL at every replay. Plans are "
+              "agreed on eager steps: capture once the log says \"moving\" (MAGI_WARMUP_STEPS=1 "
+              "shortens the wait)",
+              short_id(info_.identity), static_cast<unsigned long long>(view.collective_index));
   const CallFacts facts = CallFacts::of(args, record);
   recent_.add(view.collective_index, facts);
   if (view.event == capture::StepDetector::Event::Lost) on_lost(view.collective_index);

@@ -289,7 +289,8 @@ class CommAgreement {
   bool active_bound_ = false;  // static weights: its captured gathers move too
   bool captured_moves_said_ = false;
   bool captured_stays_said_ = false;
-  uint32_t active_plan_ = 0;  // counts activations: Route::plan
+  bool early_capture_said_ = false;  // a gather captured before any plan was active
+  uint32_t active_plan_ = 0;         // counts activations: Route::plan
   uint64_t active_digest_ = 0;
   uint64_t active_hash_ = 0;
 };

@@ -17,6 +17,8 @@
 #include "rewrite/agreement.h"
 #include "rewrite/hello.h"
 #include "tests/rewrite/agreement_fakes.h"
+#include "tests/support/has_line.h"
+#include "tests/support/info_logged.h"
 #include "tests/support/options_env.h"
 
 namespace magi::rewrite {
@@ -709,6 +711,25 @@ TEST(AgreementRounds, CapturedGathersMoveWithStaticWeightsAndStayOnNcclInTheDefa
     EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
     EXPECT_NE(rank.fakes.timings.back(), Timing::Captured);
   }
+}
+
+// A graph captured before any plan was active keeps its gathers on NCCL at every replay, whatever
+// is agreed later: the log says so once, with what to do about it.
+TEST(AgreementRounds, AGatherCapturedBeforeAnyPlanIsActiveIsSaidToStayOnNccl) {
+  const test::InfoLogged info;
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_STATIC_WEIGHTS", "1"}});
+  rank.run_to(9);
+  testing::internal::CaptureStderr();
+  rank.capturing = true;
+  EXPECT_EQ(rank.steps(2), std::vector<Kind>(6, Kind::Nccl));
+  rank.capturing = false;
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(test::count_lines(log,
+                              "a gather captured into a CUDA graph at collective #10, before "
+                              "any plan was active: that graph keeps its gathers on NCCL"),
+            1u)
+      << log;
+  EXPECT_TRUE(rank.fakes.timings.empty());
 }
 
 // The hello: issued at the first collective not captured into a CUDA graph (the round's

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/info_logged.h"
+
 namespace magi::rewrite {
 namespace {
 
@@ -18,18 +20,7 @@ std::vector<NcclGather> bucket(size_t gathers, size_t count) {
   return std::vector<NcclGather>(gathers, NcclGather{nullptr, nullptr, count, ncclFloat});
 }
 
-// The log level and subsystems as they were, once the test is over.
-struct InfoLogged {
-  InfoLogged()
-      : level(log_detail::g_level.exchange(1)),
-        subsystems(log_detail::g_subsystems.exchange(~0u)) {}
-  ~InfoLogged() {
-    log_detail::g_level.store(level);
-    log_detail::g_subsystems.store(subsystems);
-  }
-  int level;
-  uint32_t subsystems;
-};
+using test::InfoLogged;
 
 TEST(Coverage, CountsWhatTheTransportServedWhatFellBackAndTheFirstCollectiveMoved) {
   Coverage coverage;
