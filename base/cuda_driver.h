@@ -14,7 +14,8 @@ namespace magi {
 
 // Every driver entry point the library calls: name, its function type, the CUDA version asked.
 // cuStreamBatchMemOp is asked at 12.0, where 64-bit waits and writes need no opt-in. The
-// stream, context and event calls serve the flight recorder's completion (capture/completion.h).
+// stream, context, event and host-function calls serve the flight recorder's completion
+// (capture/completion.h).
 #define MAGI_CUDA_DRIVER_ENTRY_POINTS(X)                                                       \
   X(cuGetErrorName, PFN_cuGetErrorName_v6000, 6000)                                            \
   X(cuStreamIsCapturing, PFN_cuStreamIsCapturing_v10000, 10000)                                \
@@ -29,6 +30,7 @@ namespace magi {
   X(cuEventCreate, PFN_cuEventCreate_v2000, 2000)                                              \
   X(cuEventRecord, PFN_cuEventRecord_v2000, 2000)                                              \
   X(cuEventQuery, PFN_cuEventQuery_v2000, 2000)                                                \
+  X(cuLaunchHostFunc, PFN_cuLaunchHostFunc_v10000, 10000)                                      \
   X(cuThreadExchangeStreamCaptureMode, PFN_cuThreadExchangeStreamCaptureMode_v10010, 10010)    \
   X(cuMemRetainAllocationHandle, PFN_cuMemRetainAllocationHandle_v11000, 11000)                \
   X(cuMemGetAllocationPropertiesFromHandle, PFN_cuMemGetAllocationPropertiesFromHandle_v10020, \

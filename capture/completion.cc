@@ -32,6 +32,15 @@ bool mark_unwatched(flight::Record& record, uint64_t seq, flight::UnwatchedReaso
   return true;
 }
 
+bool mark_replay_reached(flight::Record& record, uint64_t seq) {
+  if (std::atomic_ref<uint64_t>(record.stamp).load(std::memory_order_acquire) != seq + 1)
+    return false;
+  std::atomic_ref<uint64_t>(record.completed).store(0, std::memory_order_release);
+  std::atomic_ref<uint64_t>(record.reached).store(seq + 1, std::memory_order_release);
+  std::atomic_ref<uint64_t>(record.unwatched).store(0, std::memory_order_release);
+  return true;
+}
+
 size_t completion_pass(WatchedCall* calls, size_t n, EventQuery query, WatchedCall* finished,
                        bool* failed, size_t* finished_count) {
   // Streams with a call found pending in this pass; a full set only costs extra queries.
@@ -198,6 +207,7 @@ void note_unwatched() {
 }
 
 void release(const WatchedCall& call) {
+  if (call.captured) return;  // no events: its marks stay with its graph
   CUevent events[2] = {static_cast<CUevent>(call.reached), static_cast<CUevent>(call.completed)};
   give_events(static_cast<CUcontext>(call.context), events, 2);
 }
@@ -207,6 +217,48 @@ void release(const WatchedCall& call) {
 void unwatch(const WatchedCall& call, flight::UnwatchedReason why) {
   mark_unwatched(*call.record, call.seq, why);
   release(call);
+}
+
+// A captured call's marks, which its graph's host nodes are handed. A graph may outlive the
+// communicator and the call's thread, so they are never freed: bounded instead, past which
+// captured calls go unwatched (busy). `armed` once both nodes are in the graph: a graph whose
+// second node could not be added must not leave a "reached" that nothing completes.
+struct ReplayMarks {
+  flight::Record* record;
+  uint64_t seq;
+  std::atomic<bool> armed;
+};
+constexpr size_t kReplayMarks = size_t{1} << 14;
+ReplayMarks g_replay_marks[kReplayMarks];
+std::atomic<size_t> g_replay_marks_used{0};
+
+// Host nodes run on a thread of the driver's and may make no CUDA call: stores only.
+void CUDA_CB replay_reached(void* marks) {
+  auto& m = *static_cast<ReplayMarks*>(marks);
+  if (m.armed.load(std::memory_order_acquire)) mark_replay_reached(*m.record, m.seq);
+}
+void CUDA_CB replay_completed(void* marks) {
+  auto& m = *static_cast<ReplayMarks*>(marks);
+  if (m.armed.load(std::memory_order_acquire))
+    mark_completion(*m.record, m.seq, &flight::Record::completed);
+}
+
+// The first host node goes into the graph now, before the call's work; finish() adds the
+// second. False (the call then stays "not watched (captured)") without room or the entry point.
+bool watch_replays(const CudaDriver& d, WatchedCall& call, cudaStream_t stream) {
+  if (d.cuLaunchHostFunc_fn == nullptr) return false;
+  const size_t index = g_replay_marks_used.fetch_add(1, std::memory_order_relaxed);
+  if (index >= kReplayMarks) return false;
+  ReplayMarks& marks = g_replay_marks[index];
+  marks.record = call.record;
+  marks.seq = call.seq;
+  marks.armed.store(false, std::memory_order_relaxed);
+  if (d.cuLaunchHostFunc_fn(reinterpret_cast<CUstream>(stream), &replay_reached, &marks) !=
+      CUDA_SUCCESS)
+    return false;
+  call.captured = true;
+  call.reached = &marks;
+  return true;
 }
 
 CUcontext g_poller_context = nullptr;  // the poller thread's current context
@@ -331,12 +383,19 @@ void hand_to_poller(const WatchedCall& call) {
 
 // The call's work is all queued: with events, the "completed" event goes on its stream.
 void finish(const WatchedCall& call) {
+  const CudaDriver* d = g_events_driver.load(std::memory_order_acquire);
+  if (call.captured) {  // still capturing: the second host node follows the call's work
+    auto& marks = *static_cast<ReplayMarks*>(call.reached);
+    if (d->cuLaunchHostFunc_fn(static_cast<CUstream>(call.stream), &replay_completed, &marks) ==
+        CUDA_SUCCESS)
+      marks.armed.store(true, std::memory_order_release);
+    return;  // else unarmed: "not watched (captured)" for good
+  }
   if (call.context == nullptr) {  // Return: nothing asynchronous
     mark_completion(*call.record, call.seq, &flight::Record::reached);
     mark_completion(*call.record, call.seq, &flight::Record::completed);
     return;
   }
-  const CudaDriver* d = g_events_driver.load(std::memory_order_acquire);
   if (d->cuEventRecord_fn(static_cast<CUevent>(call.completed),
                           static_cast<CUstream>(call.stream)) != CUDA_SUCCESS) {
     unwatch(call, flight::kUnwatchedDriver);
@@ -382,12 +441,13 @@ void completion_issue(const FlightSlot& slot, uint64_t seq, cudaStream_t stream,
   if (t_current.active) release(t_current.call);  // a call whose end was never recorded
   t_current.active = false;
   if (slot.record == nullptr || g_in_child.load(std::memory_order_relaxed)) return;
-  WatchedCall call{slot.record, seq, nullptr, stream, nullptr, nullptr, false};
+  WatchedCall call{slot.record, seq, nullptr, stream, nullptr, nullptr, false, false};
   if (slot.completion == flight::kCompletionEvents) {
     const CudaDriver* d = g_events_driver.load(std::memory_order_acquire);
     if (d == nullptr) return;
-    if (capturing) {  // an event in a graph is no record of this run
-      unwatch(call, flight::kUnwatchedCaptured);
+    if (capturing) {  // an event in a graph is no record of a replay: host nodes are
+      mark_unwatched(*call.record, call.seq, flight::kUnwatchedCaptured);  // until a replay
+      if (watch_replays(*d, call, stream)) t_current = {call, true};
       return;
     }
     CUcontext context = nullptr;

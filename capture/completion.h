@@ -8,13 +8,19 @@
 //   inside ncclGroupStart/End, after the outermost group end returns, since NCCL launches there.
 //   Events come from a bounded pool per context, made lazily; a poller thread, started at the
 //   first watched call, queries them (cuEventQuery, never a wait) about every millisecond and
-//   marks the records. Not watched: calls on a stream capturing a graph, calls that returned an
-//   error or ncclInProgress, calls made while the pool is exhausted (the GPU far behind).
+//   marks the records. Not watched: calls that returned an error or ncclInProgress, calls made
+//   while the pool is exhausted (the GPU far behind).
+//   A call on a stream capturing a CUDA graph is watched at each replay instead: two host nodes
+//   go into the graph around its work (cuLaunchHostFunc), the first clears `completed` and sets
+//   `reached` when a replay gets there, the second sets `completed` when its work is done. Until
+//   its first replay it is "not watched (captured)"; after, its words are those of its latest
+//   replay, so a replay stuck in it reads "reached, not completed", as an eager call would.
 // - kCompletionReturn (no driver: no asynchronous work): a call is reached and completed when
 //   it returns (a grouped call when its outermost group end returns).
 //
 // The call path takes one short lock (no driver call under it) to take and give events; the
-// driver calls it makes are cuStreamGetCtx and two cuEventRecord.
+// driver calls it makes are cuStreamGetCtx and two cuEventRecord (a captured call: two
+// cuLaunchHostFunc).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -66,6 +72,10 @@ void completion_use_driver(const CudaDriver* driver);
 bool mark_completion(flight::Record& record, uint64_t seq, uint64_t flight::Record::*word);
 // Marks call `seq` of `record` as not watched, and why (Record::unwatched), under the same rule.
 bool mark_unwatched(flight::Record& record, uint64_t seq, flight::UnwatchedReason why);
+// A replay of a graph reached captured call `seq`: `completed` cleared, `reached` set, and the
+// call watched from now on (`unwatched` cleared), under the same rule. Then mark_completion of
+// `completed` when the replay's work for it is done.
+bool mark_replay_reached(flight::Record& record, uint64_t seq);
 
 // One watched call between the call path and the poller.
 struct WatchedCall {
@@ -73,9 +83,10 @@ struct WatchedCall {
   uint64_t seq;
   void* context;  // CUcontext the events were made in
   void* stream;   // CUstream
-  void* reached;  // CUevent
+  void* reached;  // CUevent; for a captured call, its graph's marks (no event)
   void* completed;
   bool reached_seen;
+  bool captured = false;  // watched at each replay by host nodes, not by events
 };
 
 enum class EventState : uint8_t { Pending, Done, Failed };

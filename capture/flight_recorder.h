@@ -77,7 +77,7 @@ enum CompletionSource : uint8_t {
 
 // Why a call's completion is not watched (Record::unwatched's top byte).
 enum UnwatchedReason : uint8_t {
-  kUnwatchedCaptured = 1,    // issued into a CUDA graph: its work runs at each replay
+  kUnwatchedCaptured = 1,    // issued into a CUDA graph, and no replay reached it yet
   kUnwatchedFailed = 2,      // the call (or its group's end) returned an error: nothing ran
   kUnwatchedInProgress = 3,  // ncclInProgress: a non-blocking communicator enqueues it later
   kUnwatchedBusy = 4,        // no event free: the GPU is far behind, or calls come very fast

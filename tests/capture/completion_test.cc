@@ -286,6 +286,11 @@ class FakeGpu {
     return created_;
   }
   const CudaDriver& driver() const { return driver_; }
+  // The host nodes put into the graph `stream` was capturing, in order (a replay runs them).
+  std::vector<std::pair<CUhostFn, void*>> host_nodes(CUstream stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return host_nodes_[stream];
+  }
   // Another thread captures a graph in the global mode: the driver refuses every query.
   void capture_elsewhere(bool on) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -323,6 +328,12 @@ class FakeGpu {
       gpu.events_[event] = {stream, ++gpu.recorded_[stream]};
       return CUDA_SUCCESS;
     };
+    driver_.cuLaunchHostFunc_fn = [](CUstream stream, CUhostFn fn, void* data) {
+      FakeGpu& gpu = get();
+      std::lock_guard<std::mutex> lock(gpu.mutex_);
+      gpu.host_nodes_[stream].push_back({fn, data});
+      return CUDA_SUCCESS;
+    };
     driver_.cuEventQuery_fn = [](CUevent event) {
       FakeGpu& gpu = get();
       std::lock_guard<std::mutex> lock(gpu.mutex_);
@@ -339,6 +350,7 @@ class FakeGpu {
   size_t created_ = 0;
   std::map<CUevent, std::pair<CUstream, size_t>> events_;  // -> stream, position on it
   std::map<CUstream, size_t> recorded_, done_;
+  std::map<CUstream, std::vector<std::pair<CUhostFn, void*>>> host_nodes_;
 };
 
 // Waits (at most 5 s) for the poller to make `done` true.
@@ -454,6 +466,55 @@ TEST_F(CompletionEvents, CapturedFailedAndInProgressCallsAreNotWatchedAndGiveThe
               uint64_t{why[seq]} << 56 | (seq + 1))
         << seq;
   EXPECT_EQ(word(std::atomic_ref<uint64_t>(file.slot(4).unwatched)), 0u);
+}
+
+// A captured call is watched at each replay: a host node before its work and one after (after
+// the group's end for a grouped call). Until the first replay it reads "not watched (captured)";
+// during a replay, reached and not completed; after, completed. A call whose group failed gets
+// one node only, which then marks nothing.
+TEST_F(CompletionEvents, ACapturedCallIsWatchedAtEachReplayByTwoHostNodes) {
+  FakeGpu& gpu = FakeGpu::get();
+  const CUstream s = stream(6);
+  RingFile file(16, 0, 1, flight::kCompletionEvents);
+  call(file, 0, s, ncclSuccess, 0, /*capturing=*/true);
+  call(file, 1, s, ncclSuccess, 1, /*capturing=*/true);
+  completion_group_ended(ncclSuccess);
+  call(file, 2, s, ncclSuccess, 1, /*capturing=*/true);
+  completion_group_ended(ncclInternalError);
+  EXPECT_EQ(gpu.recorded(s), 0u) << "no event goes into a graph";
+  const auto nodes = gpu.host_nodes(s);
+  ASSERT_EQ(nodes.size(), 5u);            // call 0's two, call 1's two, call 2's first
+  const auto state = [&](uint64_t seq) {  // reached, completed, why not watched
+    flight::Record& r = file.slot(seq);
+    return std::vector<uint64_t>{reached(r), completed(r),
+                                 word(std::atomic_ref<uint64_t>(r.unwatched)) >> 56};
+  };
+  const uint64_t captured = flight::kUnwatchedCaptured, failed = flight::kUnwatchedFailed;
+  EXPECT_EQ(state(0), (std::vector<uint64_t>{0, 0, captured}));
+  EXPECT_EQ(state(1), (std::vector<uint64_t>{0, 0, captured}));
+  for (int replay = 0; replay < 3; ++replay) {
+    nodes[0].first(nodes[0].second);  // a replay reaches call 0
+    EXPECT_EQ(state(0), (std::vector<uint64_t>{1, 0, 0})) << "replay " << replay;
+    nodes[1].first(nodes[1].second);
+    EXPECT_EQ(state(0), (std::vector<uint64_t>{1, 1, 0})) << "replay " << replay;
+    nodes[2].first(nodes[2].second);
+    nodes[3].first(nodes[3].second);
+    EXPECT_EQ(state(1), (std::vector<uint64_t>{2, 2, 0})) << "replay " << replay;
+    nodes[4].first(nodes[4].second);
+    EXPECT_EQ(state(2), (std::vector<uint64_t>{0, 0, failed})) << "replay " << replay;
+  }
+}
+
+// Under the rule of every mark: a replay of a call whose slot a later call took marks nothing.
+TEST(Completion, AReplayOfACallWhoseSlotWasReusedMarksNothing) {
+  RingFile file(16, 0, 1, flight::kCompletionEvents);
+  flight::Record& slot = file.slot(3);
+  file.issue(3);
+  file.issue(3 + 16);  // the slot now holds call 19
+  EXPECT_FALSE(mark_replay_reached(slot, 3));
+  EXPECT_EQ(reached(slot), 0u);
+  EXPECT_TRUE(mark_replay_reached(slot, 19));
+  EXPECT_EQ(reached(slot), 20u);
 }
 
 TEST_F(CompletionEvents, WhenThePoolIsEmptyCallsGoUnwatchedUntilEventsComeBack) {
