@@ -24,7 +24,9 @@ mkdir -p "$work"
 mps=0
 stop_mps() { [ "$mps" = 1 ] && echo quit | timeout 20 nvidia-cuda-mps-control >/dev/null; }
 trap 'stop_mps; [ -n "${WORK_DIR:-}" ] || rm -rf "$work"' EXIT
-export STANDIN_TIMEOUT_S=120
+# The stand-in stages each device gather through host memory: pinned blocks kept from call to
+# call (STANDIN_PINNED_STAGING=1) instead of fresh pageable memory, for steps of many GiB.
+export STANDIN_TIMEOUT_S=120 STANDIN_PINNED_STAGING=${STANDIN_PINNED_STAGING:-1}
 if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
   export CUDA_MPS_PIPE_DIRECTORY=$work/mps-pipe CUDA_MPS_LOG_DIRECTORY=$work/mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"

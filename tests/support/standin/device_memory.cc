@@ -8,11 +8,15 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "tests/support/standin/comm.h"
 #include "tests/support/standin/elements.h"
 #include "tests/support/standin/report.h"
+#include "tests/support/standin/settings.h"
 
 namespace standin {
 
@@ -95,6 +99,65 @@ std::string cuda_failure(const char* what, cudaError_t err) {
   return format("%s: %s (%s)", what, cudaGetErrorName(err), cudaGetErrorString(err));
 }
 
+// Host memory that mirrors a device range for one operation: fresh pageable memory, or with
+// STANDIN_PINNED_STAGING=1 a pinned block taken from the process's pool and given back when the
+// operation ends (the smallest free one large enough; a new one when none is).
+class HostStaging {
+ public:
+  explicit HostStaging(size_t bytes) : bytes_(bytes) {
+    if (!Settings::get().pinned_staging) {
+      pageable_.resize(bytes);
+      at_ = pageable_.data();
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(pool_mutex());
+      auto& pool = free_blocks();
+      if (auto it = pool.lower_bound(bytes); it != pool.end()) {
+        block_ = it->first;
+        at_ = it->second;
+        pool.erase(it);
+        return;
+      }
+    }
+    void* block = nullptr;
+    if (cudaMallocHost(&block, std::max<size_t>(bytes, 1)) != cudaSuccess) {
+      cudaGetLastError();  // pageable, then: slower, as right
+      pageable_.resize(bytes);
+      at_ = pageable_.data();
+      return;
+    }
+    block_ = std::max<size_t>(bytes, 1);
+    at_ = static_cast<std::byte*>(block);
+  }
+  ~HostStaging() {
+    if (block_ == 0) return;
+    std::lock_guard<std::mutex> lock(pool_mutex());
+    free_blocks().emplace(block_, at_);
+  }
+  HostStaging(const HostStaging&) = delete;
+  HostStaging& operator=(const HostStaging&) = delete;
+
+  std::byte* data() const { return at_; }
+  size_t size() const { return bytes_; }
+
+ private:
+  // Never destroyed: an operation may end while the process exits.
+  static std::mutex& pool_mutex() {
+    static auto* mutex = new std::mutex;
+    return *mutex;
+  }
+  static std::multimap<size_t, std::byte*>& free_blocks() {
+    static auto* blocks = new std::multimap<size_t, std::byte*>;
+    return *blocks;
+  }
+
+  size_t bytes_;
+  size_t block_ = 0;  // a pooled block's size; 0: pageable
+  std::byte* at_ = nullptr;
+  std::vector<std::byte> pageable_;
+};
+
 // Wraps the host operation that runs on the staging. The staging mirrors the device ranges of
 // the send buffer (`in`) and the receive buffer (`out`); when the two overlap (the in-place
 // forms) one host area stands for both at the same relative offsets, so the host protocol sees
@@ -105,10 +168,10 @@ class Staged final : public Operation {
     if (in_.device && out_.device && overlap(in_, out_)) {
       const std::byte* lo = std::min(in_.at, out_.at);
       const std::byte* hi = std::max(in_.at + in_.bytes, out_.at + out_.bytes);
-      areas_.push_back({lo, std::vector<std::byte>(static_cast<size_t>(hi - lo))});
+      areas_.push_back({lo, std::make_unique<HostStaging>(static_cast<size_t>(hi - lo))});
     } else {
       for (const Span* s : {&in_, &out_}) {
-        if (s->device) areas_.push_back({s->at, std::vector<std::byte>(s->bytes)});
+        if (s->device) areas_.push_back({s->at, std::make_unique<HostStaging>(s->bytes)});
       }
     }
   }
@@ -118,7 +181,7 @@ class Staged final : public Operation {
     if (!span.device) return const_cast<void*>(p);
     const auto* at = static_cast<const std::byte*>(p);
     for (Area& a : areas_) {
-      if (at >= a.device && at < a.device + a.host.size()) return a.host.data() + (at - a.device);
+      if (at >= a.device && at < a.device + a.host->size()) return a.host->data() + (at - a.device);
     }
     return nullptr;  // unreachable: every device span has an area
   }
@@ -164,7 +227,7 @@ class Staged final : public Operation {
  private:
   struct Area {
     const std::byte* device;
-    std::vector<std::byte> host;
+    std::unique_ptr<HostStaging> host;
   };
 
   // On the call's stream, so it is ordered after the program's earlier work there; the stream

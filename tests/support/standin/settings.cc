@@ -51,6 +51,13 @@ Settings read_settings() {
       report("STANDIN_GROUP_ORDER=%s not understood (issue|size); in call order", v);
     }
   }
+  if (const char* v = std::getenv("STANDIN_PINNED_STAGING")) {
+    if (std::strcmp(v, "1") == 0) {
+      s.pinned_staging = true;
+    } else if (std::strcmp(v, "0") != 0 && *v != '\0') {
+      report("STANDIN_PINNED_STAGING=%s not understood (0|1); pageable staging", v);
+    }
+  }
   if (const char* v = std::getenv("STANDIN_SHM_TAG")) {
     // Only characters that are safe in a file name and cannot end the tag early.
     for (const char* c = v; *c != '\0' && s.shm_tag.size() < 32; ++c) {

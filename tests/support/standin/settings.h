@@ -11,6 +11,9 @@
 //                      size: its collectives largest first, as NCCL's planner runs them (ranks
 //                      that group the same collectives differently then meet them in another
 //                      order, and hang as they would on NCCL)
+//   STANDIN_PINNED_STAGING 1: device buffers are staged in pinned host blocks (cudaMallocHost)
+//                      kept from call to call, not in fresh pageable memory each call: several
+//                      times faster for gathers of many MiB (a run of GiBs a step); 0 (default)
 #pragma once
 
 #include <cstddef>
@@ -27,6 +30,7 @@ struct Settings {
   std::string shm_tag;
   long delay_us = 0;
   bool group_order_by_size = false;
+  bool pinned_staging = false;
 
   static const Settings& get();
 };
