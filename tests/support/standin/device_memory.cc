@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -101,7 +102,8 @@ std::string cuda_failure(const char* what, cudaError_t err) {
 
 // Host memory that mirrors a device range for one operation: fresh pageable memory, or with
 // STANDIN_PINNED_STAGING=1 a pinned block taken from the process's pool and given back when the
-// operation ends (the smallest free one large enough; a new one when none is).
+// operation ends. Blocks come in powers of two (64 KiB and up), so the pool holds at most twice
+// what the largest operations in flight need.
 class HostStaging {
  public:
   explicit HostStaging(size_t bytes) : bytes_(bytes) {
@@ -110,25 +112,26 @@ class HostStaging {
       at_ = pageable_.data();
       return;
     }
+    const size_t block = std::bit_ceil(std::max<size_t>(bytes, size_t{64} << 10));
     {
       std::lock_guard<std::mutex> lock(pool_mutex());
       auto& pool = free_blocks();
-      if (auto it = pool.lower_bound(bytes); it != pool.end()) {
-        block_ = it->first;
+      if (auto it = pool.find(block); it != pool.end()) {
+        block_ = block;
         at_ = it->second;
         pool.erase(it);
         return;
       }
     }
-    void* block = nullptr;
-    if (cudaMallocHost(&block, std::max<size_t>(bytes, 1)) != cudaSuccess) {
+    void* pinned = nullptr;
+    if (cudaMallocHost(&pinned, block) != cudaSuccess) {
       cudaGetLastError();  // pageable, then: slower, as right
       pageable_.resize(bytes);
       at_ = pageable_.data();
       return;
     }
-    block_ = std::max<size_t>(bytes, 1);
-    at_ = static_cast<std::byte*>(block);
+    block_ = block;
+    at_ = static_cast<std::byte*>(pinned);
   }
   ~HostStaging() {
     if (block_ == 0) return;
