@@ -234,7 +234,9 @@ ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket,
                              : serving_.serve(bucket, calls, stream, bucket_id, via_nccl, trial_,
                                               layout_, by_transport);
   if (moved != nullptr) *moved = by_transport;
-  coverage_.count_served(calls, by_transport, via_nccl, first_collective);
+  const bool captured =
+      std::any_of(bucket.begin(), bucket.end(), [](const ce::GatherOp& op) { return op.captured; });
+  coverage_.count_served(calls, by_transport, via_nccl, first_collective, captured);
   return r;
 }
 

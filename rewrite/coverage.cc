@@ -5,10 +5,11 @@
 namespace magi::rewrite {
 
 void Coverage::count_served(std::span<const NcclGather> calls, bool by_transport, bool via_nccl,
-                            uint64_t first_collective) {
+                            uint64_t first_collective, bool captured_now) {
   for (const NcclGather& g : calls) {
     if (by_transport) {
       ++moved;
+      captured += captured_now ? 1 : 0;
       moved_bytes += g.count * datatype_bytes(static_cast<uint8_t>(g.dtype));
       first_moved = std::min(first_moved, first_collective);
     } else if (!via_nccl) {
@@ -23,6 +24,10 @@ std::string Coverage::summary(const std::string& exploring_cost) const {
                      " bytes sent) served off NCCL, " + std::to_string(fell_back) +
                      " fell back to NCCL";
   if (moved != 0) text += "; the first at collective #" + std::to_string(first_moved);
+  if (captured != 0)
+    text += "; " + std::to_string(captured) +
+            " of them captured into CUDA graphs, moved again at every replay (replays are not "
+            "counted: the library sees no call)";
   return text + "; exploring cost " + exploring_cost;
 }
 

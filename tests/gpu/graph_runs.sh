@@ -67,6 +67,8 @@ graph_standin_runs() {
     "captured into a CUDA graph move with the plan"
   standin_log_check "$name" "the window outlives the communicator while the graph lives" \
     "kept, with its 2 peer mappings .* while 1 CUDA graph"
+  standin_log_check "$name" "the end line counts the 6 captured gathers apart" \
+    "served off NCCL, .*; 6 of them captured into CUDA graphs"
   standin_log_check "$name" "no WARN" " MAGI WARN " absent
   grep -E "rank 0: step (15|16|29):" "$work/$name/log" | sed 's/^/  /'
   # The default mode: the captured gathers stay on NCCL on every rank, which the stand-in

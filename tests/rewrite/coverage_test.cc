@@ -45,6 +45,20 @@ TEST(Coverage, NothingMovedNamesNoFirstCollective) {
                 kCost);
 }
 
+// Gathers captured into a CUDA graph are counted once, at the capture, and the line says so.
+TEST(Coverage, SaysHowManyMovedGathersWereCapturedIntoGraphs) {
+  Coverage coverage;
+  for (int i = 0; i < 3; ++i) coverage.count_gather(64);
+  coverage.count_served(bucket(1, 16), true, false, 7);
+  coverage.count_served(bucket(2, 16), true, false, 9, /*captured=*/true);
+  EXPECT_EQ(coverage.captured, 2u);
+  EXPECT_EQ(coverage.summary(kCost),
+            "3 of 3 all-gathers (192 of 192 bytes sent) served off NCCL, 0 fell back to NCCL; "
+            "the first at collective #7; 2 of them captured into CUDA graphs, moved again at "
+            "every replay (replays are not counted: the library sees no call); exploring cost " +
+                kCost);
+}
+
 TEST(Coverage, IsSaidOnceAtInfoOnlyWhereTheCommunicatorSawAnAllGather) {
   const InfoLogged info;
   Coverage none, some;
