@@ -549,128 +549,105 @@ TEST(WindowTransport, ABindingThatOverflowsTheRegionIsRefused) {
 // ---- static weights
 // ------------------------------------------------------------------------------
 
-// Each rank's first shard lies in an allocation the fake exports, its second on the heap: peers
-// read the first where its owner keeps it and the second from the owner's region.
-TEST(WindowTransport, PeersReadExportedShardsInPlaceAndTheOthersFromTheOwnersRegion) {
-  constexpr int kRanks = 3;
-  constexpr size_t kBytes[] = {300, 200};
-  FakeRanks ranks(kRanks);
+// Three ranks of static weights: each rank's first shard lies in an allocation the fake
+// exports (read by the peers where its owner keeps it), its second on the heap (bound: read from
+// the owner's region). `ops[r]` gathers both into `recv`, first filled with 0xee.
+struct StaticShards {
+  static constexpr int kRanks = 3;
+  static constexpr size_t kBytes[] = {300, 200};
+  FakeRanks ranks{kRanks};
   std::vector<std::vector<uint8_t>> allocations, heap, recv;
   std::vector<WindowPlan> plans;
-  allocations.reserve(kRanks);
-  heap.reserve(kRanks);
-  for (int r = 0; r < kRanks; ++r) {
-    allocations.emplace_back(4096);
-    heap.emplace_back(kBytes[1]);
-    ranks.exports().allocations.push_back(
-        {allocations.back().data(), allocations.back().size(), 100u + static_cast<uint64_t>(r)});
-    const uint8_t* shards[] = {allocations.back().data() + 1000, heap.back().data()};
-    WindowPlan plan = staging_plan(512);
-    plan.bound = plan.zero_copy = true;
-    plan.table_room = 4096;
-    for (size_t g = 0; g < 2; ++g) {
-      for (size_t i = 0; i < kBytes[g]; ++i)
-        const_cast<uint8_t*>(shards[g])[i] = pattern(0, r, g, i);
-      plan.bind.push_back({shards[g], kBytes[g], g * 256});
-    }
-    plans.push_back(plan);
-  }
-  ranks.join(plans);
-  for (int r = 0; r < kRanks; ++r) {
-    const WindowMemory m = ranks.transport(r).memory();
-    EXPECT_EQ(m.exported_shards, 1u);
-    EXPECT_EQ(m.bound_shards, 1u);
-    EXPECT_EQ(m.first_refused, 1);
-    EXPECT_EQ(m.refusal, "not in a fake allocation");
-    EXPECT_EQ(m.peer_mappings, 2u);
-  }
-  std::vector<std::vector<GatherOp>> ops(kRanks);
-  for (int r = 0; r < kRanks; ++r)
-    for (size_t g = 0; g < 2; ++g) {
-      recv.emplace_back(kBytes[g] * kRanks, 0xee);
-      ops[static_cast<size_t>(r)].push_back(
-          {plans[static_cast<size_t>(r)].bind[g].sendbuf, recv.back().data(), kBytes[g], g * 256});
-    }
-  for (int r = 0; r < kRanks; ++r) ranks.gather(r, ops[static_cast<size_t>(r)]);
-  // Rank 0's reads: no handshake, its own shards from its send buffers, each peer's exported
-  // shard in the peer's allocation, its bound one at the start of the peer's region (packed).
-  const std::vector<Event>& events = ranks.memory(0).events;
-  ASSERT_EQ(events[0].kind, Event::Kind::Copies);
-  std::vector<Copy> expected;
-  for (size_t g = 0; g < 2; ++g)
-    for (int r = 0; r < kRanks; ++r) {
-      const void* from =
-          r == 0   ? plans[0].bind[g].sendbuf
-          : g == 0 ? static_cast<const void*>(allocations[static_cast<size_t>(r)].data() + 1000)
-                   : ranks.memory(r).own().region;
-      expected.push_back({recv[g].data() + static_cast<size_t>(r) * kBytes[g], from, kBytes[g]});
-    }
-  EXPECT_EQ(events[0].copies, expected);
-  ASSERT_TRUE(ranks.run());
-  for (int reader = 0; reader < kRanks; ++reader)
-    for (size_t g = 0; g < 2; ++g)
-      for (int r = 0; r < kRanks; ++r)
-        for (size_t i = 0; i < kBytes[g]; ++i)
-          ASSERT_EQ(
-              recv[static_cast<size_t>(reader) * 2 + g][static_cast<size_t>(r) * kBytes[g] + i],
-              pattern(0, r, g, i))
-              << "rank " << reader << " reading rank " << r << "'s shard " << g << " byte " << i;
-}
+  std::vector<std::vector<GatherOp>> ops{kRanks};
 
-// A bucket captured into a CUDA graph (static weights): the reads alone are recorded, the same
-// reads an eager bucket makes, with no flag and no check (a replay would repeat the capture's
-// values); the graph holds the window. Every replay then delivers every byte, also after later
-// eager buckets, and a release settles on the last eager bucket.
-TEST(WindowTransport, ACapturedBucketRecordsTheReadsAloneAndEveryReplayIsRight) {
-  constexpr int kRanks = 3;
-  constexpr size_t kBytes[] = {300, 200};
-  FakeRanks ranks(kRanks);
-  std::vector<std::vector<uint8_t>> allocations, heap, recv;
-  std::vector<WindowPlan> plans;
-  allocations.reserve(kRanks);
-  heap.reserve(kRanks);
-  for (int r = 0; r < kRanks; ++r) {
-    allocations.emplace_back(4096);
-    heap.emplace_back(kBytes[1]);
-    ranks.exports().allocations.push_back(
-        {allocations.back().data(), allocations.back().size(), 100u + static_cast<uint64_t>(r)});
-    const uint8_t* shards[] = {allocations.back().data() + 1000, heap.back().data()};
-    WindowPlan plan = staging_plan(512);
-    plan.bound = plan.zero_copy = true;
-    plan.table_room = 4096;
-    plan.verify_first = 3;  // the first calls owe a check: a captured one must not take it
-    for (size_t g = 0; g < 2; ++g) {
-      for (size_t i = 0; i < kBytes[g]; ++i)
-        const_cast<uint8_t*>(shards[g])[i] = pattern(0, r, g, i);
-      plan.bind.push_back({shards[g], kBytes[g], g * 256});
+  StaticShards() {
+    allocations.reserve(kRanks);
+    heap.reserve(kRanks);
+    for (int r = 0; r < kRanks; ++r) {
+      allocations.emplace_back(4096);
+      heap.emplace_back(kBytes[1]);
+      ranks.exports().allocations.push_back(
+          {allocations.back().data(), allocations.back().size(), 100u + static_cast<uint64_t>(r)});
+      const uint8_t* shards[] = {allocations.back().data() + 1000, heap.back().data()};
+      WindowPlan plan = staging_plan(512);
+      plan.bound = plan.zero_copy = true;
+      plan.table_room = 4096;
+      for (size_t g = 0; g < 2; ++g) {
+        for (size_t i = 0; i < kBytes[g]; ++i)
+          const_cast<uint8_t*>(shards[g])[i] = pattern(0, r, g, i);
+        plan.bind.push_back({shards[g], kBytes[g], g * 256});
+      }
+      plans.push_back(plan);
     }
-    plans.push_back(plan);
+    ranks.join(plans);
+    for (int r = 0; r < kRanks; ++r)
+      for (size_t g = 0; g < 2; ++g) {
+        recv.emplace_back(kBytes[g] * kRanks, 0xee);
+        ops[static_cast<size_t>(r)].push_back({plans[static_cast<size_t>(r)].bind[g].sendbuf,
+                                               recv.back().data(), kBytes[g], g * 256});
+      }
   }
-  ranks.join(plans);
-  std::vector<std::vector<GatherOp>> ops(kRanks);
-  for (int r = 0; r < kRanks; ++r)
-    for (size_t g = 0; g < 2; ++g) {
-      recv.emplace_back(kBytes[g] * kRanks, 0xee);
-      ops[static_cast<size_t>(r)].push_back(
-          {plans[static_cast<size_t>(r)].bind[g].sendbuf, recv.back().data(), kBytes[g], g * 256});
-    }
-  const auto all_right = [&] {
+  // "" when every rank received every byte of both gathers; else the first wrong one.
+  std::string wrong() const {
     for (int reader = 0; reader < kRanks; ++reader)
       for (size_t g = 0; g < 2; ++g)
         for (int r = 0; r < kRanks; ++r)
           for (size_t i = 0; i < kBytes[g]; ++i)
             if (recv[static_cast<size_t>(reader) * 2 + g][static_cast<size_t>(r) * kBytes[g] + i] !=
                 pattern(0, r, g, i))
-              return false;
-    return true;
-  };
-  const auto poison = [&] {
+              return "rank " + std::to_string(reader) + " reading rank " + std::to_string(r) +
+                     "'s shard " + std::to_string(g) + " byte " + std::to_string(i);
+    return "";
+  }
+  void poison() {
     for (auto& buffer : recv) std::fill(buffer.begin(), buffer.end(), 0xee);
-  };
+  }
+};
 
+// Peers read the first shard where its owner keeps it and the second from the owner's region.
+TEST(WindowTransport, PeersReadExportedShardsInPlaceAndTheOthersFromTheOwnersRegion) {
+  StaticShards s;
+  constexpr int kRanks = StaticShards::kRanks;
+  for (int r = 0; r < kRanks; ++r) {
+    const WindowMemory m = s.ranks.transport(r).memory();
+    EXPECT_EQ(m.exported_shards, 1u);
+    EXPECT_EQ(m.bound_shards, 1u);
+    EXPECT_EQ(m.first_refused, 1);
+    EXPECT_EQ(m.refusal, "not in a fake allocation");
+    EXPECT_EQ(m.peer_mappings, 2u);
+  }
+  for (int r = 0; r < kRanks; ++r) s.ranks.gather(r, s.ops[static_cast<size_t>(r)]);
+  // Rank 0's reads: no handshake, its own shards from its send buffers, each peer's exported
+  // shard in the peer's allocation, its bound one at the start of the peer's region (packed).
+  const std::vector<Event>& events = s.ranks.memory(0).events;
+  ASSERT_EQ(events[0].kind, Event::Kind::Copies);
+  std::vector<Copy> expected;
+  for (size_t g = 0; g < 2; ++g)
+    for (int r = 0; r < kRanks; ++r) {
+      const void* from =
+          r == 0   ? s.plans[0].bind[g].sendbuf
+          : g == 0 ? static_cast<const void*>(s.allocations[static_cast<size_t>(r)].data() + 1000)
+                   : s.ranks.memory(r).own().region;
+      const size_t bytes = StaticShards::kBytes[g];
+      expected.push_back({s.recv[g].data() + static_cast<size_t>(r) * bytes, from, bytes});
+    }
+  EXPECT_EQ(events[0].copies, expected);
+  ASSERT_TRUE(s.ranks.run());
+  EXPECT_EQ(s.wrong(), "");
+}
+
+// A bucket captured into a CUDA graph (static weights): the reads alone are recorded, the same
+// reads an eager bucket makes, with no flag and no check (a replay would repeat the capture's
+// values; the plan's first calls owe a check, which a captured one must not take); the graph
+// holds the window. Every replay then delivers every byte, also after later eager buckets, and a
+// release settles on the last eager bucket.
+TEST(WindowTransport, ACapturedBucketRecordsTheReadsAloneAndEveryReplayIsRight) {
+  StaticShards s;
+  constexpr int kRanks = StaticShards::kRanks;
+  FakeRanks& ranks = s.ranks;
   // Bucket 1, captured on every rank: nothing queued on the streams, one recorded batch.
   for (int r = 0; r < kRanks; ++r)
-    EXPECT_EQ(ranks.gather(r, ops[static_cast<size_t>(r)], Transport::Timing::Captured),
+    EXPECT_EQ(ranks.gather(r, s.ops[static_cast<size_t>(r)], Transport::Timing::Captured),
               Transport::Served::Moved);
   for (int r = 0; r < kRanks; ++r) {
     const FakeMemory& m = ranks.memory(r);
@@ -682,15 +659,15 @@ TEST(WindowTransport, ACapturedBucketRecordsTheReadsAloneAndEveryReplayIsRight) 
   }
   // Replayed three times, each after the receive buffers were poisoned.
   for (int replay = 0; replay < 3; ++replay) {
-    poison();
+    s.poison();
     for (int r = 0; r < kRanks; ++r) ranks.memory(r).replay();
-    EXPECT_TRUE(all_right()) << "replay " << replay;
+    EXPECT_EQ(s.wrong(), "") << "replay " << replay;
   }
   // An eager bucket (2) after the capture: the reads, its check and its flags, as ever.
-  poison();
-  for (int r = 0; r < kRanks; ++r) ranks.gather(r, ops[static_cast<size_t>(r)]);
+  s.poison();
+  for (int r = 0; r < kRanks; ++r) ranks.gather(r, s.ops[static_cast<size_t>(r)]);
   ASSERT_TRUE(ranks.run());
-  EXPECT_TRUE(all_right());
+  EXPECT_EQ(s.wrong(), "");
   const std::vector<Event>& events = ranks.memory(0).events;
   EXPECT_EQ(events[1].kind, Event::Kind::Copies);
   EXPECT_EQ(events.back().kind, Event::Kind::Flags);
@@ -698,13 +675,13 @@ TEST(WindowTransport, ACapturedBucketRecordsTheReadsAloneAndEveryReplayIsRight) 
       events.back().flags,
       (std::vector<std::string>{"write r1:done[0]=2", "write r2:done[0]=2", "write r0:own=2"}));
   // A replay after the eager bucket still reads the same bytes.
-  poison();
+  s.poison();
   for (int r = 0; r < kRanks; ++r) ranks.memory(r).replay();
-  EXPECT_TRUE(all_right());
+  EXPECT_EQ(s.wrong(), "");
   // Bucket 3 captured last: the release settles on bucket 2, the last eager one (a captured
   // bucket writes no flag on any rank: its end would be waited for in vain).
   for (int r = 0; r < kRanks; ++r)
-    ranks.gather(r, ops[static_cast<size_t>(r)], Transport::Timing::Captured);
+    ranks.gather(r, s.ops[static_cast<size_t>(r)], Transport::Timing::Captured);
   for (int r = 0; r < kRanks; ++r) {
     EXPECT_EQ(ranks.memory(r).graph_holds, 2);
     ranks.transport(r).release();
