@@ -1088,8 +1088,10 @@ TEST(Agreement, AFallenBackGroupedBucketIsNotTracedAsMoved) {
 // up", every rank reads that alike and asks again a few steps later (1, 2, 4, ... steps apart),
 // the program's calls go on through NCCL meanwhile, and every rank moves at the same call once
 // all are done. Every byte is checked by the program.
+// The run is thousands of steps so that the 100 ms land inside it on a fast machine; under the
+// sanitizers on two cores those steps take up to two minutes, hence the longer limit.
 TEST(Agreement, ASlowSetUpRunsOffTheCallsAndEveryRankMovesOnceAllAreDone) {
-  const AgreedRun r = run_agreed(4, fsdp({}, 3000), {{"MAGI_INJECT_FAULT", "slow-attach:2"}}, 120);
+  const AgreedRun r = run_agreed(4, fsdp({}, 3000), {{"MAGI_INJECT_FAULT", "slow-attach:2"}}, 300);
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   const uint64_t comm = r.comm_ids()[0];
@@ -1129,7 +1131,7 @@ TEST(StaticWeights, ASlowPrepareRunsOffTheCallsAndEveryRankMovesOnceAllAreReady)
       run_agreed(4,
                  {"weights", "--layers", "4", "--steps", "4000", "--program", "swap", "--swap-step",
                   "100000", "--arena", "1"},
-                 {{"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_INJECT_FAULT", "slow-prepare:2"}}, 120);
+                 {{"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_INJECT_FAULT", "slow-prepare:2"}}, 300);
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   const uint64_t comm = r.comm_ids()[0];
