@@ -229,13 +229,14 @@ ncclResult_t CommAgreement::serve(std::span<const ce::GatherOp> bucket,
                                   uint64_t first_collective, bool* moved) {
   bool by_transport = false;
   const bool plan_ended = !active_ || active_dry_ || plan != active_plan_;
-  const ncclResult_t r = plan_ended && !via_nccl
-                             ? serving_.forward_to_nccl(calls, stream)
-                             : serving_.serve(bucket, calls, stream, bucket_id, via_nccl, trial_,
-                                              layout_, by_transport);
-  if (moved != nullptr) *moved = by_transport;
+  // Routed as captured into a CUDA graph (Route::captured): every gather of a bucket alike.
   const bool captured =
       std::any_of(bucket.begin(), bucket.end(), [](const ce::GatherOp& op) { return op.captured; });
+  const ncclResult_t r = plan_ended && !via_nccl
+                             ? serving_.forward_to_nccl(calls, stream)
+                             : serving_.serve(bucket, calls, stream, bucket_id, via_nccl, captured,
+                                              trial_, layout_, by_transport);
+  if (moved != nullptr) *moved = by_transport;
   coverage_.count_served(calls, by_transport, via_nccl, first_collective, captured);
   return r;
 }

@@ -123,15 +123,13 @@ Serving::Serving(const AgreementWorld& world, const capture::CommInfo& info, ncc
 Serving::~Serving() { drop(); }
 
 ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<const NcclGather> calls,
-                            cudaStream_t stream, uint16_t bucket_id, bool via_nccl,
+                            cudaStream_t stream, uint16_t bucket_id, bool via_nccl, bool captured,
                             CostTrial& trial, const SlotLayout& layout, bool& moved) {
   moved = false;
   // A trial's NCCL side needs no transport: before the activation it is timed while the window
   // may not be there on every rank (routes never depend on it).
   if (!transport_ && !via_nccl) return ncclInternalError;  // routes say Move only with one
   // Recorded into a CUDA graph: never timed (a graph holds no host clock of this run).
-  const bool captured =
-      std::any_of(bucket.begin(), bucket.end(), [](const ce::GatherOp& op) { return op.captured; });
   struct Timed {  // stops the timer once the bucket is served, whichever way it leaves
     CostTrial& trial;
     std::unique_ptr<ce::CompletionTimer> timer;

@@ -107,9 +107,10 @@ class Serving {
   // runs. A transport error that the peers cannot learn of in this bucket is returned; the
   // communicator then refuses its gathers at its next propose (failed()).
   // `moved`: whether the transport served the bucket (not NCCL, by trial or by fallback).
+  // `captured`: its calls are captured into a CUDA graph (Transport::Timing::Captured, untimed).
   ncclResult_t serve(std::span<const ce::GatherOp> bucket, std::span<const NcclGather> calls,
-                     cudaStream_t stream, uint16_t bucket_id, bool via_nccl, CostTrial& trial,
-                     const SlotLayout& layout, bool& moved);
+                     cudaStream_t stream, uint16_t bucket_id, bool via_nccl, bool captured,
+                     CostTrial& trial, const SlotLayout& layout, bool& moved);
   // The gathers as NCCL takes them: one NCCL group when there are several.
   ncclResult_t forward_to_nccl(std::span<const NcclGather> calls, cudaStream_t stream);
 
