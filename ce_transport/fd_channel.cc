@@ -93,15 +93,27 @@ bool write_all(int fd, const void* data, size_t bytes) {
   return true;
 }
 
-// One message of one byte carrying `fds`.
-bool send_fds(int conn, std::span<const int> fds) {
-  uint8_t count = static_cast<uint8_t>(fds.size());
+// One message of the channel: a byte that counts the descriptors, and room for kChunk of them.
+struct FdMessage {
+  uint8_t count = 0;
   iovec iov{&count, 1};
   alignas(cmsghdr) char control[CMSG_SPACE(kChunk * sizeof(int))] = {};
   msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
+  FdMessage() {
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+  }
+  FdMessage(const FdMessage&) = delete;
+  FdMessage& operator=(const FdMessage&) = delete;
+};
+
+// One message of one byte carrying `fds`.
+bool send_fds(int conn, std::span<const int> fds) {
+  FdMessage message;
+  message.count = static_cast<uint8_t>(fds.size());
+  msghdr& msg = message.msg;
   msg.msg_controllen = CMSG_SPACE(fds.size() * sizeof(int));
   cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
   cmsg->cmsg_level = SOL_SOCKET;
@@ -344,14 +356,9 @@ std::vector<uint8_t> fetch(const Address& address, uint32_t index,
   size_t received = 0;
   std::vector<int> fds;
   while (received < reply.count) {
-    uint8_t count = 0;
-    iovec iov{&count, 1};
-    alignas(cmsghdr) char control[CMSG_SPACE(kChunk * sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
+    FdMessage message;
+    msghdr& msg = message.msg;
+    const uint8_t& count = message.count;
     ssize_t got = 0;
     do {
       got = ::recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
