@@ -212,6 +212,13 @@ standin_log_check() {
 # descriptor channel (ce_transport/fd_channel.h) and each peer maps them contiguously. One
 # cuMemCreate allocation made without a shareable handle type (--vmm 2) cannot be mapped by any
 # other process: bound instead, and the log says why.
+# A static run of 4 gathers whose shards were all read in place: none bound, none refused, no WARN.
+standin_all_in_place_checks() {
+  standin_log_check "$1" "0 bound" "static weights: 4 gathers: .*, 0 bound \("
+  standin_log_check "$1" "no shard refused" "cannot be read in place" absent
+  standin_log_check "$1" "no WARN" " MAGI WARN " absent
+}
+
 standin_weights_runs() {
   local cases=("reused --steps 24" "swap --steps 40 --swap-step 15"
     "alternate --steps 30 --swap-step 10" "rehome --steps 30 --rehome-rank 1 --rehome-step 15")
@@ -265,9 +272,7 @@ standin_weights_runs() {
     --layers 4 --steps 40 --program swap --swap-step 15
   standin_log_check "$name" "cuMemCreate shards exported in place (by descriptor)" \
     "static weights: 4 gathers: 4 shards exported in place .* in [0-9]+ allocations"
-  standin_log_check "$name" "0 bound" "static weights: 4 gathers: .*, 0 bound \("
-  standin_log_check "$name" "no shard refused" "cannot be read in place" absent
-  standin_log_check "$name" "no WARN" " MAGI WARN " absent
+  standin_all_in_place_checks "$name"
   # Shards of 3 MiB in 2 MiB granules: each spans two or three of them, which the peers map one
   # after the other, so every byte of every shard must read right across the granules' seams.
   name=weights-vmm-in-place-static
@@ -275,9 +280,7 @@ standin_weights_runs() {
     --layers 4 --steps 30 --program swap --swap-step 12 --shard-elements 786432
   standin_log_check "$name" "4 shards of several granules exported in place (by descriptor)" \
     "static weights: 4 gathers: 4 shards exported in place \(12582912 bytes in [0-9]+ allocations"
-  standin_log_check "$name" "0 bound" "static weights: 4 gathers: .*, 0 bound \("
-  standin_log_check "$name" "no shard refused" "cannot be read in place" absent
-  standin_log_check "$name" "no WARN" " MAGI WARN " absent
+  standin_all_in_place_checks "$name"
   # One cuMemCreate allocation no other process can map: bound, and the reason is said.
   name=weights-swap-vmm-private-static
   standin_run "$name" 4 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --vmm 2 \
