@@ -313,16 +313,19 @@ ifeq ($(SANITIZE),thread)
   SUITE       = tsan
   SUITE_SKIPS = $(TSAN_SKIPS)
   # The random agreement programs: 100 under TSan (5-10x slower), 200 in the other runs.
+  # TEST_TIMEOUT_SCALE stretches the limit a launch of ranks gets (tests/support/launch.h):
+  # under TSan on two cores, 8 ranks of a thousand gathers a step ran past 120 s.
   SUITE_ENV  += TEST_PRELOAD_FIRST=$(shell $(CXX) -print-file-name=libtsan.so) \
                 TSAN_OPTIONS="log_path=$(REPORTS)/tsan second_deadlock_stack=1" MAGI_CALLSITES=0 \
-                TEST_AGREE_SCENARIOS=100
+                TEST_AGREE_SCENARIOS=100 TEST_TIMEOUT_SCALE=3
 else ifneq ($(SANITIZE),)
   SUITE       = asan
   # UBSan, running inside ASan's runtime, writes to stderr whatever log_path says; it aborts
   # instead, and no test takes a SIGABRT for an expected result.
   SUITE_ENV  += TEST_PRELOAD_FIRST=$(shell $(CXX) -print-file-name=libasan.so) \
                 ASAN_OPTIONS="log_path=$(REPORTS)/asan detect_leaks=1 check_initialization_order=1 detect_stack_use_after_return=1" \
-                UBSAN_OPTIONS="print_stacktrace=1 halt_on_error=1 abort_on_error=1"
+                UBSAN_OPTIONS="print_stacktrace=1 halt_on_error=1 abort_on_error=1" \
+                TEST_TIMEOUT_SCALE=2
 endif
 # Under a sanitizer the tests' own code builds at -O0, where the sanitizer sees every access; it
 # compiles in half the time, and none of it is hot (the library, the stand-in, the workloads and

@@ -48,7 +48,8 @@ constexpr int kCollective = 1 + kStep * 5;
 support::LaunchResult run_fsdp(
     const std::string& dir, std::vector<std::string> extra,
     std::vector<std::pair<std::string, std::string>> env, double timeout_s,
-    std::vector<std::vector<std::pair<std::string, std::string>>> rank_env = {}) {
+    std::vector<std::vector<std::pair<std::string, std::string>>> rank_env = {},
+    bool hang_expected = false) {
   support::LaunchSpec spec;
   spec.nranks = 4;
   spec.argv = {
@@ -60,8 +61,16 @@ support::LaunchResult run_fsdp(
   spec.env.emplace_back("MAGI_FLIGHT_RECORDER_DIR", dir);
   spec.rank_env = std::move(rank_env);
   spec.timeout_s = timeout_s;
+  spec.hang_expected = hang_expected;
   spec.capture_output = true;
   return support::launch(spec);
+}
+
+// A run the test makes hang, killed after exactly `timeout_s`.
+support::LaunchResult hang_fsdp(const std::string& dir, std::vector<std::string> extra,
+                                std::vector<std::pair<std::string, std::string>> env,
+                                double timeout_s) {
+  return run_fsdp(dir, std::move(extra), std::move(env), timeout_s, {}, true);
 }
 
 std::string file_of_pid(const std::vector<std::string>& files, int pid) {
@@ -72,7 +81,7 @@ std::string file_of_pid(const std::vector<std::string>& files, int pid) {
 
 TEST(FlightRecorder, HangNamesTheRankThatStoppedAndTheCollectiveFromKilledRanks) {
   TempDir dir;
-  const support::LaunchResult r = run_fsdp(
+  const support::LaunchResult r = hang_fsdp(
       dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"}, {},
       4);
   ASSERT_TRUE(r.timed_out) << r.summary();
@@ -118,7 +127,7 @@ TEST(FlightRecorder, HangNamesTheRankThatStoppedAndTheCollectiveFromKilledRanks)
 // waiting comes first, the split ones (whose ranks all stopped at the same place) after.
 TEST(FlightRecorder, HangPutsTheCommunicatorThatWaitsFirstAmongSeveral) {
   TempDir dir;
-  const support::LaunchResult r = run_fsdp(dir.path,
+  const support::LaunchResult r = hang_fsdp(dir.path,
                                            {"--comms", "2", "--stall-rank", "1", "--stall-step",
                                             std::to_string(kStep), "--stall-s", "60"},
                                            {}, 4);
@@ -145,7 +154,7 @@ TEST(FlightRecorder, HangPutsTheCommunicatorThatWaitsFirstAmongSeveral) {
 // workload's debug info (tests/support/workload/fsdp.cc: gather_layer issues the gathers).
 TEST(FlightRecorder, HangNamesTheStalledCollectivesCallSiteFromKilledRanksFiles) {
   TempDir dir;
-  const support::LaunchResult r = run_fsdp(
+  const support::LaunchResult r = hang_fsdp(
       dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"}, {},
       4);
   ASSERT_TRUE(r.timed_out) << r.summary();
@@ -188,7 +197,7 @@ TEST(FlightRecorder, HangNamesTheStalledCollectivesCallSiteFromKilledRanksFiles)
 TEST(FlightRecorder, HangNamesEveryCallsSiteWithCallSitesAtTwo) {
   for (const char* level : {"1", "2"}) {
     TempDir dir;
-    const support::LaunchResult r = run_fsdp(
+    const support::LaunchResult r = hang_fsdp(
         dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"},
         {{"MAGI_CALLSITES", level}}, 4);
     ASSERT_TRUE(r.timed_out) << r.summary();
@@ -230,7 +239,7 @@ TEST(FlightRecorder, HangReportsARankWithoutAFileAsAbsent) {
 TEST(FlightRecorder, HangNamesTheRankThatNeverJoinedAndTheRanksWaitingInTheInit) {
   TempDir dir;
   const support::LaunchResult r =
-      run_fsdp(dir.path, {"--stall-rank", "2", "--stall-init", "1", "--stall-s", "60"}, {}, 3);
+      hang_fsdp(dir.path, {"--stall-rank", "2", "--stall-init", "1", "--stall-s", "60"}, {}, 3);
   ASSERT_TRUE(r.timed_out) << r.summary();
   const std::vector<std::string> files = files_in(dir.path, ".flight");
   ASSERT_EQ(files.size(), 3u);
@@ -299,7 +308,7 @@ TEST(FlightRecorder, CompletionOfAFinishedJobEqualsWhatEachRankIssued) {
 // A stalled rank: the others wait inside their last call, which neither returned nor completed.
 TEST(FlightRecorder, CompletionShowsTheWaitingRanksLastCallNotCompleted) {
   TempDir dir;
-  const support::LaunchResult r = run_fsdp(
+  const support::LaunchResult r = hang_fsdp(
       dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"},
       {{"MAGI_FLIGHT_RECORDER_COMPLETION", "1"}}, 4);
   ASSERT_TRUE(r.timed_out) << r.summary();
@@ -335,7 +344,7 @@ class HangDivergence : public testing::TestWithParam<const char*> {};
 TEST_P(HangDivergence, NamesTheFirstCollectiveTheRanksIssuedDifferently) {
   const std::string kind = GetParam();
   TempDir dir;
-  const support::LaunchResult r = run_fsdp(
+  const support::LaunchResult r = hang_fsdp(
       dir.path,
       {"--diverge-rank", "1", "--diverge-step", std::to_string(kStep), "--diverge-kind", kind},
       {{"STANDIN_MISMATCH", "block"}}, 4);
@@ -388,7 +397,7 @@ TEST(FlightRecorder, TheDumpSignalWritesOutTheTraceOfRanksThatWait) {
     for (const std::string& f : files) calls_after_dump[f] = trace::read_trace(f).calls.size();
     signalled = true;
   });
-  const support::LaunchResult r = run_fsdp(
+  const support::LaunchResult r = hang_fsdp(
       dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"},
       {{"MAGI_TRACE_DIR", traces.path}, {"MAGI_DUMP_SIGNAL", "USR2"}}, 5);
   asker.join();

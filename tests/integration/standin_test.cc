@@ -284,6 +284,7 @@ TEST(MagiLaunch, TimeoutRemovesSegmentsOfRanksThatNeverAllJoined) {
   spec.argv = {"/bin/sh", "-c", "STANDIN_NRANKS=3 exec \"$0\" split",
                support_binary("magi-workload")};
   spec.timeout_s = 2;
+  spec.hang_expected = true;
   spec.capture_output = true;
   const LaunchResult r = launch(spec);
   EXPECT_TRUE(r.timed_out) << transcript(r);
@@ -333,6 +334,7 @@ TEST(LaunchLibrary, TimeoutKillsWhatTheRanksStarted) {
   spec.nranks = 1;
   spec.argv = {"/bin/sh", "-c", "sleep 30 & echo $!; wait"};
   spec.timeout_s = 2;
+  spec.hang_expected = true;
   spec.capture_output = true;
   const LaunchResult r = launch(spec);
   ASSERT_TRUE(r.timed_out);

@@ -19,7 +19,10 @@ struct LaunchSpec {
   std::vector<std::pair<std::string, std::string>> env;
   // Per rank (index = rank; fewer entries than ranks: the rest get none), applied after `env`.
   std::vector<std::vector<std::pair<std::string, std::string>>> rank_env;
-  double timeout_s = 60;        // <= 0: no limit
+  // <= 0: no limit. Scaled by TEST_TIMEOUT_SCALE (the sanitizer suites set it: their ranks run
+  // several times slower) unless the test provokes the hang it waits for (hang_expected).
+  double timeout_s = 60;
+  bool hang_expected = false;
   bool capture_output = false;  // else the ranks share the caller's stdout and stderr
 };
 
