@@ -128,9 +128,9 @@ TEST(FlightRecorder, HangNamesTheRankThatStoppedAndTheCollectiveFromKilledRanks)
 TEST(FlightRecorder, HangPutsTheCommunicatorThatWaitsFirstAmongSeveral) {
   TempDir dir;
   const support::LaunchResult r = hang_fsdp(dir.path,
-                                           {"--comms", "2", "--stall-rank", "1", "--stall-step",
-                                            std::to_string(kStep), "--stall-s", "60"},
-                                           {}, 4);
+                                            {"--comms", "2", "--stall-rank", "1", "--stall-step",
+                                             std::to_string(kStep), "--stall-s", "60"},
+                                            {}, 4);
   ASSERT_TRUE(r.timed_out) << r.summary();
   std::vector<std::string> args = {"hang"};
   for (const std::string& f : files_in(dir.path, ".flight")) args.push_back(f);
