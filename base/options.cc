@@ -412,8 +412,8 @@ constexpr OptionSpec kTable[] = {
     int_option<&O::warmup_steps>("MAGI_WARMUP_STEPS", "3", "an integer from 1 to 1000000", 1,
                                  1000000, OptionUnit::Count,
                                  "Steps a gather must recur unchanged (position, count, type, "
-                                 "call site, group; with static weights its send buffer too) to "
-                                 "be a candidate."),
+                                 "call site, group; with static weights its send buffer too, "
+                                 "for at least 2 steps) to be a candidate."),
     int_option<&O::reagree_steps>("MAGI_REAGREE_STEPS", "256", "an integer from 0 to 1000000000", 0,
                                   1000000000, OptionUnit::Count,
                                   "Steps to the next agreement round after one that moved all "

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "rewrite/observation.h"
+
 namespace magi::rewrite {
 namespace {
 constexpr uint64_t kNever = UINT64_MAX;
@@ -35,8 +37,12 @@ void ExplorationPolicy::restart(uint64_t digest, uint32_t position) {
 }
 
 bool ExplorationPolicy::propose_due(uint64_t complete_steps) const {
+  // As many whole steps as a position needs to be stable: a propose sooner (static weights with
+  // MAGI_WARMUP_STEPS=1) finds the positions past the anchor one step short, moves the rest, and
+  // then replaces its own plan a round later.
   return !stopped() && steps_ >= next_propose_ &&
-         complete_steps >= static_cast<uint64_t>(options_.warmup_steps);
+         complete_steps >= stable_steps_needed(static_cast<uint64_t>(options_.warmup_steps),
+                                               options_.static_weights);
 }
 
 void ExplorationPolicy::reagree_later() {

@@ -161,11 +161,8 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
   // Buckets: the gathers of one group share one; an ungrouped gather is a bucket of its own.
   std::map<uint32_t, uint16_t> bucket_of_key;
   const std::vector<bool> overlaps = overlapping_sends(positions_);
-  // A static binding names the buffer a position sent: one look cannot tell a buffer of its own
-  // from one of several it takes turns with (a step of identical shapes, before it is refined to
-  // one position per layer), so it takes two alike whatever MAGI_WARMUP_STEPS says.
-  const auto warmup = static_cast<uint64_t>(options.warmup_steps);
-  const uint64_t stable_needed = keyed_on_buffers_ ? std::max<uint64_t>(warmup, 2) : warmup;
+  const uint64_t stable_needed =
+      stable_steps_needed(static_cast<uint64_t>(options.warmup_steps), keyed_on_buffers_);
   for (uint32_t pos = 0; pos < positions_.size(); ++pos) {
     const PositionSeen& p = positions_[pos];
     if (p.op != static_cast<uint8_t>(trace::Op::AllGather)) continue;
@@ -232,6 +229,12 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
     }
   }
   return out;
+}
+
+uint64_t stable_steps_needed(uint64_t warmup_steps, bool keyed_on_buffers) {
+  // A static binding names the buffer a position sent: a step of identical shapes, before it is
+  // refined to one position per layer, takes turns with several, which one step cannot show.
+  return keyed_on_buffers ? std::max<uint64_t>(warmup_steps, 2) : warmup_steps;
 }
 
 size_t bucket_bytes(const StepObservation& seen, uint16_t bucket,

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "rewrite/observation.h"
 #include "tests/support/options_env.h"
 
 namespace magi::rewrite {
@@ -53,6 +54,22 @@ TEST(Exploration, TheFirstProposeWaitsForTheWarmup) {
   EXPECT_EQ(policy.anchor(), 3u);
   EXPECT_FALSE(policy.propose_due(1));
   EXPECT_TRUE(policy.propose_due(2));
+}
+
+// Static weights take two alike steps of a position whatever MAGI_WARMUP_STEPS says; the first
+// propose waits for two whole steps too, or the positions past the anchor would be one short.
+TEST(Exploration, WithStaticWeightsTheFirstProposeWaitsForTwoStepsEvenAtAWarmupOfOne) {
+  ExplorationPolicy plain(options_with({{"MAGI_WARMUP_STEPS", "1"}}));
+  plain.restart(0xa, 3);
+  EXPECT_TRUE(plain.propose_due(1));
+  ExplorationPolicy static_weights(
+      options_with({{"MAGI_WARMUP_STEPS", "1"}, {"MAGI_STATIC_WEIGHTS", "1"}}));
+  static_weights.restart(0xa, 3);
+  EXPECT_FALSE(static_weights.propose_due(1));
+  EXPECT_TRUE(static_weights.propose_due(2));
+  EXPECT_EQ(stable_steps_needed(1, true), 2u);
+  EXPECT_EQ(stable_steps_needed(3, true), 3u);
+  EXPECT_EQ(stable_steps_needed(1, false), 1u);
 }
 
 // Default mode: back-off doubles from the first round that could not move, up to
