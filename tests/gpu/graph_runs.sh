@@ -7,6 +7,8 @@
 #  - graph_standin_runs (under MPS, from standin_mps_runs): ranks of the weights program over the
 #    stand-in, whose collectives refuse a capturing stream: a captured gather that did not move
 #    fails the run. Every byte of every replay is checked by the program.
+#  - graph_real_nccl_runs: the same program at world size 1 over the real NCCL, as nccl-tests -G
+#    runs: N gathers captured once, the graph replayed, every byte of every replay checked.
 
 # graph_torch_run NAME [KEY=VALUE...]: the program under the shim with the settings given.
 graph_torch_run() {
@@ -84,4 +86,52 @@ graph_standin_runs() {
     fail "$name: captured gathers stay on NCCL on every rank (the stand-in refuses them), no hang"
     tail -n 8 "$work/$name/log" | sed 's/^/  /'
   fi
+}
+
+# real_nccl_dir: the folder of a real libnccl.so.2 (PyTorch's, else the system's), or nothing.
+real_nccl_dir() {
+  local dir
+  dir=$(python3 -c 'import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], "lib"))' \
+    2>/dev/null)
+  if [ -z "$dir" ] || [ ! -e "$dir/libnccl.so.2" ]; then
+    dir=$(ldconfig -p 2>/dev/null | grep -m 1 'libnccl\.so\.2 ' | sed 's/.*=> //; s/\/libnccl\.so\.2$//')
+  fi
+  [ -n "$dir" ] && [ -e "$dir/libnccl.so.2" ] && echo "$dir"
+}
+
+# graph_real_nccl_runs: the weights program at world size 1 over the real NCCL, as nccl-tests -G
+# runs: 16 eager steps of 6 gathers, then the step captured once and replayed 14 times, every
+# byte of every replay checked by the program (magi-workload finds the stand-in by its RUNPATH;
+# LD_LIBRARY_PATH puts the real library first). MAGI_CE_FORCE=1, as a communicator of one rank
+# never explores. Static weights: the captured gathers move; the default mode: they stay on
+# NCCL, whose own captured kernels serve every replay.
+graph_real_nccl_runs() {
+  local dir name settings
+  if ! standin_programs_present; then
+    fail "real-nccl graphs: programs missing in $build/tests/support"
+    return
+  fi
+  if ! dir=$(real_nccl_dir); then
+    echo "SKIP real-nccl graphs: no libnccl.so.2 found (PyTorch's or the system's)"
+    return
+  fi
+  echo "  real NCCL: $dir"
+  for name in real-nccl-graph-static real-nccl-graph-default; do
+    settings=(LD_LIBRARY_PATH="$dir" NCCL_DEBUG=VERSION MAGI_CE_FORCE=1)
+    [ "$name" = real-nccl-graph-static ] && settings+=(MAGI_STATIC_WEIGHTS=1)
+    if launch_ranks "$name" 1 "" "${settings[@]}" -- weights --device 1 --layers 6 --steps 30 \
+      --program swap --swap-step 100 --graph-step 16 --report-slowest 1; then
+      pass "$name: 14 replays of 6 captured gathers, every byte right"
+    else
+      fail "$name: 14 replays of 6 captured gathers, every byte right"
+      grep -v " MAGI INFO " "$work/$name/log" | tail -n 10 | sed 's/^/  /'
+      continue
+    fi
+    standin_log_check "$name" "the real NCCL ran the calls (NCCL_DEBUG=VERSION)" "NCCL version 2\."
+    grep -E "rank 0: step (15|16|29):" "$work/$name/log" | sed 's/^/  /'
+  done
+  standin_log_check real-nccl-graph-static "the log says the captured gathers move" \
+    "captured into a CUDA graph move with the plan"
+  standin_log_check real-nccl-graph-default "the captured gathers stay on NCCL, and the log says why" \
+    "captured into a CUDA graph stay on NCCL on every rank"
 }

@@ -20,6 +20,7 @@ if [ "${GPU_ONLY:-}" = graphs ]; then
   export NCCL_NVLS_ENABLE=0
   echo "== CUDA graphs only (GPU_ONLY=graphs)"
   graph_torch_runs
+  graph_real_nccl_runs
   if mps_start; then
     graph_standin_runs
     mps_stop
@@ -195,10 +196,13 @@ else
   fi
 fi
 
-# 1c. CUDA graphs at world size 1 (graph_runs.sh): a step captured with torch.cuda.graph and
-# replayed; the captured gathers move with static weights and stay on NCCL in the default mode.
+# 1c. CUDA graphs at world size 1 (graph_runs.sh): a step captured with torch.cuda.graph, and the
+# weights program's step captured as nccl-tests -G does, both over the real NCCL and replayed;
+# the captured gathers move with static weights and stay on NCCL in the default mode.
 echo "== CUDA graphs, PyTorch at world size 1"
 graph_torch_runs
+echo "== CUDA graphs, the weights program over the real NCCL at world size 1"
+graph_real_nccl_runs
 
 # 2. Multi-process on one GPU with the stand-in. Real NCCL refuses two ranks on one GPU, so these
 # runs use the NCCL stand-in (tests/support/standin), which stages device memory through host
