@@ -46,6 +46,7 @@ using trace::Reason;
 class ExplorationPolicy {
  public:
   explicit ExplorationPolicy(const Options& options) : options_(options) {}
+  explicit ExplorationPolicy(Options&&) = delete;  // it keeps a reference: no temporary
 
   // Why a communicator of `nranks` ranks never explores, by facts every rank shares (the same
   // answer on every rank, so no hello is owed either); Reason::None if it may.

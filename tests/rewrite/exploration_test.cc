@@ -59,11 +59,13 @@ TEST(Exploration, TheFirstProposeWaitsForTheWarmup) {
 // Static weights take two alike steps of a position whatever MAGI_WARMUP_STEPS says; the first
 // propose waits for two whole steps too, or the positions past the anchor would be one short.
 TEST(Exploration, WithStaticWeightsTheFirstProposeWaitsForTwoStepsEvenAtAWarmupOfOne) {
-  ExplorationPolicy plain(options_with({{"MAGI_WARMUP_STEPS", "1"}}));
+  const Options plain_options = options_with({{"MAGI_WARMUP_STEPS", "1"}});
+  ExplorationPolicy plain(plain_options);  // keeps a reference to its options
   plain.restart(0xa, 3);
   EXPECT_TRUE(plain.propose_due(1));
-  ExplorationPolicy static_weights(
-      options_with({{"MAGI_WARMUP_STEPS", "1"}, {"MAGI_STATIC_WEIGHTS", "1"}}));
+  const Options static_options =
+      options_with({{"MAGI_WARMUP_STEPS", "1"}, {"MAGI_STATIC_WEIGHTS", "1"}});
+  ExplorationPolicy static_weights(static_options);
   static_weights.restart(0xa, 3);
   EXPECT_FALSE(static_weights.propose_due(1));
   EXPECT_TRUE(static_weights.propose_due(2));
