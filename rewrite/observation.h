@@ -126,12 +126,12 @@ struct SlotLayout {
 SlotLayout lay_out_slots(const StepObservation& seen, const std::vector<GatherDecision>& gathers,
                          bool bound);
 
-// Staging a bucket needs: its gathers' shards, each aligned.
 // Steps a position must repeat unchanged before it may move: MAGI_WARMUP_STEPS, and at least two
 // when keyed on buffers (static weights), since one look cannot tell a buffer of a position's own
 // from one of several it takes turns with. The first propose waits for as many whole steps.
 uint64_t stable_steps_needed(uint64_t warmup_steps, bool keyed_on_buffers);
 
+// Staging a bucket needs: its gathers' shards, each aligned.
 size_t bucket_bytes(const StepObservation& seen, uint16_t bucket,
                     const std::vector<GatherEntry>& entries);
 

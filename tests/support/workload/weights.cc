@@ -350,7 +350,7 @@ int run_weights(const ScenarioOptions& options) {
       const bool checked = step % check_every == 0 || step == steps - 1;
       if (checked)
         for (const Buffer& recv : full) {
-          std::memset(recv.host(), 0xee, recv.bytes());
+          std::memset(recv.host(), kPoison, recv.bytes());
           recv.upload(0, recv.bytes());
         }
       if (step == graph_step) {
