@@ -1,6 +1,7 @@
 // The flight recorder and `magice-trace hang` on real ranks of the stand-in under the shim: ranks
-// that hang are SIGKILLed by the launcher's timeout, and the report, read from the files the
-// killed processes left, must name the rank and the collective. And the dump signal writes out a
+// made to hang are SIGKILLed by the launcher once their recorder files show them where the test
+// wants them (however slow the machine), and the report, read from the files the killed
+// processes left, must name the rank and the collective. And the dump signal writes out a
 // live, waiting rank's trace.
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -8,15 +9,16 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
+#include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "capture/flight_recorder.h"
 #include "capture/trace_reader.h"
 #include "tests/support/has_line.h"
 #include "tests/support/launch.h"
@@ -45,11 +47,10 @@ std::string preload() {
 constexpr int kStep = 3;
 constexpr int kCollective = 1 + kStep * 5;
 
-support::LaunchResult run_fsdp(
+support::LaunchSpec fsdp_spec(
     const std::string& dir, std::vector<std::string> extra,
     std::vector<std::pair<std::string, std::string>> env, double timeout_s,
-    std::vector<std::vector<std::pair<std::string, std::string>>> rank_env = {},
-    bool hang_expected = false) {
+    std::vector<std::vector<std::pair<std::string, std::string>>> rank_env = {}) {
   support::LaunchSpec spec;
   spec.nranks = 4;
   spec.argv = {
@@ -61,16 +62,79 @@ support::LaunchResult run_fsdp(
   spec.env.emplace_back("MAGI_FLIGHT_RECORDER_DIR", dir);
   spec.rank_env = std::move(rank_env);
   spec.timeout_s = timeout_s;
-  spec.hang_expected = hang_expected;
   spec.capture_output = true;
-  return support::launch(spec);
+  return spec;
 }
 
-// A run the test makes hang, killed after exactly `timeout_s`.
+support::LaunchResult run_fsdp(
+    const std::string& dir, std::vector<std::string> extra,
+    std::vector<std::pair<std::string, std::string>> env, double timeout_s,
+    std::vector<std::vector<std::pair<std::string, std::string>>> rank_env = {}) {
+  return support::launch(
+      fsdp_spec(dir, std::move(extra), std::move(env), timeout_s, std::move(rank_env)));
+}
+
+// Where one rank of the 4-rank world stands, as its recorder file shows it while it runs.
+struct Standing {
+  uint64_t issued = 0;    // collectives issued
+  uint64_t returned = 0;  // the collectives up to the last one that returned
+  bool joining = false;   // inside the communicator's init
+};
+using Standings = std::map<int, Standing>;  // by rank; a rank with no file yet is absent
+
+Standings world_standings(const std::string& dir) {
+  Standings out;
+  for (const std::string& f : files_in(dir, ".flight")) {
+    capture::flight::FileView view;
+    try {
+      view = capture::flight::read_file(f);
+    } catch (const std::exception&) {
+      continue;  // its first segment is still being written
+    }
+    for (const capture::flight::RingView& ring : view.rings) {
+      if (ring.header.nranks != 4) continue;  // a split communicator
+      Standing& s = out[ring.header.rank];
+      s.joining = ring.header.joined == capture::flight::kJoining;
+      for (const capture::flight::Record& record : ring.records) {
+        s.issued = std::max(s.issued, record.collective);
+        if (record.returned == record.seq + 1) s.returned = std::max(s.returned, record.collective);
+      }
+    }
+  }
+  return out;
+}
+
+// `stalled` stopped after returning from collective #(kCollective - 1); the others issued
+// collective #kCollective and wait in it.
+std::function<bool(const Standings&)> waiting_for(int stalled) {
+  return [stalled](const Standings& ranks) {
+    if (ranks.size() != 4) return false;
+    for (const auto& [rank, s] : ranks) {
+      const bool there = rank == stalled ? s.returned == kCollective : s.issued == kCollective + 1;
+      if (!there) return false;
+    }
+    return true;
+  };
+}
+
+// Every rank issued collective #kCollective (differently, on one rank) and waits in it.
+bool all_wait_in_the_divergent_collective(const Standings& ranks) {
+  if (ranks.size() != 4) return false;
+  for (const auto& [rank, s] : ranks)
+    if (s.issued != kCollective + 1) return false;
+  return true;
+}
+
+// A run the test makes hang: killed once `there` holds of what the ranks' files show, or after
+// `timeout_s` (then r.hung is false, and the test fails saying so).
 support::LaunchResult hang_fsdp(const std::string& dir, std::vector<std::string> extra,
                                 std::vector<std::pair<std::string, std::string>> env,
-                                double timeout_s) {
-  return run_fsdp(dir, std::move(extra), std::move(env), timeout_s, {}, true);
+                                std::function<bool(const Standings&)> there,
+                                double timeout_s = 60) {
+  support::LaunchSpec spec = fsdp_spec(dir, std::move(extra), std::move(env), timeout_s);
+  spec.hang_expected = true;
+  spec.hung = [dir, there = std::move(there)] { return there(world_standings(dir)); };
+  return support::launch(spec);
 }
 
 std::string file_of_pid(const std::vector<std::string>& files, int pid) {
@@ -83,8 +147,8 @@ TEST(FlightRecorder, HangNamesTheRankThatStoppedAndTheCollectiveFromKilledRanks)
   TempDir dir;
   const support::LaunchResult r = hang_fsdp(
       dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"}, {},
-      4);
-  ASSERT_TRUE(r.timed_out) << r.summary();
+      waiting_for(2));
+  ASSERT_TRUE(r.hung) << r.summary();
   for (const auto& rank : r.ranks) EXPECT_EQ(rank.signal, SIGKILL) << r.summary();
   const std::vector<std::string> files = files_in(dir.path, ".flight");
   ASSERT_EQ(files.size(), 4u);
@@ -130,8 +194,8 @@ TEST(FlightRecorder, HangPutsTheCommunicatorThatWaitsFirstAmongSeveral) {
   const support::LaunchResult r = hang_fsdp(dir.path,
                                             {"--comms", "2", "--stall-rank", "1", "--stall-step",
                                              std::to_string(kStep), "--stall-s", "60"},
-                                            {}, 4);
-  ASSERT_TRUE(r.timed_out) << r.summary();
+                                            {}, waiting_for(1));
+  ASSERT_TRUE(r.hung) << r.summary();
   std::vector<std::string> args = {"hang"};
   for (const std::string& f : files_in(dir.path, ".flight")) args.push_back(f);
   ASSERT_EQ(args.size(), 5u);
@@ -156,8 +220,8 @@ TEST(FlightRecorder, HangNamesTheStalledCollectivesCallSiteFromKilledRanksFiles)
   TempDir dir;
   const support::LaunchResult r = hang_fsdp(
       dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"}, {},
-      4);
-  ASSERT_TRUE(r.timed_out) << r.summary();
+      waiting_for(2));
+  ASSERT_TRUE(r.hung) << r.summary();
   const std::vector<std::string> files = files_in(dir.path, ".flight");
   ASSERT_EQ(files.size(), 4u);
   EXPECT_TRUE(files_in(dir.path, ".trace").empty());
@@ -199,8 +263,8 @@ TEST(FlightRecorder, HangNamesEveryCallsSiteWithCallSitesAtTwo) {
     TempDir dir;
     const support::LaunchResult r = hang_fsdp(
         dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"},
-        {{"MAGI_CALLSITES", level}}, 4);
-    ASSERT_TRUE(r.timed_out) << r.summary();
+        {{"MAGI_CALLSITES", level}}, waiting_for(2));
+    ASSERT_TRUE(r.hung) << r.summary();
     std::vector<std::string> args = {"hang"};
     for (const std::string& f : files_in(dir.path, ".flight")) args.push_back(f);
     ASSERT_EQ(args.size(), 5u);
@@ -238,9 +302,13 @@ TEST(FlightRecorder, HangReportsARankWithoutAFileAsAbsent) {
 // were joining; the missing rank has none.
 TEST(FlightRecorder, HangNamesTheRankThatNeverJoinedAndTheRanksWaitingInTheInit) {
   TempDir dir;
-  const support::LaunchResult r =
-      hang_fsdp(dir.path, {"--stall-rank", "2", "--stall-init", "1", "--stall-s", "60"}, {}, 3);
-  ASSERT_TRUE(r.timed_out) << r.summary();
+  const support::LaunchResult r = hang_fsdp(
+      dir.path, {"--stall-rank", "2", "--stall-init", "1", "--stall-s", "60"}, {},
+      [](const Standings& ranks) {
+        return ranks.size() == 3 && !ranks.contains(2) &&
+               std::ranges::all_of(ranks, [](const auto& rank) { return rank.second.joining; });
+      });
+  ASSERT_TRUE(r.hung) << r.summary();
   const std::vector<std::string> files = files_in(dir.path, ".flight");
   ASSERT_EQ(files.size(), 3u);
   std::vector<std::string> args = {"hang"};
@@ -310,8 +378,8 @@ TEST(FlightRecorder, CompletionShowsTheWaitingRanksLastCallNotCompleted) {
   TempDir dir;
   const support::LaunchResult r = hang_fsdp(
       dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"},
-      {{"MAGI_FLIGHT_RECORDER_COMPLETION", "1"}}, 4);
-  ASSERT_TRUE(r.timed_out) << r.summary();
+      {{"MAGI_FLIGHT_RECORDER_COMPLETION", "1"}}, waiting_for(2));
+  ASSERT_TRUE(r.hung) << r.summary();
   std::vector<std::string> args = {"hang"};
   for (const std::string& f : files_in(dir.path, ".flight")) args.push_back(f);
   ASSERT_EQ(args.size(), 5u);
@@ -347,8 +415,8 @@ TEST_P(HangDivergence, NamesTheFirstCollectiveTheRanksIssuedDifferently) {
   const support::LaunchResult r = hang_fsdp(
       dir.path,
       {"--diverge-rank", "1", "--diverge-step", std::to_string(kStep), "--diverge-kind", kind},
-      {{"STANDIN_MISMATCH", "block"}}, 4);
-  ASSERT_TRUE(r.timed_out) << r.summary();
+      {{"STANDIN_MISMATCH", "block"}}, all_wait_in_the_divergent_collective);
+  ASSERT_TRUE(r.hung) << r.summary();
   std::vector<std::string> args = {"hang"};
   for (const std::string& f : files_in(dir.path, ".flight")) args.push_back(f);
   ASSERT_EQ(args.size(), 5u);
@@ -374,35 +442,41 @@ INSTANTIATE_TEST_SUITE_P(FlightRecorder, HangDivergence, testing::Values("count"
 TEST(FlightRecorder, TheDumpSignalWritesOutTheTraceOfRanksThatWait) {
   TempDir dir;
   TempDir traces;
-  std::atomic<bool> signalled{false};
+  // Once the ranks wait (their recorder files say so), USR2 to each; then, once every trace
+  // holds at least the calls before the wait (or 10 s passed), what each holds.
   std::map<std::string, size_t> calls_after_dump;
-  std::thread asker([&] {
-    // The ranks' trace files appear at their first record; their pids are in the names.
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    std::vector<std::string> files;
-    while (std::chrono::steady_clock::now() < deadline) {
-      files = files_in(traces.path, ".trace");
-      if (files.size() == 4) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::optional<std::chrono::steady_clock::time_point> signalled;
+  auto dumped = [&](const Standings& ranks) {
+    if (!signalled) {
+      const std::vector<std::string> files = files_in(traces.path, ".trace");
+      if (!waiting_for(2)(ranks) || files.size() != 4) return false;
+      for (const std::string& f : files) {
+        const std::string name = fs::path(f).filename().string();  // magice.HOST.PID.trace
+        const std::string stem = name.substr(0, name.size() - 6);
+        const int pid = std::atoi(stem.substr(stem.rfind('.') + 1).c_str());
+        if (pid > 0) ::kill(pid, SIGUSR2);
+      }
+      signalled = std::chrono::steady_clock::now();
+      return false;
     }
-    if (files.size() != 4) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // they wait by now
-    for (const std::string& f : files) {
-      const std::string name = fs::path(f).filename().string();  // magice.HOST.PID.trace
-      const std::string stem = name.substr(0, name.size() - 6);
-      const int pid = std::atoi(stem.substr(stem.rfind('.') + 1).c_str());
-      if (pid > 0) ::kill(pid, SIGUSR2);
+    calls_after_dump.clear();
+    for (const std::string& f : files_in(traces.path, ".trace")) {
+      try {
+        calls_after_dump[f] = trace::read_trace(f).calls.size();
+      } catch (const std::exception&) {
+        calls_after_dump[f] = 0;  // being written
+      }
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(700));
-    for (const std::string& f : files) calls_after_dump[f] = trace::read_trace(f).calls.size();
-    signalled = true;
-  });
+    const bool all = std::ranges::all_of(calls_after_dump, [](const auto& file_calls) {
+      return file_calls.second >= static_cast<size_t>(kCollective);
+    });
+    return all || std::chrono::steady_clock::now() - *signalled > std::chrono::seconds(10);
+  };
   const support::LaunchResult r = hang_fsdp(
       dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"},
-      {{"MAGI_TRACE_DIR", traces.path}, {"MAGI_DUMP_SIGNAL", "USR2"}}, 5);
-  asker.join();
-  ASSERT_TRUE(signalled.load()) << r.summary();
-  ASSERT_TRUE(r.timed_out) << r.summary();
+      {{"MAGI_TRACE_DIR", traces.path}, {"MAGI_DUMP_SIGNAL", "USR2"}}, dumped);
+  ASSERT_TRUE(signalled.has_value()) << r.summary();
+  ASSERT_TRUE(r.hung) << r.summary();
   for (const auto& rank : r.ranks) EXPECT_EQ(rank.signal, SIGKILL) << r.summary();
   ASSERT_EQ(calls_after_dump.size(), 4u);
   // Every rank returned from collectives #0..#(kCollective-1) before the wait: each is a call

@@ -90,7 +90,7 @@ std::string LaunchResult::summary() const {
   out.precision(2);
   out << std::fixed;
   if (timed_out) {
-    out << "timed out after " << wall_s << " s; killed ranks";
+    out << (hung ? "hung as provoked after " : "timed out after ") << wall_s << " s; killed ranks";
     const char* sep = " ";
     for (size_t i = 0; i < ranks.size(); ++i) {
       if (ranks[i].signal == SIGKILL) {
@@ -190,8 +190,10 @@ LaunchResult launch(const LaunchSpec& spec) {
   if (own_tag) result.shm_tag = tag;
   std::vector<bool> finished(pids.size(), false);
   size_t remaining = pids.size();
-  const double limit_s = spec.hang_expected ? spec.timeout_s : spec.timeout_s * timeout_scale();
+  const double limit_s =
+      spec.hang_expected && !spec.hung ? spec.timeout_s : spec.timeout_s * timeout_scale();
   const auto deadline = start + std::chrono::duration<double>(limit_s);
+  auto next_look = start;
   auto record = [&](size_t rank, int status) {
     if (WIFEXITED(status)) {
       result.ranks[rank].exit_code = WEXITSTATUS(status);
@@ -209,7 +211,12 @@ LaunchResult launch(const LaunchSpec& spec) {
       }
     }
     if (remaining == 0) break;
-    if (limit_s > 0 && std::chrono::steady_clock::now() > deadline) {
+    const auto now = std::chrono::steady_clock::now();
+    if (spec.hung && now >= next_look) {
+      next_look = now + std::chrono::milliseconds(50);
+      result.hung = spec.hung();
+    }
+    if (result.hung || (limit_s > 0 && now > deadline)) {
       result.timed_out = true;
       for (pid_t pid : pids) ::kill(-pid, SIGKILL);  // whole groups: what the ranks started too
       for (size_t rank = 0; rank < pids.size(); ++rank) {

@@ -7,6 +7,7 @@
 // found and removed: nothing is left in /dev/shm even then.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +24,11 @@ struct LaunchSpec {
   // several times slower) unless the test provokes the hang it waits for (hang_expected).
   double timeout_s = 60;
   bool hang_expected = false;
+  // For a hang the test provokes: true once the ranks stand where the test wants them (polled
+  // every 50 ms while they run); they are killed at once then. With it, a slow machine waits as
+  // long as it needs (timeout_s, scaled as any limit, bounds the wait) and a fast one no longer.
+  // Without it, a provoked hang is killed after exactly timeout_s.
+  std::function<bool()> hung;
   bool capture_output = false;  // else the ranks share the caller's stdout and stderr
 };
 
@@ -34,7 +40,8 @@ struct RankResult {
 };
 
 struct LaunchResult {
-  bool timed_out = false;
+  bool timed_out = false;  // killed: the limit passed, or `hung` held
+  bool hung = false;       // killed because the spec's `hung` held
   std::vector<RankResult> ranks;
   double wall_s = 0;
   std::string shm_tag;  // the STANDIN_SHM_TAG the ranks ran with ("" if the caller chose one)
