@@ -85,6 +85,18 @@ if [ "$ran" != ${#tests[@]} ]; then
   exit 1
 fi
 if [ $failed != 0 ]; then
+  # Last, where a reader of only the end of a long output still finds it: each failed test's
+  # name and the first lines of each of its failures (a transcript can run to thousands of lines).
+  echo "$name: the failures, in short:"
+  for ((p = 0; p < processes; ++p)); do
+    awk -v limit=12 '
+      /^\[ RUN      \] / { test = $4; next }
+      / Failure$/ { print "  " test ": " $0; left = limit; next }
+      /^Google Test trace:$/ { if (getline line > 0) print "    (trace) " substr(line, 1, 200); next }
+      /^\[  FAILED  \] .* \([0-9]+ ms\)$/ { left = 0; next }
+      left > 0 { print "    " substr($0, 1, 240); --left }
+    ' "$logdir/$name.$p.log" | head -n 120
+  done
   echo "$name: FAILED (logs: $logdir)"
   exit 1
 fi
