@@ -110,7 +110,8 @@ std::function<bool(const Standings&)> waiting_for(int stalled) {
   return [stalled](const Standings& ranks) {
     if (ranks.size() != 4) return false;
     for (const auto& [rank, s] : ranks) {
-      const bool there = rank == stalled ? s.returned == kCollective : s.issued == kCollective + 1;
+      const bool there = rank == stalled ? s.issued == kCollective && s.returned == kCollective
+                                         : s.issued == kCollective + 1;
       if (!there) return false;
     }
     return true;
