@@ -25,6 +25,7 @@
 #include "capture/trace_reader.h"
 #include "tests/support/has_line.h"
 #include "tests/support/launch.h"
+#include "tests/support/workload/arena_name.h"
 
 namespace magi {
 namespace {
@@ -673,9 +674,10 @@ TEST_P(StaticWeightsPrograms, InOneSharedFileAreReadInPlaceByteExactAndLeaveNoFi
       EXPECT_EQ(r.log.find("cannot be read in place"), std::string::npos) << r.log;
     }
     EXPECT_EQ(r.log.find("changed after it was bound"), std::string::npos) << r.log;
-    // The file is the scenario's (shm_open "/magi-arena-<pid>"), unlinked when it ends.
+    // The file is the scenario's (arena_name.h), unlinked when it ends.
+    ASSERT_FALSE(r.result.shm_tag.empty());
     for (const auto& rank : r.result.ranks) {
-      const std::string file = "/dev/shm/magi-arena-" + std::to_string(rank.pid);
+      const std::string file = "/dev/shm/" + workload::arena_file_name(r.result.shm_tag, rank.pid);
       EXPECT_FALSE(fs::exists(file)) << file << " is left behind";
     }
   }

@@ -134,7 +134,9 @@ support::LaunchResult hang_fsdp(const std::string& dir, std::vector<std::string>
                                 double timeout_s = 60) {
   support::LaunchSpec spec = fsdp_spec(dir, std::move(extra), std::move(env), timeout_s);
   spec.hang_expected = true;
-  spec.hung = [dir, there = std::move(there)] { return there(world_standings(dir)); };
+  spec.hung = [dir, there = std::move(there)](const support::LaunchResult&) {
+    return there(world_standings(dir));
+  };
   return support::launch(spec);
 }
 

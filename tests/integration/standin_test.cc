@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "tests/support/launch.h"
+#include "tests/support/workload/arena_name.h"
 
 namespace {
 
@@ -176,9 +177,11 @@ TEST_P(StandInRanks, CallsiteDivergenceKeepsTheSameShapeSoNcclSeesNothing) {
   for (const auto& rank : r.ranks) EXPECT_EQ(rank.stderr_text, "");
 }
 
-// The file "/magi-arena-<pid>" the weights scenario keeps its shards in with --arena 1.
+// The file the weights scenario keeps its shards in with --arena 1 (arena_name.h: it carries the
+// tag these tests give their ranks).
 bool arena_file_left(const RankResult& rank) {
-  return ::access(("/dev/shm/magi-arena-" + std::to_string(rank.pid)).c_str(), F_OK) == 0;
+  const std::string file = "/dev/shm/" + workload::arena_file_name(shm_tag(), rank.pid);
+  return ::access(file.c_str(), F_OK) == 0;
 }
 
 TEST_P(StandInRanks, WeightsProgramsWithShardsInOneSharedFileAreByteExactAndRemoveTheFile) {
@@ -290,6 +293,28 @@ TEST(MagiLaunch, TimeoutRemovesSegmentsOfRanksThatNeverAllJoined) {
   EXPECT_TRUE(r.timed_out) << transcript(r);
   ASSERT_FALSE(r.shm_tag.empty());
   EXPECT_TRUE(segments_named(r.shm_tag).empty());
+}
+
+// A rank killed by a signal cannot unlink its arena's file; the file carries the launch's tag
+// (arena_name.h), so the launcher removes it with the segments. The rank believes in a peer that
+// never comes and waits with its shards in the file; it is killed once the file is there.
+TEST(LaunchLibrary, AKilledRanksArenaFileIsRemovedByTheLauncher) {
+  LaunchSpec spec;
+  spec.nranks = 1;
+  spec.argv = {"/bin/sh", "-c", "STANDIN_NRANKS=2 exec \"$0\" weights --layers 4 --arena 1",
+               support_binary("magi-workload")};
+  std::string file;
+  spec.hung = [&file](const LaunchResult& so_far) {
+    file = "/dev/shm/" + workload::arena_file_name(so_far.shm_tag, so_far.ranks.at(0).pid);
+    return ::access(file.c_str(), F_OK) == 0;
+  };
+  spec.hang_expected = true;
+  spec.timeout_s = 30;
+  spec.capture_output = true;
+  const LaunchResult r = launch(spec);
+  ASSERT_TRUE(r.hung) << transcript(r);
+  EXPECT_EQ(r.ranks.at(0).signal, SIGKILL) << transcript(r);
+  EXPECT_NE(::access(file.c_str(), F_OK), 0) << file << " is left behind";
 }
 
 TEST(MagiLaunch, ExitStatusSaysAllOkSomeFailedOrTimedOut) {

@@ -214,7 +214,7 @@ LaunchResult launch(const LaunchSpec& spec) {
     const auto now = std::chrono::steady_clock::now();
     if (spec.hung && now >= next_look) {
       next_look = now + std::chrono::milliseconds(50);
-      result.hung = spec.hung();
+      result.hung = spec.hung(result);
     }
     if (result.hung || (limit_s > 0 && now > deadline)) {
       result.timed_out = true;

@@ -14,6 +14,8 @@
 
 namespace magi::support {
 
+struct LaunchResult;
+
 struct LaunchSpec {
   int nranks = 1;
   std::vector<std::string> argv;  // argv[0] is looked up in PATH unless it has a '/'
@@ -25,10 +27,11 @@ struct LaunchSpec {
   double timeout_s = 60;
   bool hang_expected = false;
   // For a hang the test provokes: true once the ranks stand where the test wants them (polled
-  // every 50 ms while they run); they are killed at once then. With it, a slow machine waits as
-  // long as it needs (timeout_s, scaled as any limit, bounds the wait) and a fast one no longer.
-  // Without it, a provoked hang is killed after exactly timeout_s.
-  std::function<bool()> hung;
+  // every 50 ms while they run, given the result so far: the ranks' pids and the tag); they are
+  // killed at once then. With it, a slow machine waits as long as it needs (timeout_s, scaled as
+  // any limit, bounds the wait) and a fast one no longer. Without it, a provoked hang is killed
+  // after exactly timeout_s.
+  std::function<bool(const LaunchResult&)> hung;
   bool capture_output = false;  // else the ranks share the caller's stdout and stderr
 };
 

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <iterator>
 
+#include "tests/support/workload/arena_name.h"
+
 namespace workload {
 namespace {
 
@@ -59,6 +61,12 @@ struct VmmCalls {
 
 size_t round_up(size_t bytes, size_t unit) { return (bytes + unit - 1) / unit * unit; }
 
+// "/" and the name arena_name.h gives, with the launcher's tag when there is one.
+std::string shared_file_name(int index) {
+  const char* tag = std::getenv("STANDIN_SHM_TAG");
+  return "/" + arena_file_name(tag != nullptr ? tag : "", static_cast<int>(::getpid()), index);
+}
+
 }  // namespace
 
 Arena::Arena(const Placement& placement, Kind kind, size_t bytes, int index)
@@ -78,11 +86,14 @@ Arena::Arena(const Placement& placement, Kind kind, size_t bytes, int index)
         if (base_ == nullptr) throw ScenarioFailure(format("cannot allocate %zu bytes", capacity_));
         break;
       case Kind::SharedFile: {
-        const int pid = static_cast<int>(::getpid());
-        const std::string name =
-            index == 0 ? format("/magi-arena-%d", pid) : format("/magi-arena-%d.%d", pid, index);
-        // O_EXCL: a file of that name is someone else's, never to be unlinked here.
-        const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+        const std::string name = shared_file_name(index);
+        int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd < 0 && errno == EEXIST) {
+          // The name holds this process's pid: the file is what a process that had this pid
+          // before left behind when a signal killed it (pids are reused), never a live one's.
+          ::shm_unlink(name.c_str());
+          fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+        }
         if (fd < 0) fail_errno("shm_open " + name);
         file_name_ = name;
         capacity_ = round_up(bytes, static_cast<size_t>(::sysconf(_SC_PAGESIZE)));

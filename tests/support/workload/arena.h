@@ -4,11 +4,11 @@
 // last one given back first, as a caching allocator reuses a freed block of its segment for the
 // next tensor. What kind of memory it is decides whether a peer can read a shard where it lies:
 //   Heap        host memory of this process alone (aligned_alloc): no peer can map it
-//   SharedFile  host memory: a MAP_SHARED mapping of a file in /dev/shm ("/magi-arena-<pid>"; a
-//               process's further arenas "/magi-arena-<pid>.<index>"),
-//               kept under its name while the arena lives so a peer can open and map it, and
-//               unlinked when the arena goes, however the scenario ends (only a rank killed by a
-//               signal leaves it behind)
+//   SharedFile  host memory: a MAP_SHARED mapping of a file in /dev/shm (named as
+//               arena_name.h says: with the launch's tag and the process's pid), kept under its
+//               name while the arena lives so a peer can open and map it, and unlinked when the
+//               arena goes, however the scenario ends (a rank killed by a signal leaves it behind;
+//               its launcher then removes it)
 //   HostMemfd   host memory: a MAP_SHARED mapping of a memfd_create file, which has no name a
 //               peer could open; the arena keeps its descriptor open while it lives, as a program
 //               that shares such memory does
@@ -35,8 +35,7 @@ class Arena {
 
   // Room for `bytes` (rounded up to what the memory is allocated in). Heap and SharedFile need
   // host placement, the others device placement; the placement must outlive the arena. `index`
-  // tells a process's arenas apart (SharedFile: "/magi-arena-<pid>", then
-  // "/magi-arena-<pid>.<index>").
+  // tells a process's arenas apart (SharedFile: arena_name.h).
   Arena(const Placement& placement, Kind kind, size_t bytes, int index = 0);
   ~Arena();
   Arena(const Arena&) = delete;
