@@ -2,7 +2,8 @@
 // it in /dev/shm. Under a launcher (a tag) the name carries the launch's tag, so the launcher
 // removes what a killed launch leaves behind, as it does the stand-in's segments
 // ("magi-standin-<tag>-"); else it is "magi-arena-<pid>". A process's further arenas add
-// ".<index>".
+// ".<index>". The host backend reads in place only names under 40 bytes: with the launchers'
+// tags (8 characters at most) the longest, a 7-digit pid's arena 999, is 39.
 #pragma once
 
 #include <string>
