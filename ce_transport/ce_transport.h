@@ -110,6 +110,10 @@ struct BindOp {
 struct WindowPlan {
   size_t slot_bytes = 0;
   bool bound = false;
+  // Staged windows: two more slots, for buckets captured into CUDA graphs (Timing::Captured),
+  // whose handshake every replay leaves as it found it (window_transport.cc). Twice the slots'
+  // memory; agreed like the rest of the plan, so alike on every rank.
+  bool graph_slots = false;
   bool zero_copy = false;  // bound only
   size_t table_room = 0;   // zero_copy: the most bytes the SourceTable may take
   std::vector<BindOp> bind;
@@ -184,8 +188,10 @@ struct WindowMemory {
 // `own_offset` (bound windows): the slot offset of the gather's own position, when the caller
 // reads another position's sources (slot_offset) because that is the buffer it sends; kOwn:
 // the same. Such a call is a deviation, which the peers compare (source_log.h).
-// `captured`: the call's stream is capturing a CUDA graph (bound windows only): the bucket is
-// served with Timing::Captured.
+// `captured`: the call's stream is capturing a CUDA graph (bound windows, or staged ones with
+// graph slots): the bucket is served with Timing::Captured. `bucket`: the plan's index of the
+// gather's bucket, the same on every rank: which graph slot a captured bucket of a staged window
+// takes (bucket % 2).
 struct GatherOp {
   static constexpr size_t kOwn = ~size_t{0};
   const void* sendbuf;
@@ -195,6 +201,7 @@ struct GatherOp {
   bool verify_now = false;
   size_t own_offset = kOwn;
   bool captured = false;
+  uint16_t bucket = 0;
 };
 
 // A transport for one communicator. Every method may throw magi::Error; the caller (rewrite/)
@@ -224,12 +231,15 @@ class Transport {
   // its peers' streams wait for it (as they would in NCCL's kernels) until the communicator is
   // aborted. MAGI_INJECT_FAULT=gather:RANK follows the same rule (ce_transport/protocol.h).
   // Timed: the cost trial times this bucket, so nothing else (a static binding's check) may run
-  // in it. Captured (bound windows only; throws Error(Usage) on a staged one): the stream is
-  // capturing a CUDA graph, and the bucket is recorded for every replay of it: the reads alone,
-  // as plain copies (the batch call is refused in a capture), with no flag and no check, which a
-  // replay would repeat from the capture's values. Every mapping the copies read stays mapped
-  // while a graph holds them (release() then leaves them, and a later release or prepare frees
-  // them once every such graph and its instances are destroyed).
+  // in it. Captured: the stream is capturing a CUDA graph, and the bucket is recorded for every
+  // replay of it, its copies as plain copies (the batch call is refused in a capture). A bound
+  // window records the reads alone, with no flag and no check, which a replay would repeat from
+  // the capture's values. A staged window needs graph slots (WindowPlan::graph_slots; throws
+  // Error(Usage) without them) and records a handshake of its own on them, which counts nothing:
+  // each word it waits on is put back by the waiter, so every replay finds the words as the
+  // capture did. Every mapping the copies read stays mapped while a graph holds them (release()
+  // then leaves them, and a later release or prepare frees them once every such graph and its
+  // instances are destroyed).
   enum class Served : uint8_t { Moved, FallBack };
   enum class Timing : uint8_t { Untimed, Timed, Captured };
   virtual Served gather(std::span<const GatherOp> bucket, void* stream,
@@ -243,7 +253,8 @@ class Transport {
   // The communicator is being aborted, possibly from another thread while a call is in flight:
   // every wait of this rank on its peers gives up now (CUDA: work already queued on a stream runs
   // on without its peers, reading whatever their windows hold, as NCCL's output after an abort
-  // is undefined). Only release() may follow.
+  // is undefined; a graph's waits on graph slots give up at every replay to come). Only
+  // release() may follow.
   virtual void abandon() = 0;
 
   // Bytes this rank's window holds (flags and slots, or the bound region); 0 before prepare.

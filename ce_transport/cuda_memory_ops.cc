@@ -19,8 +19,9 @@
 // that starts 512 bytes into its allocation ran at 78-80% of the same copies from offset 0 for
 // 256 MiB shards.
 //
-// Flags (protocol.h's FlagLayout, on 256-byte lines): the ready and done words of every peer and
-// the own word; never the failed ones, which only synchronous memory can act on. Measured on an
+// Flags (protocol.h's FlagLayout, on 256-byte lines): the ready and done words of every peer, the
+// own word and the graph slots' latches; never the failed ones, which only synchronous memory
+// can act on. Measured on an
 // H200 (2026-11): a peer's mapping stays readable after the peer dies, and cudaFree,
 // cudaIpcCloseMemHandle and even cudaMalloc block while any stream of the device waits on a word
 // that nobody will write: a window is freed only once every peer has said it finished reading it
@@ -292,6 +293,37 @@ CUstreamBatchMemOpParams wait_op(const uint8_t* address, uint64_t at_least) {
   return op;
 }
 
+// A latch's half (protocol.h): the low one by the handshake, the high one by an abort. The
+// words are little-endian on every device CUDA runs on.
+CUstreamBatchMemOpParams write_half_op(const uint8_t* latch, bool high, uint32_t value) {
+  CUstreamBatchMemOpParams op{};
+  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+  op.writeValue.address = reinterpret_cast<CUdeviceptr>(latch + (high ? 4 : 0));
+  op.writeValue.value = value;
+  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  return op;
+}
+
+// Until the latch is set or aborted: (word & kLatchOpen) != 0.
+CUstreamBatchMemOpParams wait_latch_op(const uint8_t* latch) {
+  CUstreamBatchMemOpParams op{};
+  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+  op.waitValue.address = reinterpret_cast<CUdeviceptr>(latch);
+  op.waitValue.value64 = protocol::kLatchOpen;
+  op.waitValue.flags = CU_STREAM_WAIT_VALUE_AND;
+  return op;
+}
+
+CUstreamBatchMemOpParams flag_op(const FlagOp& op) {
+  switch (op.kind) {
+    case FlagOp::Kind::Write: return write_op(op.word, op.value);
+    case FlagOp::Kind::Wait: return wait_op(op.word, op.value);
+    case FlagOp::Kind::Latch: return write_half_op(op.word, false, op.value != 0 ? 1 : 0);
+    case FlagOp::Kind::WaitLatch: return wait_latch_op(op.word);
+  }
+  return wait_latch_op(op.word);
+}
+
 class CudaMemoryOps final : public MemoryOps {
  public:
   CudaMemoryOps(int rank, int nranks, uint64_t identity, int device)
@@ -319,11 +351,11 @@ class CudaMemoryOps final : public MemoryOps {
     if (device_ >= 0) cuda_check(cudaSetDevice(device_), "cudaSetDevice");
   }
 
-  WindowView allocate(size_t slot_bytes, bool bound) override {
+  WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots) override {
     free_kept_for_graphs();
     stride_ = round_up(std::max<size_t>(slot_bytes, 1), kSlotAlign);
-    flags_at_ = (bound ? 1 : 2) * stride_;
-    flag_bytes_ = flags_.bytes_through_own();
+    flags_at_ = (bound ? 1 : graph_slots ? 4 : 2) * stride_;
+    flag_bytes_ = flags_.bytes_through_latches();
     bytes_ = round_up(flags_at_ + flag_bytes_, kAllocationGranule);
     settled_at_ = kNotSettled;
     cuda_check(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking),
@@ -331,7 +363,16 @@ class CudaMemoryOps final : public MemoryOps {
     cuda_check(cudaMallocHost(&flags_host_, flag_bytes_), "cudaMallocHost (flags)");
     if (bound) cuda_check(cudaMallocHost(&host_check_, kCheckBytes), "cudaMallocHost (check)");
     cuda_check(cudaMalloc(&base_, bytes_), "cudaMalloc (window)");
-    cuda_check(cudaMemsetAsync(flag(0), 0, flag_bytes_, own_stream_), "cudaMemsetAsync (flags)");
+    // Zero, but the graph slots' read latches (set: no peer owes a read yet). Copied from the
+    // pinned buffer settle() reads into later; export_window() waits for the copy.
+    std::memset(flags_host_, 0, flag_bytes_);
+    for (int slot = 0; slot < 2; ++slot)
+      for (int r = 0; r < nranks_; ++r)
+        std::memcpy(static_cast<uint8_t*>(flags_host_) + flags_.read(slot, r), &protocol::kLatchSet,
+                    sizeof(protocol::kLatchSet));
+    cuda_check(
+        cudaMemcpyAsync(flag(0), flags_host_, flag_bytes_, cudaMemcpyHostToDevice, own_stream_),
+        "cudaMemcpyAsync (flags)");
     return {region(), flags_at_, stride_, flag(0)};
   }
   size_t window_bytes() const override { return base_ != nullptr ? bytes_ : 0; }
@@ -485,9 +526,7 @@ class CudaMemoryOps final : public MemoryOps {
   void run_flags(std::span<const FlagOp> ops, void* stream) override {
     if (ops.empty()) return;
     mem_ops_.clear();
-    for (const FlagOp& op : ops)
-      mem_ops_.push_back(op.kind == FlagOp::Kind::Write ? write_op(op.word, op.value)
-                                                        : wait_op(op.word, op.value));
+    for (const FlagOp& op : ops) mem_ops_.push_back(flag_op(op));
     cuda_check(MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp)(reinterpret_cast<CUstream>(stream),
                                                        static_cast<unsigned>(mem_ops_.size()),
                                                        mem_ops_.data(), 0),
@@ -533,13 +572,16 @@ class CudaMemoryOps final : public MemoryOps {
 
   // A healthy abort (the program's shutdown) finds every bucket run or about to be; anything
   // else is released at once (a dead peer) or after a short grace (a peer that stalls).
+  // A graph's latches are opened in any case: a replay may come after the eager buckets settled,
+  // and would wait on peers that no longer serve it.
   void abandon(uint64_t last_bucket) override {
     use_on_any_thread();
     std::string unfinished;  // not said: an abort that finds a bucket in flight says so at release
     if (settle(last_bucket, kAbortGrace, unfinished) == Settled::Finished) {
       settled_at_ = last_bucket;
+      release_waits(Waits::Latches);
     } else {
-      release_waits();
+      release_waits(Waits::All);
     }
   }
 
@@ -585,7 +627,7 @@ class CudaMemoryOps final : public MemoryOps {
     } else {
       // This rank's stream must not wait for ever on peers that will never come; freeing would
       // wait for the whole device (see the top of this file). The process's end returns it all.
-      release_waits();
+      release_waits(Waits::All);
       MAGI_WARN(Transport,
                 "window of %zu bytes left allocated, with its %d peer mappings and %zu mapped "
                 "peer allocations: %s",
@@ -779,14 +821,22 @@ class CudaMemoryOps final : public MemoryOps {
     cudaGetLastError();
   }
 
-  // Every wait of this rank, queued or to come, passes: its own window's ready and done words.
-  // Not mem_ops_: a call may be filling that on another thread.
-  void release_waits() {
+  // Every wait of this rank, queued or to come, passes: its own window's ready and done words
+  // (Waits::All), and its graph slots' latches, for every replay to come. Not mem_ops_: a call
+  // may be filling that on another thread.
+  enum class Waits : uint8_t { All, Latches };
+  void release_waits(Waits which) {
     std::vector<CUstreamBatchMemOpParams> ops;
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
-      ops.push_back(write_op(flag(flags_.ready(r)), kReleased));
-      ops.push_back(write_op(flag(flags_.done(r)), kReleased));
+      if (which == Waits::All) {
+        ops.push_back(write_op(flag(flags_.ready(r)), kReleased));
+        ops.push_back(write_op(flag(flags_.done(r)), kReleased));
+      }
+      for (int slot = 0; slot < 2; ++slot) {
+        ops.push_back(write_half_op(flag(flags_.staged(slot, r)), true, 1));
+        ops.push_back(write_half_op(flag(flags_.read(slot, r)), true, 1));
+      }
     }
     if (ops.empty()) return;
     const CudaDriver* driver = cuda_driver();

@@ -1,8 +1,8 @@
 // Host memory for the window transport (memory_ops.h): a window is a POSIX shared-memory object
-// (host_window.h) laid out [ head | flags | slot 0 | slot 1 ] (or the bound region), its flag
-// words host atomics on cache lines of their own; copies are memcpy; every operation is done when
-// it returns. A waiting rank notices a dead peer by its pid and throws instead of waiting for
-// ever.
+// (host_window.h) laid out [ head | flags | slot 0 | slot 1 (| graph slots 0, 1) ] (or the bound
+// region), its flag words host atomics on cache lines of their own; copies are memcpy; every
+// operation is done when it returns. A waiting rank notices a dead peer by its pid and throws
+// instead of waiting for ever.
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/stat.h>
@@ -122,13 +122,18 @@ class HostMemoryOps final : public MemoryOps {
   bool synchronous() const override { return true; }
   const protocol::FlagLayout& flags() const override { return flags_; }
 
-  WindowView allocate(size_t slot_bytes, bool bound) override {
+  WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots) override {
     // Slots start on cache lines, so packed 64-byte-aligned slot offsets stay aligned in memory.
     stride_ = round_up(slot_bytes, kCacheLine);
     region_at_ = sizeof(WindowHead) + flags_.bytes();
-    own_ = HostWindow::create(region_at_ + (bound ? 1 : 2) * stride_, flags_.bytes(), nranks_ - 1);
+    const size_t slots = bound ? 1 : graph_slots ? 4 : 2;
+    own_ = HostWindow::create(region_at_ + slots * stride_, flags_.bytes(), nranks_ - 1);
     if (bound) check_.resize(kCheckBytes);
-    return view(own_);
+    const WindowView own = view(own_);
+    for (int slot = 0; slot < 2; ++slot)
+      for (int r = 0; r < nranks_; ++r)
+        word_at(own.flags + flags_.read(slot, r)).store(protocol::kLatchSet);
+    return own;
   }
   size_t window_bytes() const override { return own_.size(); }
   void bind(std::span<const Copy> shards) override {
@@ -191,17 +196,30 @@ class HostMemoryOps final : public MemoryOps {
   void rebind(const Copy& shard, void* /*stream*/) override {
     std::memcpy(shard.dst, shard.src, shard.bytes);
   }
-  // A write is a release store after everything this rank wrote before it; a wait ends with an
+  // A write is a release store after everything this rank wrote before it (a latch's, a release
+  // read-modify-write of its low bit, which leaves the high half as it is); a wait ends with an
   // acquire load that saw the peer's release.
   void run_flags(std::span<const FlagOp> ops, void* /*stream*/) override {
     for (const FlagOp& op : ops) {
       std::atomic<uint64_t>& word = word_at(op.word);
-      if (op.kind == FlagOp::Kind::Write) {
-        word.store(op.value, std::memory_order_release);
-        continue;
+      switch (op.kind) {
+        case FlagOp::Kind::Write: word.store(op.value, std::memory_order_release); break;
+        case FlagOp::Kind::Latch:
+          if (op.value != 0)
+            word.fetch_or(protocol::kLatchSet, std::memory_order_release);
+          else
+            word.fetch_and(~protocol::kLatchSet, std::memory_order_release);
+          break;
+        case FlagOp::Kind::Wait:
+          wait_for(op.rank, peer_pids_[static_cast<size_t>(op.rank)], abandoned_,
+                   [&] { return word.load(std::memory_order_acquire) >= op.value; });
+          break;
+        case FlagOp::Kind::WaitLatch:
+          wait_for(op.rank, peer_pids_[static_cast<size_t>(op.rank)], abandoned_, [&] {
+            return (word.load(std::memory_order_acquire) & protocol::kLatchOpen) != 0;
+          });
+          break;
       }
-      wait_for(op.rank, peer_pids_[static_cast<size_t>(op.rank)], abandoned_,
-               [&] { return word.load(std::memory_order_acquire) >= op.value; });
     }
   }
   uint64_t read_flag(const uint8_t* word) const override {

@@ -31,9 +31,10 @@ namespace magi::ce {
 
 // A window as this process reaches it: its own, or a peer's through a mapping.
 struct WindowView {
-  uint8_t* region = nullptr;  // the two staging slots, or the bound region
+  uint8_t* region = nullptr;  // the staging slots (two, or four with graph slots), or the bound
+                              // region
   size_t region_bytes = 0;    // the room they have
-  size_t slot_stride = 0;     // staging: where slot 1 lies after slot 0
+  size_t slot_stride = 0;     // staging: where slot k lies after slot 0, k times this
   uint8_t* flags = nullptr;   // the handshake's words, at protocol.h's FlagLayout offsets
 };
 
@@ -45,12 +46,16 @@ struct Copy {
 };
 
 // One operation on a word of the handshake; a batch runs in its order.
+//  - Write, Wait: a counter (the eager handshake): stores `value`; waits until the word holds at
+//    least `value`.
+//  - Latch, WaitLatch: a latch (graph slots: protocol.h): stores `value` (0 or 1) in the low 32
+//    bits alone; waits until the word & kLatchOpen is not 0 (set, or aborted).
 struct FlagOp {
-  enum class Kind : uint8_t { Write, Wait };
+  enum class Kind : uint8_t { Write, Wait, Latch, WaitLatch };
   Kind kind;
-  int rank;        // Write: whose window holds `word`; Wait: the peer that writes it
-  uint8_t* word;   // Wait: always a word of this rank's own window
-  uint64_t value;  // Write: what is stored; Wait: until the word holds at least this
+  int rank;        // Write, Latch: whose window holds `word`; waits: the peer that writes it
+  uint8_t* word;   // waits: always a word of this rank's own window
+  uint64_t value;  // what is stored, or waited for (Wait)
 };
 
 // The blob's bytes after its header: what a kind needs to map a window (protocol.h).
@@ -83,9 +88,10 @@ class MemoryOps {
   virtual void use_on_any_thread() { use(); }
 
   // ---- this rank's window ----
-  // Allocates it, its flag words zeroed: two staging slots of `slot_bytes`, or one bound region
-  // of `slot_bytes` (`bound`, which also gets a check buffer).
-  virtual WindowView allocate(size_t slot_bytes, bool bound) = 0;
+  // Allocates it, its flag words zeroed but for the graph slots' read latches (set): two
+  // staging slots of `slot_bytes` (four with `graph_slots`: WindowView::slot_stride apart), or
+  // one bound region of `slot_bytes` (`bound`, which also gets a check buffer).
+  virtual WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots) = 0;
   virtual size_t window_bytes() const = 0;  // 0 while there is no window
   // Bound windows, at prepare: copies the program's shards into the window, done before prepare
   // returns. A shard the program has freed since is refused (Error System), never read.
@@ -127,9 +133,9 @@ class MemoryOps {
   virtual void copy_captured(std::span<const Copy> copies, void* stream) {
     copy_batch(copies, stream);
   }
-  // The graph `stream` is capturing reads this window's mappings: they stay mapped until that
-  // graph, and every instance of it, is destroyed (release() leaves them mapped meanwhile).
-  // Nothing when the stream is not capturing, and nothing for host memory.
+  // The graph `stream` is capturing uses this window and its mappings: they stay until that
+  // graph, and every instance of it, is destroyed (release() leaves them meanwhile). Nothing
+  // when the stream is not capturing, and nothing for host memory.
   virtual void hold_for_graph(void* /*stream*/) {}
   // A bound shard copied into the window again, on `stream` (ahead of that call's reads).
   virtual void rebind(const Copy& shard, void* stream) = 0;
@@ -151,7 +157,8 @@ class MemoryOps {
 
   // ---- the end ----
   // The communicator is aborted, the window attached, `last_bucket` the last one started: every
-  // wait of this rank on its peers gives up (ce_transport.h's abandon()).
+  // wait of this rank on its peers gives up (ce_transport.h's abandon()), the graph slots'
+  // latches for good (their high halves: a replay's own stores cannot close them again).
   virtual void abandon(uint64_t last_bucket) = 0;
   // Frees the window, the peers' mappings and imports, once that is safe (ce_transport.h's
   // release()); `abandoned`: abandon() came first.

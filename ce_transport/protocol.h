@@ -23,7 +23,7 @@ namespace magi::ce::protocol {
 
 inline constexpr uint64_t kBlobMagic = 0x42574543'4947414d;  // "MAGICEWB" in memory order
 // Raised whenever the header or a medium changes its layout: ranks built apart refuse each other.
-inline constexpr uint32_t kBlobVersion = 3;
+inline constexpr uint32_t kBlobVersion = 4;
 
 struct BlobHeader {
   uint64_t magic;
@@ -100,6 +100,14 @@ Medium read_blob(const HandleBlob& blob, int rank, const WindowShape& shape, Blo
 // and own(): the last bucket whose part has run on the owner (CUDA backend: what release waits
 // for). Each word is on a line of its own (a cache line on the host, 256 bytes on a device), so
 // no two writers share a line.
+//
+// Graph slots (WindowPlan::graph_slots) have latches instead of counters, since a replay writes
+// what its capture wrote: a latch's low 32 bits are 0 or 1, written by 32-bit stores; its high
+// 32 bits stay 0 until an abort sets them, and a wait on a latch ends when it is 1 or aborted
+// (kLatchOpen). For graph slot s and each rank r:
+//   staged(s, r): r has staged its slot s (r sets it, the owner puts it back to 0);
+//   read(s, r): r has read the owner's slot s since the owner last staged it (starts at 1; the
+//     owner puts it to 0 before staging, r sets it after reading).
 struct FlagLayout {
   size_t line_bytes = 0;
   int nranks = 0;
@@ -107,17 +115,29 @@ struct FlagLayout {
   size_t ready(int from) const { return line(static_cast<size_t>(from)); }
   size_t done(int from) const { return line(ranks() + static_cast<size_t>(from)); }
   size_t own() const { return line(2 * ranks()); }
-  size_t failed(int from, uint64_t bucket) const {
-    return line(2 * ranks() + 1 + 2 * static_cast<size_t>(from) + bucket % 2);
+  size_t staged(int slot, int from) const {
+    return line(2 * ranks() + 1 + static_cast<size_t>(slot) * ranks() + static_cast<size_t>(from));
   }
-  // Bytes through own(): all the CUDA backend uses (it cannot act on failed words in a bucket).
-  size_t bytes_through_own() const { return line(2 * ranks() + 1); }
-  size_t bytes() const { return line(4 * ranks() + 1); }
+  size_t read(int slot, int from) const {
+    return line(4 * ranks() + 1 + static_cast<size_t>(slot) * ranks() + static_cast<size_t>(from));
+  }
+  size_t failed(int from, uint64_t bucket) const {
+    return line(6 * ranks() + 1 + 2 * static_cast<size_t>(from) + bucket % 2);
+  }
+  // Bytes through the graph slots' latches: all the CUDA backend uses (it cannot act on failed
+  // words in a bucket).
+  size_t bytes_through_latches() const { return line(6 * ranks() + 1); }
+  size_t bytes() const { return line(8 * ranks() + 1); }
 
  private:
   size_t ranks() const { return static_cast<size_t>(nranks); }
   size_t line(size_t index) const { return index * line_bytes; }
 };
+
+// A latch (graph slots): set when its low half is 1, and opened for good by an abort, which
+// writes its high half (the handshake's own stores write only the low half).
+inline constexpr uint64_t kLatchSet = 1;
+inline constexpr uint64_t kLatchOpen = kLatchSet | ~uint64_t{0} << 32;  // a wait's mask
 
 // ---- MAGI_INJECT_FAULT ------------------------------------------------------------------------
 // Lets tests make one rank's transport fail where a CUDA error could, to show that every rank

@@ -69,6 +69,7 @@ class WindowTransport final : public Transport {
     memory_->use_on_any_thread();
     slot_bytes_ = plan.slot_bytes;
     bound_ = plan.bound;
+    graph_slots_ = !plan.bound && plan.graph_slots;
     zero_copy_ = plan.bound && plan.zero_copy;
     if (bound_) {
       const auto find = memory_->export_finder();
@@ -79,7 +80,7 @@ class WindowTransport final : public Transport {
       references_.reset(plan.bind.size());
     }
     verify_.reset(plan.verify_first, plan.verify_every);
-    own_ = memory_->allocate(bound_ ? sources_.region_bytes : slot_bytes_, bound_);
+    own_ = memory_->allocate(bound_ ? sources_.region_bytes : slot_bytes_, bound_, graph_slots_);
     if (bound_) bind_shards(plan);
     shape_ = {memory_->backend(),
               identity_,
@@ -168,22 +169,29 @@ class WindowTransport final : public Transport {
                                           " bytes at slot offset " +
                                           std::to_string(op.slot_offset) + " overflows a slot of " +
                                           std::to_string(slot_bytes_));
-    if (timing == Timing::Captured && !bound_)
+    if (timing == Timing::Captured && !bound_ && !graph_slots_)
       throw Error(ErrorKind::Usage,
-                  "a captured bucket on a staged window (its handshake counts buckets, which a "
-                  "replay repeats)");
+                  "a captured bucket on a staged window without graph slots (its handshake "
+                  "counts buckets, which a replay repeats)");
+    // Every bucket has a sequence number (what the source log says); the eager ones are counted
+    // apart, since only they write the counters the eager handshake waits for: a rank's n-th
+    // eager bucket meets its peers' n-th whatever graphs were captured between them.
     const uint64_t n = sequence_.load() + 1;
     sequence_.store(n);
-    if (timing != Timing::Captured) eager_.store(n);
     if (timing == Timing::Captured) {
-      gather_captured(bucket, n, stream);
+      if (bound_)
+        gather_captured(bucket, n, stream);
+      else
+        gather_captured_staged(bucket, stream);
       return Served::Moved;
     }
+    const uint64_t eager = eager_.load() + 1;
+    eager_.store(eager);
     if (bound_) {
-      gather_bound(bucket, n, stream, timing);
+      gather_bound(bucket, n, eager, stream, timing);
       return Served::Moved;
     }
-    return gather_staged(bucket, n, stream);
+    return gather_staged(bucket, eager, stream);
   }
 
   void abandon() override {
@@ -290,7 +298,8 @@ class WindowTransport final : public Transport {
   // Static weights: every peer's shard has been where it is read since before the plan was
   // confirmed (its region, or its own memory), so a call is only reads. The rank's own shard is
   // checked now and then (start_check).
-  void gather_bound(std::span<const GatherOp> bucket, uint64_t n, void* stream, Timing timing) {
+  void gather_bound(std::span<const GatherOp> bucket, uint64_t n, uint64_t eager, void* stream,
+                    Timing timing) {
     finish_check(stream);
     copies_.clear();
     add_reads(bucket, [&](int r, const GatherOp& op) {  // where that peer keeps its shard
@@ -304,7 +313,7 @@ class WindowTransport final : public Transport {
     // After the reads, so the gather is not delayed by it; before the bucket's end marks, so a
     // release that sees this bucket finished knows the check's copies have run too.
     start_check(bucket, stream, timing);
-    finish_bucket(n, stream);
+    finish_bucket(eager, stream);
   }
 
   // A bound bucket recorded into the CUDA graph its stream is capturing: the reads only, from
@@ -326,6 +335,71 @@ class WindowTransport final : public Transport {
         log_.deviate(n, op.own_offset, op.slot_offset);
     }
     log_.publish(n);
+  }
+
+  // A staged bucket recorded into the CUDA graph its stream is capturing, on graph slot
+  // bucket % 2 (the plan's bucket index: the same on every rank, so the k-th use of a graph slot
+  // on one rank meets the k-th on every other, in whatever order graphs were captured). Each
+  // latch this rank waits on it puts back (protocol.h), so every use ends with the words as it
+  // found them, and a replay finds them as the capture did:
+  //  1. every peer has read this rank's last use of the slot: wait on their read latches here,
+  //     and lower them (they rise again once each has read this use);
+  //  2. stage this rank's shards in the slot;
+  //  3. set this rank's staged latch in every peer's window; wait on theirs here, and lower
+  //     them;
+  //  4. read every peer's slot;
+  //  5. set this rank's read latch in every peer's window.
+  // Why no byte is stale or overwritten: as in the eager handshake (the top of this file), with
+  // "the peer's last use of the slot has been read" in place of done >= n - 2. A latch is raised
+  // again only after its lowering: a peer raises its staged latch here for its next use only
+  // after its wait on this rank's read latch, which this rank raises after lowering the staged
+  // one (stream order, and the barrier before every stream write).
+  void gather_captured_staged(std::span<const GatherOp> bucket, void* stream) {
+    if (bucket.empty()) return;
+    const int slot = bucket.front().bucket % 2;
+    for (const GatherOp& op : bucket)
+      if (op.bucket != bucket.front().bucket)
+        throw Error(ErrorKind::Usage, "a captured bucket whose gathers name different buckets");
+    const size_t at = (2 + static_cast<size_t>(slot)) * own_.slot_stride;
+    memory_->hold_for_graph(stream);
+    flag_ops_.clear();
+    add_latch_waits([&](int r) { return flags_.read(slot, r); });
+    memory_->run_flags(flag_ops_, stream);
+    copies_.clear();
+    for (const GatherOp& op : bucket)
+      if (op.bytes != 0)
+        copies_.push_back({own_.region + at + op.slot_offset, op.sendbuf, op.bytes});
+    memory_->copy_captured(copies_, stream);
+    flag_ops_.clear();
+    add_latch_sets(flags_.staged(slot, rank_));
+    add_latch_waits([&](int r) { return flags_.staged(slot, r); });
+    memory_->run_flags(flag_ops_, stream);
+    copies_.clear();
+    add_reads(bucket, [&](int r, const GatherOp& op) {
+      return peers_[static_cast<size_t>(r)].region + at + op.slot_offset;
+    });
+    memory_->copy_captured(copies_, stream);
+    flag_ops_.clear();
+    add_latch_sets(flags_.read(slot, rank_));
+    memory_->run_flags(flag_ops_, stream);
+  }
+
+  // Every peer's latch `word_of(peer)` in this rank's own window: waited on, then lowered.
+  template <class WordOf>
+  void add_latch_waits(WordOf word_of) {
+    for (int r = 0; r < nranks_; ++r) {
+      if (r == rank_) continue;
+      uint8_t* word = own_.flags + word_of(r);
+      flag_ops_.push_back({FlagOp::Kind::WaitLatch, r, word, 0});
+      flag_ops_.push_back({FlagOp::Kind::Latch, rank_, word, 0});
+    }
+  }
+  // This rank's latch at `word` set in every peer's window.
+  void add_latch_sets(size_t word) {
+    for (int r = 0; r < nranks_; ++r)
+      if (r != rank_)
+        flag_ops_.push_back(
+            {FlagOp::Kind::Latch, r, peers_[static_cast<size_t>(r)].flags + word, 1});
   }
 
   // A bucket's reads: every peer's part of each gather from `peer_part(r, op)`, this rank's own
@@ -494,8 +568,8 @@ class WindowTransport final : public Transport {
   }
 
   // The bucket whose end (the peers' done words, this rank's own word) an abort or a release
-  // waits for: the last one started that was not captured, since a captured bucket writes no
-  // flag (gather_captured) on any rank.
+  // waits for: the last eager one, since a captured bucket writes no counter on any rank (a
+  // graph's own lifetime keeps what it uses: hold_for_graph).
   uint64_t settling_bucket() const { return eager_.load(); }
 
   void release_locked() {
@@ -507,7 +581,7 @@ class WindowTransport final : public Transport {
     sources_ = {};
     bind_.clear();
     slot_bytes_ = 0;
-    bound_ = zero_copy_ = false;
+    bound_ = zero_copy_ = graph_slots_ = false;
     shape_ = {};
     sequence_.store(0);
     eager_.store(0);
@@ -531,6 +605,7 @@ class WindowTransport final : public Transport {
   size_t slot_bytes_ = 0;
   bool bound_ = false;
   bool zero_copy_ = false;
+  bool graph_slots_ = false;                  // staged: two more slots, for captured buckets
   exports::SourcePlan sources_;               // bound: where each of this rank's shards is read
   std::vector<BindOp> bind_;                  // bound: the agreed sources, by bind index
   exports::BindIndex bind_index_;             // slot offset -> bind index
@@ -555,7 +630,7 @@ class WindowTransport final : public Transport {
   bool attached_ = false;
   bool broken_ = false;                // synchronous memory: a bucket threw part way
   std::atomic<uint64_t> sequence_{0};  // the last bucket started; read by abandon() from any thread
-  std::atomic<uint64_t> eager_{0};     // the last bucket started that was not captured
+  std::atomic<uint64_t> eager_{0};     // buckets started that were not captured
   std::atomic<bool> abandoned_{false};
   std::mutex lifetime_;  // prepare, attach, release and abandon, which may come from another thread
 };

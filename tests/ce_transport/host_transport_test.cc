@@ -287,7 +287,11 @@ std::unique_ptr<Transport> join(int rank, int nranks, Shared& shared, size_t slo
   return transport;
 }
 
-int gather_and_check(int rank, int nranks, Shared& shared) {
+// `graph_slots`: the window has them, and every other bucket is served as captured into a CUDA
+// graph (Timing::Captured; host memory runs it at once), on the graph slot of its index's
+// parity, through the latches of real shared memory: the odd buckets in even iterations, the
+// even ones in odd iterations.
+int gather_and_check(int rank, int nranks, Shared& shared, bool graph_slots = false) {
   const Plan plan = make_plan();
   Buffers buffers = make_buffers(plan, nranks);
   auto transport = make_transport(Backend::Host, rank, nranks, kCommIdentity);
@@ -296,10 +300,13 @@ int gather_and_check(int rank, int nranks, Shared& shared) {
     return 1;
   }
   HandleBlob blob;
-  transport->prepare(staging_plan(plan.slot_bytes), blob);
-  if (transport->window_bytes() < 2 * plan.slot_bytes) {
-    std::fprintf(stderr, "rank %d: window of %zu bytes for two slots of %zu\n", rank,
-                 transport->window_bytes(), plan.slot_bytes);
+  WindowPlan window = staging_plan(plan.slot_bytes);
+  window.graph_slots = graph_slots;
+  transport->prepare(window, blob);
+  const size_t slots = graph_slots ? 4 : 2;
+  if (transport->window_bytes() < slots * plan.slot_bytes) {
+    std::fprintf(stderr, "rank %d: window of %zu bytes for %zu slots of %zu\n", rank,
+                 transport->window_bytes(), slots, plan.slot_bytes);
     return 1;
   }
   shared.blobs[rank] = blob;
@@ -319,8 +326,11 @@ int gather_and_check(int rank, int nranks, Shared& shared) {
 
   for (int iteration = 0; iteration < kIterations; ++iteration)
     for (size_t b = 0; b < plan.buckets.size(); ++b) {
-      const std::vector<GatherOp> ops = fill_bucket(plan, buffers, b, iteration, rank);
-      transport->gather(ops, nullptr);
+      std::vector<GatherOp> ops = fill_bucket(plan, buffers, b, iteration, rank);
+      const bool captured = graph_slots && (b + static_cast<size_t>(iteration)) % 2 == 1;
+      for (GatherOp& op : ops) op.bucket = static_cast<uint16_t>(b);
+      transport->gather(ops, nullptr,
+                        captured ? Transport::Timing::Captured : Transport::Timing::Untimed);
       if (check_bucket(plan, buffers, b, iteration, rank, nranks) != 0) return 1;
     }
 
@@ -343,6 +353,20 @@ TEST_P(HostTransportRanks, EveryRankReceivesEveryByteOfEveryBucket) {
   SharedArea area;
   const RankRun run = run_ranks(nranks, area.get(), 30, [nranks](int rank, Shared& shared) {
     return gather_and_check(rank, nranks, shared);
+  });
+  ASSERT_FALSE(run.timed_out) << "ranks still running after 30 s; killed";
+  for (int r = 0; r < nranks; ++r) {
+    EXPECT_EQ(run.ranks[static_cast<size_t>(r)].exit_code, 0) << "rank " << r;
+    EXPECT_EQ(run.ranks[static_cast<size_t>(r)].signal, 0) << "rank " << r;
+  }
+  EXPECT_EQ(window_names_of(pids_of(run)), std::vector<std::string>{});
+}
+
+TEST_P(HostTransportRanks, CapturedBucketsOnGraphSlotsAmongEagerOnesReceiveEveryByte) {
+  const int nranks = GetParam();
+  SharedArea area;
+  const RankRun run = run_ranks(nranks, area.get(), 30, [nranks](int rank, Shared& shared) {
+    return gather_and_check(rank, nranks, shared, true);
   });
   ASSERT_FALSE(run.timed_out) << "ranks still running after 30 s; killed";
   for (int r = 0; r < nranks; ++r) {

@@ -79,12 +79,14 @@ class FakeMemory final : public MemoryOps {
   bool synchronous() const override { return false; }
   const protocol::FlagLayout& flags() const override { return flags_; }
 
-  WindowView allocate(size_t slot_bytes, bool bound) override {
+  WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots) override {
     const size_t stride = round_up(std::max<size_t>(slot_bytes, 1), kLine);
-    const size_t flags_at = (bound ? 1 : 2) * stride;
-    storage_.assign((flags_at + flags_.bytes_through_own()) / 8, 0);
+    const size_t flags_at = (bound ? 1 : graph_slots ? 4 : 2) * stride;
+    storage_.assign((flags_at + flags_.bytes_through_latches()) / 8, 0);
     auto* base = reinterpret_cast<uint8_t*>(storage_.data());
     own_ = {base, flags_at, stride, base + flags_at};
+    for (int slot = 0; slot < 2; ++slot)
+      for (int r = 0; r < nranks_; ++r) store(own_.flags + flags_.read(slot, r), 1);
     if (bound) check_.assign(kCheckBytes, 0);
     return own_;
   }
@@ -138,14 +140,45 @@ class FakeMemory final : public MemoryOps {
       return true;
     });
   }
-  // A graph: its copies are recorded, not queued; replay() runs them.
+  // A graph: while `capturing`, what a call queues is recorded instead (its copies also in
+  // `graph`), with the values it has now; launch() queues a replay of it on a stream, replay()
+  // runs it at once (a graph with no wait).
   void copy_captured(std::span<const Copy> copies, void*) override {
     events.push_back({Event::Kind::Captured, {copies.begin(), copies.end()}, {}});
     graph.insert(graph.end(), copies.begin(), copies.end());
+    recorded.push_back([c = std::vector<Copy>(copies.begin(), copies.end())] {
+      for (const Copy& one : c) std::memcpy(one.dst, one.src, one.bytes);
+      return true;
+    });
   }
   void hold_for_graph(void*) override { ++graph_holds; }
   void replay() const {
-    for (const Copy& one : graph) std::memcpy(one.dst, one.src, one.bytes);
+    for (const auto& step : recorded) EXPECT_TRUE(step()) << "a replay waited";
+  }
+  void launch(const std::vector<std::function<bool()>>& graph_steps, void* stream) {
+    for (const auto& step : graph_steps) on(stream).work.push_back(step);
+  }
+  // Ends a capture: what it recorded.
+  std::vector<std::function<bool()>> take_graph() {
+    graph.clear();
+    return std::exchange(recorded, {});
+  }
+  // As the CUDA backend's abandon(): the high half of each of this rank's latches.
+  void open_latches() {
+    for (int slot = 0; slot < 2; ++slot)
+      for (int r = 0; r < nranks_; ++r) {
+        if (r == rank_) continue;
+        for (const size_t word : {flags_.staged(slot, r), flags_.read(slot, r)}) {
+          const uint32_t one = 1;
+          std::memcpy(own_.flags + word + 4, &one, sizeof(one));
+        }
+      }
+  }
+  // A word of this rank's own window.
+  uint64_t word(size_t offset) const {
+    uint64_t v = 0;
+    std::memcpy(&v, own_.flags + offset, sizeof(v));
+    return v;
   }
   void rebind(const Copy& shard, void* stream) override {
     events.push_back({Event::Kind::Rebind, {shard}, {}});
@@ -161,17 +194,25 @@ class FakeMemory final : public MemoryOps {
       event.flags.push_back(describe(op));
       uint8_t* word = op.word;
       const uint64_t value = op.value;
-      if (op.kind == FlagOp::Kind::Write)
-        on(stream).work.push_back([word, value] {
-          std::memcpy(word, &value, sizeof(value));
-          return true;
-        });
+      std::function<bool()> step;
+      switch (op.kind) {
+        case FlagOp::Kind::Write: step = [word, value] { return store(word, value), true; }; break;
+        case FlagOp::Kind::Wait: step = [word, value] { return load(word) >= value; }; break;
+        case FlagOp::Kind::Latch:
+          step = [word, value] {  // the low half alone
+            const auto half = static_cast<uint32_t>(value);
+            std::memcpy(word, &half, sizeof(half));
+            return true;
+          };
+          break;
+        case FlagOp::Kind::WaitLatch:
+          step = [word] { return (load(word) & protocol::kLatchOpen) != 0; };
+          break;
+      }
+      if (capturing)
+        recorded.push_back(std::move(step));
       else
-        on(stream).work.push_back([word, value] {
-          uint64_t now = 0;
-          std::memcpy(&now, word, sizeof(now));
-          return now >= value;
-        });
+        on(stream).work.push_back(std::move(step));
     }
     events.push_back(std::move(event));
   }
@@ -214,24 +255,38 @@ class FakeMemory final : public MemoryOps {
   std::vector<Release> releases;
   std::vector<Copy> graph;  // what copy_captured recorded
   int graph_holds = 0;
+  bool capturing = false;  // flag operations are recorded, not queued
+  std::vector<std::function<bool()>> recorded;
 
  private:
   static FakeStream& on(void* stream) { return *static_cast<FakeStream*>(stream); }
+  static void store(uint8_t* word, uint64_t value) { std::memcpy(word, &value, sizeof(value)); }
+  static uint64_t load(const uint8_t* word) {
+    uint64_t v = 0;
+    std::memcpy(&v, word, sizeof(v));
+    return v;
+  }
 
   // A flag word by the window it lies in and its place in protocol.h's layout.
   std::string describe(const FlagOp& op) const {
-    const uint8_t* flags = op.rank == rank_ || op.kind == FlagOp::Kind::Wait
-                               ? own_.flags
-                               : peer_flags_[static_cast<size_t>(op.rank)];
+    const bool waits = op.kind == FlagOp::Kind::Wait || op.kind == FlagOp::Kind::WaitLatch;
+    const uint8_t* flags =
+        op.rank == rank_ || waits ? own_.flags : peer_flags_[static_cast<size_t>(op.rank)];
     const size_t line = static_cast<size_t>(op.word - flags) / kLine;
     const auto n = static_cast<size_t>(nranks_);
-    const std::string word = line < n        ? "ready[" + std::to_string(line) + "]"
-                             : line < 2 * n  ? "done[" + std::to_string(line - n) + "]"
-                             : line == 2 * n ? "own"
-                                             : "?";
+    const size_t latch = line - 2 * n - 1;  // staged[slot][rank], then read[slot][rank]
+    const std::string word = line < n           ? "ready[" + std::to_string(line) + "]"
+                             : line < 2 * n     ? "done[" + std::to_string(line - n) + "]"
+                             : line == 2 * n    ? "own"
+                             : line < 6 * n + 1 ? std::string(latch < 2 * n ? "staged" : "read") +
+                                                      std::to_string(latch / n % 2) + "[" +
+                                                      std::to_string(latch % n) + "]"
+                                                : "?";
     if (op.kind == FlagOp::Kind::Wait) return "wait " + word + ">=" + std::to_string(op.value);
+    if (op.kind == FlagOp::Kind::WaitLatch) return "wait " + word;
     const int window = flags == own_.flags ? rank_ : op.rank;
-    return "write r" + std::to_string(window) + ":" + word + "=" + std::to_string(op.value);
+    return (op.kind == FlagOp::Kind::Latch ? "latch r" : "write r") + std::to_string(window) + ":" +
+           word + "=" + std::to_string(op.value);
   }
 
   const int rank_;
@@ -663,7 +718,8 @@ TEST(WindowTransport, ACapturedBucketRecordsTheReadsAloneAndEveryReplayIsRight) 
     for (int r = 0; r < kRanks; ++r) ranks.memory(r).replay();
     EXPECT_EQ(s.wrong(), "") << "replay " << replay;
   }
-  // An eager bucket (2) after the capture: the reads, its check and its flags, as ever.
+  // An eager bucket after the capture (the first eager one: its flags count eager buckets
+  // alone): the reads, its check and its flags, as ever.
   s.poison();
   for (int r = 0; r < kRanks; ++r) ranks.gather(r, s.ops[static_cast<size_t>(r)]);
   ASSERT_TRUE(ranks.run());
@@ -673,26 +729,26 @@ TEST(WindowTransport, ACapturedBucketRecordsTheReadsAloneAndEveryReplayIsRight) 
   EXPECT_EQ(events.back().kind, Event::Kind::Flags);
   EXPECT_EQ(
       events.back().flags,
-      (std::vector<std::string>{"write r1:done[0]=2", "write r2:done[0]=2", "write r0:own=2"}));
+      (std::vector<std::string>{"write r1:done[0]=1", "write r2:done[0]=1", "write r0:own=1"}));
   // A replay after the eager bucket still reads the same bytes.
   s.poison();
   for (int r = 0; r < kRanks; ++r) ranks.memory(r).replay();
   EXPECT_EQ(s.wrong(), "");
-  // Bucket 3 captured last: the release settles on bucket 2, the last eager one (a captured
-  // bucket writes no flag on any rank: its end would be waited for in vain).
+  // Bucket 3 captured last: the release settles on the first eager bucket, the last eager one
+  // (a captured bucket writes no flag on any rank: its end would be waited for in vain).
   for (int r = 0; r < kRanks; ++r)
     ranks.gather(r, s.ops[static_cast<size_t>(r)], Transport::Timing::Captured);
   for (int r = 0; r < kRanks; ++r) {
     EXPECT_EQ(ranks.memory(r).graph_holds, 2);
     ranks.transport(r).release();
     ASSERT_EQ(ranks.memory(r).releases.size(), 1u);
-    EXPECT_EQ(ranks.memory(r).releases[0].last_bucket, 2u) << "rank " << r;
+    EXPECT_EQ(ranks.memory(r).releases[0].last_bucket, 1u) << "rank " << r;
   }
 }
 
-// A staged window's handshake counts buckets, which a replay would repeat: a captured bucket
-// there is refused before it takes a number or queues anything.
-TEST(WindowTransport, ACapturedBucketOnAStagedWindowIsRefused) {
+// A staged window's handshake counts buckets, which a replay would repeat: without graph slots
+// a captured bucket there is refused before it takes a number or queues anything.
+TEST(WindowTransport, ACapturedBucketOnAStagedWindowWithoutGraphSlotsIsRefused) {
   FakeRanks ranks(2);
   ranks.join({staging_plan(kSlotBytes), staging_plan(kSlotBytes)});
   BucketBuffers b(1, 2);
@@ -705,6 +761,187 @@ TEST(WindowTransport, ACapturedBucketOnAStagedWindowIsRefused) {
   ASSERT_TRUE(ranks.run());
   EXPECT_EQ(b.wrong(1, 0, 2), 0u);
   EXPECT_EQ(b.wrong(1, 1, 2), 0u);
+}
+
+// ---- staged buckets captured into CUDA graphs (graph slots) ------------------------------------
+
+WindowPlan graph_plan(size_t slot_bytes) {
+  WindowPlan plan = staging_plan(slot_bytes);
+  plan.graph_slots = true;
+  return plan;
+}
+
+// A bucket of BucketBuffers whose send buffers the program rewrites between calls (the default
+// mode's promise: every call sends what its buffers hold then), as the plan's bucket `index`.
+struct Rewritten : BucketBuffers {
+  Rewritten(uint16_t index, int ranks) : BucketBuffers(0, ranks), nranks(ranks) {
+    for (auto& rank_ops : ops)
+      for (GatherOp& op : rank_ops) op.bucket = index;
+  }
+  // Every send buffer holds `value`'s pattern, every receive buffer 0xee elsewhere.
+  void refill(uint64_t with) {
+    for (int r = 0; r < nranks; ++r)
+      for (size_t g = 0; g < std::size(kBucket); ++g) {
+        std::vector<uint8_t>& recv_buffer = recv[static_cast<size_t>(r) * std::size(kBucket) + g];
+        std::fill(recv_buffer.begin(), recv_buffer.end(), 0xee);
+        auto* from =
+            static_cast<uint8_t*>(const_cast<void*>(ops[static_cast<size_t>(r)][g].sendbuf));
+        for (size_t i = 0; i < kBucket[g].bytes; ++i) from[i] = pattern(with, r, g, i);
+      }
+    value = with;
+  }
+  size_t wrong_anywhere() const {
+    size_t n = 0;
+    for (int r = 0; r < nranks; ++r) n += wrong(value, r, nranks);
+    return n;
+  }
+  int nranks;
+  uint64_t value = 0;
+};
+
+// Rank r's graph of `bucket`: what its captured call recorded.
+std::vector<std::function<bool()>> capture(FakeRanks& ranks, int r, Rewritten& bucket) {
+  FakeMemory& memory = ranks.memory(r);
+  memory.capturing = true;
+  EXPECT_EQ(ranks.gather(r, bucket.ops[static_cast<size_t>(r)], Transport::Timing::Captured),
+            Transport::Served::Moved);
+  memory.capturing = false;
+  EXPECT_TRUE(ranks.stream(r).work.empty()) << "a captured call queued work on its stream";
+  return memory.take_graph();
+}
+
+// The latches of rank r's window as a capture found them: no peer's slot staged, every read
+// owed read (protocol.h). "" when so.
+std::string latches_at_rest(FakeRanks& ranks, int r, int nranks) {
+  std::string odd;
+  const protocol::FlagLayout layout{kLine, nranks};
+  for (int slot = 0; slot < 2; ++slot)
+    for (int peer = 0; peer < nranks; ++peer) {
+      if (peer == r) continue;
+      const std::string at = " slot " + std::to_string(slot) + " peer " + std::to_string(peer);
+      if (ranks.memory(r).word(layout.staged(slot, peer)) != 0) odd += " staged" + at;
+      if (ranks.memory(r).word(layout.read(slot, peer)) != 1) odd += " read" + at;
+    }
+  return odd;
+}
+
+// What one captured bucket records, for two ranks: wait until the peer read this rank's last use
+// of the graph slot (and lower that latch), stage, say so in the peer's window, wait for the
+// peer's staged latch (and lower it), read, say so.
+TEST(WindowTransport, ACapturedStagedBucketRecordsAHandshakeOfLatchesOnItsGraphSlot) {
+  FakeRanks ranks(2);
+  ranks.join({graph_plan(kSlotBytes), graph_plan(kSlotBytes)});
+  Rewritten bucket(3, 2);  // bucket 3 of the plan: graph slot 1
+  bucket.refill(1);
+  capture(ranks, 0, bucket);
+  const std::vector<Event>& events = ranks.memory(0).events;
+  ASSERT_EQ(events.size(), 5u);
+  EXPECT_EQ(events[0].flags, (std::vector<std::string>{"wait read1[1]", "latch r0:read1[1]=0"}));
+  EXPECT_EQ(events[1].kind, Event::Kind::Captured);  // staging, into graph slot 1 (slot 3)
+  const size_t stride = ranks.memory(0).own().slot_stride;
+  EXPECT_EQ(events[1].copies.front().dst, ranks.memory(0).own().region + 3 * stride);
+  EXPECT_EQ(events[2].flags, (std::vector<std::string>{"latch r1:staged1[0]=1", "wait staged1[1]",
+                                                       "latch r0:staged1[1]=0"}));
+  EXPECT_EQ(events[3].kind, Event::Kind::Captured);  // the reads
+  EXPECT_EQ(events[4].flags, (std::vector<std::string>{"latch r1:read1[0]=1"}));
+  EXPECT_EQ(ranks.memory(0).graph_holds, 1);
+}
+
+// Three ranks capture three buckets each (two on the same graph slot), every rank in another
+// order, and replay them with an eager bucket among them, the send buffers rewritten before each
+// round: every replay delivers the bytes the buffers hold then, whatever order the streams run
+// in, and leaves the latches as the capture found them.
+TEST(WindowTransport, CapturedStagedBucketsAreRightAtEveryReplayAmongEagerOnes) {
+  constexpr int kRanks = 3;
+  FakeRanks ranks(kRanks);
+  ranks.join(std::vector<WindowPlan>(kRanks, graph_plan(kSlotBytes)));
+  Rewritten g0(0, kRanks), g1(1, kRanks), g2(2, kRanks), eager(0, kRanks);
+  std::vector<std::vector<std::function<bool()>>> graphs[kRanks];
+  for (int r = 0; r < kRanks; ++r) {
+    graphs[r].resize(3);
+    Rewritten* captured[] = {&g0, &g1, &g2};
+    const int order[3][3] = {{0, 1, 2}, {2, 0, 1}, {1, 2, 0}};
+    for (const int g : order[r])
+      graphs[r][static_cast<size_t>(g)] = capture(ranks, r, *captured[g]);
+  }
+  struct Schedule {
+    std::vector<int> order;
+    bool round_robin;
+  };
+  const Schedule schedules[] = {{{0, 1, 2}, false}, {{2, 1, 0}, false}, {{1, 0, 2}, true},
+                                {{1, 2, 0}, false}, {{0, 2, 1}, true},  {{2, 0, 1}, false}};
+  for (uint64_t round = 1; round <= std::size(schedules); ++round) {
+    const Schedule& schedule = schedules[round - 1];
+    g0.refill(round * 10);
+    g1.refill(round * 10 + 1);
+    g2.refill(round * 10 + 2);
+    eager.refill(round * 10 + 3);
+    for (int r = 0; r < kRanks; ++r) {
+      void* stream = &ranks.stream(r);
+      ranks.memory(r).launch(graphs[r][0], stream);
+      ASSERT_EQ(ranks.gather(r, eager.ops[static_cast<size_t>(r)]), Transport::Served::Moved);
+      ranks.memory(r).launch(graphs[r][1], stream);
+      ranks.memory(r).launch(graphs[r][2], stream);
+    }
+    ASSERT_TRUE(ranks.run(schedule.order, schedule.round_robin))
+        << "round " << round << ": the streams wait for ever";
+    EXPECT_EQ(g0.wrong_anywhere(), 0u) << "round " << round;
+    EXPECT_EQ(g1.wrong_anywhere(), 0u) << "round " << round;
+    EXPECT_EQ(g2.wrong_anywhere(), 0u) << "round " << round;
+    EXPECT_EQ(eager.wrong_anywhere(), 0u) << "round " << round;
+    for (int r = 0; r < kRanks; ++r)
+      EXPECT_EQ(latches_at_rest(ranks, r, kRanks), "") << "round " << round << ", rank " << r;
+  }
+}
+
+// Two graphs on one graph slot, replayed twice each before any stream runs: a rank that runs
+// ahead stages the second graph's shards only once every peer has read the first's, so each
+// graph's bytes are its own.
+TEST(WindowTransport, AGraphSlotIsStagedAgainOnlyOnceEveryPeerReadItsLastUse) {
+  constexpr int kRanks = 3;
+  for (const int ahead : {0, 2}) {
+    FakeRanks ranks(kRanks);
+    ranks.join(std::vector<WindowPlan>(kRanks, graph_plan(kSlotBytes)));
+    Rewritten first(4, kRanks), second(6, kRanks);  // both on graph slot 0
+    first.refill(41);
+    second.refill(62);
+    for (int r = 0; r < kRanks; ++r) {
+      const auto a = capture(ranks, r, first);
+      const auto b = capture(ranks, r, second);
+      for (int twice = 0; twice < 2; ++twice) {
+        ranks.memory(r).launch(a, &ranks.stream(r));
+        ranks.memory(r).launch(b, &ranks.stream(r));
+      }
+    }
+    std::vector<int> order{ahead};
+    for (int r = 0; r < kRanks; ++r)
+      if (r != ahead) order.push_back(r);
+    ASSERT_TRUE(ranks.run(order)) << "rank " << ahead << " ahead: the streams wait for ever";
+    EXPECT_EQ(first.wrong_anywhere(), 0u) << "rank " << ahead << " ahead";
+    EXPECT_EQ(second.wrong_anywhere(), 0u) << "rank " << ahead << " ahead";
+  }
+}
+
+// A peer that never replays holds the others' replays at their waits, as NCCL's kernels would
+// be held; the abort opens this rank's latches for good (their high halves, as the CUDA backend
+// does), so the stuck replay ends and later ones never block, though each lowers the latches
+// it waited on: the handshake's own stores write the low halves alone.
+TEST(WindowTransport, AnAbortOpensTheGraphLatchesForEveryReplayToCome) {
+  constexpr int kRanks = 3;
+  FakeRanks ranks(kRanks);
+  ranks.join(std::vector<WindowPlan>(kRanks, graph_plan(kSlotBytes)));
+  Rewritten bucket(0, kRanks);
+  bucket.refill(5);
+  std::vector<std::function<bool()>> graphs[kRanks];
+  for (int r = 0; r < kRanks; ++r) graphs[r] = capture(ranks, r, bucket);
+  for (int r = 0; r < 2; ++r) ranks.memory(r).launch(graphs[r], &ranks.stream(r));  // not rank 2
+  EXPECT_FALSE(ranks.run({0, 1})) << "replays ended without their peer";
+  for (int r = 0; r < 2; ++r) ranks.memory(r).open_latches();
+  EXPECT_TRUE(ranks.run({0, 1})) << "the abort did not release the replay in flight";
+  for (int replay = 0; replay < 3; ++replay) {
+    for (int r = 0; r < 2; ++r) ranks.memory(r).launch(graphs[r], &ranks.stream(r));
+    EXPECT_TRUE(ranks.run({0, 1})) << "replay " << replay << " after the abort blocked";
+  }
 }
 
 TEST(WindowTransport, ASourceTableNamingBytesOutsideItsExportIsRefusedAtAttach) {
