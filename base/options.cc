@@ -351,6 +351,9 @@ constexpr ValueName<Options::Transport> kTransports[] = {
     {"copy_engine", Options::Transport::CopyEngine}, {"nccl", Options::Transport::Nccl}};
 constexpr ValueName<Options::Backend> kBackends[] = {{"cuda", Options::Backend::Cuda},
                                                      {"host", Options::Backend::Host}};
+constexpr ValueName<Options::GraphSlots> kGraphSlots[] = {{"auto", Options::GraphSlots::Auto},
+                                                          {"always", Options::GraphSlots::Always},
+                                                          {"never", Options::GraphSlots::Never}};
 constexpr ValueName<Options::Fault::Where> kFaultPlaces[] = {
     {"none", Options::Fault::Where::None},
     {"prepare", Options::Fault::Where::Prepare},
@@ -437,6 +440,13 @@ constexpr OptionSpec kTable[] = {
                                     "each shard where the program keeps it (or a copy bound once "
                                     "where that memory cannot be shared), calls are pure peer "
                                     "reads."),
+    enum_option<&O::graph_slots, kGraphSlots>(
+        "MAGI_GRAPH_SLOTS", "auto", "auto|always|never",
+        "Default mode (weights not asserted static): gathers captured into CUDA graphs move "
+        "only with graph slots, two more staging slots in the window (twice its memory). auto: "
+        "from the first plan after a gather was captured on the communicator (a graph captured "
+        "before keeps NCCL); always: from the first plan; never: captured gathers stay on NCCL. "
+        "Combined across ranks: never on any rank wins, then always or a capture on any."),
     int_option<&O::verify_every>("MAGI_VERIFY_EVERY", "64", "an integer from 0 to 1000000000", 0,
                                  1000000000, OptionUnit::Count,
                                  "Static weights: check a shard (against its binding, or what "

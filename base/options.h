@@ -74,6 +74,10 @@ struct Options {
   uint64_t window_max_bytes{};      // MAGI_WINDOW_MAX_MIB
   bool dry_run{};
   bool static_weights{};
+  // MAGI_GRAPH_SLOTS: whether a default-mode plan's window gets graph slots, for gathers
+  // captured into CUDA graphs (auto: once a capture was seen on the communicator).
+  enum class GraphSlots : uint8_t { Auto, Always, Never };
+  GraphSlots graph_slots{};
   bool ce_force{};
   struct Fault {
     enum class Where : uint8_t {

@@ -106,6 +106,8 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
     return {};
   }
   if (gather) capture::stream_capturing(args, record);  // a fact of the observation
+  // MAGI_GRAPH_SLOTS=auto asks for graph slots in the proposes from here.
+  if (gather && (record.flags & trace::kCallCapturing) != 0) saw_capture_ = true;
   // A graph captured before any plan was active keeps its gathers on NCCL at every replay:
   // plans are agreed on eager calls only.
   if (gather && !active_ && (record.flags & trace::kCallCapturing) != 0 &&
@@ -143,13 +145,15 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
     sources_.observe(position, record.sendbuf, send_bytes, layout_.offset_by_position[position]);
   if (committing_ && !capturing && view.digest == step_digest_)
     return route_while_committing(position, gather);
-  // A captured gather moves only with static weights: its copies read memory that never
-  // changes, so a replay repeats nothing that orders the ranks (no flags, no sequence). The
-  // default mode's handshake counts buckets, which a replay cannot: its captured gathers stay
-  // on NCCL. The route still follows the agreed plan by position alone, as an eager call's
-  // does, so every rank that captures the same calls captures the same route; and since a
-  // static read waits on no peer, a rank that runs the call eagerly instead is served alike.
-  const bool captured_moves = capturing && active_bound_ && !active_dry_;
+  // A captured gather moves with static weights (its copies read memory that never changes,
+  // so a replay repeats nothing that orders the ranks), or in the default mode on the graph
+  // slots of a plan that has them (a handshake of latches, which every replay leaves as it
+  // found it). The eager handshake counts buckets, which a replay cannot: without graph slots
+  // captured gathers stay on NCCL. The route follows the agreed plan by position alone, as an
+  // eager call's does, so every rank that captures the same calls captures the same route. A
+  // static read waits on no peer, so a rank that runs the call eagerly instead is served alike;
+  // graph slots need every rank to capture it (as assumed of programs: rewrite/agreement.h).
+  const bool captured_moves = capturing && (active_bound_ || active_graph_slots_) && !active_dry_;
   if (capturing && active_ && gather && view.digest == active_digest_ &&
       position < layout_.offset_by_position.size() &&
       layout_.offset_by_position[position] != SIZE_MAX)
@@ -193,20 +197,31 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
 void CommAgreement::say_captured(bool moves) {
   bool& said = moves ? captured_moves_said_ : captured_stays_said_;
   if (std::exchange(said, true)) return;
-  if (moves)
+  if (moves && active_bound_)
     MAGI_INFO(Rewrite,
               "comm %012llx: gathers captured into a CUDA graph move with the plan (static "
               "weights): each replay reads the peers' shards where they lie, with no handshake; "
               "the mappings live as long as the graph",
+              short_id(info_.identity));
+  else if (moves)
+    MAGI_INFO(Rewrite,
+              "comm %012llx: gathers captured into a CUDA graph move with the plan, on its graph "
+              "slots: each replay stages this rank's shards and reads the peers', ordered by "
+              "latches that the replay leaves as it found them; the window lives as long as the "
+              "graph",
               short_id(info_.identity));
   else
     MAGI_INFO(Rewrite,
               "comm %012llx: gathers captured into a CUDA graph stay on NCCL on every rank: %s",
               short_id(info_.identity),
               active_dry_ ? "MAGI_DRY_RUN=1"
-                          : "the default mode's handshake counts buckets, which a replay would "
-                            "repeat (MAGI_STATIC_WEIGHTS=1 moves them, when the weights do not "
-                            "change)");
+              : options_.graph_slots == Options::GraphSlots::Never
+                  ? "MAGI_GRAPH_SLOTS=never (the default mode's eager handshake counts buckets, "
+                    "which a replay would repeat)"
+                  : "the plan has no graph slots; the next plan agreed has them, unless a rank "
+                    "sets MAGI_GRAPH_SLOTS=never (a graph captured before keeps NCCL: "
+                    "MAGI_GRAPH_SLOTS=always gives them from the first plan, "
+                    "MAGI_STATIC_WEIGHTS=1 needs none)");
 }
 
 Route CommAgreement::route_while_committing(uint32_t position, bool gather) const {
@@ -340,6 +355,13 @@ Contribution CommAgreement::header_for(RoundKind kind) const {
   h.period = seen_.period();
   if (options_.dry_run) h.flags |= kDryRun;
   if (options_.static_weights) h.flags |= kStaticWeights;
+  switch (options_.graph_slots) {
+    case Options::GraphSlots::Always: h.flags |= kWantsGraphSlots; break;
+    case Options::GraphSlots::Never: h.flags |= kRefusesGraphSlots; break;
+    case Options::GraphSlots::Auto:
+      if (saw_capture_) h.flags |= kWantsGraphSlots;
+      break;
+  }
   return c;
 }
 
@@ -902,15 +924,17 @@ void CommAgreement::activate(uint64_t seq) {
   active_digest_ = step_digest_;
   active_hash_ = decision_.hash;
   active_bound_ = decision_.bound;
+  active_graph_slots_ = decision_.graph_slots && !decision_.bound;
   trial_.start(policy_.steps(), static_cast<uint64_t>(options_.warmup_steps));
   record(active_dry_ ? RoundKind::Propose : RoundKind::Confirm, trace::RoundEvent::Activated, seq,
          decision_.mode, Reason::None, decision_.moved);
   MAGI_INFO(Rewrite,
             "comm %012llx round %u: %s %u of %zu gathers per step from collective #%llu "
-            "(%s)",
+            "(%s%s)",
             short_id(info_.identity), decision_round_, active_dry_ ? "would move" : "moving",
             decision_.moved, decision_.gathers.size(), static_cast<unsigned long long>(seq),
-            std::string(trace::mode_name(decision_.mode)).c_str());
+            std::string(trace::mode_name(decision_.mode)).c_str(),
+            active_graph_slots_ ? "; graph slots" : "");
 }
 
 void CommAgreement::issue_cost(uint64_t seq) {
@@ -961,6 +985,7 @@ void CommAgreement::deactivate(uint64_t seq, Reason why) {
   active_ = false;
   active_dry_ = false;
   active_bound_ = false;
+  active_graph_slots_ = false;
   active_hash_ = 0;
   trial_.stop();
   if (other_source_calls_ != 0)

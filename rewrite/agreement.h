@@ -286,7 +286,9 @@ class CommAgreement {
   // The active plan: routes follow it while the step digest is this one.
   bool active_ = false;
   bool active_dry_ = false;
-  bool active_bound_ = false;  // static weights: its captured gathers move too
+  bool active_bound_ = false;        // static weights: its captured gathers move too
+  bool active_graph_slots_ = false;  // default mode with graph slots: likewise
+  bool saw_capture_ = false;         // a gather of this communicator was captured into a graph
   bool captured_moves_said_ = false;
   bool captured_stays_said_ = false;
   bool early_capture_said_ = false;  // a gather captured before any plan was active

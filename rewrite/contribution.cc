@@ -145,10 +145,14 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
   }
   const Contribution& mine = c[static_cast<size_t>(my_rank)];
   d.bound = true;
+  bool graph_slots_refused = false;
   for (const Contribution& x : c) {
     d.dry_run = d.dry_run || (x.header.flags & kDryRun) != 0;
     d.bound = d.bound && (x.header.flags & kStaticWeights) != 0;  // default mode unless all assert
+    d.graph_slots = d.graph_slots || (x.header.flags & kWantsGraphSlots) != 0;
+    graph_slots_refused = graph_slots_refused || (x.header.flags & kRefusesGraphSlots) != 0;
   }
+  d.graph_slots = d.graph_slots && !graph_slots_refused;
 
   // A round issued inside an open group on some rank is void, whatever else it says: that rank
   // decided so without reading it, and every rank must reach the same decision.
@@ -246,6 +250,7 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
     }
     if (d.transient_rank >= 0) d.bound = false;
   }
+  if (d.bound) d.graph_slots = false;  // a bound window's captured gathers need none
 
   recount(d, mine.header.step_digest);
   return d;
@@ -257,6 +262,7 @@ void recount(Decision& d, uint64_t step_digest) {
   XXH3_64bits_update(&state, &step_digest, sizeof(step_digest));
   XXH3_64bits_update(&state, &d.mode, sizeof(d.mode));
   XXH3_64bits_update(&state, &d.bound, sizeof(d.bound));
+  XXH3_64bits_update(&state, &d.graph_slots, sizeof(d.graph_slots));
   d.moved = 0;
   for (const GatherDecision& g : d.gathers) {
     if (!g.moves) continue;

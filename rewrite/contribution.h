@@ -24,7 +24,7 @@ using trace::Reason;
 using trace::RoundKind;
 
 inline constexpr uint32_t kContributionMagic = 0x4147524d;  // "MRGA"
-inline constexpr uint32_t kContributionVersion = 3;
+inline constexpr uint32_t kContributionVersion = 4;
 inline constexpr uint32_t kMaxGathers = 1024;  // gathers per step a round can carry
 
 // Flags of a contribution.
@@ -37,6 +37,10 @@ inline constexpr uint32_t kStaticWeights = 1u << 4;   // MAGI_STATIC_WEIGHTS=1 o
 // Confirm: this rank can serve the plan, but is still opening its peers' memory, off the
 // program's calls: every rank asks again at the next step.
 inline constexpr uint32_t kSettingUp = 1u << 5;
+// Propose: this rank asks for graph slots (MAGI_GRAPH_SLOTS=always, or auto once it saw a gather
+// captured into a CUDA graph), or refuses them (never).
+inline constexpr uint32_t kWantsGraphSlots = 1u << 6;
+inline constexpr uint32_t kRefusesGraphSlots = 1u << 7;
 
 struct ContributionHeader {
   uint32_t magic;
@@ -134,6 +138,9 @@ struct Decision {
   Reason reason = Reason::None;  // when nothing moves because of the whole communicator
   bool dry_run = false;          // some rank runs dry: everyone only reports
   bool bound = false;            // every rank asserted static weights: shards are bound once
+  // Staged (not bound): the window has graph slots, so gathers captured into CUDA graphs move
+  // too. Some rank wants them and none refuses them.
+  bool graph_slots = false;
   // Static weights asserted by every rank, but some moving gather is transient on some rank: the
   // plan stages (default mode) instead. The first such gather, for the log; -1 when none.
   int64_t transient_position = -1;

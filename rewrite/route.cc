@@ -143,7 +143,8 @@ Outcome intercept(const AgreementRef& agreement, const capture::CallArgs& args,
                           route.slot_offset,
                           route.verify_now,
                           route.own_offset,
-                          route.captured};
+                          route.captured,
+                          route.bucket};
     const NcclGather call{args.sendbuf, args.recvbuf, args.count, args.dtype};
     if (agreement->world().group().depth > 0) {
       t_queued.push_back({agreement, route.bucket, via_nccl, args.stream, route.plan,

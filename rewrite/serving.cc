@@ -20,6 +20,7 @@ ce::WindowPlan window_plan(const Decision& decision, const StepObservation& seen
   plan.zero_copy = decision.bound;
   plan.table_room = kPublishTableRoom;
   plan.verify_every = static_cast<uint64_t>(options.verify_every);
+  plan.graph_slots = decision.graph_slots && !decision.bound;
   if (!plan.bound) return plan;
   for (const GatherDecision& g : decision.gathers) {
     if (!g.moves) continue;

@@ -145,6 +145,10 @@ Fields fields_of(const Options& o) {
       {"window_max_bytes", number(o.window_max_bytes)},
       {"dry_run", o.dry_run ? "true" : "false"},
       {"static_weights", o.static_weights ? "true" : "false"},
+      {"graph_slots", o.graph_slots == Options::GraphSlots::Auto     ? "auto"
+                      : o.graph_slots == Options::GraphSlots::Always ? "always"
+                      : o.graph_slots == Options::GraphSlots::Never  ? "never"
+                                                                     : "?"},
       {"ce_force", o.ce_force ? "true" : "false"},
       {"inject_fault.where", number(static_cast<uint64_t>(o.inject_fault.where))},
       {"inject_fault.rank", number(int64_t{o.inject_fault.rank})},
@@ -176,6 +180,7 @@ const Fields kDocumentedDefaults = {
     {"window_max_bytes", "4294967296"},  // 4096 MiB
     {"dry_run", "false"},
     {"static_weights", "false"},
+    {"graph_slots", "auto"},
     {"ce_force", "false"},
     {"inject_fault.where", "0"},  // None
     {"inject_fault.rank", "-1"},
@@ -215,6 +220,7 @@ const std::vector<Setting> kEveryOptionChanged = {
     {"MAGI_WINDOW_MAX_MIB", "6", {{"window_max_bytes", "6291456"}}},
     {"MAGI_DRY_RUN", "1", {{"dry_run", "true"}}},
     {"MAGI_STATIC_WEIGHTS", "on", {{"static_weights", "true"}}},
+    {"MAGI_GRAPH_SLOTS", "never", {{"graph_slots", "never"}}},
     {"MAGI_VERIFY_EVERY", "13", {{"verify_every", "13"}}},
     {"MAGI_BIND_MAX_MIB", "3", {{"bind_max_bytes", "3145728"}}},
     {"MAGI_CE_FORCE", "yes", {{"ce_force", "true"}}},

@@ -49,6 +49,7 @@ class MovingTransport : public ce::Transport {
   void prepare(const ce::WindowPlan& plan, ce::HandleBlob& out) override {
     bytes_ = 2 * plan.slot_bytes;
     out.bytes[0] = 0x5a;
+    if (plans != nullptr) plans->push_back(plan);
   }
   const ce::SourceTable& sources() const override { return sources_; }
   void attach(std::span<const ce::HandleBlob> blobs, std::span<const ce::SourceTable>) override {
@@ -63,6 +64,7 @@ class MovingTransport : public ce::Transport {
   }
   // Where to note how each bucket was served, in order (none: not noted).
   std::vector<Timing>* timings = nullptr;
+  std::vector<ce::WindowPlan>* plans = nullptr;  // likewise, each plan prepared
   void release() override {}
   void abandon() override {}
   size_t window_bytes() const override { return bytes_; }

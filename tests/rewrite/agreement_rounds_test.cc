@@ -50,6 +50,7 @@ struct Fakes : fakes::TracedRounds {
   GroupView group;
   uint32_t group_ordinal = 0;  // of the open group, recorded in calls made while group.depth > 0
   std::vector<ce::Transport::Timing> timings;  // how the transport served each bucket
+  std::vector<ce::WindowPlan> plans;           // each plan a transport prepared
 };
 Fakes* g_fakes = nullptr;
 
@@ -149,6 +150,7 @@ class Rank0 {
               },
               kRanks);
           transport->timings = &g_fakes->timings;
+          transport->plans = &g_fakes->plans;
           return transport;
         },
         [](int rank) { return std::make_unique<FakeExchange>(rank); },
@@ -710,6 +712,56 @@ TEST(AgreementRounds, CapturedGathersMoveWithStaticWeightsAndStayOnNcclInTheDefa
     // Eager again after the capture: the plan goes on as before.
     EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
     EXPECT_NE(rank.fakes.timings.back(), Timing::Captured);
+  }
+}
+
+// The default mode: a captured gather moves only on a plan with graph slots. auto: the capture
+// itself asks for them, so the graph captured on a plan without keeps NCCL and the next plan
+// (the next propose, MAGI_REAGREE_STEPS later) has them; always: from the first plan; never:
+// never. The log says which, once for each answer.
+TEST(AgreementRounds, CapturedGathersInTheDefaultModeMoveOnAPlanWithGraphSlots) {
+  using Timing = ce::Transport::Timing;
+  for (const std::string setting : {"auto", "always", "never"}) {
+    SCOPED_TRACE("MAGI_GRAPH_SLOTS=" + setting);
+    const test::InfoLogged info;
+    Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_GRAPH_SLOTS", setting}});
+    testing::internal::CaptureStderr();
+    rank.run_to(30);
+    EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
+    ASSERT_EQ(rank.fakes.plans.size(), 1u);
+    EXPECT_EQ(rank.fakes.plans[0].graph_slots, setting == "always");
+    EXPECT_FALSE(rank.fakes.plans[0].bound);
+    auto captured_step = [&] {
+      const size_t before = rank.fakes.timings.size();
+      rank.capturing = true;
+      const std::vector<Kind> kinds = rank.steps(1);
+      rank.capturing = false;
+      for (size_t i = before; i < rank.fakes.timings.size(); ++i)
+        EXPECT_EQ(rank.fakes.timings[i], Timing::Captured);
+      return kinds;
+    };
+    const std::vector<Kind> moved{Kind::Nccl, Kind::Move, Kind::Move};
+    const std::vector<Kind> stays{Kind::Nccl, Kind::Nccl, Kind::Nccl};
+    EXPECT_EQ(captured_step(), setting == "always" ? moved : stays);
+    // Eager steps until the next propose has been read and its plan committed.
+    rank.steps(12);
+    EXPECT_EQ(rank.steps(1), moved);
+    ASSERT_EQ(rank.fakes.plans.size(), setting == "auto" ? 2u : 1u);
+    EXPECT_EQ(rank.fakes.plans.back().graph_slots, setting != "never");
+    EXPECT_EQ(captured_step(), setting == "never" ? stays : moved);
+    const std::string log = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(test::count_lines(log, "; graph slots)"), setting == "never" ? 0u : 1u) << log;
+    EXPECT_EQ(test::count_lines(log, "move with the plan, on its graph slots"),
+              setting == "never" ? 0u : 1u)
+        << log;
+    EXPECT_EQ(test::count_lines(log,
+                                "stay on NCCL on every rank: the plan has no graph slots; "
+                                "the next plan agreed has them"),
+              setting == "auto" ? 1u : 0u)
+        << log;
+    EXPECT_EQ(test::count_lines(log, "stay on NCCL on every rank: MAGI_GRAPH_SLOTS=never"),
+              setting == "never" ? 1u : 0u)
+        << log;
   }
 }
 

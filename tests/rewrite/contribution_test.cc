@@ -264,6 +264,29 @@ TEST(Ladder, TransientFlagsMatterOnlyForStaticWeights) {
   EXPECT_EQ(d.hash, plain);
 }
 
+// Graph slots: some rank asks (always, or auto after a capture) and none refuses (never); a
+// plan with them is another plan (its windows differ). A bound plan needs none.
+TEST(Ladder, GraphSlotsComeWhenSomeRankAsksAndNoneRefuses) {
+  std::vector<Contribution> all = ranks(4, 2);
+  const Decision none = decide_everywhere(all);
+  EXPECT_FALSE(none.graph_slots);
+  all[2].header.flags |= kWantsGraphSlots;
+  const std::vector<uint8_t> bytes = gather_all(all);
+  for (int r = 0; r < 4; ++r) EXPECT_TRUE(decide(bytes, 4, r).graph_slots) << "rank " << r;
+  const Decision wanted = decide_everywhere(all);
+  EXPECT_EQ(wanted.moved, none.moved);
+  EXPECT_NE(wanted.hash, none.hash);
+  all[0].header.flags |= kRefusesGraphSlots;
+  const Decision refused = decide_everywhere(all);
+  EXPECT_FALSE(refused.graph_slots);
+  EXPECT_EQ(refused.hash, none.hash);
+  std::vector<Contribution> bound = static_ranks(4, 2);
+  for (Contribution& c : bound) c.header.flags |= kWantsGraphSlots;
+  const Decision d = decide_everywhere(bound);
+  EXPECT_TRUE(d.bound);
+  EXPECT_FALSE(d.graph_slots);
+}
+
 TEST(Ladder, EntryFlagsSurviveTheWireAndKeepTheEntrySize) {
   static_assert(sizeof(GatherEntry) == 24);
   Contribution c = propose(0, 1, 2);
