@@ -273,6 +273,12 @@ class Transport {
   virtual std::string take_disagreement() { return {}; }
 };
 
+// The communicator is being aborted: the graph slots' latches of its windows that earlier plans
+// left to CUDA graphs still alive (ce_transport.h's release()) are opened for good too, as
+// abandon() opens the current window's, so that no replay of those graphs waits on a peer that
+// is gone. Nothing without such windows (no CUDA call at all).
+void abandon_graphs(uint64_t comm_identity) noexcept;
+
 // A waiting rank notices a dead peer (its pid is in its window) and throws instead of waiting
 // for ever.
 // `device`: the communicator's CUDA device (Cuda backend; -1 when unknown).

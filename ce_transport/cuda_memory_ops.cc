@@ -262,6 +262,12 @@ struct KeptForGraphs {
   cudaEvent_t lines_copied = nullptr;
   std::vector<uint8_t*> peers;
   std::vector<uint8_t*> imports;
+  // Whose window it is, and where its flag words lie: an abort of that communicator opens its
+  // graph slots' latches (abandon_graphs).
+  uint64_t identity = 0;
+  int rank = -1;
+  uint8_t* flags = nullptr;
+  protocol::FlagLayout layout{};
 };
 
 // Never destroyed: a CUDA thread may still count down while the process exits.
@@ -620,7 +626,8 @@ class CudaMemoryOps final : public MemoryOps {
                 static_cast<unsigned long long>(graphs_held_));
       std::lock_guard<std::mutex> lock(kept_mutex());
       kept_for_graphs().push_back({graph_holds_, current_device(), base_, flags_host_, host_check_,
-                                   lines_copied_, peers_, imports_});
+                                   lines_copied_, peers_, imports_, identity_, rank_, flag(0),
+                                   flags_});
       lines_copied_ = nullptr;
     } else if (settled == Settled::Finished) {
       free_window(-1, base_, flags_host_, host_check_, nullptr, peers_, imports_);
@@ -887,6 +894,51 @@ class CudaMemoryOps final : public MemoryOps {
 };
 
 }  // namespace
+
+void abandon_graphs(uint64_t comm_identity) noexcept {
+  std::lock_guard<std::mutex> lock(kept_mutex());  // no window listed is freed meanwhile
+  std::vector<CUstreamBatchMemOpParams> ops;
+  int device = -1;
+  size_t windows = 0;
+  for (const KeptForGraphs& k : kept_for_graphs()) {
+    if (k.identity != comm_identity || k.flags == nullptr) continue;
+    device = k.device;
+    ++windows;
+    for (int r = 0; r < k.layout.nranks; ++r) {
+      if (r == k.rank) continue;
+      for (int slot = 0; slot < 2; ++slot) {
+        ops.push_back(write_half_op(k.flags + k.layout.staged(slot, r), true, 1));
+        ops.push_back(write_half_op(k.flags + k.layout.read(slot, r), true, 1));
+      }
+    }
+  }
+  if (ops.empty()) return;
+  const RelaxedCaptureMode own_calls(true);
+  int saved = -1;
+  if (cudaGetDevice(&saved) != cudaSuccess) saved = -1;
+  cudaStream_t stream = nullptr;
+  const CudaDriver* driver = cuda_driver();
+  const bool opened = device >= 0 && cudaSetDevice(device) == cudaSuccess &&
+                      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
+                      driver != nullptr && driver->cuStreamBatchMemOp_fn != nullptr &&
+                      driver->cuStreamBatchMemOp_fn(reinterpret_cast<CUstream>(stream),
+                                                    static_cast<unsigned>(ops.size()), ops.data(),
+                                                    0) == CUDA_SUCCESS &&
+                      cudaStreamSynchronize(stream) == cudaSuccess;
+  if (stream != nullptr) cudaStreamDestroy(stream);
+  if (saved >= 0) cudaSetDevice(saved);
+  cudaGetLastError();
+  if (opened)
+    MAGI_INFO(Transport,
+              "comm %012llx: aborted: the graph latches of %zu window(s) kept for CUDA graphs "
+              "are open, so no replay of those graphs waits on a peer",
+              short_id(comm_identity), windows);
+  else
+    MAGI_WARN(Transport,
+              "comm %012llx: aborted, but the graph latches of %zu window(s) kept for CUDA "
+              "graphs could not be opened; a replay of those graphs may wait on its peers",
+              short_id(comm_identity), windows);
+}
 
 RelaxedCaptureMode::RelaxedCaptureMode(bool cuda) {
   if (!cuda) return;

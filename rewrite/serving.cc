@@ -307,7 +307,8 @@ void Serving::drop() {
 void Serving::abandon() {
   std::lock_guard<std::mutex> lock(transport_mutex_);
   aborted_ = true;
-  orphan(std::move(set_up_));  // no gather waits on a window being set up
+  orphan(std::move(set_up_));          // no gather waits on a window being set up
+  ce::abandon_graphs(info_.identity);  // windows of earlier plans that graphs still replay
   if (!transport_) return;
   try {
     transport_->abandon();

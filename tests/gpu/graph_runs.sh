@@ -3,39 +3,51 @@
 #  - graph_torch_runs: PyTorch at world size 1 (real NCCL), a step run eagerly and then captured
 #    with torch.cuda.graph and replayed into poisoned buffers; bitwise equal with and without
 #    the shim. With static weights the captured gathers move (the log says so, the trace marks
-#    them moved), also with PyTorch's expandable segments; in the default mode they stay on NCCL.
+#    them moved), also with PyTorch's expandable segments; in the default mode they stay on NCCL,
+#    and move on graph slots with MAGI_GRAPH_SLOTS=always, the weights rewritten before each
+#    replay.
 #  - graph_standin_runs (under MPS, from standin_mps_runs): ranks of the weights program over the
 #    stand-in, whose collectives refuse a capturing stream: a captured gather that did not move
 #    fails the run. Every byte of every replay is checked by the program.
 #  - graph_real_nccl_runs: the same program at world size 1 over the real NCCL, as nccl-tests -G
-#    runs: N gathers captured once, the graph replayed, every byte of every replay checked.
+#    runs: N gathers captured once, the graph replayed, every byte of every replay checked; also
+#    in the default mode with graph slots, the shards rewritten before every replay.
 
 # graph_torch_run NAME [KEY=VALUE...]: the program under the shim with the settings given.
+# graph_torch_run NAME REWRITE [KEY=VALUE...] (REWRITE: --rewrite, or "").
 graph_torch_run() {
-  local name=$1 d="$work/$1"
-  shift
+  local name=$1 rewrite=$2 d="$work/$1"
+  shift 2
   mkdir -p "$d/trace"
   env LD_PRELOAD="$build/libmagice.so" MAGI_TRACE_DIR="$d/trace" MAGI_LOG=INFO MAGI_CE_FORCE=1 "$@" \
-    python3 "$here/torch_graphs.py" "$d/out.pt" >"$d/log" 2>&1
+    python3 "$here/torch_graphs.py" "$d/out.pt" $rewrite >"$d/log" 2>&1
 }
 
 graph_torch_runs() {
-  local plain="$work/graphs-plain"
-  mkdir -p "$plain"
-  if ! python3 "$here/torch_graphs.py" "$plain/out.pt" >"$plain/log" 2>&1; then
-    fail "torch graphs without the shim (environment problem)"
-    tail -n 10 "$plain/log"
-    return
-  fi
+  local plain rewrite
+  for rewrite in "" --rewrite; do
+    plain="$work/graphs-plain$rewrite"
+    mkdir -p "$plain"
+    if ! python3 "$here/torch_graphs.py" "$plain/out.pt" $rewrite >"$plain/log" 2>&1; then
+      fail "torch graphs without the shim$rewrite (environment problem)"
+      tail -n 10 "$plain/log"
+      return
+    fi
+  done
   local name alloc moved
-  for name in graphs-static graphs-static-expandable graphs-default; do
+  for name in graphs-static graphs-static-expandable graphs-default graphs-default-slots; do
     alloc=""
+    rewrite=""
     [ "$name" = graphs-static-expandable ] && alloc=expandable_segments:True
     if [ "$name" = graphs-default ]; then
-      graph_torch_run "$name" ${alloc:+PYTORCH_CUDA_ALLOC_CONF=$alloc}
+      graph_torch_run "$name" "" ${alloc:+PYTORCH_CUDA_ALLOC_CONF=$alloc}
+    elif [ "$name" = graphs-default-slots ]; then
+      rewrite=--rewrite
+      graph_torch_run "$name" --rewrite MAGI_GRAPH_SLOTS=always
     else
-      graph_torch_run "$name" MAGI_STATIC_WEIGHTS=1 ${alloc:+PYTORCH_CUDA_ALLOC_CONF=$alloc}
+      graph_torch_run "$name" "" MAGI_STATIC_WEIGHTS=1 ${alloc:+PYTORCH_CUDA_ALLOC_CONF=$alloc}
     fi
+    plain="$work/graphs-plain$rewrite"
     if python3 "$here/compare_results.py" "$plain/out.pt" "$work/$name/out.pt" >/dev/null 2>&1; then
       pass "$name: eager steps and 5 graph replays bitwise equal with and without the shim"
     else
@@ -51,6 +63,14 @@ graph_torch_runs() {
         pass "$name: the captured gathers stay on NCCL, and the log says why"
       else
         fail "$name: the captured gathers stay on NCCL, and the log says why ($moved captured moved)"
+      fi
+    elif [ "$name" = graphs-default-slots ]; then
+      if [ "$moved" = 4 ] && grep -q "captured into a CUDA graph move with the plan, on its graph slots" \
+        "$work/$name/log"; then
+        pass "$name: the 4 captured gathers moved on graph slots (trace), and the log says so"
+      else
+        fail "$name: the 4 captured gathers moved on graph slots (trace), and the log says so ($moved moved)"
+        grep " MAGI " "$work/$name/log" | grep -v "options:" | tail -n 8
       fi
     elif [ "$moved" = 4 ] && grep -q "captured into a CUDA graph move with the plan" "$work/$name/log"; then
       pass "$name: the 4 captured gathers moved (trace), and the log says so"
@@ -69,6 +89,18 @@ graph_standin_runs() {
     "captured into a CUDA graph move with the plan"
   standin_log_check "$name" "the window outlives the communicator while the graph lives" \
     "kept, with its 2 peer mappings .* while 1 CUDA graph"
+  standin_log_check "$name" "the end line counts the 6 captured gathers apart" \
+    "served off NCCL, .*; 6 of them captured into CUDA graphs"
+  standin_log_check "$name" "no WARN" " MAGI WARN " absent
+  grep -E "rank 0: step (15|16|29):" "$work/$name/log" | sed 's/^/  /'
+  # The default mode with graph slots: the captured gathers move, staged at every replay from
+  # shards rewritten before it (--graph-rewrite 1); every byte of every replay checked.
+  name=mps-weights-graph-slots
+  standin_run "$name" 3 MAGI_CE_FORCE=1 MAGI_GRAPH_SLOTS=always -- weights --device 1 --layers 6 \
+    --steps 30 --program swap --swap-step 100 --graph-step 16 --graph-rewrite 1 --report-slowest 1
+  standin_log_check "$name" "the plan has graph slots" "gathers per step from collective .*; graph slots)"
+  standin_log_check "$name" "the log says the captured gathers move on graph slots" \
+    "captured into a CUDA graph move with the plan, on its graph slots"
   standin_log_check "$name" "the end line counts the 6 captured gathers apart" \
     "served off NCCL, .*; 6 of them captured into CUDA graphs"
   standin_log_check "$name" "no WARN" " MAGI WARN " absent
@@ -116,11 +148,14 @@ graph_real_nccl_runs() {
     return
   fi
   echo "  real NCCL: $dir"
-  for name in real-nccl-graph-static real-nccl-graph-default; do
+  local rewrite
+  for name in real-nccl-graph-static real-nccl-graph-default real-nccl-graph-slots; do
     settings=(LD_LIBRARY_PATH="$dir" NCCL_DEBUG=VERSION MAGI_CE_FORCE=1)
+    rewrite=0
     [ "$name" = real-nccl-graph-static ] && settings+=(MAGI_STATIC_WEIGHTS=1)
+    [ "$name" = real-nccl-graph-slots ] && settings+=(MAGI_GRAPH_SLOTS=always) && rewrite=1
     if launch_ranks "$name" 1 "" "${settings[@]}" -- weights --device 1 --layers 6 --steps 30 \
-      --program swap --swap-step 100 --graph-step 16 --report-slowest 1; then
+      --program swap --swap-step 100 --graph-step 16 --graph-rewrite $rewrite --report-slowest 1; then
       pass "$name: 14 replays of 6 captured gathers, every byte right"
     else
       fail "$name: 14 replays of 6 captured gathers, every byte right"
@@ -134,4 +169,6 @@ graph_real_nccl_runs() {
     "captured into a CUDA graph move with the plan"
   standin_log_check real-nccl-graph-default "the captured gathers stay on NCCL, and the log says why" \
     "captured into a CUDA graph stay on NCCL on every rank"
+  standin_log_check real-nccl-graph-slots "the captured gathers move on graph slots" \
+    "captured into a CUDA graph move with the plan, on its graph slots"
 }

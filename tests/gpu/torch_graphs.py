@@ -4,9 +4,10 @@ PyTorch at world size 1, as a user would run it.
 Run it without and with LD_PRELOAD=libmagice.so (MAGI_STATIC_WEIGHTS=1 MAGI_CE_FORCE=1: the eager
 steps agree on the plan and move the gathers, and the captured ones move with it) and compare the
 saved results bitwise. Every replay writes into receive buffers poisoned just before it, so a byte
-the graph does not write cannot pass.
+the graph does not write cannot pass. With --rewrite the weights change before every replay (the
+default mode, MAGI_GRAPH_SLOTS=always: each replay must gather what they hold then).
 
-    python3 torch_graphs.py OUT.pt
+    python3 torch_graphs.py OUT.pt [--rewrite]
 """
 import os
 import sys
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, rewrite: bool) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29534")
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
@@ -40,7 +41,10 @@ def main(out_path: str) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for _ in range(5):
+    for replay in range(5):
+        if rewrite:
+            for i, w in enumerate(weights):
+                w.mul_(-1.0).add_(float(replay + i))
         for f in fulls:
             f.fill_(-1.0)
         logits.fill_(-1.0)
@@ -54,4 +58,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--rewrite" in sys.argv[2:])

@@ -3,7 +3,7 @@
 //         [--move-step K [--move-rank R] [--move-order forward|reverse]] [--device 1]
 //         [--arena 1 [--arenas N]] [--vmm 1|2] [--memfd 1] [--report-memory 1] [--shard-elements N]
 //         [--swap-rank R] [--errors-expected 1] [--report-slowest 1] [--mixed 1]
-//         [--check-every K] [--recv-buffers N] [--graph-step K]
+//         [--check-every K] [--recv-buffers N] [--graph-step K [--graph-rewrite 1]]
 //
 // Weights that never change after load, gathered every step in the ways a program may hold
 // them, for MAGI_STATIC_WEIGHTS=1 (whose promise each one keeps: the gathered contents never
@@ -63,6 +63,10 @@
 // every step from K on replays it instead of calling NCCL; the counter's all-reduce stays an
 // eager call. The received bytes are checked after each replay as after eager calls. The graph
 // is destroyed after the communicator, as a program that keeps its graphs to the end does.
+// --graph-rewrite 1 (no static weights: the promise is broken on purpose): before each replay
+// every rank rewrites every shard, position p holding layer (p + step) % 64's values at that
+// step, so a replay that sent what the buffers held at its capture, or at an earlier replay,
+// is caught.
 // --errors-expected 1: a gather may return an error and receive wrong bytes, as long as the
 // rank learns of it: at the end, every rank with a wrong byte must have had an error from a
 // gather or from ncclCommGetAsyncError, else the run fails ("silent").
@@ -259,6 +263,11 @@ int run_weights(const ScenarioOptions& options) {
   }
 
   const int graph_step = static_cast<int>(options.number("graph-step", -1));
+  const bool graph_rewrite = options.number("graph-rewrite", 0) != 0;
+  // The layer whose values position p's shard holds at a step of the graph.
+  const auto graph_layer = [&](int position, int step) {
+    return graph_rewrite ? (position + step) % 64 : position;
+  };
   if (graph_step >= 0 &&
       (!placement.device() || program != "swap" || swap_step < steps || recv_buffers != 0))
     throw ScenarioFailure(
@@ -369,6 +378,14 @@ int run_weights(const ScenarioOptions& options) {
         Placement::cuda_check(cudaGraphInstantiate(&graph.exec, graph.graph, 0),
                               "cudaGraphInstantiate");
       }
+      if (graph_rewrite)
+        for (int position = 0; position < layers; ++position) {
+          const Buffer& shard = shards[static_cast<size_t>(position)];
+          const size_t count = layer_elements(position);
+          for (size_t i = 0; i < count; ++i)
+            elements(shard)[i] = element(graph_layer(position, step), me, i);
+          shard.upload(0, count * sizeof(int32_t));
+        }
       const auto launched = std::chrono::steady_clock::now();
       Placement::cuda_check(cudaGraphLaunch(graph.exec, stream), "cudaGraphLaunch");
       placement.synchronize();
@@ -378,8 +395,8 @@ int run_weights(const ScenarioOptions& options) {
           const Buffer& recv = full[static_cast<size_t>(position)];
           recv.download(0, recv.bytes());
           const std::string wrong = wrong_parts(
-              elements(recv), layer_elements(position), n, [&](int) { return position; }, me, step,
-              position);
+              elements(recv), layer_elements(position), n,
+              [&](int) { return graph_layer(position, step); }, me, step, position);
           if (!wrong.empty()) throw ScenarioFailure("replay: " + wrong);
         }
       if (report_slowest && me == 0)
