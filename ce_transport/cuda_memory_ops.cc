@@ -524,6 +524,19 @@ class CudaMemoryOps final : public MemoryOps {
     held_capture_ = capture;
     ++graphs_held_;
   }
+  void follow_last_bucket(void* stream) override {
+    if (bucket_end_ != nullptr && stream != last_bucket_stream_)
+      cuda_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), bucket_end_, 0),
+                 "cudaStreamWaitEvent (the last bucket, on another stream)");
+  }
+  void end_bucket(void* stream) override {
+    if (bucket_end_ == nullptr)
+      cuda_check(cudaEventCreateWithFlags(&bucket_end_, cudaEventDisableTiming),
+                 "cudaEventCreate (bucket order)");
+    cuda_check(cudaEventRecord(bucket_end_, static_cast<cudaStream_t>(stream)),
+               "cudaEventRecord (bucket order)");
+    last_bucket_stream_ = stream;
+  }
   void rebind(const Copy& shard, void* stream) override {
     cuda_check(cudaMemcpyAsync(shard.dst, shard.src, shard.bytes, cudaMemcpyDefault,
                                static_cast<cudaStream_t>(stream)),
@@ -651,6 +664,9 @@ class CudaMemoryOps final : public MemoryOps {
     imports_.clear();
     if (lines_copied_ != nullptr) cudaEventDestroy(lines_copied_);  // freed once it has passed
     lines_copied_ = nullptr;
+    if (bucket_end_ != nullptr) cudaEventDestroy(bucket_end_);
+    bucket_end_ = nullptr;
+    last_bucket_stream_ = nullptr;
     graph_holds_.reset();
     held_capture_ = 0;
     graphs_held_ = 0;
@@ -872,6 +888,8 @@ class CudaMemoryOps final : public MemoryOps {
   void* flags_host_ = nullptr;  // pinned: this rank's flags, read back by settle()
   void* host_check_ = nullptr;  // bound: kCheckBytes, pinned
   cudaEvent_t lines_copied_ = nullptr;
+  cudaEvent_t bucket_end_ = nullptr;  // recorded at each staged bucket's end (end_bucket)
+  void* last_bucket_stream_ = nullptr;
   std::vector<uint8_t*> peers_;
   std::vector<pid_t> peer_pids_;
   std::vector<uint8_t*> imports_;  // opened through ImportedAllocations

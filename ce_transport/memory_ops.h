@@ -137,6 +137,14 @@ class MemoryOps {
   // graph, and every instance of it, is destroyed (release() leaves them meanwhile). Nothing
   // when the stream is not capturing, and nothing for host memory.
   virtual void hold_for_graph(void* /*stream*/) {}
+  // The staged buckets of a window run in the order they were issued, whatever streams they are
+  // issued on, as NCCL orders a communicator's work across the program's streams: the eager
+  // handshake pairs a rank's n-th bucket with its peers' n-th, and a bucket run before an
+  // earlier one of the same rank would publish a ready its peers take for the earlier one's.
+  // follow_last_bucket(): first in a bucket, whose stream then waits for the end of the last
+  // one when that was on another stream; end_bucket(): last. Nothing for synchronous memory.
+  virtual void follow_last_bucket(void* /*stream*/) {}
+  virtual void end_bucket(void* /*stream*/) {}
   // A bound shard copied into the window again, on `stream` (ahead of that call's reads).
   virtual void rebind(const Copy& shard, void* stream) = 0;
   // Flag operations on `stream`, in order.

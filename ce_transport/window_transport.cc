@@ -248,6 +248,7 @@ class WindowTransport final : public Transport {
     // Until this bucket completes: a throw below leaves the ranks out of step. Known only where
     // the handshake runs here; on a stream, the peers wait for this rank until the abort.
     broken_ = synchronous;
+    memory_->follow_last_bucket(stream);
     const size_t slot = (n % 2) * own_.slot_stride;
     // 1. Slot n % 2 was last read in bucket n - 2: every peer must be done with it.
     flag_ops_.clear();
@@ -427,6 +428,7 @@ class WindowTransport final : public Transport {
     add_writes(flags_.done(rank_), n);
     flag_ops_.push_back({FlagOp::Kind::Write, rank_, own_.flags + flags_.own(), n});
     memory_->run_flags(flag_ops_, stream);
+    if (!bound_) memory_->end_bucket(stream);
   }
 
   // This rank's word at `word` in every peer's window.

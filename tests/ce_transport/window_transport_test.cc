@@ -180,6 +180,17 @@ class FakeMemory final : public MemoryOps {
     std::memcpy(&v, own_.flags + offset, sizeof(v));
     return v;
   }
+  // As an event recorded at each bucket's end and waited for by a bucket on another stream.
+  void follow_last_bucket(void* stream) override {
+    if (ends_ == 0 || stream == last_stream_) return;
+    const uint64_t target = ends_;
+    on(stream).work.push_back([this, target] { return ended_ >= target; });
+  }
+  void end_bucket(void* stream) override {
+    const uint64_t mark = ++ends_;
+    on(stream).work.push_back([this, mark] { return ended_ = mark, true; });
+    last_stream_ = stream;
+  }
   void rebind(const Copy& shard, void* stream) override {
     events.push_back({Event::Kind::Rebind, {shard}, {}});
     on(stream).work.push_back([shard] {
@@ -299,6 +310,9 @@ class FakeMemory final : public MemoryOps {
   std::vector<uint8_t> check_;
   size_t imports_ = 0;
   bool lines_copied_ = false;
+  uint64_t ends_ = 0;   // end_bucket() marks queued
+  uint64_t ended_ = 0;  // the last one run
+  void* last_stream_ = nullptr;
 };
 
 // `nranks` transports over fake memory, each with its own stream.
@@ -333,6 +347,10 @@ class FakeRanks {
   Transport::Served gather(int r, std::span<const GatherOp> bucket,
                            Transport::Timing timing = Transport::Timing::Untimed) {
     return transport(r).gather(bucket, &streams_[static_cast<size_t>(r)], timing);
+  }
+  // On a stream of the test's (which the test runs).
+  Transport::Served gather_on(int r, std::span<const GatherOp> bucket, FakeStream& stream) {
+    return transport(r).gather(bucket, &stream);
   }
 
   // Runs the streams until every one is empty, each as far as it goes before the next (in
@@ -465,6 +483,34 @@ TEST(WindowTransport, BucketsQueuedOnStreamsDeliverEveryByteWhateverOrderTheStre
             << "bucket " << b << " on rank " << r << ", streams run "
             << (schedule.round_robin ? "in turn" : "one after the other from rank ")
             << schedule.order[0];
+  }
+}
+
+// A rank issues bucket 1 on one stream and bucket 2 on another, with nothing ordering them (as
+// NCCL allows: it orders a communicator's work itself). Run the second stream first: bucket 2
+// must wait for bucket 1's end, else its ready would be taken for bucket 1's by the peer, which
+// would read a slot not yet staged.
+TEST(WindowTransport, BucketsIssuedOnTwoStreamsRunInTheOrderTheyWereIssued) {
+  FakeRanks ranks(2);
+  ranks.join({staging_plan(kSlotBytes), staging_plan(kSlotBytes)});
+  BucketBuffers first(1, 2), second(2, 2);
+  FakeStream a, b;
+  ranks.gather_on(0, first.ops[0], a);
+  ranks.gather_on(0, second.ops[0], b);
+  ranks.gather(1, first.ops[1]);
+  ranks.gather(1, second.ops[1]);
+  while (b.step()) {}
+  EXPECT_FALSE(b.work.empty()) << "bucket 2 ran before bucket 1, on another stream";
+  for (int turn = 0; turn < 8; ++turn) {
+    while (ranks.stream(1).step()) {}
+    while (a.step()) {}
+    while (b.step()) {}
+  }
+  EXPECT_TRUE(a.work.empty() && b.work.empty() && ranks.stream(1).work.empty())
+      << "the streams wait for ever";
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(first.wrong(1, r, 2), 0u) << "rank " << r;
+    EXPECT_EQ(second.wrong(2, r, 2), 0u) << "rank " << r;
   }
 }
 
