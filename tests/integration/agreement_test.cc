@@ -687,14 +687,16 @@ TEST_P(StaticWeightsPrograms, InOneSharedFileAreReadInPlaceByteExactAndLeaveNoFi
 // kept open by the program): each owner hands its peers a descriptor of it over its descriptor
 // channel (ce_transport/fd_channel.h), only to its peer ranks' processes; read in place, byte
 // exact, nothing bound. A set-up that fetches descriptors runs off the calls (its fetch may
-// wait for the owner's attach), so a plan moves a few steps after its publish: runs long enough
-// for that under a loaded machine.
+// wait for the owner's attach), so a plan moves some steps after its publish, as many as the
+// set-up's time holds (a step takes microseconds): runs long enough for that under a loaded
+// machine (100 steps, the swap at 50, once lost a plan to the swap while 8 test processes and a
+// compiler shared 2 cores).
 TEST_P(StaticWeightsPrograms, InAMemfdAreReadInPlaceByDescriptorByteExact) {
   const int n = GetParam();
   const std::vector<WeightsCase> cases = {
-      {{"--program", "swap", "--swap-step", "50"}, 100},
+      {{"--program", "swap", "--swap-step", "200"}, 400},
       {{"--program", "alternate", "--swap-step", "10"}, 80},
-      {{"--program", "rehome", "--rehome-rank", "1", "--rehome-step", "50"}, 100},
+      {{"--program", "rehome", "--rehome-rank", "1", "--rehome-step", "200"}, 400},
   };
   for (const WeightsCase& c : cases) {
     SCOPED_TRACE(c.program[1] + " (static, memfd) on " + std::to_string(n) + " ranks");
