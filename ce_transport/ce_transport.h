@@ -271,6 +271,12 @@ class Transport {
   // (source_log.h), described, once; "" otherwise. Never waits; may be called from any thread
   // until release().
   virtual std::string take_disagreement() { return {}; }
+  // A peer of the attached window that died with the communicator in use: its process is gone
+  // and it never released its window ("rank R (pid P)"), so its part of every moved gather, and
+  // of every replay of a graph holding them, will never come. "" otherwise, or while a prepare,
+  // attach or release runs (never waits for them). Asks the system about each peer's pid, and
+  // reads a dead one's window; may be called from any thread.
+  virtual std::string lost_peer() { return {}; }
 };
 
 // The communicator is being aborted: the graph slots' latches of its windows that earlier plans

@@ -280,6 +280,29 @@ std::vector<KeptForGraphs>& kept_for_graphs() {
   return *kept;
 }
 
+// For its life, the calling thread's current device is `device` (when known); the thread's own
+// is given back after: a thread of the program's (its watchdog's) keeps the device it chose.
+class ThreadDevice {
+ public:
+  explicit ThreadDevice(int device) {
+    if (device < 0 || cudaGetDevice(&saved_) != cudaSuccess || saved_ == device) {
+      saved_ = -1;
+      cudaGetLastError();
+      return;
+    }
+    cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~ThreadDevice() {
+    if (saved_ >= 0) cudaSetDevice(saved_);
+    cudaGetLastError();
+  }
+  ThreadDevice(const ThreadDevice&) = delete;
+  ThreadDevice& operator=(const ThreadDevice&) = delete;
+
+ private:
+  int saved_ = -1;
+};
+
 CUstreamBatchMemOpParams write_op(const uint8_t* address, uint64_t value) {
   CUstreamBatchMemOpParams op{};
   op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
@@ -361,7 +384,7 @@ class CudaMemoryOps final : public MemoryOps {
     free_kept_for_graphs();
     stride_ = round_up(std::max<size_t>(slot_bytes, 1), kSlotAlign);
     flags_at_ = (bound ? 1 : graph_slots ? 4 : 2) * stride_;
-    flag_bytes_ = flags_.bytes_through_latches();
+    flag_bytes_ = flags_.bytes_but_failed();
     bytes_ = round_up(flags_at_ + flag_bytes_, kAllocationGranule);
     settled_at_ = kNotSettled;
     cuda_check(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking),
@@ -553,6 +576,28 @@ class CudaMemoryOps final : public MemoryOps {
   }
   uint64_t read_flag(const uint8_t* /*word*/) const override {
     throw Error(ErrorKind::Internal, "a device window's flags are read on its stream only");
+  }
+  // Through the pinned flags buffer's line of the left word (settle() reads it whole later;
+  // prepare, release, abandon and these come one at a time: window_transport.cc's lifetime_).
+  uint64_t read_word_now(const uint8_t* word) override {
+    const ThreadDevice device(device_);
+    uint8_t* scratch = static_cast<uint8_t*>(flags_host_) + flags_.left();
+    cuda_check(
+        cudaMemcpyAsync(scratch, word, sizeof(uint64_t), cudaMemcpyDeviceToHost, own_stream_),
+        "cudaMemcpyAsync (a word, now)");
+    cuda_check(cudaStreamSynchronize(own_stream_), "cudaStreamSynchronize (a word, now)");
+    uint64_t value = 0;
+    std::memcpy(&value, scratch, sizeof(value));
+    return value;
+  }
+  void write_word_now(uint8_t* word, uint64_t value) override {
+    const ThreadDevice device(device_);
+    uint8_t* scratch = static_cast<uint8_t*>(flags_host_) + flags_.left();
+    std::memcpy(scratch, &value, sizeof(value));
+    cuda_check(
+        cudaMemcpyAsync(word, scratch, sizeof(uint64_t), cudaMemcpyHostToDevice, own_stream_),
+        "cudaMemcpyAsync (a word, now)");
+    cuda_check(cudaStreamSynchronize(own_stream_), "cudaStreamSynchronize (a word, now)");
   }
 
   uint8_t* check_buffer() override { return static_cast<uint8_t*>(host_check_); }

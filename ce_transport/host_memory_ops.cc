@@ -225,6 +225,12 @@ class HostMemoryOps final : public MemoryOps {
   uint64_t read_flag(const uint8_t* word) const override {
     return word_at(word).load(std::memory_order_relaxed);
   }
+  uint64_t read_word_now(const uint8_t* word) override {
+    return word_at(word).load(std::memory_order_acquire);
+  }
+  void write_word_now(uint8_t* word, uint64_t value) override {
+    word_at(word).store(value, std::memory_order_release);
+  }
 
   uint8_t* check_buffer() override { return check_.data(); }
   void copy_lines(uint8_t* into, const uint8_t* from, const SampleSet& set,

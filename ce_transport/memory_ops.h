@@ -163,6 +163,12 @@ class MemoryOps {
   virtual void mark_lines(void* stream) = 0;
   virtual bool lines_copied() = 0;
 
+  // A word of this rank's window or of a peer's, read or written now, off the gathers' path
+  // (CUDA: a copy on the window's own stream, waited for, on the communicator's device, the
+  // calling thread's device given back after; never a program's stream, which may be stuck).
+  virtual uint64_t read_word_now(const uint8_t* word) = 0;
+  virtual void write_word_now(uint8_t* word, uint64_t value) = 0;
+
   // ---- the end ----
   // The communicator is aborted, the window attached, `last_bucket` the last one started: every
   // wait of this rank on its peers gives up (ce_transport.h's abandon()), the graph slots'

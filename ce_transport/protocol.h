@@ -98,8 +98,10 @@ Medium read_blob(const HandleBlob& blob, int rank, const WindowShape& shape, Blo
 //     By bucket parity: a peer still checking bucket n may already see r's ready of n + 1,
 //     never of n + 2 (r waits for that peer's done of n first);
 // and own(): the last bucket whose part has run on the owner (CUDA backend: what release waits
-// for). Each word is on a line of its own (a cache line on the host, 256 bytes on a device), so
-// no two writers share a line.
+// for); left(): 1 once the owner released the window (written before it frees it, at the
+// communicator's end or the process's): a peer whose process is gone without it died with the
+// communicator in use (Transport::lost_peer()). Each word is on a line of its own (a cache line
+// on the host, 256 bytes on a device), so no two writers share a line.
 //
 // Graph slots (WindowPlan::graph_slots) have latches instead of counters, since a replay writes
 // what its capture wrote: a latch's low 32 bits are 0 or 1, written by 32-bit stores; its high
@@ -121,13 +123,14 @@ struct FlagLayout {
   size_t read(int slot, int from) const {
     return line(4 * ranks() + 1 + static_cast<size_t>(slot) * ranks() + static_cast<size_t>(from));
   }
+  size_t left() const { return line(6 * ranks() + 1); }
   size_t failed(int from, uint64_t bucket) const {
-    return line(6 * ranks() + 1 + 2 * static_cast<size_t>(from) + bucket % 2);
+    return line(6 * ranks() + 2 + 2 * static_cast<size_t>(from) + bucket % 2);
   }
-  // Bytes through the graph slots' latches: all the CUDA backend uses (it cannot act on failed
+  // Bytes of every word but the failed ones: all the CUDA backend uses (it cannot act on failed
   // words in a bucket).
-  size_t bytes_through_latches() const { return line(6 * ranks() + 1); }
-  size_t bytes() const { return line(8 * ranks() + 1); }
+  size_t bytes_but_failed() const { return line(6 * ranks() + 2); }
+  size_t bytes() const { return line(8 * ranks() + 2); }
 
  private:
   size_t ranks() const { return static_cast<size_t>(nranks); }

@@ -29,6 +29,7 @@
 #include "ce_transport/backends.h"
 #include "ce_transport/exports.h"
 #include "ce_transport/memory_ops.h"
+#include "ce_transport/process.h"
 #include "ce_transport/protocol.h"
 #include "ce_transport/sample_plan.h"
 #include "ce_transport/source_log.h"
@@ -126,6 +127,7 @@ class WindowTransport final : public Transport {
     // Before any mapping: a peer may already be asking for this rank's exports by descriptor.
     memory_->allow_peers(faults_.refuses_descriptors() ? std::span<const pid_t>{}
                                                        : std::span<const pid_t>(pids));
+    peer_pids_ = pids;
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
       const auto i = static_cast<size_t>(r);
@@ -214,6 +216,22 @@ class WindowTransport final : public Transport {
     m.window_bytes = window_bytes();
     m.peer_mappings = memory_->imports();
     return m;
+  }
+
+  // A peer's process gone without its left word (protocol.h): it died with the communicator in
+  // use. Never waits for a prepare, attach or release in flight: asked again later.
+  std::string lost_peer() override {
+    std::unique_lock<std::mutex> lock(lifetime_, std::try_to_lock);
+    if (!lock.owns_lock() || !attached_) return {};
+    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
+    for (int r = 0; r < nranks_; ++r) {
+      const pid_t pid = peer_pids_[static_cast<size_t>(r)];
+      if (r == rank_ || pid <= 0 || process_alive(pid)) continue;
+      if (memory_->read_word_now(peers_[static_cast<size_t>(r)].flags + flags_.left()) != 0)
+        continue;
+      return "rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ")";
+    }
+    return {};
   }
 
   std::vector<size_t> take_stale_bindings() override { return std::exchange(stale_, {}); }
@@ -575,9 +593,16 @@ class WindowTransport final : public Transport {
   uint64_t settling_bucket() const { return eager_.load(); }
 
   void release_locked() {
+    // Peers that outlive this process must not take its end for a death (lost_peer()).
+    if (own_.flags != nullptr) {
+      try {
+        memory_->write_word_now(own_.flags + flags_.left(), 1);
+      } catch (const Error&) {}
+    }
     memory_->release(settling_bucket(), attached_, abandoned_.load());
     log_.close();
     peers_.clear();
+    peer_pids_.clear();
     own_ = {};
     peer_sources_.clear();
     sources_ = {};
@@ -603,6 +628,7 @@ class WindowTransport final : public Transport {
   const protocol::FaultPoints faults_;
   WindowView own_;
   std::vector<WindowView> peers_;  // by rank; this rank's entry stays empty
+  std::vector<pid_t> peer_pids_;   // by rank, from their blobs; this rank's entry 0
   protocol::WindowShape shape_;    // what every peer's blob must match
   size_t slot_bytes_ = 0;
   bool bound_ = false;

@@ -195,13 +195,32 @@ void Serving::disagreement(const std::string& what) {
 }
 
 ncclResult_t Serving::async_error() {
-  std::string what;
+  constexpr int64_t kPeerCheckPeriodNs = 1'000'000'000;
+  std::string what, lost;
   {
     std::lock_guard<std::mutex> lock(transport_mutex_);
     if (transport_) what = transport_->take_disagreement();
+    const auto now = static_cast<int64_t>(clock_ns());
+    if (transport_ && async_error_.load() == ncclSuccess && now >= next_peer_check_ns_.load()) {
+      next_peer_check_ns_.store(now + kPeerCheckPeriodNs);
+      lost = transport_->lost_peer();
+    }
   }
   if (!what.empty()) disagreement(what);
+  if (!lost.empty()) peer_lost(lost);
   return async_error_.load();
+}
+
+void Serving::peer_lost(const std::string& who) {
+  if (async_error_.exchange(ncclRemoteError) == ncclSuccess)
+    MAGI_WARN(Transport,
+              "comm %012llx: %s ended without releasing its window: it died with the "
+              "communicator in use, and its part of the moved gathers (and of replays of CUDA "
+              "graphs that hold them) will never come. The communicator reports ncclRemoteError "
+              "(its moved gathers and ncclCommGetAsyncError); aborting it ends every wait on that "
+              "rank",
+              short_id(info_.identity), who.c_str());
+  failed_ = true;
 }
 
 void Serving::fail(const char* why) noexcept {

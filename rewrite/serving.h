@@ -148,8 +148,9 @@ class Serving {
   // Marks it failed for a reason outside the transport (one WARN, the first time).
   void fail(const char* why) noexcept;
   // The communicator's asynchronous error of ours: ncclRemoteError once the ranks' static
-  // reads were found to disagree (ce_transport's take_disagreement), sticky; else ncclSuccess.
-  // Polls the transport first. Any thread.
+  // reads were found to disagree (ce_transport's take_disagreement), or a peer was found dead
+  // with the communicator in use (lost_peer(), asked at most once a second), sticky; else
+  // ncclSuccess. Polls the transport first. Any thread.
   ncclResult_t async_error();
   // Positions whose static binding was found changed; they stay until the step changes.
   const std::vector<uint32_t>& stale_positions() const { return stale_positions_; }
@@ -171,6 +172,9 @@ class Serving {
   std::atomic<ncclResult_t> async_error_{ncclSuccess};
   // The ranks' reads disagree: WARN (once), the sticky error, NCCL at the next round.
   void disagreement(const std::string& what);
+  // A peer died with the communicator in use: WARN (once), the sticky error.
+  void peer_lost(const std::string& who);
+  std::atomic<int64_t> next_peer_check_ns_{0};
   std::vector<uint32_t> stale_positions_;
 };
 

@@ -30,6 +30,7 @@
 #include "ce_transport/backends.h"
 #include "ce_transport/ce_transport.h"
 #include "ce_transport/host_window.h"
+#include "ce_transport/process.h"
 #include "ce_transport/sample_plan.h"
 
 namespace magi::ce {
@@ -676,6 +677,56 @@ TEST(HostTransport, PeerKilledWhileOthersWaitMakesTheirGatherThrow) {
 TEST(HostTransport, PeerKilledAndNotYetReapedMakesTheirGatherThrow) {
   peer_killed_while_others_wait(true);
 }
+
+// A peer whose process ended is lost (Transport::lost_peer()) only if it never released its
+// window: killed, it is named; released first (the communicator's end, or the process's, which
+// releases every window), it is not, though its process is gone all the same.
+void peer_ended(bool released) {
+  constexpr int kRanks = 3;
+  constexpr int kVictim = kRanks - 1;
+  SharedArea area;
+  const auto body = [released](int rank, Shared& shared) -> int {
+    const Plan plan = make_plan();
+    auto transport = join(rank, kRanks, shared, plan.slot_bytes);
+    barrier(shared, kRanks);  // every rank attached
+    if (transport->lost_peer() != "") {
+      std::fprintf(stderr, "rank %d: a peer lost while all live\n", rank);
+      return 1;
+    }
+    if (rank == kVictim) {
+      if (released) {
+        transport->release();
+        _exit(0);
+      }
+      raise(SIGKILL);
+    }
+    const auto victim = static_cast<pid_t>(shared.pids[kVictim].load());
+    for (int i = 0; i < 10'000 && process_alive(victim); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const std::string lost = transport->lost_peer();
+    const std::string expected =
+        released ? "" : "rank " + std::to_string(kVictim) + " (pid " + std::to_string(victim) + ")";
+    if (lost != expected) {
+      std::fprintf(stderr, "rank %d: lost_peer() says '%s', expected '%s'\n", rank, lost.c_str(),
+                   expected.c_str());
+      return 1;
+    }
+    transport->release();
+    return transport->lost_peer() == "" ? 0 : 1;  // nothing attached
+  };
+  const RankRun run = run_ranks(kRanks, area.get(), 15, body, kVictim);
+  ASSERT_FALSE(run.timed_out);
+  for (int r = 0; r < kVictim; ++r)
+    EXPECT_EQ(run.ranks[static_cast<size_t>(r)].exit_code, 0) << "rank " << r;
+  if (released)
+    EXPECT_EQ(run.ranks[kVictim].exit_code, 0);
+  else
+    EXPECT_EQ(run.ranks[kVictim].signal, SIGKILL);
+}
+
+TEST(HostTransport, APeerKilledWithTheCommunicatorInUseIsLost) { peer_ended(false); }
+
+TEST(HostTransport, APeerThatReleasedItsWindowBeforeItEndedIsNotLost) { peer_ended(true); }
 
 // Two ranks of one process, each on a thread: the same handshake without fork.
 TEST(HostTransport, TwoThreadsGatherThroughEachOthersWindows) {

@@ -149,8 +149,8 @@ TEST(Protocol, ReadingABlobChecksItFirst) {
 }
 
 // Every word of the handshake on a line of its own, inside the flags, none shared; the CUDA
-// backend's prefix (through the latches) holds every ready and done word, the own word and the
-// graph slots' latches.
+// backend's prefix (all but the failed words) holds every ready and done word, the own word, the
+// graph slots' latches and the left word.
 TEST(Protocol, EveryFlagWordHasALineOfItsOwn) {
   for (const size_t line : {size_t{64}, size_t{256}}) {
     for (const int nranks : {1, 2, 3, 8}) {
@@ -162,17 +162,18 @@ TEST(Protocol, EveryFlagWordHasALineOfItsOwn) {
         EXPECT_TRUE(offsets.insert(offset).second) << "offset " << offset << " used twice";
       };
       for (int r = 0; r < nranks; ++r) {
-        add(layout.ready(r), layout.bytes_through_latches());
-        add(layout.done(r), layout.bytes_through_latches());
+        add(layout.ready(r), layout.bytes_but_failed());
+        add(layout.done(r), layout.bytes_but_failed());
         for (int slot = 0; slot < 2; ++slot) {
-          add(layout.staged(slot, r), layout.bytes_through_latches());
-          add(layout.read(slot, r), layout.bytes_through_latches());
+          add(layout.staged(slot, r), layout.bytes_but_failed());
+          add(layout.read(slot, r), layout.bytes_but_failed());
         }
         add(layout.failed(r, 6), layout.bytes());
         add(layout.failed(r, 7), layout.bytes());
         EXPECT_EQ(layout.failed(r, 5), layout.failed(r, 7));  // by parity
       }
-      add(layout.own(), layout.bytes_through_latches());
+      add(layout.own(), layout.bytes_but_failed());
+      add(layout.left(), layout.bytes_but_failed());
       EXPECT_EQ(offsets.size() * line, layout.bytes());  // nothing else in the flags
     }
   }

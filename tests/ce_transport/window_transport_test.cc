@@ -82,7 +82,7 @@ class FakeMemory final : public MemoryOps {
   WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots) override {
     const size_t stride = round_up(std::max<size_t>(slot_bytes, 1), kLine);
     const size_t flags_at = (bound ? 1 : graph_slots ? 4 : 2) * stride;
-    storage_.assign((flags_at + flags_.bytes_through_latches()) / 8, 0);
+    storage_.assign((flags_at + flags_.bytes_but_failed()) / 8, 0);
     auto* base = reinterpret_cast<uint8_t*>(storage_.data());
     own_ = {base, flags_at, stride, base + flags_at};
     for (int slot = 0; slot < 2; ++slot)
@@ -231,6 +231,8 @@ class FakeMemory final : public MemoryOps {
     ADD_FAILURE() << "a stream's flags read on the host";
     return 0;
   }
+  uint64_t read_word_now(const uint8_t* word) override { return load(word); }
+  void write_word_now(uint8_t* word, uint64_t value) override { store(word, value); }
 
   uint8_t* check_buffer() override { return check_.data(); }
   void copy_lines(uint8_t* into, const uint8_t* from, const SampleSet& set, void* stream) override {

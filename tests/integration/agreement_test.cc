@@ -1312,6 +1312,40 @@ TEST(Agreement, APeerKilledBeforeDuringOrAfterAgreementHangsNoOne) {
   EXPECT_LE(left.size(), 1u);
 }
 
+// A rank that dies with the communicator in use, its gathers moving, is reported to its peers by
+// ncclCommGetAsyncError (ncclRemoteError, as NCCL reports a peer's failure) with one WARN naming
+// it, though they make no call that would wait for it: a program's watchdog (PyTorch's polls it)
+// then aborts, which ends every wait on that rank, CUDA graph replays included. A rank that
+// exits normally with its communicator alive is no error: the process's end released its window.
+TEST(Agreement, APeerThatDiesWithTheCommunicatorInUseIsReportedByGetAsyncError) {
+  for (const std::string how : {"kill", "exit"}) {
+    SCOPED_TRACE("rank 2 ends by " + how);
+    const AgreedRun r = run_agreed(
+        3,
+        fsdp({"--end-rank", "2", "--end-how", how, "--end-poll-s", how == "kill" ? "20" : "2"}, 20),
+        {}, 60);
+    ASSERT_FALSE(r.result.timed_out) << transcript(r);
+    for (const int rank : {0, 1}) {
+      const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
+      EXPECT_EQ(rr.exit_code, 0) << "rank " << rank << "\n" << transcript(r);
+      EXPECT_FALSE(r.view(r.comm_ids().front(), rank).moved.empty()) << "rank " << rank;
+      const std::string said = "rank " + std::to_string(rank) + ": ";
+      if (how == "kill")
+        EXPECT_TRUE(has_line(rr.stderr_text,
+                             said + "async error remote process exited or there was a network "
+                                    "error after [0-9]+ ms"))
+            << transcript(r);
+      else
+        EXPECT_TRUE(has_line(rr.stderr_text, said + "no async error in 2 s")) << transcript(r);
+      EXPECT_EQ(count_lines(rr.stderr_text,
+                            "rank 2 \\(pid [0-9]+\\) ended without releasing its "
+                            "window: it died with the communicator in use"),
+                how == "kill" ? 1u : 0u)
+          << transcript(r);
+    }
+  }
+}
+
 // A rank that hangs, alive, with gathers moving (step 14) or a round in flight (step 6): the
 // others block, in the transport or in NCCL, as they would on NCCL alone. The program's watchdog
 // thread (as PyTorch's) then aborts the communicators while the main thread is blocked; the abort

@@ -5,6 +5,7 @@
 //      [--step-group 1] [--settle-step K] [--p2p 1]
 //      [--static-change-rank R --static-change-step K] [--die-rank R --die-step K] [--abort-step K]
 //      [--stall-rank R --stall-step K --stall-s T] [--watchdog-s S [--watchdog-grace-s G]]
+//      [--end-rank R --end-how kill|exit] [--end-poll-s T]
 //
 // An FSDP-style inference loop: one all-reduce at start-up, then per step every layer's weight
 // shard is all-gathered (pairs of layers in one ncclGroupStart/End, as FSDP buckets them), used
@@ -43,6 +44,14 @@
 //                      blocked in a call or on the device. Once the main thread is free again the
 //                      process exits 3; if it is still blocked G seconds (default 30) after the
 //                      abort, it exits 4.
+//   --end-rank R --end-how kill|exit   after its last step rank R ends at once: killed
+//                      (SIGKILL: a crash with the communicator in use), or exit(0) with its
+//                      communicator alive (a program that never tears down; the process's end
+//                      releases what the library holds)
+//   --end-poll-s T     after their last step the other ranks poll ncclCommGetAsyncError (every
+//                      10 ms, as PyTorch's watchdog does) for T seconds before destroying, and
+//                      say what they saw: "rank R: async error <name> after <ms> ms" at the first
+//                      error, else "rank R: no async error in <T> s"
 //   --uniform 1        every layer's shard has the same size and the step has no all-reduce:
 //                      by shapes a step of one gather, each layer with its own buffer
 //   --nonblocking 1    the communicator is made with config.blocking = 0
@@ -562,6 +571,29 @@ int run_fsdp(const ScenarioOptions& options) {
     }
     watchdog.step_ended();
     watchdog.exit_if_fired(boot.rank);
+  }
+  const int end_rank = static_cast<int>(options.number("end-rank", -1));
+  if (boot.rank == end_rank) {
+    std::fflush(nullptr);
+    if (options.text("end-how", "kill") == "kill") raise(SIGKILL);
+    std::exit(0);
+  }
+  if (const double poll_s = options.number("end-poll-s", 0); poll_s > 0) {
+    const auto began = std::chrono::steady_clock::now();
+    ncclResult_t seen = ncclSuccess;
+    while (seen == ncclSuccess &&
+           std::chrono::steady_clock::now() - began < std::chrono::duration<double>(poll_s)) {
+      WORKLOAD_CHECK(ncclCommGetAsyncError(comm.get(), &seen));
+      if (seen == ncclSuccess) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (seen != ncclSuccess)
+      std::fprintf(stderr, "rank %d: async error %s after %lld ms\n", boot.rank,
+                   ncclGetErrorString(seen),
+                   static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                              std::chrono::steady_clock::now() - began)
+                                              .count()));
+    else
+      std::fprintf(stderr, "rank %d: no async error in %g s\n", boot.rank, poll_s);
   }
   if (sub.get() != nullptr) sub.destroy();
   if (options.has("fork-child")) {
