@@ -553,11 +553,7 @@ class CudaMemoryOps final : public MemoryOps {
                  "cudaStreamWaitEvent (the last bucket, on another stream)");
   }
   void end_bucket(void* stream) override {
-    if (bucket_end_ == nullptr)
-      cuda_check(cudaEventCreateWithFlags(&bucket_end_, cudaEventDisableTiming),
-                 "cudaEventCreate (bucket order)");
-    cuda_check(cudaEventRecord(bucket_end_, static_cast<cudaStream_t>(stream)),
-               "cudaEventRecord (bucket order)");
+    record(bucket_end_, stream, "cudaEventRecord (bucket order)");
     last_bucket_stream_ = stream;
   }
   void rebind(const Copy& shard, void* stream) override {
@@ -618,11 +614,7 @@ class CudaMemoryOps final : public MemoryOps {
                  "cudaMemcpyAsync (verify)");
   }
   void mark_lines(void* stream) override {
-    if (lines_copied_ == nullptr)
-      cuda_check(cudaEventCreateWithFlags(&lines_copied_, cudaEventDisableTiming),
-                 "cudaEventCreate (verify)");
-    cuda_check(cudaEventRecord(lines_copied_, static_cast<cudaStream_t>(stream)),
-               "cudaEventRecord (verify)");
+    record(lines_copied_, stream, "cudaEventRecord (verify)");
   }
   bool lines_copied() override {
     const cudaError_t state = cudaEventQuery(lines_copied_);
@@ -720,6 +712,12 @@ class CudaMemoryOps final : public MemoryOps {
 
  private:
   uint8_t* region() const { return static_cast<uint8_t*>(base_); }
+  // `event` (made at its first use) records what `stream` holds now.
+  static void record(cudaEvent_t& event, void* stream, const char* what) {
+    if (event == nullptr)
+      cuda_check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+    cuda_check(cudaEventRecord(event, static_cast<cudaStream_t>(stream)), what);
+  }
   int current_device() const {
     int device = device_;
     if (device < 0 && cudaGetDevice(&device) != cudaSuccess) {

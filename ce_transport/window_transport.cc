@@ -285,10 +285,7 @@ class WindowTransport final : public Transport {
       return Served::FallBack;
     }
     // 2. Stage this rank's shards.
-    copies_.clear();
-    for (const GatherOp& op : bucket)
-      if (op.bytes != 0)
-        copies_.push_back({own_.region + slot + op.slot_offset, op.sendbuf, op.bytes});
+    add_stages(bucket, slot);
     memory_->copy_batch(copies_, stream);
     // 3. Staged: say so in every peer's window, and wait until every peer has said so in ours.
     flag_ops_.clear();
@@ -384,10 +381,7 @@ class WindowTransport final : public Transport {
     flag_ops_.clear();
     add_latch_waits([&](int r) { return flags_.read(slot, r); });
     memory_->run_flags(flag_ops_, stream);
-    copies_.clear();
-    for (const GatherOp& op : bucket)
-      if (op.bytes != 0)
-        copies_.push_back({own_.region + at + op.slot_offset, op.sendbuf, op.bytes});
+    add_stages(bucket, at);
     memory_->copy_captured(copies_, stream);
     flag_ops_.clear();
     add_latch_sets(flags_.staged(slot, rank_));
@@ -419,6 +413,14 @@ class WindowTransport final : public Transport {
       if (r != rank_)
         flag_ops_.push_back(
             {FlagOp::Kind::Latch, r, peers_[static_cast<size_t>(r)].flags + word, 1});
+  }
+
+  // A bucket's staging: this rank's shards into its own slot at `slot_at`.
+  void add_stages(std::span<const GatherOp> bucket, size_t slot_at) {
+    copies_.clear();
+    for (const GatherOp& op : bucket)
+      if (op.bytes != 0)
+        copies_.push_back({own_.region + slot_at + op.slot_offset, op.sendbuf, op.bytes});
   }
 
   // A bucket's reads: every peer's part of each gather from `peer_part(r, op)`, this rank's own
