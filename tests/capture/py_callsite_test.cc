@@ -6,6 +6,8 @@
 
 #include <chrono>
 
+#include "tests/support/launch.h"
+
 namespace magi::capture {
 namespace {
 
@@ -18,8 +20,9 @@ TEST(PythonCallsite, NoInterpreterRecordsNothingAndCostsNothingVisible) {
   const auto elapsed = std::chrono::steady_clock::now() - start;
   EXPECT_EQ(any, 0u);
   const double ns = std::chrono::duration<double, std::nano>(elapsed).count() / kCalls;
-  // One atomic load and a compare; the bound leaves room for a loaded machine or a sanitizer.
-  EXPECT_LT(ns, 50.0) << ns << " ns per call";
+  // One atomic load and a compare; the bound leaves room for a loaded machine, and is stretched
+  // as the sanitizer suites stretch their limits (TSan measured 51 ns on a loaded machine).
+  EXPECT_LT(ns, 50.0 * support::timeout_scale()) << ns << " ns per call";
 }
 
 }  // namespace

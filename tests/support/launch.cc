@@ -66,7 +66,8 @@ bool spec_sets(const LaunchSpec& spec, const std::string& key) {
   return std::getenv(key.c_str()) != nullptr;
 }
 
-// TEST_TIMEOUT_SCALE: a positive number; anything else counts as 1.
+}  // namespace
+
 double timeout_scale() {
   const char* text = std::getenv("TEST_TIMEOUT_SCALE");
   if (text == nullptr) return 1;
@@ -74,8 +75,6 @@ double timeout_scale() {
   const double scale = std::strtod(text, &end);
   return end != text && *end == '\0' && scale > 0 ? scale : 1;
 }
-
-}  // namespace
 
 bool LaunchResult::all_ok() const {
   if (timed_out || ranks.empty()) return false;

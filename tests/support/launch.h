@@ -56,6 +56,10 @@ struct LaunchResult {
 // Throws std::runtime_error when it cannot start the ranks (fork, temporary directory).
 LaunchResult launch(const LaunchSpec& spec);
 
+// TEST_TIMEOUT_SCALE (the sanitizer suites set it: 3 under TSan, 2 under ASan): how much slower
+// this build runs than the plain one; a positive number, anything else counts as 1.
+double timeout_scale();
+
 }  // namespace magi::support
 
 // Tests and the launcher use these unqualified.
