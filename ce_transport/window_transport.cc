@@ -227,8 +227,12 @@ class WindowTransport final : public Transport {
     for (int r = 0; r < nranks_; ++r) {
       const pid_t pid = peer_pids_[static_cast<size_t>(r)];
       if (r == rank_ || pid <= 0 || process_alive(pid)) continue;
-      if (memory_->read_word_now(peers_[static_cast<size_t>(r)].flags + flags_.left()) != 0)
-        continue;
+      try {
+        if (memory_->read_word_now(peers_[static_cast<size_t>(r)].flags + flags_.left()) != 0)
+          continue;
+      } catch (const Error&) {
+        continue;  // unknown this time: asked again later
+      }
       return "rank " + std::to_string(r) + " (pid " + std::to_string(pid) + ")";
     }
     return {};

@@ -693,6 +693,7 @@ void peer_ended(bool released) {
       std::fprintf(stderr, "rank %d: a peer lost while all live\n", rank);
       return 1;
     }
+    barrier(shared, kRanks);  // every rank looked
     if (rank == kVictim) {
       if (released) {
         transport->release();
