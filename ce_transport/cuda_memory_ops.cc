@@ -573,27 +573,13 @@ class CudaMemoryOps final : public MemoryOps {
   uint64_t read_flag(const uint8_t* /*word*/) const override {
     throw Error(ErrorKind::Internal, "a device window's flags are read on its stream only");
   }
-  // Through the pinned flags buffer's line of the left word (settle() reads it whole later;
-  // prepare, release, abandon and these come one at a time: window_transport.cc's lifetime_).
   uint64_t read_word_now(const uint8_t* word) override {
-    const ThreadDevice device(device_);
-    uint8_t* scratch = static_cast<uint8_t*>(flags_host_) + flags_.left();
-    cuda_check(
-        cudaMemcpyAsync(scratch, word, sizeof(uint64_t), cudaMemcpyDeviceToHost, own_stream_),
-        "cudaMemcpyAsync (a word, now)");
-    cuda_check(cudaStreamSynchronize(own_stream_), "cudaStreamSynchronize (a word, now)");
     uint64_t value = 0;
-    std::memcpy(&value, scratch, sizeof(value));
+    copy_word_now(&value, word, cudaMemcpyDeviceToHost);
     return value;
   }
   void write_word_now(uint8_t* word, uint64_t value) override {
-    const ThreadDevice device(device_);
-    uint8_t* scratch = static_cast<uint8_t*>(flags_host_) + flags_.left();
-    std::memcpy(scratch, &value, sizeof(value));
-    cuda_check(
-        cudaMemcpyAsync(word, scratch, sizeof(uint64_t), cudaMemcpyHostToDevice, own_stream_),
-        "cudaMemcpyAsync (a word, now)");
-    cuda_check(cudaStreamSynchronize(own_stream_), "cudaStreamSynchronize (a word, now)");
+    copy_word_now(word, &value, cudaMemcpyHostToDevice);
   }
 
   uint8_t* check_buffer() override { return static_cast<uint8_t*>(host_check_); }
@@ -712,6 +698,29 @@ class CudaMemoryOps final : public MemoryOps {
 
  private:
   uint8_t* region() const { return static_cast<uint8_t*>(base_); }
+  // One word between host and a window, through the pinned flags buffer's line of the left word
+  // (settle() reads that buffer whole later; prepare, release, abandon and lost_peer() come one
+  // at a time: window_transport.cc's lifetime_). It may run on a thread of the program's (its
+  // watchdog's, for lost_peer()): the copy is waited for a second at most, by polling, never
+  // with a call that could wait on the device's other streams.
+  void copy_word_now(void* dst, const void* src, cudaMemcpyKind kind) {
+    const ThreadDevice device(device_);
+    uint8_t* scratch = static_cast<uint8_t*>(flags_host_) + flags_.left();
+    const bool to_device = kind == cudaMemcpyHostToDevice;
+    if (to_device) std::memcpy(scratch, src, sizeof(uint64_t));
+    cuda_check(cudaMemcpyAsync(to_device ? dst : scratch, to_device ? scratch : src,
+                               sizeof(uint64_t), kind, own_stream_),
+               "cudaMemcpyAsync (a word, now)");
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    for (cudaError_t state; (state = cudaStreamQuery(own_stream_)) != cudaSuccess;) {
+      if (state != cudaErrorNotReady) cuda_check(state, "cudaStreamQuery (a word, now)");
+      cudaGetLastError();
+      if (std::chrono::steady_clock::now() >= deadline)
+        throw Error(ErrorKind::System, "a word of a window was not copied within 1 s");
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    if (!to_device) std::memcpy(dst, scratch, sizeof(uint64_t));
+  }
   // `event` (made at its first use) records what `stream` holds now.
   static void record(cudaEvent_t& event, void* stream, const char* what) {
     if (event == nullptr)

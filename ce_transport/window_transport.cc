@@ -284,7 +284,7 @@ class WindowTransport final : public Transport {
       add_writes(flags_.failed(rank_, n), n);
       add_writes(flags_.ready(rank_), n);
       memory_->run_flags(flag_ops_, stream);
-      finish_bucket(n, stream);
+      finish_staged(n, stream);
       broken_ = false;
       return Served::FallBack;
     }
@@ -299,7 +299,7 @@ class WindowTransport final : public Transport {
     if (synchronous)
       for (int r = 0; r < nranks_; ++r)
         if (r != rank_ && memory_->read_flag(own_.flags + flags_.failed(r, n)) == n) {
-          finish_bucket(n, stream);
+          finish_staged(n, stream);
           broken_ = false;
           return Served::FallBack;
         }
@@ -310,7 +310,7 @@ class WindowTransport final : public Transport {
     });
     memory_->copy_batch(copies_, stream);
     // 5. Done reading: peers may reuse their slot n % 2 (in bucket n + 2).
-    finish_bucket(n, stream);
+    finish_staged(n, stream);
     broken_ = false;
     return Served::Moved;
   }
@@ -452,7 +452,13 @@ class WindowTransport final : public Transport {
     add_writes(flags_.done(rank_), n);
     flag_ops_.push_back({FlagOp::Kind::Write, rank_, own_.flags + flags_.own(), n});
     memory_->run_flags(flag_ops_, stream);
-    if (!bound_) memory_->end_bucket(stream);
+  }
+
+  // A staged bucket's end: finish_bucket(), and the mark a bucket issued next on another stream
+  // waits for (follow_last_bucket() at its start).
+  void finish_staged(uint64_t n, void* stream) {
+    finish_bucket(n, stream);
+    memory_->end_bucket(stream);
   }
 
   // This rank's word at `word` in every peer's window.
