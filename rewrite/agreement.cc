@@ -137,13 +137,36 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   seen_.observe(position, facts, backend_);
 
   const bool capturing = (record.flags & trace::kCallCapturing) != 0;  // asked for gathers
+  Route route = route_at(position, gather, capturing, view.digest);
+  // Static weights: where each bound shard lives follows every call of its position from the
+  // binding on, whatever route the call takes: find() for a moved call, observe() for any other
+  // (NCCL before the activation, the trial's NCCL side, a bucket the cost round kept on NCCL, a
+  // captured call left to NCCL). A call missed here leaves its shard's old block named as its
+  // home, and a layer the program then moves into that block would read this one's binding.
+  const size_t home_slot =
+      gather && view.digest == step_digest_ ? sources_.slot_of(position) : SIZE_MAX;
+  if (home_slot == SIZE_MAX) return route;
   const uint64_t send_bytes = args.count * datatype_bytes(static_cast<uint8_t>(args.dtype));
-  // Static weights, a plan bound and not active yet: where its shards live follows every call.
-  if (!active_ && gather && !sources_.empty() && view.digest == step_digest_ &&
-      position < layout_.offset_by_position.size() &&
-      layout_.offset_by_position[position] != SIZE_MAX)
-    sources_.observe(position, record.sendbuf, send_bytes, layout_.offset_by_position[position]);
-  if (committing_ && !capturing && view.digest == step_digest_)
+  if (route.kind != Route::Kind::Move) {
+    sources_.observe(position, record.sendbuf, send_bytes, home_slot);
+    return route;
+  }
+  const BoundSources::Found found = sources_.find(position, record.sendbuf, send_bytes, home_slot);
+  route.slot_offset = found.slot_offset;
+  route.verify_now = found.verify_now;
+  if (found.other_source) route.own_offset = home_slot;
+  if (found.other_source && other_source_calls_++ == 0)
+    MAGI_INFO(Transport,
+              "comm %012llx: static weights: the gather at position %u sends a buffer bound for "
+              "another position; it reads that binding on every peer (exact when every rank made "
+              "the same change; counted)",
+              short_id(info_.identity), position);
+  return route;
+}
+
+// The route of the call at `position` by the plan alone (its static sources aside).
+Route CommAgreement::route_at(uint32_t position, bool gather, bool capturing, uint64_t digest) {
+  if (committing_ && !capturing && digest == step_digest_)
     return route_while_committing(position, gather);
   // A captured gather moves with static weights (its copies read memory that never changes,
   // so a replay repeats nothing that orders the ranks), or in the default mode on the graph
@@ -154,43 +177,24 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   // static read waits on no peer, so a rank that runs the call eagerly instead is served alike;
   // graph slots need every rank to capture it (as assumed of programs: rewrite/agreement.h).
   const bool captured_moves = capturing && (active_bound_ || active_graph_slots_) && !active_dry_;
-  if (capturing && active_ && gather && view.digest == active_digest_ &&
-      position < layout_.offset_by_position.size() &&
-      layout_.offset_by_position[position] != SIZE_MAX)
-    say_captured(captured_moves);
-  if (active_ && (!capturing || captured_moves) && view.digest == active_digest_ && gather &&
-      position < layout_.offset_by_position.size()) {
-    const size_t offset = layout_.offset_by_position[position];
-    if (offset != SIZE_MAX) {
-      Route::Kind kind = active_dry_ ? Route::Kind::WouldMove : Route::Kind::Move;
-      if (trial_.sends_to_nccl(policy_.steps())) {
-        // The trial's NCCL side is timed with events, which a graph cannot hold: a captured
-        // call of that step is plain NCCL, on every rank (the step count is shared).
-        if (capturing) return {};
-        kind = Route::Kind::TrialNccl;
-      }
-      Route route{kind, offset, layout_.bucket_by_position[position]};
-      route.plan = active_plan_;
-      route.captured = capturing;
-      if (kind != Route::Kind::Move && !sources_.empty())
-        sources_.observe(position, record.sendbuf, send_bytes, offset);
-      if (kind == Route::Kind::Move && !sources_.empty()) {
-        const BoundSources::Found found =
-            sources_.find(position, record.sendbuf, send_bytes, offset);
-        route.slot_offset = found.slot_offset;
-        route.verify_now = found.verify_now;
-        if (found.other_source) route.own_offset = offset;
-        if (found.other_source && other_source_calls_++ == 0)
-          MAGI_INFO(Transport,
-                    "comm %012llx: static weights: the gather at position %u sends a buffer "
-                    "bound for another position; it reads that binding on every peer (exact "
-                    "when every rank made the same change; counted)",
-                    short_id(info_.identity), position);
-      }
-      return route;
-    }
+  if (!active_ || !gather || digest != active_digest_ ||
+      position >= layout_.offset_by_position.size())
+    return {};
+  const size_t offset = layout_.offset_by_position[position];
+  if (offset == SIZE_MAX) return {};
+  if (capturing) say_captured(captured_moves);
+  if (capturing && !captured_moves) return {};
+  Route::Kind kind = active_dry_ ? Route::Kind::WouldMove : Route::Kind::Move;
+  if (trial_.sends_to_nccl(policy_.steps())) {
+    // The trial's NCCL side is timed with events, which a graph cannot hold: a captured call of
+    // that step is plain NCCL, on every rank (the step count is shared).
+    if (capturing) return {};
+    kind = Route::Kind::TrialNccl;
   }
-  return {};
+  Route route{kind, offset, layout_.bucket_by_position[position]};
+  route.plan = active_plan_;
+  route.captured = capturing;
+  return route;
 }
 
 // Once for each answer, per communicator: what a graph captured at an agreed position gets.

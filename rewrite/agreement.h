@@ -184,6 +184,7 @@ class CommAgreement {
   // Before the plan being committed is active, its gathers go to NCCL anyway: timed there, they
   // are the cost trial's NCCL side, so no call has to run the slower way on purpose.
   Route route_while_committing(uint32_t position, bool gather) const;
+  Route route_at(uint32_t position, bool gather, bool capturing, uint64_t digest);
   void say_captured(bool moves);
   // What remembered verdicts say of a propose every rank read alike (ExplorationPolicy).
   Decision judged(Decision decision) const;

@@ -60,12 +60,17 @@ void BoundSources::reset(const Decision& decision, const StepObservation& seen,
   std::sort(homes_.begin(), homes_.end(), home_order<Home, Home>);
   other_checked_.assign(seen.period(), 0);
   owed_.assign(seen.period(), false);
+  slots_.assign(seen.period(), SIZE_MAX);
+  for (const GatherDecision& g : decision.gathers)
+    if (g.moves && g.position < slots_.size())
+      slots_[g.position] = layout.offset_by_position[g.position];
 }
 
 void BoundSources::clear() {
   homes_.clear();
   other_checked_.clear();
   owed_.clear();
+  slots_.clear();
   changed_ = false;
 }
 

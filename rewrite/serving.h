@@ -64,6 +64,11 @@ class BoundSources {
   void reset(const Decision& decision, const StepObservation& seen, const SlotLayout& layout);
   void clear();
   bool empty() const { return homes_.empty(); }
+  // The slot offset of `position`'s binding (SIZE_MAX: the plan bound none there). Fixed at
+  // reset(), whatever the cost round later sends back to NCCL: the homes follow those calls too.
+  size_t slot_of(uint32_t position) const {
+    return position < slots_.size() ? slots_[position] : SIZE_MAX;
+  }
 
   struct Found {
     size_t slot_offset;
@@ -91,6 +96,7 @@ class BoundSources {
     size_t slot_offset;  // of the position bound to it
   };
   std::vector<Home> homes_;              // sorted by (sendbuf, bytes)
+  std::vector<size_t> slots_;            // per position: its binding's slot offset
   std::vector<uint64_t> other_checked_;  // per position: the other position's home last checked
   std::vector<bool> owed_;               // per position: a check owed to its next moved call
   bool changed_ = false;

@@ -57,14 +57,16 @@ class MovingTransport : public ce::Transport {
       EXPECT_EQ(blobs.size(), static_cast<size_t>(expected_ranks_));
     }
   }
-  Served gather(std::span<const ce::GatherOp>, void*, Timing timing) override {
+  Served gather(std::span<const ce::GatherOp> bucket, void*, Timing timing) override {
     if (timings != nullptr) timings->push_back(timing);
+    if (buckets != nullptr) buckets->emplace_back(bucket.begin(), bucket.end());
     if (on_gather_) on_gather_();
     return Served::Moved;
   }
   // Where to note how each bucket was served, in order (none: not noted).
   std::vector<Timing>* timings = nullptr;
-  std::vector<ce::WindowPlan>* plans = nullptr;  // likewise, each plan prepared
+  std::vector<ce::WindowPlan>* plans = nullptr;               // likewise, each plan prepared
+  std::vector<std::vector<ce::GatherOp>>* buckets = nullptr;  // likewise, each bucket's gathers
   void release() override {}
   void abandon() override {}
   size_t window_bytes() const override { return bytes_; }

@@ -49,8 +49,12 @@ struct Fakes : fakes::TracedRounds {
   uint64_t clock_ns = 0;
   GroupView group;
   uint32_t group_ordinal = 0;  // of the open group, recorded in calls made while group.depth > 0
-  std::vector<ce::Transport::Timing> timings;  // how the transport served each bucket
-  std::vector<ce::WindowPlan> plans;           // each plan a transport prepared
+  std::vector<ce::Transport::Timing> timings;      // how the transport served each bucket
+  std::vector<ce::WindowPlan> plans;               // each plan a transport prepared
+  std::vector<std::vector<ce::GatherOp>> buckets;  // each bucket the transport served
+  // A bucket whose first gather is read at this slot offset costs `slow_ns` instead.
+  size_t slow_slot = SIZE_MAX;
+  uint64_t slow_ns = 0;
 };
 Fakes* g_fakes = nullptr;
 
@@ -146,11 +150,13 @@ class Rank0 {
                     g_fakes->transport_gathers >= g_fakes->gathers_before_throw)
                   throw std::runtime_error("not one of ours");
                 ++g_fakes->transport_gathers;
-                g_fakes->clock_ns += g_fakes->moved_ns;
+                const bool slow = g_fakes->buckets.back().front().slot_offset == g_fakes->slow_slot;
+                g_fakes->clock_ns += slow ? g_fakes->slow_ns : g_fakes->moved_ns;
               },
               kRanks);
           transport->timings = &g_fakes->timings;
           transport->plans = &g_fakes->plans;
+          transport->buckets = &g_fakes->buckets;
           return transport;
         },
         [](int rank) { return std::make_unique<FakeExchange>(rank); },
@@ -174,10 +180,11 @@ class Rank0 {
     capture::CallArgs args{};
     args.op = position == 0 ? trace::Op::AllReduce : trace::Op::AllGather;
     args.dtype = ncclFloat;
-    args.count = position == 0 ? 4096 : position == 1 ? 1000 : 64;
+    args.count = position == 0 ? 4096 : position == 1 || same_sizes ? 1000 : 64;
     args.root_or_peer = -1;
     args.redop = position == 0 ? 0 : -1;
     args.sendbuf = position == 0 ? reduce_ : position == 1 ? send1_ : send2_;
+    if (position != 0 && sends[position] != nullptr) args.sendbuf = sends[position];
     args.recvbuf = position == 0 ? reduce_ : position == 1 ? recv1_ : recv2_;
     capture::CallRecord record{};
     if (capturing) record.flags |= trace::kCallCapturing;
@@ -212,8 +219,14 @@ class Rank0 {
     }
     return moved ? Kind::Move : Kind::TrialNccl;
   }
-  Outcome last;            // of the last call()
-  bool capturing = false;  // the next calls are captured into a CUDA graph
+  Outcome last;             // of the last call()
+  bool capturing = false;   // the next calls are captured into a CUDA graph
+  bool same_sizes = false;  // both gathers send 1000 floats (the second's buffers have room)
+  // The send buffer of the gather at each position, where not its own.
+  const void* sends[kPeriod] = {};
+  // A block of 1000 floats that is neither gather's own.
+  float* spare() { return spare_; }
+  const void* own_send(uint32_t position) const { return position == 1 ? send1_ : send2_; }
   // Whole steps; returns the routes of every call, by collective index.
   std::vector<Kind> steps(int n) {
     std::vector<Kind> kinds;
@@ -252,8 +265,9 @@ class Rank0 {
   float reduce_[4096] = {};
   float send1_[1000] = {};
   float recv1_[4000] = {};
-  float send2_[64] = {};
-  float recv2_[256] = {};
+  float send2_[1000] = {};
+  float recv2_[4000] = {};
+  float spare_[1000] = {};
 };
 
 using Issued = std::vector<std::pair<uint64_t, RoundKind>>;
@@ -591,6 +605,46 @@ TEST(AgreementRounds, TheCostRoundKeepsMovingWhatWasFaster) {
   for (size_t i = 30; i < kinds.size(); ++i)
     EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;
   EXPECT_EQ(rank.find(trace::RoundEvent::Deactivated, RoundKind::Propose), nullptr);
+}
+
+// Static weights under the cost trial, which keeps position 1 on NCCL (its bucket is slow on the
+// transport) and position 2 moving. Then the program re-homes both layers, each into the block
+// the one before had: position 1's shard to a new block, position 2's to position 1's old one.
+// Position 1's call, on NCCL, still says where its shard went: position 2's call then finds a
+// block nobody's shard lives in, and reads its own binding (with a check owed). Were the calls
+// NCCL serves not followed, that block would still be position 1's home, and position 2 would
+// read position 1's binding on every peer: wrong bytes.
+TEST(AgreementRounds, HomesFollowTheCallsTheCostRoundKeptOnNccl) {
+  Rank0 rank(Env{{"MAGI_STATIC_WEIGHTS", "1"}});
+  rank.same_sizes = true;
+  rank.fakes.moved_ns = 20;
+  rank.fakes.slow_slot = 0;
+  rank.fakes.slow_ns = 500;
+  std::vector<Kind> kinds = rank.steps(12);
+  ASSERT_EQ(rank.next() % kPeriod, 0u);
+  // Position 1's shard is the one at slot 0: the trial timed it slow, and NCCL kept it.
+  size_t own_slot_2 = SIZE_MAX;
+  for (const std::vector<ce::GatherOp>& b : rank.fakes.buckets) {
+    ASSERT_EQ(b.size(), 1u);
+    EXPECT_EQ(b.front().slot_offset == 0, b.front().sendbuf == rank.own_send(1));
+    if (b.front().sendbuf == rank.own_send(2)) own_slot_2 = b.front().slot_offset;
+  }
+  ASSERT_NE(own_slot_2, SIZE_MAX);
+  EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Nccl, Kind::Move}));
+  EXPECT_FALSE(rank.fakes.buckets.back().front().verify_now);
+
+  rank.sends[1] = rank.spare();
+  rank.sends[2] = rank.own_send(1);
+  EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Nccl, Kind::Move}));
+  const ce::GatherOp& moved = rank.fakes.buckets.back().front();
+  EXPECT_EQ(moved.sendbuf, rank.own_send(1));
+  EXPECT_EQ(moved.slot_offset, own_slot_2);  // its own binding, not position 1's
+  EXPECT_EQ(moved.own_offset, ce::GatherOp::kOwn);
+  EXPECT_TRUE(moved.verify_now);  // the new home is checked against that binding
+  // From then on the new home is simply position 2's.
+  EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Nccl, Kind::Move}));
+  EXPECT_EQ(rank.fakes.buckets.back().front().slot_offset, own_slot_2);
+  EXPECT_FALSE(rank.fakes.buckets.back().front().verify_now);
 }
 
 // Timers that cannot stop leave every bucket unmeasured: the calls are still served, and the
