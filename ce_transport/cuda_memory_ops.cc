@@ -268,6 +268,7 @@ struct KeptForGraphs {
   int rank = -1;
   uint8_t* flags = nullptr;
   protocol::FlagLayout layout{};
+  cudaEvent_t bucket_end = nullptr;  // named by the graphs' event nodes (bucket order)
 };
 
 // Never destroyed: a CUDA thread may still count down while the process exits.
@@ -547,12 +548,31 @@ class CudaMemoryOps final : public MemoryOps {
     held_capture_ = capture;
     ++graphs_held_;
   }
-  void follow_last_bucket(void* stream) override {
-    if (bucket_end_ != nullptr && stream != last_bucket_stream_)
+  // Captured: external event nodes, which a graph resolves at each launch (a plain wait or record
+  // of an event made outside the capture would be refused, or fixed at the capture). Once a
+  // graph records the event, an eager bucket always waits for it: a replay may have run on any
+  // stream since.
+  void follow_last_bucket(void* stream, bool captured) override {
+    if (captured) {
+      make_event(bucket_end_);
+      cuda_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), bucket_end_,
+                                     cudaEventWaitExternal),
+                 "cudaStreamWaitEvent (a graph's bucket after the last one, at each launch)");
+      return;
+    }
+    if (bucket_end_ != nullptr && (stream != last_bucket_stream_ || graphs_record_end_))
       cuda_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), bucket_end_, 0),
                  "cudaStreamWaitEvent (the last bucket, on another stream)");
   }
-  void end_bucket(void* stream) override {
+  void end_bucket(void* stream, bool captured) override {
+    if (captured) {
+      make_event(bucket_end_);
+      cuda_check(cudaEventRecordWithFlags(bucket_end_, static_cast<cudaStream_t>(stream),
+                                          cudaEventRecordExternal),
+                 "cudaEventRecordWithFlags (a graph's bucket end, at each launch)");
+      graphs_record_end_ = true;
+      return;
+    }
     record(bucket_end_, stream, "cudaEventRecord (bucket order)");
     last_bucket_stream_ = stream;
   }
@@ -663,7 +683,7 @@ class CudaMemoryOps final : public MemoryOps {
       std::lock_guard<std::mutex> lock(kept_mutex());
       kept_for_graphs().push_back({graph_holds_, current_device(), base_, flags_host_, host_check_,
                                    lines_copied_, peers_, imports_, identity_, rank_, flag(0),
-                                   flags_});
+                                   flags_, bucket_end_});
       lines_copied_ = nullptr;
     } else if (settled == Settled::Finished) {
       free_window(-1, base_, flags_host_, host_check_, nullptr, peers_, imports_);
@@ -676,6 +696,9 @@ class CudaMemoryOps final : public MemoryOps {
                 "peer allocations: %s",
                 bytes_, nranks_ - 1, imports_.size(), settled_name(settled, unfinished).c_str());
     }
+    // Graphs that name the order event may still be launched: it goes with what was kept for
+    // them, or, where the window was left allocated, with the process.
+    if (graphs > 0) bucket_end_ = nullptr;
     cudaStreamDestroy(own_stream_);  // returns at once; the stream goes when its work has run
     cudaGetLastError();
     base_ = nullptr;
@@ -689,6 +712,7 @@ class CudaMemoryOps final : public MemoryOps {
     lines_copied_ = nullptr;
     if (bucket_end_ != nullptr) cudaEventDestroy(bucket_end_);
     bucket_end_ = nullptr;
+    graphs_record_end_ = false;
     last_bucket_stream_ = nullptr;
     graph_holds_.reset();
     held_capture_ = 0;
@@ -723,9 +747,12 @@ class CudaMemoryOps final : public MemoryOps {
   }
   // `event` (made at its first use) records what `stream` holds now.
   static void record(cudaEvent_t& event, void* stream, const char* what) {
+    make_event(event);
+    cuda_check(cudaEventRecord(event, static_cast<cudaStream_t>(stream)), what);
+  }
+  static void make_event(cudaEvent_t& event) {
     if (event == nullptr)
       cuda_check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
-    cuda_check(cudaEventRecord(event, static_cast<cudaStream_t>(stream)), what);
   }
   int current_device() const {
     int device = device_;
@@ -887,6 +914,7 @@ class CudaMemoryOps final : public MemoryOps {
     if (cudaGetDevice(&device) != cudaSuccess) device = -1;
     for (const KeptForGraphs& k : free) {
       free_window(k.device, k.base, k.flags_host, k.host_check, k.lines_copied, k.peers, k.imports);
+      if (k.bucket_end != nullptr) cudaEventDestroy(k.bucket_end);
       MAGI_INFO(Transport,
                 "a window of %zu peer mappings kept for CUDA graphs was freed: those graphs are "
                 "all destroyed",
@@ -941,6 +969,7 @@ class CudaMemoryOps final : public MemoryOps {
   void* host_check_ = nullptr;  // bound: kCheckBytes, pinned
   cudaEvent_t lines_copied_ = nullptr;
   cudaEvent_t bucket_end_ = nullptr;  // recorded at each staged bucket's end (end_bucket)
+  bool graphs_record_end_ = false;    // a captured bucket records bucket_end_ at its replays
   void* last_bucket_stream_ = nullptr;
   std::vector<uint8_t*> peers_;
   std::vector<pid_t> peer_pids_;

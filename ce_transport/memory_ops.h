@@ -143,8 +143,13 @@ class MemoryOps {
   // earlier one of the same rank would publish a ready its peers take for the earlier one's.
   // follow_last_bucket(): first in a bucket, whose stream then waits for the end of the last
   // one when that was on another stream; end_bucket(): last. Nothing for synchronous memory.
-  virtual void follow_last_bucket(void* /*stream*/) {}
-  virtual void end_bucket(void* /*stream*/) {}
+  // `captured` (a bucket on graph slots, recorded into a CUDA graph): the order is taken at each
+  // launch of the graph, whatever stream it is launched on, as NCCL orders a communicator's
+  // graph launches: a replay runs after the bucket last issued or launched before it, and the
+  // buckets issued after the launch run after the replay's. Two graphs launched on unordered
+  // streams would otherwise pair their uses of a graph slot's latches wrongly.
+  virtual void follow_last_bucket(void* /*stream*/, bool /*captured*/) {}
+  virtual void end_bucket(void* /*stream*/, bool /*captured*/) {}
   // A bound shard copied into the window again, on `stream` (ahead of that call's reads).
   virtual void rebind(const Copy& shard, void* stream) = 0;
   // Flag operations on `stream`, in order.

@@ -270,7 +270,7 @@ class WindowTransport final : public Transport {
     // Until this bucket completes: a throw below leaves the ranks out of step. Known only where
     // the handshake runs here; on a stream, the peers wait for this rank until the abort.
     broken_ = synchronous;
-    memory_->follow_last_bucket(stream);
+    memory_->follow_last_bucket(stream, false);
     const size_t slot = (n % 2) * own_.slot_stride;
     // 1. Slot n % 2 was last read in bucket n - 2: every peer must be done with it.
     flag_ops_.clear();
@@ -362,6 +362,9 @@ class WindowTransport final : public Transport {
   // on one rank meets the k-th on every other, in whatever order graphs were captured). Each
   // latch this rank waits on it puts back (protocol.h), so every use ends with the words as it
   // found them, and a replay finds them as the capture did:
+  //  0. after this rank's bucket issued or launched last before the replay, on whatever stream
+  //     (follow_last_bucket), as NCCL orders graph launches: two graphs launched on unordered
+  //     streams use a slot's latches one after the other, in launch order on every rank;
   //  1. every peer has read this rank's last use of the slot: wait on their read latches here,
   //     and lower them (they rise again once each has read this use);
   //  2. stage this rank's shards in the slot;
@@ -382,6 +385,7 @@ class WindowTransport final : public Transport {
         throw Error(ErrorKind::Usage, "a captured bucket whose gathers name different buckets");
     const size_t at = (2 + static_cast<size_t>(slot)) * own_.slot_stride;
     memory_->hold_for_graph(stream);
+    memory_->follow_last_bucket(stream, true);
     flag_ops_.clear();
     add_latch_waits([&](int r) { return flags_.read(slot, r); });
     memory_->run_flags(flag_ops_, stream);
@@ -399,6 +403,7 @@ class WindowTransport final : public Transport {
     flag_ops_.clear();
     add_latch_sets(flags_.read(slot, rank_));
     memory_->run_flags(flag_ops_, stream);
+    memory_->end_bucket(stream, true);
   }
 
   // Every peer's latch `word_of(peer)` in this rank's own window: waited on, then lowered.
@@ -458,7 +463,7 @@ class WindowTransport final : public Transport {
   // waits for (follow_last_bucket() at its start).
   void finish_staged(uint64_t n, void* stream) {
     finish_bucket(n, stream);
-    memory_->end_bucket(stream);
+    memory_->end_bucket(stream, false);
   }
 
   // This rank's word at `word` in every peer's window.

@@ -56,6 +56,14 @@ struct FakeExports {
   std::vector<Allocation> allocations;
 };
 
+// A graph as the fake memory records it: its steps, queued at each launch, and what each launch
+// fixes first (the bucket order its event nodes take then).
+// Each step is made at each launch, in order: an event node takes the bucket order then.
+using FakeStep = std::function<bool()>;
+struct FakeGraph {
+  std::vector<std::function<FakeStep()>> steps;
+};
+
 // What a rank queued, in order.
 struct Event {
   enum class Kind { Copies, Rebind, Flags, Lines, Mark, Captured };
@@ -146,22 +154,22 @@ class FakeMemory final : public MemoryOps {
   void copy_captured(std::span<const Copy> copies, void*) override {
     events.push_back({Event::Kind::Captured, {copies.begin(), copies.end()}, {}});
     graph.insert(graph.end(), copies.begin(), copies.end());
-    recorded.push_back([c = std::vector<Copy>(copies.begin(), copies.end())] {
+    record([c = std::vector<Copy>(copies.begin(), copies.end())] {
       for (const Copy& one : c) std::memcpy(one.dst, one.src, one.bytes);
       return true;
     });
   }
   void hold_for_graph(void*) override { ++graph_holds; }
   void replay() const {
-    for (const auto& step : recorded) EXPECT_TRUE(step()) << "a replay waited";
+    for (const auto& make : recorded) EXPECT_TRUE(make()()) << "a replay waited";
   }
-  void launch(const std::vector<std::function<bool()>>& graph_steps, void* stream) {
-    for (const auto& step : graph_steps) on(stream).work.push_back(step);
+  void launch(const FakeGraph& g, void* stream) {
+    for (const auto& make : g.steps) on(stream).work.push_back(make());
   }
   // Ends a capture: what it recorded.
-  std::vector<std::function<bool()>> take_graph() {
+  FakeGraph take_graph() {
     graph.clear();
-    return std::exchange(recorded, {});
+    return {std::exchange(recorded, {})};
   }
   // As the CUDA backend's abandon(): the high half of each of this rank's latches.
   void open_latches() {
@@ -181,12 +189,24 @@ class FakeMemory final : public MemoryOps {
     return v;
   }
   // As an event recorded at each bucket's end and waited for by a bucket on another stream.
-  void follow_last_bucket(void* stream) override {
-    if (ends_ == 0 || stream == last_stream_) return;
+  // Captured: as external event nodes, resolved at each launch (launch()).
+  void follow_last_bucket(void* stream, bool captured) override {
+    if (captured) {
+      recorded.push_back(
+          [this]() -> FakeStep { return [this, target = ends_] { return ended_ >= target; }; });
+      return;
+    }
+    if (ends_ == 0 || (stream == last_stream_ && !graphs_end_)) return;
     const uint64_t target = ends_;
     on(stream).work.push_back([this, target] { return ended_ >= target; });
   }
-  void end_bucket(void* stream) override {
+  void end_bucket(void* stream, bool captured) override {
+    if (captured) {
+      recorded.push_back(
+          [this]() -> FakeStep { return [this, mark = ++ends_] { return ended_ = mark, true; }; });
+      graphs_end_ = true;
+      return;
+    }
     const uint64_t mark = ++ends_;
     on(stream).work.push_back([this, mark] { return ended_ = mark, true; });
     last_stream_ = stream;
@@ -221,7 +241,7 @@ class FakeMemory final : public MemoryOps {
           break;
       }
       if (capturing)
-        recorded.push_back(std::move(step));
+        record(std::move(step));
       else
         on(stream).work.push_back(std::move(step));
     }
@@ -269,10 +289,13 @@ class FakeMemory final : public MemoryOps {
   std::vector<Copy> graph;  // what copy_captured recorded
   int graph_holds = 0;
   bool capturing = false;  // flag operations are recorded, not queued
-  std::vector<std::function<bool()>> recorded;
+  std::vector<std::function<FakeStep()>> recorded;
 
  private:
   static FakeStream& on(void* stream) { return *static_cast<FakeStream*>(stream); }
+  void record(FakeStep step) {
+    recorded.push_back([step = std::move(step)] { return step; });
+  }
   static void store(uint8_t* word, uint64_t value) { std::memcpy(word, &value, sizeof(value)); }
   static uint64_t load(const uint8_t* word) {
     uint64_t v = 0;
@@ -315,6 +338,7 @@ class FakeMemory final : public MemoryOps {
   uint64_t ends_ = 0;   // end_bucket() marks queued
   uint64_t ended_ = 0;  // the last one run
   void* last_stream_ = nullptr;
+  bool graphs_end_ = false;  // a graph marks bucket ends too, on any stream
 };
 
 // `nranks` transports over fake memory, each with its own stream.
@@ -848,7 +872,7 @@ struct Rewritten : BucketBuffers {
 };
 
 // Rank r's graph of `bucket`: what its captured call recorded.
-std::vector<std::function<bool()>> capture(FakeRanks& ranks, int r, Rewritten& bucket) {
+FakeGraph capture(FakeRanks& ranks, int r, Rewritten& bucket) {
   FakeMemory& memory = ranks.memory(r);
   memory.capturing = true;
   EXPECT_EQ(ranks.gather(r, bucket.ops[static_cast<size_t>(r)], Transport::Timing::Captured),
@@ -904,7 +928,7 @@ TEST(WindowTransport, CapturedStagedBucketsAreRightAtEveryReplayAmongEagerOnes) 
   FakeRanks ranks(kRanks);
   ranks.join(std::vector<WindowPlan>(kRanks, graph_plan(kSlotBytes)));
   Rewritten g0(0, kRanks), g1(1, kRanks), g2(2, kRanks), eager(0, kRanks);
-  std::vector<std::vector<std::function<bool()>>> graphs[kRanks];
+  std::vector<FakeGraph> graphs[kRanks];
   for (int r = 0; r < kRanks; ++r) {
     graphs[r].resize(3);
     Rewritten* captured[] = {&g0, &g1, &g2};
@@ -970,6 +994,55 @@ TEST(WindowTransport, AGraphSlotIsStagedAgainOnlyOnceEveryPeerReadItsLastUse) {
   }
 }
 
+// Two graphs on one graph slot, launched one after the other on two streams that nothing orders
+// (as NCCL allows of a communicator's graphs): each rank's second launch waits for its first,
+// however the streams run, so the slot's latches pair the same graph on every rank. Unordered,
+// a rank's second graph could stage while its peers' first read the slot.
+TEST(WindowTransport, GraphsLaunchedOnUnorderedStreamsReplayInLaunchOrder) {
+  constexpr int kRanks = 3;
+  for (const bool second_first : {true, false}) {
+    SCOPED_TRACE(second_first ? "the second launch's streams run first" : "in launch order");
+    FakeRanks ranks(kRanks);
+    ranks.join(std::vector<WindowPlan>(kRanks, graph_plan(kSlotBytes)));
+    Rewritten first(4, kRanks), second(6, kRanks);  // both on graph slot 0
+    FakeStream a[kRanks], b[kRanks];
+    FakeGraph graphs[kRanks][2];
+    for (int r = 0; r < kRanks; ++r) {
+      graphs[r][0] = capture(ranks, r, first);
+      graphs[r][1] = capture(ranks, r, second);
+    }
+    for (uint64_t round = 1; round <= 3; ++round) {
+      first.refill(round * 10);
+      second.refill(round * 10 + 1);
+      for (int r = 0; r < kRanks; ++r) {
+        ranks.memory(r).launch(graphs[r][0], &a[r]);
+        ranks.memory(r).launch(graphs[r][1], &b[r]);
+      }
+      if (second_first) {
+        for (int r = 0; r < kRanks; ++r) {
+          while (b[r].step()) {}
+          EXPECT_FALSE(b[r].work.empty())
+              << "round " << round << ": rank " << r << "'s second graph ran before its first";
+        }
+      }
+      for (int turn = 0; turn < 16; ++turn)
+        for (int r = 0; r < kRanks; ++r) {
+          FakeStream& later = second_first ? b[r] : a[r];
+          FakeStream& sooner = second_first ? a[r] : b[r];
+          while (later.step()) {}
+          while (sooner.step()) {}
+        }
+      for (int r = 0; r < kRanks; ++r)
+        ASSERT_TRUE(a[r].work.empty() && b[r].work.empty())
+            << "round " << round << ": rank " << r << "'s streams wait for ever";
+      EXPECT_EQ(first.wrong_anywhere(), 0u) << "round " << round;
+      EXPECT_EQ(second.wrong_anywhere(), 0u) << "round " << round;
+      for (int r = 0; r < kRanks; ++r)
+        EXPECT_EQ(latches_at_rest(ranks, r, kRanks), "") << "round " << round << ", rank " << r;
+    }
+  }
+}
+
 // A peer that never replays holds the others' replays at their waits, as NCCL's kernels would
 // be held; the abort opens this rank's latches for good (their high halves, as the CUDA backend
 // does), so the stuck replay ends and later ones never block, though each lowers the latches
@@ -980,7 +1053,7 @@ TEST(WindowTransport, AnAbortOpensTheGraphLatchesForEveryReplayToCome) {
   ranks.join(std::vector<WindowPlan>(kRanks, graph_plan(kSlotBytes)));
   Rewritten bucket(0, kRanks);
   bucket.refill(5);
-  std::vector<std::function<bool()>> graphs[kRanks];
+  FakeGraph graphs[kRanks];
   for (int r = 0; r < kRanks; ++r) graphs[r] = capture(ranks, r, bucket);
   for (int r = 0; r < 2; ++r) ranks.memory(r).launch(graphs[r], &ranks.stream(r));  // not rank 2
   EXPECT_FALSE(ranks.run({0, 1})) << "replays ended without their peer";

@@ -105,6 +105,18 @@ graph_standin_runs() {
     "served off NCCL, .*; 6 of them captured into CUDA graphs"
   standin_log_check "$name" "no WARN" " MAGI WARN " absent
   grep -E "rank 0: step (15|16|29):" "$work/$name/log" | sed 's/^/  /'
+  # Two graphs on the plan's graph slots, the second capturing the layers in reverse order on a
+  # stream of its own; each step launches both with nothing ordering them (as NCCL allows of a
+  # communicator's graphs): the library replays them in launch order on every rank, so no graph
+  # slot is staged by one graph while a peer reads the other's. Every byte of both checked.
+  name=mps-weights-graph-slots-two-streams
+  standin_run "$name" 3 MAGI_CE_FORCE=1 MAGI_GRAPH_SLOTS=always -- weights --device 1 --layers 6 \
+    --steps 30 --program swap --swap-step 100 --graph-step 16 --graph-rewrite 1 \
+    --graph-streams 2 --report-slowest 1
+  standin_log_check "$name" "the end line counts the 12 captured gathers apart" \
+    "served off NCCL, .*; 12 of them captured into CUDA graphs"
+  standin_log_check "$name" "no WARN" " MAGI WARN " absent
+  grep -E "rank 0: step (16|17|29):" "$work/$name/log" | sed 's/^/  /'
   # The default mode: the captured gathers stay on NCCL on every rank, which the stand-in
   # refuses while capturing: every rank fails at its capture, none hangs.
   name=mps-weights-graph-default

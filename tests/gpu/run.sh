@@ -15,12 +15,15 @@ fail() { echo "FAIL $1"; failed=$((failed + 1)); }
 . "$here/standin_runs.sh"
 # shellcheck source=tests/gpu/graph_runs.sh
 . "$here/graph_runs.sh"
-# GPU_ONLY=graphs: the CUDA-graph runs alone (graph_runs.sh), a few minutes.
-if [ "${GPU_ONLY:-}" = graphs ]; then
+# GPU_ONLY=graphs: the CUDA-graph runs alone (graph_runs.sh), a few minutes; GPU_ONLY=graphs-mps:
+# only those of several ranks under MPS (graph_standin_runs).
+if [ "${GPU_ONLY:-}" = graphs ] || [ "${GPU_ONLY:-}" = graphs-mps ]; then
   export NCCL_NVLS_ENABLE=0
-  echo "== CUDA graphs only (GPU_ONLY=graphs)"
-  graph_torch_runs
-  graph_real_nccl_runs
+  echo "== CUDA graphs only (GPU_ONLY=$GPU_ONLY)"
+  if [ "$GPU_ONLY" = graphs ]; then
+    graph_torch_runs
+    graph_real_nccl_runs
+  fi
   if mps_start; then
     graph_standin_runs
     mps_stop

@@ -3,7 +3,8 @@
 //         [--move-step K [--move-rank R] [--move-order forward|reverse]] [--device 1]
 //         [--arena 1 [--arenas N]] [--vmm 1|2] [--memfd 1] [--report-memory 1] [--shard-elements N]
 //         [--swap-rank R] [--errors-expected 1] [--report-slowest 1] [--mixed 1]
-//         [--check-every K] [--recv-buffers N] [--graph-step K [--graph-rewrite 1]]
+//         [--check-every K] [--recv-buffers N]
+//         [--graph-step K [--graph-rewrite 1] [--graph-streams 2]]
 //
 // Weights that never change after load, gathered every step in the ways a program may hold
 // them, for MAGI_STATIC_WEIGHTS=1 (whose promise each one keeps: the gathered contents never
@@ -67,6 +68,10 @@
 // every rank rewrites every shard, position p holding layer (p + step) % 64's values at that
 // step, so a replay that sent what the buffers held at its capture, or at an earlier replay,
 // is caught.
+// --graph-streams 2: step K + 1 captures a second graph on a second stream, the layers in
+// reverse order into receive buffers of its own; from then on each step launches the first
+// graph on the program's stream and the second on the other, with nothing ordering the two (as
+// NCCL allows of one communicator's graphs), and checks both.
 // --errors-expected 1: a gather may return an error and receive wrong bytes, as long as the
 // rank learns of it: at the end, every rank with a wrong byte must have had an error from a
 // gather or from ncclCommGetAsyncError, else the run fails ("silent").
@@ -264,6 +269,9 @@ int run_weights(const ScenarioOptions& options) {
 
   const int graph_step = static_cast<int>(options.number("graph-step", -1));
   const bool graph_rewrite = options.number("graph-rewrite", 0) != 0;
+  const bool two_graphs = options.number("graph-streams", 1) == 2;
+  if (two_graphs && (graph_step < 0 || mixed_sizes))
+    throw ScenarioFailure("--graph-streams 2 takes --graph-step, and layers of one size");
   // The layer whose values position p's shard holds at a step of the graph.
   const auto graph_layer = [&](int position, int step) {
     return graph_rewrite ? (position + step) % 64 : position;
@@ -273,7 +281,16 @@ int run_weights(const ScenarioOptions& options) {
     throw ScenarioFailure(
         "--graph-step takes --device 1, --program swap with no swap and one receive buffer a "
         "layer");
-  // Declared before the communicator, so destroyed after it.
+  // Declared before the communicator, so destroyed after it (the stream after the graphs).
+  struct OwnStream {
+    cudaStream_t stream = nullptr;
+    ~OwnStream() {
+      if (stream != nullptr) cudaStreamDestroy(stream);
+    }
+  } other_stream;
+  if (two_graphs)
+    Placement::cuda_check(cudaStreamCreateWithFlags(&other_stream.stream, cudaStreamNonBlocking),
+                          "cudaStreamCreateWithFlags");
   struct Graph {
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
@@ -281,7 +298,7 @@ int run_weights(const ScenarioOptions& options) {
       if (exec != nullptr) cudaGraphExecDestroy(exec);
       if (graph != nullptr) cudaGraphDestroy(graph);
     }
-  } graph;
+  } graph, reversed;
 
   OwnedComm owned;
   WORKLOAD_CHECK(ncclCommInitRank(owned.out(), n, boot.id, me));
@@ -301,6 +318,10 @@ int run_weights(const ScenarioOptions& options) {
   std::vector<Buffer> full;
   for (const size_t most : receiver_elements)
     full.emplace_back(placement, most * sizeof(int32_t) * n);
+  std::vector<Buffer> full_reversed;  // --graph-streams 2: the second graph's
+  if (two_graphs)
+    for (const size_t most : receiver_elements)
+      full_reversed.emplace_back(placement, most * sizeof(int32_t) * n);
   Buffer counter(placement, sizeof(int32_t));
   // Every rank adds 1: the sum says every rank got here (and a step's calls are all done).
   const auto count_ranks = [&](int step) {
@@ -357,27 +378,37 @@ int run_weights(const ScenarioOptions& options) {
     }
     if (graph_step >= 0 && step >= graph_step) {
       const bool checked = step % check_every == 0 || step == steps - 1;
+      // The layer the second graph gathers at `position` (the reverse order).
+      const auto reversed_layer = [&](int position) { return layers - 1 - position; };
+      const bool second = two_graphs && step > graph_step;
       if (checked)
-        for (const Buffer& recv : full) {
-          std::memset(recv.host(), kPoison, recv.bytes());
-          recv.upload(0, recv.bytes());
-        }
-      if (step == graph_step) {
-        Placement::cuda_check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal),
+        for (const std::vector<Buffer>* set : {&full, &full_reversed})
+          for (const Buffer& recv : *set) {
+            std::memset(recv.host(), kPoison, recv.bytes());
+            recv.upload(0, recv.bytes());
+          }
+      // Each position's gathers captured into `into` on `on`, from the layer `layer_of` names.
+      const auto capture = [&](Graph& into, cudaStream_t on, const std::vector<Buffer>& recvs,
+                               auto layer_of) {
+        Placement::cuda_check(cudaStreamBeginCapture(on, cudaStreamCaptureModeGlobal),
                               "cudaStreamBeginCapture");
         ncclResult_t captured = ncclSuccess;
         for (int position = 0; position < layers; ++position) {
-          const ncclResult_t r = gather_layer(shards[static_cast<size_t>(position)].nccl(),
-                                              full[static_cast<size_t>(position)].nccl(),
-                                              layer_elements(position), comm, stream);
+          const int layer = layer_of(position);
+          const ncclResult_t r = gather_layer(shards[static_cast<size_t>(layer)].nccl(),
+                                              recvs[static_cast<size_t>(position)].nccl(),
+                                              layer_elements(layer), comm, on);
           if (captured == ncclSuccess) captured = r;
         }
-        const cudaError_t ended = cudaStreamEndCapture(stream, &graph.graph);
+        const cudaError_t ended = cudaStreamEndCapture(on, &into.graph);
         check(captured, "ncclAllGather (captured into a CUDA graph)");
         Placement::cuda_check(ended, "cudaStreamEndCapture");
-        Placement::cuda_check(cudaGraphInstantiate(&graph.exec, graph.graph, 0),
+        Placement::cuda_check(cudaGraphInstantiate(&into.exec, into.graph, 0),
                               "cudaGraphInstantiate");
-      }
+      };
+      if (step == graph_step) capture(graph, stream, full, [](int position) { return position; });
+      if (two_graphs && step == graph_step + 1)
+        capture(reversed, other_stream.stream, full_reversed, reversed_layer);
       if (graph_rewrite)
         for (int position = 0; position < layers; ++position) {
           const Buffer& shard = shards[static_cast<size_t>(position)];
@@ -388,6 +419,12 @@ int run_weights(const ScenarioOptions& options) {
         }
       const auto launched = std::chrono::steady_clock::now();
       Placement::cuda_check(cudaGraphLaunch(graph.exec, stream), "cudaGraphLaunch");
+      if (second) {
+        Placement::cuda_check(cudaGraphLaunch(reversed.exec, other_stream.stream),
+                              "cudaGraphLaunch (the second graph)");
+        Placement::cuda_check(cudaStreamSynchronize(other_stream.stream),
+                              "cudaStreamSynchronize (the second graph)");
+      }
       placement.synchronize();
       step_calls += std::chrono::steady_clock::now() - launched;
       if (checked)
@@ -398,12 +435,22 @@ int run_weights(const ScenarioOptions& options) {
               elements(recv), layer_elements(position), n,
               [&](int) { return graph_layer(position, step); }, me, step, position);
           if (!wrong.empty()) throw ScenarioFailure("replay: " + wrong);
+          if (!second) continue;
+          const Buffer& other = full_reversed[static_cast<size_t>(position)];
+          other.download(0, other.bytes());
+          const int layer = reversed_layer(position);
+          const std::string wrong_other = wrong_parts(
+              elements(other), layer_elements(layer), n,
+              [&](int) { return graph_layer(layer, step); }, me, step, position);
+          if (!wrong_other.empty()) throw ScenarioFailure("second graph's replay: " + wrong_other);
         }
       if (report_slowest && me == 0)
         std::fprintf(stderr,
                      "rank 0: step %d: %.1f us a gather replayed on average (the graph launched "
                      "and waited for)\n",
-                     step, std::chrono::duration<double, std::micro>(step_calls).count() / layers);
+                     step,
+                     std::chrono::duration<double, std::micro>(step_calls).count() /
+                         (layers * (second ? 2 : 1)));
       count_ranks(step);
       continue;
     }
