@@ -1106,7 +1106,8 @@ TEST(Agreement, AFallenBackGroupedBucketIsNotTracedAsMoved) {
 // the program's calls go on through NCCL meanwhile, and every rank moves at the same call once
 // all are done. Every byte is checked by the program.
 // The run is thousands of steps so that the 100 ms land inside it on a fast machine; under the
-// sanitizers on two cores those steps take up to two minutes, hence the longer limit.
+// sanitizers on two cores those steps take up to two minutes, hence the longer limit. A step
+// there may take more than 50 ms, so the 100 ms may hold only one confirm.
 TEST(Agreement, ASlowSetUpRunsOffTheCallsAndEveryRankMovesOnceAllAreDone) {
   const AgreedRun r = run_agreed(4, fsdp({}, 3000), {{"MAGI_INJECT_FAULT", "slow-attach:2"}}, 300);
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
@@ -1121,13 +1122,15 @@ TEST(Agreement, ASlowSetUpRunsOffTheCallsAndEveryRankMovesOnceAllAreDone) {
     std::vector<uint64_t> waited;  // the confirms read while rank 2 was still setting up
     for (const auto& c : confirms)
       if (c.reason == static_cast<uint8_t>(Reason::SettingUp)) waited.push_back(c.seq);
-    ASSERT_GE(waited.size(), 2u) << "rank " << rank;
+    // At least one: how many fit in the 100 ms depends on how long a step takes (one, where a
+    // loaded machine under a sanitizer takes more than 100 ms for two steps).
+    ASSERT_GE(waited.size(), 1u) << "rank " << rank;
     // The calls went on while it set up: the pending confirms were read at later and later
     // collectives, never closer together than the last two (up to 64 steps apart), before the
     // plan moved.
+    for (size_t i = 1; i < waited.size(); ++i) EXPECT_GT(waited[i], waited[i - 1]);
     for (size_t i = 2; i < waited.size(); ++i)
       EXPECT_GE(waited[i] - waited[i - 1], waited[i - 1] - waited[i - 2]) << "rank " << rank;
-    EXPECT_GT(waited[1] - waited[0], 0u);
     EXPECT_LT(publish[0].seq, waited.front());
     EXPECT_LT(waited.back(), activated[0].seq);
     ASSERT_FALSE(v.moved.empty()) << "rank " << rank;
