@@ -51,19 +51,17 @@ void BoundSources::reset(const Decision& decision, const StepObservation& seen,
                          const SlotLayout& layout) {
   clear();
   if (!decision.bound) return;
+  slots_.assign(seen.period(), SIZE_MAX);
   for (const GatherDecision& g : decision.gathers) {
     if (!g.moves) continue;
     const PositionSeen& p = seen.at(g.position);
-    homes_.push_back(
-        {p.sendbuf, p.count * datatype_bytes(p.dtype), layout.offset_by_position[g.position]});
+    const size_t slot = layout.offset_by_position[g.position];
+    homes_.push_back({p.sendbuf, p.count * datatype_bytes(p.dtype), slot});
+    slots_[g.position] = slot;
   }
   std::sort(homes_.begin(), homes_.end(), home_order<Home, Home>);
   other_checked_.assign(seen.period(), 0);
   owed_.assign(seen.period(), false);
-  slots_.assign(seen.period(), SIZE_MAX);
-  for (const GatherDecision& g : decision.gathers)
-    if (g.moves && g.position < slots_.size())
-      slots_[g.position] = layout.offset_by_position[g.position];
 }
 
 void BoundSources::clear() {
