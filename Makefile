@@ -219,6 +219,11 @@ $(BUILD)/magice-ce-bench: $(BUILD)/obj/tools/bench/ce_gather_bench.o $(filter-ou
 $(BUILD)/magice-nccl-bench: $(BUILD)/obj/tools/bench/nccl_overhead.o
 	$(CXX) -o $@ $^ -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -pthread
 
+# What the reader's half of a static-weights set-up (CUDA IPC mappings) costs the program's CUDA
+# calls beside it, under each pacing (needs a GPU to run: BENCHMARKS.md, "Pacing the mappings").
+$(BUILD)/magice-mapping-pace: $(BUILD)/obj/tools/bench/mapping_pace_bench.o
+	$(CXX) -o $@ $^ -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -pthread
+
 # The nccl-tests-like all-gather loop and the FSDP-like pool program: one source for the real NCCL
 # and the stand-in. Linked against libnccl.so.2 with no path of its own, so the loader takes the
 # NCCL that LD_LIBRARY_PATH names (the stand-in: tools/bench/allgather_bench.py sets it) or the
