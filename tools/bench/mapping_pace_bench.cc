@@ -10,6 +10,7 @@
 //   --pause fixed:US   after each mapping, a pause of US microseconds
 //   --threads T        the mappings split over T threads (each paced alike)
 //   --gate 1           no mapping starts while the program thread is inside a call (up to 5 ms)
+//   --concurrent K     at most K mappings in progress at once over all ranks (0: no limit)
 // The program thread: every 50 us a 4-byte cudaMemsetAsync and a cudaEventRecord on its stream
 // (a kernel launch and a record, as an NCCL call makes), each pair timed on the host, and a
 // stream synchronize every 64th, timed apart (it waits for the GPU as well). It runs 200 ms before
@@ -47,6 +48,7 @@ struct Config {
   std::string pause = "ratio:1";
   int threads = 1;
   int gate = 0;
+  int concurrent = 0;
 };
 
 // What each rank reports through the shared segment.
@@ -60,6 +62,7 @@ struct RankResult {
 struct Shared {
   std::atomic<int> exported;
   std::atomic<int> mapped;
+  std::atomic<int> mapping_now;  // --concurrent K: mappings in progress on the GPU, all ranks
   RankResult results[64];
   // then ranks x allocations handles
 };
@@ -163,12 +166,21 @@ int run_rank(const Config& config, int rank, Shared* shared) {
         if (config.gate)
           for (int spins = 0; in_call.load() && spins < 1000; ++spins)
             std::this_thread::sleep_for(std::chrono::microseconds(5));
+        if (config.concurrent > 0)
+          for (int now = shared->mapping_now.load();;) {
+            if (now < config.concurrent && shared->mapping_now.compare_exchange_weak(now, now + 1))
+              break;
+            std::this_thread::sleep_for(std::chrono::microseconds(5));
+            now = shared->mapping_now.load();
+          }
         const auto t0 = Clock::now();
         check(cudaIpcOpenMemHandle(&mapped[w],
                                    handles[work[w].first * config.allocations + work[w].second],
                                    cudaIpcMemLazyEnablePeerAccess),
               "cudaIpcOpenMemHandle");
-        const auto pause = pause_after(config.pause, Clock::now() - t0);
+        const auto took = Clock::now() - t0;
+        if (config.concurrent > 0) shared->mapping_now.fetch_sub(1);
+        const auto pause = pause_after(config.pause, took);
         if (pause > Clock::duration::zero()) std::this_thread::sleep_for(pause);
       }
     });
@@ -222,10 +234,12 @@ int main(int argc, char** argv) {
       config.threads = std::atoi(value.c_str());
     else if (flag == "--gate")
       config.gate = std::atoi(value.c_str());
+    else if (flag == "--concurrent")
+      config.concurrent = std::atoi(value.c_str());
     else {
       std::fprintf(stderr,
                    "usage: magice-mapping-pace [--ranks 8] [--allocations 500] [--mib 2] "
-                   "[--pause none|ratio:F|fixed:US] [--threads 1] [--gate 0]\n");
+                   "[--pause none|ratio:F|fixed:US] [--threads 1] [--gate 0] [--concurrent 0]\n");
       return 2;
     }
   }
@@ -273,13 +287,16 @@ int main(int argc, char** argv) {
   const double mappings = static_cast<double>(config.ranks - 1) * config.allocations;
   const double gib_mapped = mappings * config.mib / 1024.0;
   std::printf(
-      "ranks %d, %d x %d MiB, pause %s, threads %d%s: %.3f s (%.0f us a mapping, %.3f s per GiB "
+      "ranks %d, %d x %d MiB, pause %s, threads %d%s%s: %.3f s (%.0f us a mapping, %.3f s per GiB "
       "mapped); "
       "program calls during: max %.0f us, p99 %.0f us, sync max %.0f us; before: max %.0f us, p99 "
       "%.0f us, "
       "sync max %.0f us\n",
       config.ranks, config.allocations, config.mib, config.pause.c_str(), config.threads,
-      config.gate ? ", gated" : "", mapping_s, mapping_s / mappings * 1e6, mapping_s / gib_mapped,
-      wait_max, wait_p99, sync_max, base_max, base_p99, sync_base_max);
+      config.gate ? ", gated" : "",
+      config.concurrent ? (", at most " + std::to_string(config.concurrent) + " at once").c_str()
+                        : "",
+      mapping_s, mapping_s / mappings * 1e6, mapping_s / gib_mapped, wait_max, wait_p99, sync_max,
+      base_max, base_p99, sync_base_max);
   return 0;
 }

@@ -2,7 +2,7 @@
 # How to pace the reader's half of a static-weights set-up (BENCHMARKS.md, "Pacing the mappings"):
 # magice-mapping-pace under each pacing and thread count, REPS times each, with the ranks as MPS
 # clients and then (NO_MPS=1) without MPS.
-# Usage: [PAUSES="none ratio:1 ..."] [THREADS="1 2 4"] [GATES="0 1"] [REPS=1] [NO_MPS=1] \
+# Usage: [PAUSES="none ratio:1 ..."] [THREADS="1 2 4"] [GATES="0 1"] [CONCURRENT="0 2 4"] [REPS=1] [NO_MPS=1] \
 #        tools/bench/run-mapping-pace-gpu.sh BUILD_DIR [RANKS] [ALLOCATIONS] [MIB]
 set -u
 build=$(cd "${1:?usage: $0 BUILD_DIR [RANKS] [ALLOCATIONS] [MIB]}" && pwd)
@@ -12,14 +12,17 @@ bench="$build/magice-mapping-pace"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 sweep() {
-  local pause threads gate rep
+  local pause threads gate concurrent rep
   for threads in $threads_list; do
     for gate in ${GATES:-0}; do
-      for pause in $pauses; do
-        for rep in $(seq "${REPS:-1}"); do
-          timeout 120 "$bench" --ranks "$ranks" --allocations "$allocations" --mib "$mib" \
-            --pause "$pause" --threads "$threads" --gate "$gate" 2>"$work/last.err" ||
-            { echo "failed: pause $pause threads $threads gate $gate"; tail -3 "$work/last.err"; }
+      for concurrent in ${CONCURRENT:-0}; do
+        for pause in $pauses; do
+          for rep in $(seq "${REPS:-1}"); do
+            timeout 120 "$bench" --ranks "$ranks" --allocations "$allocations" --mib "$mib" \
+              --pause "$pause" --threads "$threads" --gate "$gate" --concurrent "$concurrent" \
+              2>"$work/last.err" || { echo "failed: pause $pause threads $threads gate $gate" \
+              "concurrent $concurrent"; tail -3 "$work/last.err"; }
+          done
         done
       done
     done
