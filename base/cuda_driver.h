@@ -18,6 +18,8 @@ namespace magi {
 // (capture/completion.h).
 #define MAGI_CUDA_DRIVER_ENTRY_POINTS(X)                                                       \
   X(cuGetErrorName, PFN_cuGetErrorName_v6000, 6000)                                            \
+  X(cuDeviceGet, PFN_cuDeviceGet_v2000, 2000)                                                  \
+  X(cuDeviceGetUuid, PFN_cuDeviceGetUuid_v11040, 11040)                                        \
   X(cuStreamIsCapturing, PFN_cuStreamIsCapturing_v10000, 10000)                                \
   X(cuPointerGetAttributes, PFN_cuPointerGetAttributes_v7000, 7000)                            \
   X(cuMemGetAddressRange, PFN_cuMemGetAddressRange_v3020, 3020)                                \

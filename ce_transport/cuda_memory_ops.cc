@@ -65,13 +65,32 @@ constexpr uint64_t kReleased = uint64_t{1} << 62;
 constexpr auto kSettleLimit = std::chrono::seconds(10);
 constexpr auto kAbortGrace = std::chrono::seconds(1);
 
-// What the CUDA medium holds: the window's IPC handle.
+// What the CUDA medium holds: the window's IPC handle, and the GPU's UUID (all zero where it
+// could not be read), which tells the ranks that share a GPU apart from the device number, since
+// each process numbers the devices it sees.
 struct CudaMedium {
   int32_t device;
   int32_t reserved;
   cudaIpcMemHandle_t handle;
+  std::array<uint8_t, 16> gpu;
 };
 static_assert(sizeof(CudaMedium) <= protocol::kMediumBytes);
+
+// The UUID of CUDA device `device`; all zero where the driver cannot tell it (the ranks then
+// never count as sharing a GPU).
+std::array<uint8_t, 16> gpu_uuid(int device) {
+  std::array<uint8_t, 16> uuid{};
+  const CudaDriver* driver = cuda_driver();
+  CUdevice handle = 0;
+  CUuuid id{};
+  if (driver == nullptr || driver->cuDeviceGet_fn == nullptr ||
+      driver->cuDeviceGetUuid_fn == nullptr ||
+      driver->cuDeviceGet_fn(&handle, device) != CUDA_SUCCESS ||
+      driver->cuDeviceGetUuid_fn(&id, handle) != CUDA_SUCCESS)
+    return uuid;
+  std::memcpy(uuid.data(), id.bytes, uuid.size());
+  return uuid;
+}
 
 // A shard about to be bound must still lie inside one live allocation: the program may have
 // freed it since the round that chose it, and a copy from unmapped memory would break the
@@ -421,6 +440,7 @@ class CudaMemoryOps final : public MemoryOps {
     CudaMedium cuda{};
     cuda.device = device_;
     cuda_check(cudaIpcGetMemHandle(&cuda.handle, base_), "cudaIpcGetMemHandle");
+    gpu_ = cuda.gpu = gpu_uuid(current_device());
     std::memcpy(medium.data(), &cuda, sizeof(cuda));
   }
 
@@ -447,6 +467,12 @@ class CudaMemoryOps final : public MemoryOps {
                     "rank " + std::to_string(rank) + "'s window has no room for its flags");
     }
     return {peer, flags_at, stride_, peer + flags_at};
+  }
+
+  bool shares_gpu_with(const Medium& peer) const override {
+    CudaMedium cuda;
+    std::memcpy(&cuda, peer.data(), sizeof(cuda));
+    return gpu_ != std::array<uint8_t, 16>{} && cuda.gpu == gpu_;
   }
 
   exports::Exportable find_export(const void* ptr, size_t bytes) override {
@@ -971,6 +997,7 @@ class CudaMemoryOps final : public MemoryOps {
   cudaEvent_t bucket_end_ = nullptr;  // recorded at each staged bucket's end (end_bucket)
   bool graphs_record_end_ = false;    // a captured bucket records bucket_end_ at its replays
   void* last_bucket_stream_ = nullptr;
+  std::array<uint8_t, 16> gpu_{};  // this rank's GPU (export_window)
   std::vector<uint8_t*> peers_;
   std::vector<pid_t> peer_pids_;
   std::vector<uint8_t*> imports_;  // opened through ImportedAllocations

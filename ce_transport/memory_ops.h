@@ -107,6 +107,9 @@ class MemoryOps {
   // until release(), also when this throws afterwards.
   virtual WindowView map_peer(int rank, const protocol::BlobHeader& header,
                               const Medium& medium) = 0;
+  // Whether the peer whose medium this is runs on this rank's GPU (its mappings then take turns
+  // with this rank's: mapping_turns.h). False where that is not known.
+  virtual bool shares_gpu_with(const Medium& /*peer*/) const { return false; }
 
   // ---- the program's memory read in place (zero-copy static weights: exports.h) ----
   virtual exports::Exportable find_export(const void* ptr, size_t bytes) = 0;

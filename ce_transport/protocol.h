@@ -23,7 +23,7 @@ namespace magi::ce::protocol {
 
 inline constexpr uint64_t kBlobMagic = 0x42574543'4947414d;  // "MAGICEWB" in memory order
 // Raised whenever the header or a medium changes its layout: ranks built apart refuse each other.
-inline constexpr uint32_t kBlobVersion = 4;
+inline constexpr uint32_t kBlobVersion = 5;
 
 struct BlobHeader {
   uint64_t magic;

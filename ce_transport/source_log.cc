@@ -65,6 +65,11 @@ bool SourceLog::hash_at(const HostWindow& window, uint64_t call, uint64_t& hash)
   return number.load() == call;
 }
 
+std::atomic<uint64_t>* SourceLog::mapping_turns(int rank) const {
+  const HostWindow& window = rank == rank_ ? own_ : peers_.at(static_cast<size_t>(rank));
+  return &window.flag(kTurns);
+}
+
 std::string SourceLog::check() {
   std::lock_guard<std::mutex> lock(check_mutex_);
   if (reported_ || !own_.is_open() || peers_.size() != static_cast<size_t>(nranks_)) return {};

@@ -21,15 +21,17 @@
 //
 // Layout (a HostWindow of its own per rank and plan, opened by every peer): the head, then
 // words: progress (the last call published), broken (the call at which this rank found the memory
-// its peers read changed, 0 if never), broken_offset (that gather's slot offset), then a ring of
-// kRing entries {call, hash}, each written as a sequence lock (call zeroed, hash, call) so a
-// reader never pairs one call's number with another's hash. A rank more than kRing calls ahead of
+// its peers read changed, 0 if never), broken_offset (that gather's slot offset), the mapping
+// turns of the ranks on this rank's GPU (mapping_turns.h; used where this is the lowest), then a
+// ring of kRing entries {call, hash}, each written as a sequence lock (call zeroed, hash, call) so
+// a reader never pairs one call's number with another's hash. A rank more than kRing calls ahead of
 // the slowest has overwritten the entry the comparison needs: the comparison then waits for a
 // later common call (the hashes are cumulative, so nothing is lost, only found later).
 #pragma once
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -38,6 +40,7 @@
 #include <vector>
 
 #include "ce_transport/host_window.h"
+#include "ce_transport/mapping_turns.h"
 
 namespace magi::ce {
 
@@ -64,9 +67,13 @@ class SourceLog {
   // The first disagreement found, described, once; "" otherwise. Any thread.
   std::string check();
 
+  // The mapping turns kept in `rank`'s log (this rank's or an opened peer's).
+  std::atomic<uint64_t>* mapping_turns(int rank) const;
+
  private:
-  static constexpr size_t kProgress = 0, kBroken = 8, kBrokenOffset = 16, kRingAt = 24;
-  static constexpr size_t kWords = 3 + 2 * kRing;
+  static constexpr size_t kProgress = 0, kBroken = 8, kBrokenOffset = 16, kTurns = 24;
+  static constexpr size_t kRingAt = kTurns + 8 * MappingTurns::kSlots;
+  static constexpr size_t kWords = 3 + MappingTurns::kSlots + 2 * kRing;
   static size_t bytes() { return sizeof(WindowHead) + kWords * sizeof(uint64_t); }
   // The hash `window` published for `call`, if its ring still holds it.
   static bool hash_at(const HostWindow& window, uint64_t call, uint64_t& hash);

@@ -28,6 +28,7 @@
 #include "base/base.h"
 #include "ce_transport/backends.h"
 #include "ce_transport/exports.h"
+#include "ce_transport/mapping_turns.h"
 #include "ce_transport/memory_ops.h"
 #include "ce_transport/process.h"
 #include "ce_transport/protocol.h"
@@ -42,6 +43,7 @@ namespace {
 // program's calls, a pause as long as the mapping took (within these bounds), which lets the
 // program's CUDA calls waiting behind it in: the set-up holds the driver at most half the time,
 // and a mapping of a few KiB costs the set-up a few µs, not a fixed tenth of a millisecond.
+// The ranks on one GPU also take turns at it (mapping_turns.h).
 thread_local bool t_pace_mappings = false;
 constexpr std::chrono::microseconds kMappingPauseMin{20};
 constexpr std::chrono::microseconds kMappingPauseMax{1000};
@@ -135,6 +137,8 @@ class WindowTransport final : public Transport {
       peers_[i] = memory_->map_peer(r, headers[i], media[i]);
     }
     if (bound_) {
+      log_.open_peers(logs);  // first: the mapping turns live in the logs
+      const MappingTurns turns = mapping_turns(media);
       // Each peer's shards: in its window's region, or in its exported allocations, mapped here.
       std::vector<exports::Span> regions(static_cast<size_t>(nranks_));
       for (int r = 0; r < nranks_; ++r)
@@ -144,14 +148,20 @@ class WindowTransport final : public Transport {
       peer_sources_ = exports::locate_peer_sources(
           rank_, bind_, zero_copy_ ? tables : std::span<const SourceTable>{}, regions,
           [&](const ExportRecord& record) {
-            const auto began = std::chrono::steady_clock::now();
-            const exports::Span mapped = memory_->import(record);
-            if (t_pace_mappings && memory_->backend() == Backend::Cuda)
-              std::this_thread::sleep_for(std::clamp<std::chrono::steady_clock::duration>(
-                  std::chrono::steady_clock::now() - began, kMappingPauseMin, kMappingPauseMax));
+            if (!t_pace_mappings || memory_->backend() != Backend::Cuda)
+              return memory_->import(record);
+            exports::Span mapped;
+            std::chrono::steady_clock::duration took;
+            {
+              const MappingTurns::Turn turn(turns);
+              const auto began = std::chrono::steady_clock::now();
+              mapped = memory_->import(record);
+              took = std::chrono::steady_clock::now() - began;
+            }
+            std::this_thread::sleep_for(std::clamp<std::chrono::steady_clock::duration>(
+                took, kMappingPauseMin, kMappingPauseMax));
             return mapped;
           });
-      log_.open_peers(logs);
     }
     attached_ = true;
   }
@@ -484,6 +494,21 @@ class WindowTransport final : public Transport {
   }
 
   // The bind index of a bound gather (its slot offset must be one the plan bound).
+  // The turns this rank's set-up takes at mapping (mapping_turns.h): with the ranks on its GPU,
+  // kept in the lowest one's log, where more than MappingTurns::kSlots share the GPU. Every rank
+  // of the group finds the same lowest: sharing a GPU is the same device on both sides.
+  MappingTurns mapping_turns(std::span<const Medium> media) const {
+    int lowest = rank_;
+    size_t sharing = 1;
+    for (int r = 0; r < nranks_; ++r)
+      if (r != rank_ && memory_->shares_gpu_with(media[static_cast<size_t>(r)])) {
+        ++sharing;
+        lowest = std::min(lowest, r);
+      }
+    if (sharing <= MappingTurns::kSlots || !log_.is_open()) return {};
+    return MappingTurns(log_.mapping_turns(lowest));
+  }
+
   size_t bound_index(const GatherOp& op) const {
     const int64_t index = bind_index_.find(op.slot_offset);
     if (index < 0)

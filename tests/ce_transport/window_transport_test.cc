@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -14,6 +16,7 @@
 #include <ostream>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "base/base.h"
@@ -54,6 +57,11 @@ struct FakeExports {
     bool alive = true;
   };
   std::vector<Allocation> allocations;
+  // The ranks' GPUs (shares_gpu_with), and imports that take a while, counted as they overlap.
+  bool one_gpu = false;
+  std::chrono::microseconds import_takes{0};
+  std::atomic<int> importing{0};
+  std::atomic<int> most_importing{0};
 };
 
 // A graph as the fake memory records it: its steps, queued at each launch, and what each launch
@@ -132,7 +140,15 @@ class FakeMemory final : public MemoryOps {
       if (reinterpret_cast<uintptr_t>(a.base) == base) return a.alive && a.identity == identity;
     return false;
   }
+  bool shares_gpu_with(const Medium&) const override { return exports_.one_gpu; }
   exports::Span import(const ExportRecord& record) override {
+    if (exports_.import_takes.count() > 0) {
+      const int now = ++exports_.importing;
+      for (int most = exports_.most_importing.load();
+           now > most && !exports_.most_importing.compare_exchange_weak(most, now);) {}
+      std::this_thread::sleep_for(exports_.import_takes);
+      --exports_.importing;
+    }
     ++imports_;
     uint8_t* base = nullptr;
     std::memcpy(&base, record.handle, sizeof(base));
@@ -368,6 +384,24 @@ class FakeRanks {
     for (int r = 0; r < nranks_; ++r)
       transport(r).attach(blobs, plans[0].zero_copy ? std::span<const SourceTable>(tables)
                                                     : std::span<const SourceTable>{});
+  }
+
+  // As join(), each rank attaching on a thread of its own as a set-up off the calls does (its
+  // mappings paced: pace_mappings_on_this_thread), all at once.
+  void join_on_threads(const std::vector<WindowPlan>& plans) {
+    std::vector<HandleBlob> blobs(static_cast<size_t>(nranks_));
+    std::vector<SourceTable> tables;
+    for (int r = 0; r < nranks_; ++r) {
+      transport(r).prepare(plans[static_cast<size_t>(r)], blobs[static_cast<size_t>(r)]);
+      tables.push_back(transport(r).sources());
+    }
+    std::vector<std::thread> threads;
+    for (int r = 0; r < nranks_; ++r)
+      threads.emplace_back([&, r] {
+        pace_mappings_on_this_thread(true);
+        transport(r).attach(blobs, tables);
+      });
+    for (std::thread& t : threads) t.join();
   }
 
   Transport::Served gather(int r, std::span<const GatherOp> bucket,
@@ -730,6 +764,54 @@ struct StaticShards {
     for (auto& buffer : recv) std::fill(buffer.begin(), buffer.end(), 0xee);
   }
 };
+
+// Ranks that share one GPU take turns at mapping their peers' allocations (mapping_turns.h): at
+// most two map at once, and every byte is read where its owner keeps it.
+TEST(WindowTransport, RanksOnOneGpuMapTheirPeersAllocationsAtMostTwoAtATime) {
+  constexpr int kRanks = 5;
+  constexpr size_t kShards = 6, kBytes = 256;
+  FakeRanks ranks(kRanks);
+  ranks.exports().one_gpu = true;
+  ranks.exports().import_takes = std::chrono::microseconds(300);
+  std::vector<std::vector<uint8_t>> allocations;
+  allocations.reserve(kRanks * kShards);
+  std::vector<WindowPlan> plans;
+  for (int r = 0; r < kRanks; ++r) {
+    WindowPlan plan = staging_plan(kBytes * kShards);
+    plan.bound = plan.zero_copy = true;
+    plan.table_room = 4096;
+    for (size_t g = 0; g < kShards; ++g) {
+      allocations.emplace_back(kBytes);
+      for (size_t i = 0; i < kBytes; ++i) allocations.back()[i] = pattern(0, r, g, i);
+      ranks.exports().allocations.push_back(
+          {allocations.back().data(), kBytes, 1000u + static_cast<uint64_t>(r) * kShards + g});
+      plan.bind.push_back({allocations.back().data(), kBytes, g * kBytes});
+    }
+    plans.push_back(plan);
+  }
+  ranks.join_on_threads(plans);
+  EXPECT_LE(ranks.exports().most_importing.load(), 2) << "more than two ranks mapped at once";
+  std::vector<std::vector<uint8_t>> recv;
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(ranks.transport(r).memory().peer_mappings, (kRanks - 1) * kShards) << "rank " << r;
+    std::vector<GatherOp> ops;
+    for (size_t g = 0; g < kShards; ++g) {
+      recv.emplace_back(kBytes * kRanks, 0xee);
+      ops.push_back(
+          {plans[static_cast<size_t>(r)].bind[g].sendbuf, recv.back().data(), kBytes, g * kBytes});
+    }
+    ranks.gather(r, ops);
+  }
+  ASSERT_TRUE(ranks.run());
+  for (int reader = 0; reader < kRanks; ++reader)
+    for (size_t g = 0; g < kShards; ++g)
+      for (int r = 0; r < kRanks; ++r)
+        for (size_t i = 0; i < kBytes; ++i)
+          ASSERT_EQ(
+              recv[static_cast<size_t>(reader) * kShards + g][static_cast<size_t>(r) * kBytes + i],
+              pattern(0, r, g, i))
+              << "rank " << reader << " reading rank " << r << "'s shard " << g << " byte " << i;
+}
 
 // Peers read the first shard where its owner keeps it and the second from the owner's region.
 TEST(WindowTransport, PeersReadExportedShardsInPlaceAndTheOthersFromTheOwnersRegion) {
