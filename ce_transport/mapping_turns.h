@@ -9,7 +9,8 @@
 //
 // How. kSlots words in the shared host memory of the lowest rank on the GPU (its SourceLog); a
 // mapper holds a slot for the length of one mapping by writing its pid there (0: free). A slot
-// whose holder process is gone is free again, so a rank that dies while mapping stops nobody.
+// whose holder process is gone is free again, so a rank that dies while mapping stops nobody, and
+// a wait is bounded whatever the slots say.
 #pragma once
 
 #include <atomic>
@@ -27,7 +28,8 @@ class MappingTurns {
   explicit MappingTurns(std::atomic<uint64_t>* slots) : slots_(slots) {}
   bool taken() const { return slots_ != nullptr; }
 
-  // One turn, held for its life: waits while every slot is held by a live process.
+  // One turn, held for its life: waits while every slot is held by a live process, for at most a
+  // second (then maps without a turn: the turns only pace, they must never stop a set-up).
   class Turn {
    public:
     explicit Turn(const MappingTurns& turns);

@@ -1,5 +1,6 @@
 // The ranks on one GPU take turns at mapping (ce_transport/mapping_turns.h): at most kSlots map at
-// once, everyone gets a turn, and a slot held by a process that is gone is taken back.
+// once, everyone gets a turn, a slot held by a process that is gone is taken back, and no wait
+// lasts for ever.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -54,6 +55,21 @@ TEST(MappingTurns, ASlotHeldByAProcessThatIsGoneIsTakenBackAndALiveOnesIsNot) {
   }
   EXPECT_EQ(slots[0].load(), live);
   EXPECT_EQ(slots[1].load(), 0u);
+}
+
+// Slots that stay held (a pid reused by a live process, say) never stop a set-up: after a
+// second the mapping goes ahead without a turn, and the slots are left as they were.
+TEST(MappingTurns, SlotsHeldForLongerThanAnyMappingTakesDoNotStopTheMapper) {
+  const auto live = static_cast<uint64_t>(getppid());
+  std::atomic<uint64_t> slots[MappingTurns::kSlots] = {};
+  for (auto& slot : slots) slot = live;
+  const MappingTurns turns(slots);
+  const auto began = std::chrono::steady_clock::now();
+  { const MappingTurns::Turn turn(turns); }
+  const auto waited = std::chrono::steady_clock::now() - began;
+  EXPECT_GE(waited, std::chrono::seconds(1));
+  EXPECT_LT(waited, std::chrono::seconds(30));
+  for (const auto& slot : slots) EXPECT_EQ(slot.load(), live);
 }
 
 }  // namespace
