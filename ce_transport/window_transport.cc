@@ -493,7 +493,6 @@ class WindowTransport final : public Transport {
                              target});
   }
 
-  // The bind index of a bound gather (its slot offset must be one the plan bound).
   // The turns this rank's set-up takes at mapping (mapping_turns.h): with the ranks on its GPU,
   // kept in the lowest one's log, where more than MappingTurns::kSlots share the GPU. Every rank
   // of the group finds the same lowest: sharing a GPU is the same device on both sides.
@@ -509,6 +508,7 @@ class WindowTransport final : public Transport {
     return MappingTurns(log_.mapping_turns(lowest));
   }
 
+  // The bind index of a bound gather (its slot offset must be one the plan bound).
   size_t bound_index(const GatherOp& op) const {
     const int64_t index = bind_index_.find(op.slot_offset);
     if (index < 0)
