@@ -373,14 +373,22 @@ class FakeRanks {
     for (auto& t : transports_) t->release();
   }
 
-  // Every rank prepares its plan (plans[r]) and attaches to all the others.
-  void join(const std::vector<WindowPlan>& plans) {
-    std::vector<HandleBlob> blobs(static_cast<size_t>(nranks_));
-    std::vector<SourceTable> tables;
+  // Every rank prepares its plan (plans[r]): the blobs and source tables the ranks attach with.
+  void prepare_all(const std::vector<WindowPlan>& plans, std::vector<HandleBlob>& blobs,
+                   std::vector<SourceTable>& tables) {
+    blobs.assign(static_cast<size_t>(nranks_), HandleBlob{});
+    tables.clear();
     for (int r = 0; r < nranks_; ++r) {
       transport(r).prepare(plans[static_cast<size_t>(r)], blobs[static_cast<size_t>(r)]);
       tables.push_back(transport(r).sources());
     }
+  }
+
+  // Every rank prepares its plan (plans[r]) and attaches to all the others.
+  void join(const std::vector<WindowPlan>& plans) {
+    std::vector<HandleBlob> blobs;
+    std::vector<SourceTable> tables;
+    prepare_all(plans, blobs, tables);
     for (int r = 0; r < nranks_; ++r)
       transport(r).attach(blobs, plans[0].zero_copy ? std::span<const SourceTable>(tables)
                                                     : std::span<const SourceTable>{});
@@ -389,12 +397,9 @@ class FakeRanks {
   // As join(), each rank attaching on a thread of its own as a set-up off the calls does (its
   // mappings paced: pace_mappings_on_this_thread), all at once.
   void join_on_threads(const std::vector<WindowPlan>& plans) {
-    std::vector<HandleBlob> blobs(static_cast<size_t>(nranks_));
+    std::vector<HandleBlob> blobs;
     std::vector<SourceTable> tables;
-    for (int r = 0; r < nranks_; ++r) {
-      transport(r).prepare(plans[static_cast<size_t>(r)], blobs[static_cast<size_t>(r)]);
-      tables.push_back(transport(r).sources());
-    }
+    prepare_all(plans, blobs, tables);
     std::vector<std::thread> threads;
     for (int r = 0; r < nranks_; ++r)
       threads.emplace_back([&, r] {
