@@ -205,7 +205,9 @@ test:
 	  test-plain test-asan test-tsan test-fuzz
 	@$(MAKE) --no-print-directory test-timed
 
-demo: all $(SUPPORT_BINS)
+# The build takes one job per core unless -j says otherwise, as make test does.
+demo:
+	@$(MAKE) --no-print-directory $(JOBS) all $(SUPPORT_BINS)
 	@tools/demo/run-demo.sh $(BUILD)
 
 $(BENCH): $(BUILD)/obj/tools/bench/shim_overhead.o
@@ -288,8 +290,9 @@ JOBS            = $(if $(filter -j%,$(MAKEFLAGS)),,-j$(CORES))
 TEST_PROCESSES ?= $(shell echo $$(( $(CORES) * $(if $(SANITIZE),2,4) )))
 SANITIZED_SUITE_LOCK ?= $(abspath $(BUILD))/.sanitized-suite.lock
 TIMED_TESTS    := Agreement.TheCostTrial*:PythonCallsite.NoInterpreterRecordsNothingAndCostsNothingVisible
-ASAN_BUILD     := BUILD=$(BUILD)/asan SANITIZE=address,undefined
-TSAN_BUILD     := BUILD=$(BUILD)/tsan SANITIZE=thread
+ASAN_BUILD     := BUILD=$(BUILD)/asan PLAIN_BUILD=$(BUILD) SANITIZE=address,undefined
+TSAN_BUILD     := BUILD=$(BUILD)/tsan PLAIN_BUILD=$(BUILD) SANITIZE=thread
+PLAIN_BUILD    ?= $(BUILD)
 
 # The demo and the GPU fault program only have to keep compiling: the plain build makes them.
 test-plain:
@@ -312,7 +315,12 @@ REPORTS := $(abspath $(BUILD))/sanitizer-reports
 # The plain suite tests the installed layout too: installed under build/, its path in
 # TEST_INSTALL_PREFIX (the sanitized suites skip those tests).
 TEST_PREFIX := $(abspath $(BUILD))/installed
-SUITE_ENV = TEST_BUILD_DIR=$(abspath $(BUILD)) $(if $(SANITIZE),,TEST_INSTALL_PREFIX=$(TEST_PREFIX))
+# TEST_TIMES: how long each test took in the plain suite's last run and in this suite's, so that
+# tests/run-sharded.sh deals the long ones out first (under make test the plain suite has ended
+# before a sanitized suite starts).
+SUITE_ENV = TEST_BUILD_DIR=$(abspath $(BUILD)) $(if $(SANITIZE),,TEST_INSTALL_PREFIX=$(TEST_PREFIX)) \
+            TEST_TIMES="$$(ls $(abspath $(PLAIN_BUILD))/test-logs/plain.*.log \
+                              $(abspath $(BUILD))/test-logs/$(SUITE).*.log 2>/dev/null)"
 SUITE     = plain
 ifeq ($(SANITIZE),thread)
   SUITE       = tsan

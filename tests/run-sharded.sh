@@ -30,11 +30,42 @@ fi
 [ "$processes" -ge 1 ] 2>/dev/null || processes=1
 [ "$processes" -le ${#tests[@]} ] || processes=${#tests[@]}
 
-# Dealt out in turn, so a suite's tests (often alike in length) spread over every process.
+# Where TEST_TIMES names logs of an earlier run (make test: the plain suite's, for the sanitized
+# suites that follow it), the tests are dealt longest first, each to the process with the least
+# time so far, so that no process is left with the long ones while the others idle; a test those
+# logs lack counts as a short one. Elsewhere they are dealt out in turn, so a suite's tests (often
+# alike in length) spread over every process.
 shares=()
-for i in "${!tests[@]}"; do
-  shares[i % processes]+="${shares[i % processes]:+:}${tests[i]}"
-done
+timing_logs=()
+for log in ${TEST_TIMES:-}; do [ -f "$log" ] && timing_logs+=("$log"); done
+if [ ${#timing_logs[@]} -gt 0 ]; then
+  while read -r p test; do
+    shares[p]+="${shares[p]:+:}$test"
+  done < <(printf '%s\n' "${tests[@]}" | awk -v processes="$processes" '
+    FILENAME != "-" {
+      if (match($0, /^\[ *(OK|FAILED) *\] [^ ]+ \([0-9]+ ms\)$/)) {
+        split($0, f, /\] | \(| ms\)/); ms[f[2]] = f[3] + 0
+      }
+      next
+    }
+    { n++; name[n] = $0; t[n] = ($0 in ms) ? ms[$0] : 100 }
+    END {
+      # Longest first (an insertion sort: a suite is a few hundred tests).
+      for (i = 2; i <= n; i++)
+        for (j = i; j > 1 && t[j] > t[j - 1]; j--) {
+          x = t[j]; t[j] = t[j - 1]; t[j - 1] = x; y = name[j]; name[j] = name[j - 1]; name[j - 1] = y
+        }
+      for (i = 1; i <= n; i++) {
+        least = 0
+        for (p = 1; p < processes; p++) if (load[p] < load[least]) least = p
+        load[least] += t[i]; print least, name[i]
+      }
+    }' "${timing_logs[@]}" -)
+else
+  for i in "${!tests[@]}"; do
+    shares[i % processes]+="${shares[i % processes]:+:}${tests[i]}"
+  done
+fi
 
 mkdir -p "$logdir"
 rm -f "$logdir/$name".*.log
