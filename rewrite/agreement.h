@@ -16,7 +16,8 @@
 // Either half of the set-up (making and exporting this rank's window; opening the peers') runs
 // off the program's calls where it would take long (rewrite/set_up.h): its round then says
 // "still setting up" (kSettingUp), every rank reads that alike, and the same round is issued
-// again 1, 2, 4, ... 64 steps later until every rank is ready.
+// again 1, 2, 4, ... 64 steps later until every rank is ready (rewrite/commit.h).
+// Where a communicator is in all this is one value, its phase (rewrite/phase.h).
 // A round is read one step after it was issued: the host waits there only if the round is
 // somehow still in flight. The observation is seeded, when the step is found, with the step's
 // calls the detector already saw repeat (RecentCalls), so the W steps may be complete at once.
@@ -25,31 +26,32 @@
 // decision says whether a round moved less than it could (Decision::retry_soon). A communicator
 // of one rank never explores (MAGI_CE_FORCE=1 aside): no hello, no round.
 //
-// Before all of that, one hello round (rewrite/hello.h) at the communicator's first collective
-// not captured into a graph, on every rank agreeable by program facts, MAGI_TRANSPORT=nccl
-// included: it carries the settings that decide WHEN a rank issues rounds (MAGI_WARMUP_STEPS,
-// MAGI_REAGREE_STEPS, MAGI_MAX_STEP_CALLS, MAGI_CE_FORCE, MAGI_TRANSPORT, MAGI_BACKEND and
-// whether it runs here). A rank reads it where its first other round comes due, before issuing
-// that round. The schedule above holds only where these are alike, and this is why it suffices:
-// a rank issues a round only after reading every rank's settings; if they differ (or some rank
-// cannot take part), nobody issues anything more on that communicator, so no round meets a
-// program call. The hello itself is issued by every rank at the same call, the first one not
-// captured (capture is alike on every rank, as assumed below), so it meets only itself. A rank
-// that never issues rounds never waits for it.
+// Before all of that, one hello round (rewrite/hello.h; rewrite/hello_gate.h holds it) at the
+// communicator's first collective not captured into a graph, on every rank agreeable by program
+// facts, MAGI_TRANSPORT=nccl included: it carries the settings that decide WHEN a rank issues
+// rounds (MAGI_WARMUP_STEPS, MAGI_REAGREE_STEPS, MAGI_MAX_STEP_CALLS, MAGI_CE_FORCE,
+// MAGI_TRANSPORT, MAGI_BACKEND and whether it runs here). A rank reads it where its first other
+// round comes due, before issuing that round. The schedule above holds only where these are alike,
+// and this is why it suffices: a rank issues a round only after reading every rank's settings; if
+// they differ (or some rank cannot take part), nobody issues anything more on that communicator, so
+// no round meets a program call. The hello itself is issued by every rank at the same call, the
+// first one not captured (capture is alike on every rank, as assumed below), so it meets only
+// itself. A rank that never issues rounds never waits for it.
 //
-// Why a round never hangs. A round's all-gather is issued before the anchor call, on every rank,
-// and launched at once: outside a group, or alone out of the program's open group (GroupFlush
-// launches the group so far, issues the round, and reopens the group; the ranks group alike, so
-// the round runs between the same collectives everywhere). Only a group holding Send/Recv cannot
-// be launched in two parts: the round then waits in it until the group ends, so this rank votes
-// "no" (kIssuedInGroup) and, knowing the answer without reading, never waits on it; the others
-// read its vote and reach the same answer (decide() puts that vote before everything else). So a
-// rank only ever waits for an all-gather every rank has launched. After such a void round every
-// rank moves the anchor one position on, and the next propose comes one step later, until a
-// position where a round can launch is found.
+// Why a round never hangs. A round's all-gather is issued before the anchor call, on every rank
+// (RoundChannel::issue), and launched at once: outside a group, or alone out of the program's open
+// group (GroupFlush launches the group so far, issues the round, and reopens the group; the ranks
+// group alike, so the round runs between the same collectives everywhere). Only a group holding
+// Send/Recv cannot be launched in two parts: the round then waits in it until the group ends, so
+// this rank votes "no" (kIssuedInGroup) and, knowing the answer without reading, never waits on it;
+// the others read its vote and reach the same answer (decide() puts that vote before everything
+// else). So a rank only ever waits for an all-gather every rank has launched. After such a void
+// round every rank moves the anchor one position on, and the next propose comes one step later,
+// until a position where a round can launch is found.
 //
 // Why routes never split. The route of a call is a function of the agreed plan (equal on every
-// rank, read from the same bytes) and the call's step position and step digest (shapes alone).
+// rank, read from the same bytes) and the call's step position and step digest (shapes alone):
+// route_by_plan (rewrite/route.h).
 //  - A call that deviates in a shared fact (count, type, order) changes the shape sequence: the
 //    detector loses the step at that very call on every rank, the plan is dropped there, and that
 //    call and all after it go to NCCL until a new agreement.
@@ -75,53 +77,45 @@
 
 #include <memory>
 #include <span>
-#include <string>
-#include <vector>
 
 #include "capture/capture.h"
 #include "ce_transport/ce_transport.h"
+#include "rewrite/active_plan.h"
+#include "rewrite/agreement_log.h"
+#include "rewrite/commit.h"
 #include "rewrite/contribution.h"
 #include "rewrite/cost_trial.h"
 #include "rewrite/coverage.h"
 #include "rewrite/exploration.h"
-#include "rewrite/group_flush.h"
-#include "rewrite/hello.h"
+#include "rewrite/hello_gate.h"
 #include "rewrite/observation.h"
+#include "rewrite/phase.h"
 #include "rewrite/recent_calls.h"
 #include "rewrite/refined_step.h"
 #include "rewrite/rewrite.h"
-#include "rewrite/round_buffers.h"
+#include "rewrite/round_channel.h"
 #include "rewrite/round_log.h"
+#include "rewrite/route.h"
 #include "rewrite/serving.h"
 #include "rewrite/world.h"
 
 namespace magi::rewrite {
 
-struct Route {
-  // TrialNccl: a moved gather sent to NCCL on purpose, and timed, during the cost trial.
-  enum class Kind : uint8_t { Nccl, Move, WouldMove, TrialNccl };
-  Kind kind = Kind::Nccl;
-  size_t slot_offset = 0;
-  // Bucket of the plan. Usually one per ncclGroupStart/End; a group that straddles the step's
-  // boundary is two buckets (each packed from offset 0), served one after the other.
-  uint16_t bucket = 0;
-  // Static weights: this rank's send buffer is bound for no position; its check is owed now
-  // (BoundSources, serving.h).
-  bool verify_now = false;
-  // Static weights: the position's own slot offset, where slot_offset is another position's (the
-  // call sends that position's buffer: BoundSources).
-  size_t own_offset = ce::GatherOp::kOwn;
-  // The activation that routed it (CommAgreement::serve serves it by that plan's window only).
-  uint32_t plan = 0;
-  // The call's stream is capturing a CUDA graph (a Move of a static plan only): its copies are
-  // recorded for every replay (ce::Transport::Timing::Captured).
-  bool captured = false;
+// The step rounds and routes follow: what this rank saw of it, the calls before it was found
+// (what seeds the observation when it is), its digest, and the step positions are counted in (the
+// shape step's or an agreed refined one's, with this rank's own facts watched for a refinement).
+struct WatchedStep {
+  StepObservation seen;
+  RecentCalls recent;
+  uint64_t digest = 0;  // of the step being observed
+  RefinedStep refined;
 };
 
-// Coordinates the parts for one communicator: the exploration policy, the step rounds follow
-// (RefinedStep), the rounds themselves (issued through a GroupFlush with RoundBuffers' buffers,
-// recorded through round_log), the active plan, its Serving and CostTrial, and what the program
-// got (Coverage).
+// Coordinates the parts for one communicator, in one phase at a time (rewrite/phase.h): the
+// hello gate, the exploration policy, the step rounds follow, the rounds (RoundChannel), the
+// commit of a plan read and its set-up (Commit), the plan and its routes (ActivePlan,
+// route_by_plan), its Serving and CostTrial, what it says (AgreementLog) and what the program got
+// (Coverage).
 class CommAgreement {
  public:
   CommAgreement(ncclComm_t comm, const capture::CommInfo& info, AgreementWorld world);
@@ -147,9 +141,10 @@ class CommAgreement {
                      uint64_t first_collective, bool* moved = nullptr);
 
   uint64_t identity() const { return info_.identity; }
-  ncclComm_t comm() const { return comm_; }
+  ncclComm_t comm() const { return channel_.comm(); }
   const AgreementWorld& world() const { return world_; }
   const capture::CommInfo& info() const { return info_; }
+  Phase phase() const { return phase_; }
 
   // The communicator is being aborted, maybe from another thread while a call of this one is
   // blocked: the transport stops waiting on peers now, and no window is made after this.
@@ -161,18 +156,10 @@ class CommAgreement {
   void fail_transport(const char* why) noexcept { serving_.fail(why); }
   // Whether this communicator may still explore (issue rounds, watch its gathers' call sites):
   // false for good once it cannot take part or its ranks can never gain (ExplorationPolicy).
-  bool watching() const { return agreeable_ && !policy_.stopped(); }
+  bool watching() const { return phase_ != Phase::Off && !policy_.stopped(); }
 
  private:
-  struct Round {
-    RoundKind kind;
-    uint32_t number;
-    std::unique_ptr<ce::Exchange> exchange;
-    size_t bytes = kContributionBytes;  // per contribution (a static plan's publish: more)
-    bool voted_no = false;              // issued inside an open group: this rank said no
-    uint64_t decision_hash = 0;         // publish/confirm
-  };
-
+  void set_phase(Phase to, uint64_t seq);
   void restart(const capture::StepView& view);
   void refine(const Decision& decision, uint64_t seq);
   void on_lost(uint64_t seq);
@@ -181,121 +168,44 @@ class CommAgreement {
   // collect): only then is the call's capture state asked.
   bool anchor_has_work() const;
   bool propose_due() const;
-  // Before the plan being committed is active, its gathers go to NCCL anyway: timed there, they
-  // are the cost trial's NCCL side, so no call has to run the slower way on purpose.
-  Route route_while_committing(uint32_t position, bool gather) const;
-  Route route_at(uint32_t position, bool gather, bool capturing, uint64_t digest);
-  void say_captured(bool moves);
-  // What remembered verdicts say of a propose every rank read alike (ExplorationPolicy).
-  Decision judged(Decision decision) const;
-  uint64_t bucket_bytes_of(const Decision& decision, uint16_t bucket) const;
-  size_t plan_buckets() const;
   void at_anchor(const capture::StepView& view);
-  void read_round(uint64_t seq);
-  void read_voted_no(Round& round, uint64_t seq);
-  void read_publish(std::span<const uint8_t> all, const Round& round, uint64_t seq);
-  void read_confirm(std::span<const uint8_t> all, const Round& round, uint64_t seq);
-  // Issues a confirm of `decision_hash`: whether this rank's set-up is done, running or failed.
-  void confirm(uint64_t decision_hash, uint64_t seq);
-  // `bytes_each`: the contribution size, equal on every rank (publish_round_bytes for a publish).
+  // `bytes_each`: the contribution size, equal on every rank (a publish's: ActivePlan).
   void issue(RoundKind kind, Contribution& contribution, uint64_t seq,
              size_t bytes_each = kContributionBytes);
-  Contribution header_for(RoundKind kind) const;
+  void read_round(uint64_t seq);
+  void read_voted_no(Round& round, uint64_t seq);
   void propose(uint64_t seq);
   void take_decision(const Decision& decision, uint32_t round, uint64_t seq);
   void after_propose(const Decision& decision, uint64_t seq);
   void schedule_after(bool short_of_what_could_move);
-  void stay_quiet(Reason why, uint64_t seq);
   void publish(uint64_t seq);
-  // Issues the publish again after a pending read: this rank's window, if it is ready now.
-  void publish_again(uint64_t decision_hash, uint64_t seq);
-  // The prepared window's handle and table into the publish, and its INFO lines.
-  void fill_publish(Contribution& c);
-  // A publish or confirm read pending: issued again at the same later step on every rank.
-  void wait_for_set_up(RoundKind kind, uint64_t decision_hash, uint64_t seq);
-  size_t bound_shards() const;
-  size_t publish_bytes() const;
-  void activate(uint64_t seq);
+  // A publish (again, after a pending read) or a confirm of `decision_hash`.
+  void commit_round(RoundKind kind, uint64_t decision_hash, uint64_t seq);
+  void read_commit(std::span<const uint8_t> all, const Round& round, uint64_t seq);
+  // The plan being committed is dropped (not every rank could serve or confirm it, or its
+  // round sat in a group): everything stays on NCCL, and the next propose comes soon.
+  void end_commit(uint64_t seq);
+  void activate(uint64_t seq, bool dry);
   void issue_cost(uint64_t seq);
   void after_cost(std::span<const uint8_t> all, uint64_t seq);
   void deactivate(uint64_t seq, Reason why);
-  void issue_hello(uint64_t seq);
-  bool read_hello_round(uint64_t seq);
-  void take_hello(const HelloOutcome& hello, uint64_t seq);
-  void look_at_hello(uint64_t seq);
-  void record(RoundKind kind, trace::RoundEvent event, uint64_t seq, AgreementMode mode,
-              Reason reason, uint32_t moved) const;
+  RoundStamp stamp(trace::RoundEvent event) const;
+  void trace_round(RoundKind kind, trace::RoundEvent event, uint64_t seq, AgreementMode mode,
+                   Reason reason, uint32_t moved) const;
 
-  const ncclComm_t comm_;
   const capture::CommInfo info_;
   const AgreementWorld world_;
-  const Options& options_;
-  const ce::Backend backend_;
-  const ScheduleSettings settings_;
-  bool agreeable_ = true;  // this rank issues rounds (until the hello says otherwise)
-  // Why this communicator never explores, said in the trace at its first collective (None: it
-  // may, or it was said).
-  Reason quiet_ = Reason::None;
-  // The hello: owed at the first collective not captured (agreeable by program facts, even
-  // when this rank takes no part), then in flight until read.
-  bool hello_due_ = false;
-  std::unique_ptr<Round> hello_;
-
+  AgreementLog log_;
   ExplorationPolicy policy_;
-  GroupFlush flush_;
-  StepObservation seen_;
-  RecentCalls recent_;        // what seeds seen_ when the step is found
-  uint64_t step_digest_ = 0;  // of the step being observed
-  // The step rounds and routes follow (the shape step's or an agreed refined one's), and this
-  // rank's own facts, watched for a refinement to propose.
-  RefinedStep refined_;
-  std::unique_ptr<Round> pending_;
-  RoundBuffers buffers_;  // the rounds' buffers, reused
-  // The plan's set-up (Serving::begin_attach or attach_now): whether its end is yet to be said
-  // (INFO, the trace's window record), and why it failed ("" while it has not).
-  bool set_up_unsaid_ = false;
-  std::string set_up_failed_;
-  bool set_up_in_background_ = false;
-  // The owner's side of the set-up (exports, window) runs off the calls (Serving::begin_prepare):
-  // whether its end is yet to be said.
-  bool prepare_in_background_ = false;
-  bool prepare_unsaid_ = false;
-  // A publish or confirm read pending (some rank still setting up) is issued again at due_step.
-  struct SetUpWait {
-    RoundKind kind = RoundKind::Confirm;
-    bool waiting = false;
-    uint64_t decision_hash = 0;
-    uint64_t due_step = 0;
-    uint32_t reads = 0;  // pending reads of this round kind of the plan so far
-  };
-  SetUpWait wait_;
-  static constexpr int kSlowSetUpMs = 100;  // MAGI_INJECT_FAULT=slow-attach, slow-prepare
-
-  // The decision of the last propose, and what serving it needs.
-  Decision decision_;
-  uint32_t decision_round_ = 0;
-  SlotLayout layout_;
-  BoundSources sources_;             // static weights: the bindings' send buffers
-  uint64_t other_source_calls_ = 0;  // moved calls that read another position's binding
-  Coverage coverage_;                // what the program got, said at the communicator's end
-  uint64_t last_seq_ = 0;            // the latest call's collective index
+  Phase phase_ = Phase::Watching;
+  WatchedStep step_;
+  RoundChannel channel_;
+  HelloGate hello_;
   Serving serving_;
   CostTrial trial_;
-  // A plan read and being committed (publish, confirm) whose trial times its NCCL side now.
-  bool committing_ = false;
-
-  // The active plan: routes follow it while the step digest is this one.
-  bool active_ = false;
-  bool active_dry_ = false;
-  bool active_bound_ = false;        // static weights: its captured gathers move too
-  bool active_graph_slots_ = false;  // default mode with graph slots: likewise
-  bool saw_capture_ = false;         // a gather of this communicator was captured into a graph
-  bool captured_moves_said_ = false;
-  bool captured_stays_said_ = false;
-  bool early_capture_said_ = false;  // a gather captured before any plan was active
-  uint32_t active_plan_ = 0;         // counts activations: Route::plan
-  uint64_t active_digest_ = 0;
-  uint64_t active_hash_ = 0;
+  ActivePlan plan_;
+  Commit commit_;
+  Coverage coverage_;
 };
 
 // The agreement of a communicator that joined, in the process's world (production_world).

@@ -237,14 +237,23 @@ uint64_t stable_steps_needed(uint64_t warmup_steps, bool keyed_on_buffers) {
   return keyed_on_buffers ? std::max<uint64_t>(warmup_steps, 2) : warmup_steps;
 }
 
+namespace {
+bool counts(const GatherEntry&) { return true; }
+bool counts(const GatherDecision& g) { return g.moves; }
+}  // namespace
+
+template <typename Gather>
 size_t bucket_bytes(const StepObservation& seen, uint16_t bucket,
-                    const std::vector<GatherEntry>& entries) {
+                    const std::vector<Gather>& gathers) {
   size_t total = 0;
-  for (const GatherEntry& e : entries)
-    if (e.bucket == bucket)
-      total += aligned(seen.at(e.position).count * datatype_bytes(seen.at(e.position).dtype));
+  for (const Gather& g : gathers) {
+    if (!counts(g) || g.bucket != bucket || g.position >= seen.period()) continue;
+    total += aligned(seen.at(g.position).count * datatype_bytes(seen.at(g.position).dtype));
+  }
   return total;
 }
+template size_t bucket_bytes(const StepObservation&, uint16_t, const std::vector<GatherEntry>&);
+template size_t bucket_bytes(const StepObservation&, uint16_t, const std::vector<GatherDecision>&);
 
 SlotLayout lay_out_slots(const StepObservation& seen, const std::vector<GatherDecision>& gathers,
                          bool bound) {

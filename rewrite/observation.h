@@ -131,8 +131,11 @@ SlotLayout lay_out_slots(const StepObservation& seen, const std::vector<GatherDe
 // from one of several it takes turns with. The first propose waits for as many whole steps.
 uint64_t stable_steps_needed(uint64_t warmup_steps, bool keyed_on_buffers);
 
-// Staging a bucket needs: its gathers' shards, each aligned.
+// Staging a bucket needs: its gathers' shards, each aligned. Shapes only, so equal on every rank.
+// `gathers`: a rank's entries (GatherEntry: each counts) or a decision's (GatherDecision: those
+// that move).
+template <typename Gather>
 size_t bucket_bytes(const StepObservation& seen, uint16_t bucket,
-                    const std::vector<GatherEntry>& entries);
+                    const std::vector<Gather>& gathers);
 
 }  // namespace magi::rewrite

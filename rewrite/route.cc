@@ -1,6 +1,8 @@
-// The call path of rewrite/: asks the communicator's agreement for the call's route,
-// and serves moved gathers now or, inside a group, when the group ends (one bucket per
-// communicator, like NCCL launching a group's work at ncclGroupEnd).
+// The call path of rewrite/: asks the communicator's agreement for the call's route (by the plan:
+// route_by_plan, route.h), and serves moved gathers now or, inside a group, when the group ends
+// (one bucket per communicator, like NCCL launching a group's work at ncclGroupEnd).
+#include "rewrite/route.h"
+
 #include <algorithm>
 #include <memory>
 #include <span>
@@ -80,6 +82,48 @@ void record_served(const Queued& q, ncclResult_t result, bool moved) {
 }
 
 }  // namespace
+
+Routed route_by_plan(const PlanRoutes& plan, const CallPlace& place) {
+  const SlotLayout& layout = *plan.layout;
+  const bool in_layout = place.gather && place.position < layout.offset_by_position.size() &&
+                         layout.offset_by_position[place.position] != SIZE_MAX;
+  Routed routed;
+  if (plan.committing && !place.capturing && place.digest == plan.committed_digest) {
+    // Before the plan being committed is active, its gathers go to NCCL anyway: timed there, they
+    // are the cost trial's NCCL side, so no call has to run the slower way on purpose.
+    if (!in_layout) return routed;
+    routed.route = {Route::Kind::TrialNccl, layout.offset_by_position[place.position],
+                    layout.bucket_by_position[place.position]};
+    routed.route.plan = plan.plan + 1;  // the plan it would be served by once active
+    return routed;
+  }
+  if (!plan.in_force || place.digest != plan.digest || !in_layout) return routed;
+  // A captured gather moves with static weights (its copies read memory that never changes,
+  // so a replay repeats nothing that orders the ranks), or in the default mode on the graph
+  // slots of a plan that has them (a handshake of latches, which every replay leaves as it
+  // found it). The eager handshake counts buckets, which a replay cannot: without graph slots
+  // captured gathers stay on NCCL. The route follows the agreed plan by position alone, as an
+  // eager call's does, so every rank that captures the same calls captures the same route. A
+  // static read waits on no peer, so a rank that runs the call eagerly instead is served alike;
+  // graph slots need every rank to capture it (as assumed of programs: rewrite/agreement.h).
+  if (place.capturing) {
+    const bool moves = (plan.bound || plan.graph_slots) && !plan.dry;
+    routed.captured = moves ? Routed::Captured::Moves : Routed::Captured::Stays;
+    if (!moves) return routed;
+  }
+  Route::Kind kind = plan.dry ? Route::Kind::WouldMove : Route::Kind::Move;
+  if (plan.trial_to_nccl) {
+    // The trial's NCCL side is timed with events, which a graph cannot hold: a captured call of
+    // that step is plain NCCL, on every rank (the step count is shared).
+    if (place.capturing) return routed;
+    kind = Route::Kind::TrialNccl;
+  }
+  routed.route = {kind, layout.offset_by_position[place.position],
+                  layout.bucket_by_position[place.position]};
+  routed.route.plan = plan.plan;
+  routed.route.captured = place.capturing;
+  return routed;
+}
 
 void install(const RealNcclCalls& calls) { g_nccl = calls; }
 

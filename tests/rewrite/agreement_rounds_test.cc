@@ -319,6 +319,39 @@ TEST(AgreementRounds, AnAgreedPlanMovesAtTheSameCallOnceConfirmed) {
   }
 }
 
+// The phase says where the communicator is at every call: watching until the propose (index 6),
+// then one phase per round in flight, and Active from the confirm's read (index 15) on.
+TEST(AgreementRounds, ACommunicatorsPhaseFollowsItsRoundsFromWatchingToActive) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  std::vector<Phase> phases;
+  for (int i = 0; i < 18; ++i) {
+    rank.call();
+    phases.push_back(rank.agreement_->phase());
+  }
+  for (uint64_t i = 0; i < phases.size(); ++i) {
+    const Phase expected = i < 6    ? Phase::Watching
+                           : i < 9  ? Phase::Proposing
+                           : i < 12 ? Phase::Publishing
+                           : i < 15 ? Phase::Confirming
+                                    : Phase::Active;
+    EXPECT_EQ(phases[i], expected) << "call " << i << ": " << phase_name(phases[i]);
+  }
+  // A step lost ends the plan at that very call.
+  rank.call(capture::StepDetector::Event::Lost, false);
+  EXPECT_EQ(rank.agreement_->phase(), Phase::Watching);
+  EXPECT_TRUE(rank.agreement_->watching());
+}
+
+// A rank on NCCL takes no part from its creation on, and says its hello all the same.
+TEST(AgreementRounds, ARankThatTakesNoPartIsOffFromTheStart) {
+  Rank0 rank(Env{{"MAGI_TRANSPORT", "nccl"}});
+  EXPECT_EQ(rank.agreement_->phase(), Phase::Off);
+  rank.steps(4);
+  EXPECT_EQ(rank.agreement_->phase(), Phase::Off);
+  EXPECT_FALSE(rank.agreement_->watching());
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}}));
+}
+
 // A peer that holds the gathers ineligible for good (their memory): the AND refuses them
 // everywhere, nothing is published, and the next propose comes MAGI_REAGREE_STEPS (8) steps
 // after the read one (step 4 -> 12).
