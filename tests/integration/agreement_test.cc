@@ -277,9 +277,12 @@ TEST(Agreement, IdenticalShapesWithoutCallSitesMoveUnrefinedWithCorrectBytes) {
     EXPECT_FALSE(v.in_group_moved.empty()) << "rank " << rank << "\n" << transcript(r);
 }
 
+// Call sites on for the ranks (the TSan suite's default is off, Makefile): a rank's call sites
+// are unwound on its main thread alone, which never frees libunwind's per-thread cache.
 TEST(Agreement, IdenticalShapesMoveOnceTheRanksAgreeOnARefinedStep) {
   for (const int n : {2, 4}) {
-    const AgreedRun r = run_agreed(n, fsdp({"--uniform", "1"}, 60), {{"MAGI_REAGREE_STEPS", "16"}});
+    const AgreedRun r = run_agreed(n, fsdp({"--uniform", "1"}, 60),
+                                   {{"MAGI_REAGREE_STEPS", "16"}, {"MAGI_CALLSITES", "1"}});
     ASSERT_TRUE(r.result.all_ok()) << transcript(r);
     ASSERT_EQ(r.comms.size(), 1u);
     expect_ranks_agree(r);
@@ -325,7 +328,7 @@ TEST(Agreement, IdenticalShapesWithStaticWeightsBindEachLayerAtItsOwnPosition) {
 }
 
 TEST(Agreement, DifferentCallSitesAgreeBySlot) {
-  const AgreedRun r = run_agreed(3, fsdp({"--callsite-rank", "1"}));
+  const AgreedRun r = run_agreed(3, fsdp({"--callsite-rank", "1"}), {{"MAGI_CALLSITES", "1"}});
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   for (const auto& [rank, v] : r.comms.begin()->second) {
