@@ -1,4 +1,4 @@
-# shellcheck shell=bash disable=SC2154  # build, here, work, pass, fail: from run.sh
+# shellcheck shell=bash disable=SC2154  # build, here, work, pass, fail, skip: from run.sh
 # Sourced by tests/gpu/run.sh: gathers captured into CUDA graphs (issue 23).
 #  - graph_torch_runs: PyTorch at world size 1 (real NCCL), a step run eagerly and then captured
 #    with torch.cuda.graph and replayed into poisoned buffers; bitwise equal with and without
@@ -122,13 +122,25 @@ graph_standin_runs() {
   name=mps-weights-graph-default
   launch_ranks "$name" 3 "" MAGI_CE_FORCE=1 -- weights --device 1 --layers 6 --steps 30 \
     --program swap --swap-step 100 --graph-step 16
-  if grep -q "captured into a CUDA graph stay on NCCL on every rank" "$work/$name/log" &&
-      grep -q "ncclAllGather (captured into a CUDA graph)" "$work/$name/log" &&
-      ! grep -q "timed out" "$work/$name/log"; then
+  graph_refused_check "$name" 3 $?
+}
+
+# graph_refused_check NAME N STATUS: run NAME's N ranks each failed at its capture (the stand-in
+# refuses a capturing stream: "ncclAllGather (captured into a CUDA graph) returned ...") after the
+# library said the captured gathers stay on NCCL, and none hung. A rank blocked in a collective
+# is given up by the stand-in itself ("giving up", at STANDIN_TIMEOUT_S: long before the
+# launcher's own timeout, exit 124 "timed out"), so both are looked for.
+graph_refused_check() {
+  local name=$1 n=$2 status=$3 log="$work/$1/log" refused hung
+  refused=$(grep -c "ncclAllGather (captured into a CUDA graph) returned" "$log" 2>/dev/null)
+  hung=$(grep -cE "giving up|timed out" "$log" 2>/dev/null)
+  if [ "$status" != 124 ] && [ "${hung:-0}" = 0 ] && [ "${refused:-0}" = "$n" ] &&
+      grep -q "captured into a CUDA graph stay on NCCL on every rank" "$log"; then
     pass "$name: captured gathers stay on NCCL on every rank (the stand-in refuses them), no hang"
   else
-    fail "$name: captured gathers stay on NCCL on every rank (the stand-in refuses them), no hang"
-    tail -n 8 "$work/$name/log" | sed 's/^/  /'
+    fail "$name: captured gathers stay on NCCL on every rank (the stand-in refuses them), no hang (launcher status $status, ${refused:-0} of $n ranks refused at capture, ${hung:-0} lines of a rank given up or timed out)"
+    grep -E "giving up|timed out" "$log" 2>/dev/null | head -n 4 | sed 's/^/  /'
+    tail -n 8 "$log" | sed 's/^/  /'
   fi
 }
 
@@ -156,7 +168,7 @@ graph_real_nccl_runs() {
     return
   fi
   if ! dir=$(real_nccl_dir); then
-    echo "SKIP real-nccl graphs: no libnccl.so.2 found (PyTorch's or the system's)"
+    skip "real-nccl graphs: no libnccl.so.2 found (PyTorch's or the system's)"
     return
   fi
   echo "  real NCCL: $dir"

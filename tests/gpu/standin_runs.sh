@@ -1,6 +1,6 @@
-# shellcheck shell=bash disable=SC2154  # build, work, pass, fail: from run.sh
+# shellcheck shell=bash disable=SC2154  # build, work, pass, fail, skip: from run.sh
 # Sourced by tests/gpu/run.sh: ranks of magi-workload on one GPU over the NCCL stand-in, under
-# the shim. Uses run.sh's build, work, pass and fail. Each launch has a timeout, and a collective
+# the shim. Uses run.sh's build, work, pass, fail and skip. Each launch has a timeout, and a collective
 # that blocks gives up sooner (STANDIN_TIMEOUT_S), so a hang fails a check instead of stalling.
 support="$build/tests/support"
 launch="$support/magi-launch"
@@ -71,11 +71,11 @@ standin_sanitized_run() {
   shift 2
   local sanitizer
   sanitizer=$(sanitizer_binary) ||
-    { echo "SKIP $name: compute-sanitizer is neither in PATH nor in /usr/local/cuda/bin"; return; }
+    { skip "$name: compute-sanitizer is neither in PATH nor in /usr/local/cuda/bin"; return; }
   launch_ranks "$name" "$n" "$sanitizer --tool memcheck --leak-check full" "$@"
   local status=$? log="$work/$name/log"
   if grep -q "Device not supported\|device is not supported" "$log"; then
-    echo "SKIP $name: compute-sanitizer cannot run on this machine's GPU:"
+    skip "$name: compute-sanitizer cannot run on this machine's GPU:"
     grep -m 3 "=========" "$log" | sed 's/^/  /'
     return
   fi
@@ -95,7 +95,7 @@ standin_profiled_run() {
   local name=$1 n=$2
   shift 2
   if ! command -v nsys >/dev/null 2>&1; then
-    echo "SKIP $name: nsys is not in PATH, kernel launches not counted"
+    skip "$name: nsys is not in PATH, kernel launches not counted"
     return
   fi
   local dir="$work/$name"
@@ -396,6 +396,10 @@ standin_weights_scale_run() {
     "$log" | head -n 20 | sed 's/^/  /'
 }
 
+# What the fsdp program says when a byte it received is wrong (tests/support/workload/fsdp.cc:
+# every check of a gathered weight, a logit or an all-reduce fails with "rank R: ...").
+fsdp_wrong_bytes='^fsdp: rank [0-9]+: '
+
 standin_fault_runs() {
   local fsdp=(fsdp --device 1 --layers 6 --steps 24)
   # A rank hung (alive) with gathers moving: the others' streams wait on it, as they would in
@@ -407,11 +411,15 @@ standin_fault_runs() {
     "exited 4|signal" "refused" MAGI_CE_FORCE=1 -- "${fsdp[@]}" --comms 2 --stall-rank 1 \
     --stall-step 16 --stall-s 45 --watchdog-s 5 --watchdog-grace-s 30
   # A rank killed with gathers moving, and while rounds are in flight: no survivor hangs (each
-  # ends through the stand-in's error or its watchdog's abort, exit 1 or 3), none crashes.
+  # ends through the stand-in's error or its watchdog's abort, exit 1 or 3), none crashes, none
+  # received a wrong byte. Exit 1 is also how the program ends on a wrong byte, so the log tells
+  # them apart: fsdp's every check of what it received fails with "fsdp: rank R: ...", an
+  # error from the stand-in with "fsdp: ncclAllGather(...) returned ...".
+  local survivors_end_1_or_3='^magi-launch: .*: rank 0 exited [13]; rank 1 exited [13]; rank 2 killed by signal 9 \(Killed\); rank 3 exited [13] \('
   for step in 6 14; do
-    standin_fault_run "fault-killed-peer-$step" 4 "rank 2 killed by signal 9" \
-      "exited 4|rank [013] killed|timed out" "" -- "${fsdp[@]}" --die-rank 2 --die-step "$step" \
-      --watchdog-s 5 --watchdog-grace-s 30
+    standin_fault_run "fault-killed-peer-$step" 4 "$survivors_end_1_or_3" "timed out" \
+      "$fsdp_wrong_bytes" -- "${fsdp[@]}" \
+      --die-rank 2 --die-step "$step" --watchdog-s 5 --watchdog-grace-s 30
   done
   # Abort on every rank mid-run (rounds in flight, gathers moving), two communicators; and a
   # program that never destroys: windows freed, every rank exit 0.
@@ -459,17 +467,17 @@ standin_hang_report_runs() {
 # taking turns between their contexts (which hides orderings that one GPU per rank can show, and
 # makes every cross-process wait cost a context switch: BENCHMARKS.md, "Under MPS"). The daemon
 # gets pipe and log directories of its own and is stopped at the end.
-# mps_start: the daemon, with pipe and log directories of its own (false, having said why, when
-# it cannot run); mps_stop: stops it and checks that the ranks connected to it.
+# mps_start: the daemon, with pipe and log directories of its own (false, having counted a SKIP
+# that says why, when it cannot run); mps_stop: stops it and checks that the ranks connected to it.
 mps_start() {
   if ! command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
-    echo "SKIP MPS runs: nvidia-cuda-mps-control is not in PATH"
+    skip "MPS runs: nvidia-cuda-mps-control is not in PATH"
     return 1
   fi
   local pipe="$work/mps-pipe" logs="$work/mps-log"
   mkdir -p "$pipe" "$logs"
   if ! CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=$logs timeout 20 nvidia-cuda-mps-control -d; then
-    echo "SKIP MPS runs: the MPS control daemon did not start"
+    skip "MPS runs: the MPS control daemon did not start"
     return 1
   fi
   export CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=$logs

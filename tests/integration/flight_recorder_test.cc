@@ -222,7 +222,8 @@ TEST(FlightRecorder, HangPutsTheCommunicatorThatWaitsFirstAmongSeveral) {
 TEST(FlightRecorder, HangNamesTheStalledCollectivesCallSiteFromKilledRanksFiles) {
   TempDir dir;
   const support::LaunchResult r = hang_fsdp(
-      dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"}, {},
+      dir.path, {"--stall-rank", "2", "--stall-step", std::to_string(kStep), "--stall-s", "60"},
+      {{"MAGI_CALLSITES", "1"}},  // on, whatever the suite's default (TSan's is off, Makefile)
       waiting_for(2));
   ASSERT_TRUE(r.hung) << r.summary();
   const std::vector<std::string> files = files_in(dir.path, ".flight");

@@ -680,6 +680,93 @@ TEST_F(MagiceTraceDecisions, ACommitThatFailedIsShownAfterItsRound) {
   EXPECT_FALSE(contains(run.out, "activated")) << run.out;
 }
 
+// The cost round after a trial of both routes: its lines say what it did to the routes the
+// activation set, so that the two read alike (not "nothing leaves NCCL" and then "3 of 4 gathers
+// leave NCCL" at the same collective). `kept`: the gathers that keep moving, of 4 moved.
+std::string write_cost_round(const std::string& dir, int32_t rank, uint32_t kept,
+                             Reason reason = Reason::NcclFaster) {
+  TraceBuilder b(make_file_header(1000 + rank, "node0", "infer"));
+  b.comm(make_comm(kWorld, rank, 2));
+  std::vector<DecisionSpec> gathers;
+  for (uint16_t g = 0; g < 4; ++g) gathers.push_back({g, Verdict::Moved, Reason::None, -1, g});
+  add_round(b, kWorld, rank, {1, 10, AgreementMode::Identical, gathers});
+  b.agreement(make_agreement(
+      kWorld, rank,
+      {1, RoundKind::Confirm, RoundEvent::Activated, 20, AgreementMode::Identical, 4, 4}));
+  b.agreement(make_agreement(kWorld, rank, {1, RoundKind::Cost, RoundEvent::Issued, 66}));
+  b.agreement(make_agreement(
+      kWorld, rank,
+      {1, RoundKind::Cost, RoundEvent::Read, 70, AgreementMode::Identical, 4, kept, reason}));
+  if (reason == Reason::NcclFaster) {
+    // The cost round re-decides its gathers: those after the kept ones stay, NCCL being faster.
+    for (uint16_t g = static_cast<uint16_t>(kept); g < 4; ++g)
+      b.decision(make_decision(kWorld, rank, 1, AgreementMode::Identical,
+                               {g, Verdict::Stays, Reason::NcclFaster, -1, g}));
+    b.agreement(make_agreement(kWorld, rank,
+                               {1, kept == 0 ? RoundKind::Propose : RoundKind::Cost,
+                                kept == 0 ? RoundEvent::Deactivated : RoundEvent::Activated, 70,
+                                AgreementMode::Identical, 4, kept, Reason::NcclFaster}));
+  }
+  const std::string path = dir + "/cost" + std::to_string(rank) + ".trace";
+  b.write(path);
+  return path;
+}
+
+TEST_F(MagiceTraceDecisions, TheCostRoundSaysWhatWentBackToNcclAndWhatKeptMoving) {
+  const std::vector<std::string> files = {write_cost_round(dir_, 0, 3),
+                                          write_cost_round(dir_, 1, 3)};
+  const ToolRun run = tool(with({"decisions"}, files));
+  EXPECT_EQ(run.status, 0) << run.out << run.err;
+  const std::string c = "comm 3f2a0c1d9e7b rank 1: round 1 ";
+  EXPECT_TRUE(
+      contains(run.out, c + "activated at collective #20: 4 of 4 gathers leave NCCL\n" + c +
+                            "cost read at collective #70: timed both ways: 1 gather back to NCCL "
+                            "(NCCL was faster for its bucket), 3 keep leaving it\n" +
+                            c +
+                            "cost activated at collective #70: 3 of 4 gathers leave NCCL, 1 "
+                            "back on NCCL\n"))
+      << run.out;
+  EXPECT_TRUE(contains(run.out,
+                       "rank 1 gather #3 (pos 3, float32 x 1024, bucket 3): stays: NCCL was "
+                       "faster for its bucket (timed both ways)\n"))
+      << run.out;
+  EXPECT_FALSE(contains(run.out, "nothing leaves NCCL")) << run.out;
+  const ToolRun json = tool(with({"decisions", "--json"}, files));
+  EXPECT_TRUE(contains(json.out,
+                       "{\"round\":1,\"kind\":\"cost\",\"event\":\"read\","
+                       "\"collective\":70,\"moved\":3,\"gathers\":4,"))
+      << json.out;
+}
+
+TEST_F(MagiceTraceDecisions, TheCostRoundThatKeepsNothingSendsEveryGatherBack) {
+  const ToolRun run =
+      tool(with({"decisions"}, {write_cost_round(dir_, 0, 0), write_cost_round(dir_, 1, 0)}));
+  EXPECT_EQ(run.status, 0) << run.out << run.err;
+  const std::string c = "comm 3f2a0c1d9e7b rank 0: round 1 ";
+  EXPECT_TRUE(
+      contains(run.out, c +
+                            "cost read at collective #70: timed both ways: all 4 gathers back to "
+                            "NCCL (NCCL was faster for their buckets)\n" +
+                            c +
+                            "deactivated at collective #70: back to NCCL (NCCL was faster "
+                            "for its bucket (timed both ways))\n"))
+      << run.out;
+  EXPECT_FALSE(contains(run.out, "keep leaving")) << run.out;
+}
+
+TEST_F(MagiceTraceDecisions, ACostRoundLeftUntimedSaysThePlanStands) {
+  const ToolRun run =
+      tool(with({"decisions"}, {write_cost_round(dir_, 0, 4, Reason::AnchorInGroup),
+                                write_cost_round(dir_, 1, 4, Reason::AnchorInGroup)}));
+  EXPECT_EQ(run.status, 0) << run.out << run.err;
+  EXPECT_TRUE(contains(run.out,
+                       "comm 3f2a0c1d9e7b rank 0: round 1 cost read at collective #70: not timed "
+                       "(the cost round was issued inside an open group on some rank): the plan "
+                       "stands, 4 gathers keep leaving NCCL\n"))
+      << run.out;
+  EXPECT_FALSE(contains(run.out, "nothing leaves NCCL")) << run.out;
+}
+
 // A communicator kept on NCCL by its settings check: no round read, and each rank that read the
 // hello says why; the rank that never read it (MAGI_TRANSPORT=nccl) is no disagreement.
 TEST_F(MagiceTraceDecisions, SettingsThatDifferAreShownPerRank) {

@@ -140,23 +140,63 @@ std::string round_summary(const ReadRound& round) {
   return text;
 }
 
+std::string gathers_count_text(uint32_t n) {
+  return std::to_string(n) + (n == 1 ? " gather" : " gathers");
+}
+
+// What the cost round decided, from its read (`moved`: the gathers that keep leaving NCCL) and
+// the routes it ended (`before`: the last activation of the round, whose gathers were timed).
+// "timed both ways: 1 gather back to NCCL (NCCL was faster for its bucket), 3 keep leaving it"
+std::string cost_read_text(const AgreementRecord& read, const AgreementRecord* before) {
+  const auto reason = static_cast<trace::Reason>(read.reason);
+  if (reason == trace::Reason::AnchorInGroup)
+    return "not timed (the cost round was issued inside an open group on some rank): the plan "
+           "stands, " +
+           gathers_count_text(read.moved) + " keep leaving NCCL";
+  if (before == nullptr || before->moved < read.moved)
+    return "timed both ways: " + std::to_string(read.moved) + " of " +
+           std::to_string(read.gathers) + " gathers keep leaving NCCL, the other buckets were " +
+           "faster on NCCL";
+  const uint32_t back = before->moved - read.moved;
+  std::string text = "timed both ways: ";
+  text += back == before->moved && back > 1 ? "all " : "";
+  text += gathers_count_text(back) + " back to NCCL (NCCL was faster for " +
+          (back == 1 ? "its bucket)" : "their buckets)");
+  if (read.moved != 0) text += ", " + std::to_string(read.moved) + " keep leaving it";
+  return text;
+}
+
+// One line per route change of a round, each saying what holds from that collective on:
 // "round 2 activated at collective #57: 3 of 8 gathers leave NCCL",
+// "round 2 cost read at collective #70: timed both ways: 1 gather back to NCCL (NCCL was
+//  faster for its bucket), 3 keep leaving it",
+// "round 2 cost activated at collective #70: 3 of 4 gathers leave NCCL, 1 back on NCCL",
 // "round 2 deactivated at collective #90: back to NCCL (the call deviated from the agreed step)",
 // "round 2 publish read at collective #61: nothing leaves NCCL (the transport failed on some rank)"
-std::string route_change_text(const AgreementRecord& change) {
+// `before`: the round's last activation before this change, or null.
+std::string route_change_text(const AgreementRecord& change, const AgreementRecord* before) {
   const auto event = static_cast<trace::RoundEvent>(change.event);
+  const auto kind = static_cast<trace::RoundKind>(change.kind);
   const auto reason = static_cast<trace::Reason>(change.reason);
   std::string text = "round " + std::to_string(change.round) + " ";
-  if (event == trace::RoundEvent::Read) {
-    text += std::string(trace::round_kind_name(static_cast<trace::RoundKind>(change.kind))) + " ";
+  const bool cost = kind == trace::RoundKind::Cost;
+  if (event == trace::RoundEvent::Read || (event == trace::RoundEvent::Activated && cost)) {
+    text += std::string(trace::round_kind_name(kind)) + " ";
   }
   text += std::string(trace::round_event_name(event)) + " at collective #" +
           std::to_string(change.seq) + ": ";
+  if (event == trace::RoundEvent::Read && cost) return text + cost_read_text(change, before);
   if (event == trace::RoundEvent::Activated) {
+    const bool dry_run = kind == trace::RoundKind::Propose;
     text += std::to_string(change.moved) + " of " + std::to_string(change.gathers) +
-            " gathers leave NCCL";
-  } else if (event == trace::RoundEvent::Read) {
-    text += "nothing leaves NCCL";
+            (dry_run ? " gathers would leave NCCL (MAGI_DRY_RUN: nothing moves)"
+                     : " gathers leave NCCL");
+    if (cost && before != nullptr && before->moved > change.moved)
+      text += ", " + std::to_string(before->moved - change.moved) + " back on NCCL";
+    return text;
+  }
+  if (event == trace::RoundEvent::Read) {
+    text += reason == trace::Reason::SettingUp ? "nothing leaves NCCL yet" : "nothing leaves NCCL";
   } else {
     text += "back to NCCL";
   }
@@ -277,8 +317,12 @@ void print_block(const std::vector<trace::Trace>& traces, const Block& block) {
       continue;
     }
     std::printf("%s%s\n", who.c_str(), round_summary(*r.round).c_str());
+    const AgreementRecord* activation = nullptr;  // the routes in force before each change
     for (const AgreementRecord* change : r.round->route_changes) {
-      std::printf("%s%s\n", who.c_str(), route_change_text(*change).c_str());
+      std::printf("%s%s\n", who.c_str(), route_change_text(*change, activation).c_str());
+      if (change->event == static_cast<uint8_t>(trace::RoundEvent::Activated)) activation = change;
+      if (change->event == static_cast<uint8_t>(trace::RoundEvent::Deactivated))
+        activation = nullptr;
     }
   }
   for (const Row& row : rows_of(block)) {
@@ -364,7 +408,7 @@ void print_text(const std::vector<trace::Trace>& traces, const std::vector<CommR
     for (const RankRounds& r : comms[c].ranks)
       if (r.hello_refused != nullptr)
         std::printf("comm %s rank %d: %s\n", short_id_text(comms[c].comm_id).c_str(), r.rank,
-                    route_change_text(*r.hello_refused).c_str());
+                    route_change_text(*r.hello_refused, nullptr).c_str());
     print_coverage(comms[c].comm_id, coverage, comms[c].any_read());
   }
 }
@@ -386,11 +430,13 @@ void append_round(std::string& out, int32_t rank, const ReadRound& round) {
   for (size_t i = 0; i < round.route_changes.size(); ++i) {
     const AgreementRecord& c = *round.route_changes[i];
     out += (i == 0 ? "" : ",");
-    out += "{\"round\":" + std::to_string(c.round) + ",\"event\":" +
-           json_string(trace::round_event_name(static_cast<trace::RoundEvent>(c.event))) +
-           ",\"collective\":" + std::to_string(c.seq) + ",\"moved\":" + std::to_string(c.moved) +
-           ",\"gathers\":" + std::to_string(c.gathers) + ",\"reason\":" + json_reason(c.reason) +
-           "}";
+    out +=
+        "{\"round\":" + std::to_string(c.round) +
+        ",\"kind\":" + json_string(trace::round_kind_name(static_cast<trace::RoundKind>(c.kind))) +
+        ",\"event\":" +
+        json_string(trace::round_event_name(static_cast<trace::RoundEvent>(c.event))) +
+        ",\"collective\":" + std::to_string(c.seq) + ",\"moved\":" + std::to_string(c.moved) +
+        ",\"gathers\":" + std::to_string(c.gathers) + ",\"reason\":" + json_reason(c.reason) + "}";
   }
   out += "],\"decisions\":[";
   for (size_t i = 0; i < round.decisions.size(); ++i) {

@@ -15,7 +15,9 @@ NCCL accepts and the agreement must notice: another call site (dist.all_gather i
 same NCCL call from other code), or another grouping (even ranks issue each gather inside a
 coalescing group; every rank follows each gather with a small all-reduce outside any group).
 
-Exits 1 when any element on any rank is wrong.
+Exits 1 when any element on any rank is wrong, and fails (a traceback, exit 1) when a gather
+raises; a datatype this PyTorch cannot fill or hand to the process group is skipped before any
+of its gathers, on every rank alike, and said ("  SKIP float8_e5m2: ...", counted by run.sh).
 """
 import argparse
 import json
@@ -136,6 +138,35 @@ def run_config(env, gather, dtype, mod, count, in_place, steps, static):
     return wrong
 
 
+def first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+
+
+def unusable(env, gather, dtype, mod) -> str:
+    """Why this PyTorch cannot test `dtype`, or "" when it can. A type it cannot fill, compare
+    or hand to the process group fails here on every rank alike, before any gather is counted:
+    PyTorch refuses a type NCCL lacks with a TypeError before calling NCCL (gloo, under --cpu,
+    with a RuntimeError). An error of the gather itself (a DistBackendError: NCCL's or the
+    shim's) is no reason to skip: it propagates and fails the run."""
+    try:
+        inp = torch.empty(1, dtype=dtype, device=env.device)
+        out = torch.empty(env.world, dtype=dtype, device=env.device)
+        fill_pattern(inp, env.rank, 0, mod)
+        poison(out, mod)
+        count_wrong(inp, env.rank, 0, mod)
+    except (RuntimeError, TypeError, ValueError) as e:
+        return f"cannot fill or compare it: {first_line(e)}"
+    try:
+        gather(out, inp)
+    except TypeError as e:
+        return f"the process group refuses it: {first_line(e)}"
+    except RuntimeError as e:
+        if not env.cpu or isinstance(e, getattr(dist, "DistBackendError", ())):
+            raise
+        return f"gloo refuses it: {first_line(e)}"
+    return ""
+
+
 def size_text(nbytes: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:
@@ -172,20 +203,20 @@ def main() -> int:
             f"{size_text(sizes[0])}..{size_text(sizes[-1])} per rank, {args.steps} steps each, "
             f"static={args.static}, skew={args.skew}, PyTorch {torch.__version__}")
 
-    results, totals = [], []
+    results, totals, skipped = [], [], []
     for name, dtype, mod in dtypes:
         began = time.time()
-        try:
-            per_dtype = []
-            for nbytes in sizes:
-                count = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
-                for in_place in modes:
-                    wrong = run_config(env, gather, dtype, mod, count, in_place, args.steps, args.static)
-                    per_dtype.append((nbytes, in_place, wrong))
-        except (RuntimeError, TypeError, ValueError) as e:
-            # A type this PyTorch cannot fill or gather fails on every rank alike, before NCCL.
-            env.log(f"  SKIP {name}: {str(e).splitlines()[0][:160]}")
+        why = unusable(env, gather, dtype, mod)
+        if why:
+            env.log(f"  SKIP {name}: {why}")
+            skipped.append(name)
             continue
+        per_dtype = []
+        for nbytes in sizes:
+            count = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
+            for in_place in modes:
+                wrong = run_config(env, gather, dtype, mod, count, in_place, args.steps, args.static)
+                per_dtype.append((nbytes, in_place, wrong))
         for nbytes, in_place, wrong in per_dtype:
             counts = wrong.tolist()
             results.append({"dtype": name, "bytes_per_rank": nbytes, "in_place": in_place,
@@ -211,9 +242,12 @@ def main() -> int:
             json.dump({"world": env.world, "static": args.static, "skew": args.skew,
                        "configs": len(results), "wrong": total_wrong, "rank0": results}, f, indent=1)
     env.log(f"allgather_check: {len(results)} configurations x {args.steps} steps, world "
-            f"{env.world}: {total_wrong} wrong elements")
+            f"{env.world}: {total_wrong} wrong elements; {len(skipped)} datatypes skipped"
+            f"{' (' + ', '.join(skipped) + ')' if skipped else ''}")
     dist_env.finish(env)
-    return 1 if total_wrong else 0
+    if not results:
+        env.log("allgather_check: no datatype could be tested: nothing was checked")
+    return 1 if total_wrong or not results else 0
 
 
 if __name__ == "__main__":

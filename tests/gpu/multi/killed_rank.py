@@ -17,8 +17,11 @@ on the dead peer — until PyTorch's watchdog notices the collective passed its 
 2 only aborts them (the blocked main thread must come free: its next collective raises, and the
 rank exits 3), 3 (PyTorch's default) ends the process without aborting.
 
-Exits 0 when every survivor ended within --deadline-s of the kill (any exit status but
-"still running"); 1 when one was still running then (it is killed, and the line says HUNG).
+Exits 0 when every survivor ended within --deadline-s of the kill, and ended as a freed survivor
+does: its main thread came free and saw the collective fail (exit 3), or PyTorch's watchdog ended
+the process (SIGABRT, from its thread's uncaught error). 1 when one was still running then (it
+is killed, and the line says HUNG), or ended otherwise: exit 0 (it ran on past a dead peer), a
+traceback (exit 1), a crash (another signal). The victim must have died by its own SIGKILL.
 --no-kill runs the same program with no victim (every rank must exit 0): the launcher and the
 ranks checked end to end, also at world size 1. --cpu runs the ranks over gloo on the CPU (whose
 own timeout, or the dead peer's closed socket, then frees the survivors), and --linger-s keeps a
@@ -33,6 +36,46 @@ import sys
 import time
 
 FREED = 3  # the main thread came free after an abort and saw the collective fail
+# How a survivor may end: freed (above), or ended by PyTorch's watchdog, whose thread's uncaught
+# error aborts the process (TORCH_NCCL_ASYNC_ERROR_HANDLING 1 and 3).
+SURVIVOR_ENDINGS = {FREED: "freed", -signal.SIGABRT: "ended by the watchdog (SIGABRT)"}
+
+
+def ending_text(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exited {code}"
+
+
+def judge(ended: dict, nproc: int, victim, killed_at, deadline_s: float):
+    """The verdict on how the ranks ended: (failed, lines). `ended` maps a rank that ended to
+    (its return code, when); a rank missing from it was still running at the deadline."""
+    failed = False
+    lines = []
+    for r in range(nproc):
+        if r not in ended:
+            lines.append(f"rank {r} HUNG: still running {deadline_s} s after the kill (killed now)")
+            failed = True
+            continue
+        code, when = ended[r]
+        after = ""
+        if killed_at is not None and r != victim:
+            after = f", {when - killed_at:.1f} s after the kill"
+        if victim is None:
+            ok = code == 0
+            why = "" if ok else " (without a victim every rank must exit 0)"
+        elif r == victim:
+            ok = code == -signal.SIGKILL
+            why = "" if ok else " (the victim must die by its own SIGKILL)"
+        else:
+            ok = code in SURVIVOR_ENDINGS
+            why = (f" ({SURVIVOR_ENDINGS[code]})" if ok else
+                   f" (NOT how a survivor ends: freed, exit {FREED}, or by the watchdog, SIGABRT)")
+        lines.append(f"rank {r} {ending_text(code)}{after}{why}")
+        failed = failed or not ok
+    if victim is not None and killed_at is None:
+        lines.append("the victim never died (the job ended before the kill step)")
+        failed = True
+    lines.append("FAILED" if failed else "every rank ended")
+    return failed, lines
 
 
 def free_port() -> int:
@@ -73,25 +116,13 @@ def launch(args) -> int:
             break
         time.sleep(0.05)
 
-    failed = False
     for r, proc in enumerate(ranks):
-        if r in ended:
-            code, when = ended[r]
-            how = f"killed by signal {-code}" if code < 0 else f"exited {code}"
-            after = f", {when - killed_at:.1f} s after the kill" if killed_at is not None and r != victim else ""
-            print(f"killed_rank: rank {r} {how}{after}", flush=True)
-            if victim is None and code != 0:
-                failed = True
-        else:
+        if r not in ended:
             proc.kill()
             proc.wait()
-            print(f"killed_rank: rank {r} HUNG: still running {args.deadline_s} s after the kill "
-                  f"(killed now)", flush=True)
-            failed = True
-    if victim is not None and killed_at is None:
-        print("killed_rank: the victim never died (the job ended before the kill step)", flush=True)
-        failed = True
-    print(f"killed_rank: {'FAILED' if failed else 'every rank ended'}", flush=True)
+    failed, lines = judge(ended, len(ranks), victim, killed_at, args.deadline_s)
+    for line in lines:
+        print(f"killed_rank: {line}", flush=True)
     return 1 if failed else 0
 
 
@@ -119,7 +150,9 @@ def rank_main(args) -> int:
                 dist_env.all_gather_into(full, shard)
                 acc += x @ full[: 1024 * 1024].view(1024, 1024)
             dist_env.synchronize(env)
-    except Exception as e:  # the communicator was aborted under us: the main thread is free
+    except RuntimeError as e:  # the communicator was aborted under us: the main thread is free
+        # (DistBackendError and gloo's errors are RuntimeErrors; anything else is a bug of this
+        # program, whose traceback and exit 1 fail the check.)
         print(f"killed_rank: rank {env.rank} freed at step {step}: {type(e).__name__}: "
               f"{str(e).splitlines()[0][:160]}", flush=True)
         time.sleep(args.linger_s)

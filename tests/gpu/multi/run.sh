@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The multi-GPU correctness runs (issue 5) with real NCCL, one process per GPU under torchrun,
-# each without and with the shim. Prints PASS/FAIL lines and a closing "multi: N passed, M failed".
+# each without and with the shim. Prints PASS/FAIL/SKIP lines and a closing
+# "multi: N passed, M failed, K skipped" (tests/gpu/verdict.sh), its only verdict.
 # Usage: tests/gpu/multi/run.sh BUILD_DIR   (needs libmagice.so and magice-trace in BUILD_DIR)
 # Environment (all optional):
 #   MULTI_NPROC     ranks (default: the GPUs nvidia-smi lists)
@@ -18,9 +19,8 @@ if [ -n "${MULTI_KEEP:-}" ]; then
 else
   work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 fi
-passed=0; failed=0
-pass() { echo "PASS $1"; passed=$((passed + 1)); }
-fail() { echo "FAIL $1"; failed=$((failed + 1)); }
+# shellcheck source=tests/gpu/verdict.sh
+. "$here/../verdict.sh"
 
 for f in libmagice.so magice-trace; do
   [ -e "$build/$f" ] || { echo "no $build/$f: build it (make BUILD=$build all)"; exit 2; }
@@ -36,7 +36,7 @@ limit=${MULTI_TIMEOUT_S:-1200}
 torchrun=${TORCHRUN:-torchrun}
 python=${PYTHON:-python3}
 tool="$build/magice-trace"
-[ "$n" -ge 1 ] || { echo "multi: no GPU"; echo "multi: 0 passed, 1 failed"; exit 1; }
+[ "$n" -ge 1 ] || { fail "multi: no GPU"; closing_line multi; exit; }
 echo "multi: $n rank(s), all-gathers up to $max_mib MiB per rank, $steps steps, $jobs run(s) at once"
 
 # start NAME SHIM(0|1) [VAR=VALUE...] -- SCRIPT ARGS...: one torchrun job in the background.
@@ -71,12 +71,14 @@ start() {
 }
 
 # ran NAME WHAT: PASS when the job exited 0 (with how long it ran); else FAIL with the end of
-# its log.
+# its log. What the job itself skipped (allgather_check's datatypes this PyTorch cannot fill or
+# hand to NCCL: "  SKIP float8_e5m2: ...") is counted too, one SKIP each.
 ran() {
-  local rc took
+  local rc took line
   rc=$(cat "$work/$1/rc" 2>/dev/null || echo "?")
   took=$(cat "$work/$1/seconds" 2>/dev/null || echo "?")
-  grep -E "^(allgather_check|fsdp_infer|two_comms|killed_rank):|WRONG|SKIP|DIFFERS" "$work/$1/log" | sed 's/^/  /' | head -20
+  grep -E "^(allgather_check|fsdp_infer|two_comms|killed_rank):|WRONG|DIFFERS" "$work/$1/log" | sed 's/^/  /' | head -20
+  while IFS= read -r line; do skip "$1: ${line#  SKIP }"; done < <(grep "^  SKIP " "$work/$1/log")
   if [ "$rc" = 0 ]; then pass "$1: $2 ($took s)"; return 0; fi
   case $rc in 124|137) rc="$rc (timed out after $limit s)" ;; esac
   fail "$1: $2 (exit $rc, $took s)"
@@ -169,7 +171,7 @@ echo "== 2. FSDP inference through unmodified PyTorch"
 # all-gather at all (NCCL sees none), so there it has nothing to check.
 moved() {
   if [ "$n" = 1 ] && [[ $1 != fsdp-manual-* ]]; then
-    echo "SKIP $1: $2 (FSDP2 issues no all-gather at world size 1)"
+    skip "$1: $2 (FSDP2 issues no all-gather at world size 1)"
   else
     traced "$1" "$2" --moved
   fi
@@ -222,5 +224,4 @@ for handling in 1 2; do
 done
 
 echo "multi: $SECONDS s in all, with up to $jobs run(s) at once"
-echo "multi: $passed passed, $failed failed"
-[ "$failed" = 0 ]
+closing_line multi
