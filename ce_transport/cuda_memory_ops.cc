@@ -46,6 +46,7 @@
 #include "base/base.h"
 #include "base/cuda_driver.h"
 #include "ce_transport/backends.h"
+#include "ce_transport/cuda_thread.h"
 #include "ce_transport/exports.h"
 #include "ce_transport/fd_channel.h"
 #include "ce_transport/memory_ops.h"
@@ -55,7 +56,6 @@ namespace magi::ce {
 namespace {
 
 constexpr size_t kFlagLine = 256;
-constexpr size_t kSlotAlign = 256;
 constexpr size_t kAllocationGranule = size_t{2} << 20;
 // What an abandoned wait is released with. Stream waits compare cyclically ((int64_t)(word -
 // target) >= 0): the value must be far ahead of any sequence number, yet not wrap past them.
@@ -300,29 +300,6 @@ std::vector<KeptForGraphs>& kept_for_graphs() {
   return *kept;
 }
 
-// For its life, the calling thread's current device is `device` (when known); the thread's own
-// is given back after: a thread of the program's (its watchdog's) keeps the device it chose.
-class ThreadDevice {
- public:
-  explicit ThreadDevice(int device) {
-    if (device < 0 || cudaGetDevice(&saved_) != cudaSuccess || saved_ == device) {
-      saved_ = -1;
-      cudaGetLastError();
-      return;
-    }
-    cuda_check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~ThreadDevice() {
-    if (saved_ >= 0) cudaSetDevice(saved_);
-    cudaGetLastError();
-  }
-  ThreadDevice(const ThreadDevice&) = delete;
-  ThreadDevice& operator=(const ThreadDevice&) = delete;
-
- private:
-  int saved_ = -1;
-};
-
 CUstreamBatchMemOpParams write_op(const uint8_t* address, uint64_t value) {
   CUstreamBatchMemOpParams op{};
   op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
@@ -385,6 +362,9 @@ class CudaMemoryOps final : public MemoryOps {
   Backend backend() const override { return Backend::Cuda; }
   bool synchronous() const override { return false; }
   const protocol::FlagLayout& flags() const override { return flags_; }
+  int relax_capture() override { return relax_capture_mode(); }
+  void restore_capture(int saved) override { restore_capture_mode(saved); }
+  bool paces_mappings() const override { return true; }
   // Our CUDA runtime is not the program's: it follows the communicator's device explicitly.
   void use() override {
     if (device_ < 0) return;
@@ -402,7 +382,7 @@ class CudaMemoryOps final : public MemoryOps {
 
   WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots) override {
     free_kept_for_graphs();
-    stride_ = round_up(std::max<size_t>(slot_bytes, 1), kSlotAlign);
+    stride_ = round_up(std::max<size_t>(slot_bytes, 1), kSlotAlignment);
     flags_at_ = (bound ? 1 : graph_slots ? 4 : 2) * stride_;
     flag_bytes_ = flags_.bytes_but_failed();
     bytes_ = round_up(flags_at_ + flag_bytes_, kAllocationGranule);
@@ -461,7 +441,7 @@ class CudaMemoryOps final : public MemoryOps {
     peer_pids_[static_cast<size_t>(rank)] = static_cast<pid_t>(header.pid);
     size_t flags_at = flags_at_;
     if (header.zero_copy != 0) {  // its window holds its own region, then its flags (allocate)
-      flags_at = round_up(std::max<size_t>(header.slot_bytes, 1), kSlotAlign);
+      flags_at = round_up(std::max<size_t>(header.slot_bytes, 1), kSlotAlignment);
       if (flags_at + flag_bytes_ > header.window_bytes)
         throw Error(ErrorKind::Usage,
                     "rank " + std::to_string(rank) + "'s window has no room for its flags");
@@ -1039,7 +1019,7 @@ void abandon_graphs(uint64_t comm_identity) noexcept {
     }
   }
   if (ops.empty()) return;
-  const RelaxedCaptureMode own_calls(true);
+  const RelaxedCaptureMode own_calls;
   int saved = -1;
   if (cudaGetDevice(&saved) != cudaSuccess) saved = -1;
   cudaStream_t stream = nullptr;
@@ -1066,29 +1046,11 @@ void abandon_graphs(uint64_t comm_identity) noexcept {
               short_id(comm_identity), windows);
 }
 
-RelaxedCaptureMode::RelaxedCaptureMode(bool cuda) {
-  if (!cuda) return;
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  if (cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess)
-    saved_ = static_cast<int>(mode);
-  else
-    cudaGetLastError();
-}
-
-RelaxedCaptureMode::~RelaxedCaptureMode() {
-  if (saved_ < 0) return;
-  auto mode = static_cast<cudaStreamCaptureMode>(saved_);
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  cudaGetLastError();
-}
-
-std::unique_ptr<Transport> make_cuda_transport(int rank, int nranks, uint64_t comm_identity,
-                                               int device, const Options::Fault& fault) {
-  check_rank(rank, nranks);
+std::unique_ptr<MemoryOps> make_cuda_memory(int rank, int nranks, uint64_t comm_identity,
+                                            int device) {
   if (!cuda_driver_loaded())
     throw Error(ErrorKind::System, "the CUDA driver is not loaded in this process");
-  return make_window_transport(std::make_unique<CudaMemoryOps>(rank, nranks, comm_identity, device),
-                               rank, nranks, comm_identity, fault);
+  return std::make_unique<CudaMemoryOps>(rank, nranks, comm_identity, device);
 }
 
 }  // namespace magi::ce

@@ -328,10 +328,8 @@ class HostMemoryOps final : public MemoryOps {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_host_transport(int rank, int nranks, uint64_t comm_identity,
-                                               const Options::Fault& fault) {
-  return make_window_transport(std::make_unique<HostMemoryOps>(rank, nranks, comm_identity), rank,
-                               nranks, comm_identity, fault);
+std::unique_ptr<MemoryOps> make_host_memory(int rank, int nranks, uint64_t comm_identity) {
+  return std::make_unique<HostMemoryOps>(rank, nranks, comm_identity);
 }
 
 }  // namespace magi::ce

@@ -86,6 +86,16 @@ class MemoryOps {
   // The same on a thread that may never have used it (the set-up's, a watchdog's): first in
   // prepare, attach, abandon and release, off the gathers' path.
   virtual void use_on_any_thread() { use(); }
+  // The calling thread's own calls on this memory (a window's set-up or release) are not taken
+  // for part of a CUDA graph a thread of the program is capturing, until restore_capture() is
+  // given what this returned (cuda_thread.h's RelaxedCaptureMode); through OwnCalls. Nothing for
+  // host memory.
+  virtual int relax_capture() { return -1; }
+  virtual void restore_capture(int /*saved*/) {}
+  // Whether mapping a peer's allocation holds up the program's own calls on the device (CUDA
+  // IPC: in proportion to the bytes mapped), so that a set-up off the calls spreads its mappings
+  // out (pace_mappings_on_this_thread). Shared-memory mappings hold nothing up.
+  virtual bool paces_mappings() const { return false; }
 
   // ---- this rank's window ----
   // Allocates it, its flag words zeroed but for the graph slots' read latches (set): two
@@ -187,21 +197,19 @@ class MemoryOps {
   virtual void release(uint64_t last_bucket, bool attached, bool abandoned) = 0;
 };
 
-// For its life, the calling thread's CUDA calls for the transport itself (a window's set-up or
-// release, on the program's thread or the set-up's) are not taken for part of a CUDA graph that
-// a thread of the program is capturing: the thread's capture mode is relaxed, and restored at
-// the end. Under the default (global) mode, a cudaMalloc or a cudaStreamSynchronize made while
-// any thread captures would be refused, and on the capturing thread would end its capture.
-// `cuda`: false for host memory, which needs nothing.
-class RelaxedCaptureMode {
+// For its life, the calling thread's own calls on `memory` are kept out of any CUDA graph a
+// thread of the program is capturing (MemoryOps::relax_capture), and the thread's mode is given
+// back at the end.
+class OwnCalls {
  public:
-  explicit RelaxedCaptureMode(bool cuda);
-  ~RelaxedCaptureMode();
-  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
-  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+  explicit OwnCalls(MemoryOps& memory) : memory_(memory), saved_(memory.relax_capture()) {}
+  ~OwnCalls() { memory_.restore_capture(saved_); }
+  OwnCalls(const OwnCalls&) = delete;
+  OwnCalls& operator=(const OwnCalls&) = delete;
 
  private:
-  int saved_ = -1;  // the thread's mode before, or -1: nothing to restore
+  MemoryOps& memory_;
+  int saved_;
 };
 
 // Throws Error(Usage) unless 0 <= rank < nranks.

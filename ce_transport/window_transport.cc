@@ -26,7 +26,6 @@
 #include <vector>
 
 #include "base/base.h"
-#include "ce_transport/backends.h"
 #include "ce_transport/exports.h"
 #include "ce_transport/mapping_turns.h"
 #include "ce_transport/memory_ops.h"
@@ -66,7 +65,7 @@ class WindowTransport final : public Transport {
 
   void prepare(const WindowPlan& plan, HandleBlob& out) override {
     std::lock_guard<std::mutex> lock(lifetime_);
-    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
+    const OwnCalls own_calls(*memory_);
     release_locked();  // a new plan starts from a new window and bucket 1
     faults_.at_prepare();
     memory_->use_on_any_thread();
@@ -104,7 +103,7 @@ class WindowTransport final : public Transport {
   }
 
   void attach(std::span<const HandleBlob> blobs, std::span<const SourceTable> tables) override {
-    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
+    const OwnCalls own_calls(*memory_);
     if (memory_->window_bytes() == 0) throw Error(ErrorKind::Usage, "attach before prepare");
     if (attached_) throw Error(ErrorKind::Usage, "attach called twice for one window");
     if (blobs.size() != static_cast<size_t>(nranks_))
@@ -148,8 +147,7 @@ class WindowTransport final : public Transport {
       peer_sources_ = exports::locate_peer_sources(
           rank_, bind_, zero_copy_ ? tables : std::span<const SourceTable>{}, regions,
           [&](const ExportRecord& record) {
-            if (!t_pace_mappings || memory_->backend() != Backend::Cuda)
-              return memory_->import(record);
+            if (!t_pace_mappings || !memory_->paces_mappings()) return memory_->import(record);
             exports::Span mapped;
             std::chrono::steady_clock::duration took;
             {
@@ -208,14 +206,14 @@ class WindowTransport final : public Transport {
 
   void abandon() override {
     std::lock_guard<std::mutex> lock(lifetime_);
-    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
+    const OwnCalls own_calls(*memory_);
     abandoned_.store(true);
     if (attached_) memory_->abandon(settling_bucket());
   }
 
   void release() override {
     std::lock_guard<std::mutex> lock(lifetime_);
-    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
+    const OwnCalls own_calls(*memory_);
     release_locked();
   }
 
@@ -233,7 +231,7 @@ class WindowTransport final : public Transport {
   std::string lost_peer() override {
     std::unique_lock<std::mutex> lock(lifetime_, std::try_to_lock);
     if (!lock.owns_lock() || !attached_) return {};
-    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
+    const OwnCalls own_calls(*memory_);
     for (int r = 0; r < nranks_; ++r) {
       const pid_t pid = peer_pids_[static_cast<size_t>(r)];
       if (r == rank_ || pid <= 0 || process_alive(pid)) continue;
@@ -719,12 +717,6 @@ std::unique_ptr<Transport> make_window_transport(std::unique_ptr<MemoryOps> memo
                                                  const Options::Fault& fault) {
   check_rank(rank, nranks);
   return std::make_unique<WindowTransport>(std::move(memory), rank, nranks, comm_identity, fault);
-}
-
-std::unique_ptr<Transport> make_transport(Backend backend, int rank, int nranks,
-                                          uint64_t comm_identity, int device) {
-  if (backend == Backend::Host) return make_host_transport(rank, nranks, comm_identity);
-  return make_cuda_transport(rank, nranks, comm_identity, device);
 }
 
 }  // namespace magi::ce

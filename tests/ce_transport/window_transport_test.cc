@@ -94,6 +94,7 @@ class FakeMemory final : public MemoryOps {
   Backend backend() const override { return Backend::Cuda; }
   bool synchronous() const override { return false; }
   const protocol::FlagLayout& flags() const override { return flags_; }
+  bool paces_mappings() const override { return true; }
 
   WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots) override {
     const size_t stride = round_up(std::max<size_t>(slot_bytes, 1), kLine);
