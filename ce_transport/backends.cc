@@ -13,15 +13,14 @@ namespace magi::ce {
 std::unique_ptr<Transport> make_host_transport(int rank, int nranks, uint64_t comm_identity,
                                                const Options::Fault& fault) {
   check_rank(rank, nranks);
-  return make_window_transport(make_host_memory(rank, nranks, comm_identity), rank, nranks,
-                               comm_identity, fault);
+  return make_window_transport(make_host_memory(nranks), rank, nranks, comm_identity, fault);
 }
 
 std::unique_ptr<Transport> make_cuda_transport(int rank, int nranks, uint64_t comm_identity,
                                                int device, const Options::Fault& fault) {
   check_rank(rank, nranks);
-  return make_window_transport(make_cuda_memory(rank, nranks, comm_identity, device), rank,
-                               nranks, comm_identity, fault);
+  return make_window_transport(make_cuda_memory(rank, nranks, comm_identity, device), rank, nranks,
+                               comm_identity, fault);
 }
 
 std::unique_ptr<Transport> make_transport(Backend backend, int rank, int nranks,

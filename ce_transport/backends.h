@@ -16,7 +16,7 @@ class MemoryOps;
 
 // Each kind of memory's operations (memory_ops.h). The CUDA one throws Error(System) when the
 // program has not loaded the CUDA driver (we never start CUDA ourselves).
-std::unique_ptr<MemoryOps> make_host_memory(int rank, int nranks, uint64_t comm_identity);
+std::unique_ptr<MemoryOps> make_host_memory(int nranks);
 std::unique_ptr<MemoryOps> make_cuda_memory(int rank, int nranks, uint64_t comm_identity,
                                             int device);
 

@@ -50,20 +50,13 @@
 #include "ce_transport/exports.h"
 #include "ce_transport/fd_channel.h"
 #include "ce_transport/memory_ops.h"
-#include "ce_transport/process.h"
+#include "ce_transport/window_end.h"
 
 namespace magi::ce {
 namespace {
 
 constexpr size_t kFlagLine = 256;
 constexpr size_t kAllocationGranule = size_t{2} << 20;
-// What an abandoned wait is released with. Stream waits compare cyclically ((int64_t)(word -
-// target) >= 0): the value must be far ahead of any sequence number, yet not wrap past them.
-constexpr uint64_t kReleased = uint64_t{1} << 62;
-// How long release() waits for peers to finish reading this window, and abandon() for a bucket
-// still in flight to end by itself, before giving up on them.
-constexpr auto kSettleLimit = std::chrono::seconds(10);
-constexpr auto kAbortGrace = std::chrono::seconds(1);
 
 // What the CUDA medium holds: the window's IPC handle, and the GPU's UUID (all zero where it
 // could not be read), which tells the ranks that share a GPU apart from the device number, since
@@ -346,6 +339,7 @@ CUstreamBatchMemOpParams flag_op(const FlagOp& op) {
     case FlagOp::Kind::Wait: return wait_op(op.word, op.value);
     case FlagOp::Kind::Latch: return write_half_op(op.word, false, op.value != 0 ? 1 : 0);
     case FlagOp::Kind::WaitLatch: return wait_latch_op(op.word);
+    case FlagOp::Kind::Open: return write_half_op(op.word, true, 1);
   }
   return wait_latch_op(op.word);
 }
@@ -380,25 +374,23 @@ class CudaMemoryOps final : public MemoryOps {
     if (device_ >= 0) cuda_check(cudaSetDevice(device_), "cudaSetDevice");
   }
 
-  WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots) override {
+  WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots,
+                      std::span<const uint8_t> first_flags) override {
     free_kept_for_graphs();
     stride_ = round_up(std::max<size_t>(slot_bytes, 1), kSlotAlignment);
     flags_at_ = (bound ? 1 : graph_slots ? 4 : 2) * stride_;
     flag_bytes_ = flags_.bytes_but_failed();
     bytes_ = round_up(flags_at_ + flag_bytes_, kAllocationGranule);
-    settled_at_ = kNotSettled;
     cuda_check(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking),
                "cudaStreamCreateWithFlags");
     cuda_check(cudaMallocHost(&flags_host_, flag_bytes_), "cudaMallocHost (flags)");
     if (bound) cuda_check(cudaMallocHost(&host_check_, kCheckBytes), "cudaMallocHost (check)");
     cuda_check(cudaMalloc(&base_, bytes_), "cudaMalloc (window)");
-    // Zero, but the graph slots' read latches (set: no peer owes a read yet). Copied from the
-    // pinned buffer settle() reads into later; export_window() waits for the copy.
-    std::memset(flags_host_, 0, flag_bytes_);
-    for (int slot = 0; slot < 2; ++slot)
-      for (int r = 0; r < nranks_; ++r)
-        std::memcpy(static_cast<uint8_t*>(flags_host_) + flags_.read(slot, r), &protocol::kLatchSet,
-                    sizeof(protocol::kLatchSet));
+    // Copied from the pinned buffer read_flags_now() reads into later; export_window() waits
+    // for the copy.
+    if (first_flags.size() < flag_bytes_)
+      throw Error(ErrorKind::Internal, "a window's first flags are short of its flag words");
+    std::memcpy(flags_host_, first_flags.data(), flag_bytes_);
     cuda_check(
         cudaMemcpyAsync(flag(0), flags_host_, flag_bytes_, cudaMemcpyHostToDevice, own_stream_),
         "cudaMemcpyAsync (flags)");
@@ -424,12 +416,11 @@ class CudaMemoryOps final : public MemoryOps {
     std::memcpy(medium.data(), &cuda, sizeof(cuda));
   }
 
-  void begin_attach() override {
+  void begin_attach(std::span<const pid_t> /*pids*/) override {
     use_on_any_thread();
     if (nranks_ > 1)
       MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp);  // refuse now, not on the first gather
     peers_.assign(static_cast<size_t>(nranks_), nullptr);
-    peer_pids_.assign(static_cast<size_t>(nranks_), 0);
   }
   WindowView map_peer(int rank, const protocol::BlobHeader& header, const Medium& medium) override {
     CudaMedium cuda;
@@ -438,7 +429,6 @@ class CudaMemoryOps final : public MemoryOps {
     cuda_check(cudaIpcOpenMemHandle(&mapped, cuda.handle, cudaIpcMemLazyEnablePeerAccess),
                "cudaIpcOpenMemHandle");
     uint8_t* peer = peers_[static_cast<size_t>(rank)] = static_cast<uint8_t*>(mapped);
-    peer_pids_[static_cast<size_t>(rank)] = static_cast<pid_t>(header.pid);
     size_t flags_at = flags_at_;
     if (header.zero_copy != 0) {  // its window holds its own region, then its flags (allocate)
       flags_at = round_up(std::max<size_t>(header.slot_bytes, 1), kSlotAlignment);
@@ -456,19 +446,44 @@ class CudaMemoryOps final : public MemoryOps {
   }
 
   exports::Exportable find_export(const void* ptr, size_t bytes) override {
-    exports::Exportable e = exports::find_cuda_export(ptr, bytes);
-    if (!e.ok || e.record.kind != ExportRecord::Kind::ByDescriptor) return e;
-    try {
-      offer(e);
-    } catch (const Error& error) {
-      e.ok = false;
-      e.refusal =
-          std::string("its cuMemCreate memory cannot be offered by descriptor: ") + error.what();
-    }
-    return e;
+    return exports::find_cuda_export(ptr, bytes);
   }
-  void allow_peers(std::span<const pid_t> pids) override {
-    if (server_ != nullptr) server_->allow(pids);
+  // The pieces of a cuMemCreate export: their handles retained until end_offers(), a descriptor
+  // made from them only when a peer asks (the channel's thread), so the process holds no
+  // descriptor between requests; the payload, each piece's size.
+  fd_channel::Offer descriptor_offer(const exports::Exportable& e) override {
+    fd_channel::Offer offer;
+    auto handles = std::make_shared<std::vector<CUmemGenericAllocationHandle>>();
+    for (const auto& [start, size] : e.pieces) {
+      CUmemGenericAllocationHandle h = 0;
+      cuda_check(
+          MAGI_CUDA_DRIVER_FN(cuMemRetainAllocationHandle)(&h, reinterpret_cast<void*>(start)),
+          "cuMemRetainAllocationHandle (a shard to export)");
+      retained_.push_back(h);
+      handles->push_back(h);
+      const uint64_t bytes = size;
+      offer.payload.insert(offer.payload.end(), reinterpret_cast<const uint8_t*>(&bytes),
+                           reinterpret_cast<const uint8_t*>(&bytes) + sizeof(bytes));
+    }
+    offer.count = handles->size();
+    CUcontext context = nullptr;
+    MAGI_CUDA_DRIVER_FN(cuCtxGetCurrent)(&context);
+    offer.make = [handles, context](size_t i) {
+      if (context != nullptr) MAGI_CUDA_DRIVER_FN(cuCtxSetCurrent)(context);
+      int fd = -1;
+      cuda_check(MAGI_CUDA_DRIVER_FN(cuMemExportToShareableHandle)(
+                     &fd, (*handles)[i], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                 "cuMemExportToShareableHandle");
+      return fd;
+    };
+    return offer;
+  }
+  const char* offer_refusal() const override {
+    return "its cuMemCreate memory cannot be offered by descriptor: ";
+  }
+  void end_offers() override {
+    for (CUmemGenericAllocationHandle h : retained_) MAGI_CUDA_DRIVER_FN(cuMemRelease)(h);
+    retained_.clear();
   }
   bool export_alive(uintptr_t base, size_t, uint64_t identity) override {
     return identify_buffer(Backend::Cuda, reinterpret_cast<const void*>(base)).allocation_id ==
@@ -638,23 +653,35 @@ class CudaMemoryOps final : public MemoryOps {
     return true;
   }
 
-  // A healthy abort (the program's shutdown) finds every bucket run or about to be; anything
-  // else is released at once (a dead peer) or after a short grace (a peer that stalls).
-  // A graph's latches are opened in any case: a replay may come after the eager buckets settled,
-  // and would wait on peers that no longer serve it.
-  void abandon(uint64_t last_bucket) override {
-    use_on_any_thread();
-    std::string unfinished;  // not said: an abort that finds a bucket in flight says so at release
-    if (settle(last_bucket, kAbortGrace, unfinished) == Settled::Finished) {
-      settled_at_ = last_bucket;
-      release_waits(Waits::Latches);
-    } else {
-      release_waits(Waits::All);
+  // This rank's flags, read on its own stream (never the program's, which may be the one
+  // stuck), into the pinned buffer.
+  const uint8_t* read_flags_now() override {
+    if (cudaMemcpyAsync(flags_host_, flag(0), flag_bytes_, cudaMemcpyDeviceToHost, own_stream_) !=
+            cudaSuccess ||
+        cudaStreamSynchronize(own_stream_) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
     }
+    return static_cast<const uint8_t*>(flags_host_);
   }
+  // Not mem_ops_: a call may be filling that on another thread.
+  bool run_flags_now(std::span<const FlagOp> ops) override {
+    std::vector<CUstreamBatchMemOpParams> batch;
+    for (const FlagOp& op : ops) batch.push_back(flag_op(op));
+    const CudaDriver* driver = cuda_driver();
+    if (driver == nullptr || driver->cuStreamBatchMemOp_fn == nullptr ||
+        driver->cuStreamBatchMemOp_fn(reinterpret_cast<CUstream>(own_stream_),
+                                      static_cast<unsigned>(batch.size()), batch.data(),
+                                      0) != CUDA_SUCCESS ||
+        cudaStreamSynchronize(own_stream_) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return true;
+  }
+  bool own_work_done() override { return cudaStreamSynchronize(own_stream_) == cudaSuccess; }
 
-  void release(uint64_t last_bucket, bool attached, bool abandoned) override {
-    stop_offering();
+  void release(bool settled) override {
     if (base_ == nullptr) {  // never prepared, or prepare failed part way
       if (own_stream_ != nullptr) cudaStreamDestroy(own_stream_);
       if (flags_host_ != nullptr) cudaFreeHost(flags_host_);
@@ -665,21 +692,8 @@ class CudaMemoryOps final : public MemoryOps {
       cudaGetLastError();
       return;
     }
-    use_on_any_thread();
-    Settled settled = Settled::Finished;
-    std::string unfinished;
-    if (attached && last_bucket > 0) {
-      if (abandoned) {
-        settled = settled_at_ == last_bucket ? Settled::Finished : Settled::Abandoned;
-      } else {
-        settled = settle(last_bucket, kSettleLimit, unfinished);
-      }
-    } else {
-      // Nothing was gathered: only this rank's own setup (flags, binding) may still be queued.
-      if (cudaStreamSynchronize(own_stream_) != cudaSuccess) settled = Settled::Unreadable;
-    }
     const int64_t graphs = graph_holds_ ? graph_holds_->live.load(std::memory_order_acquire) : 0;
-    if (settled == Settled::Finished && graphs > 0) {
+    if (settled && graphs > 0) {
       MAGI_INFO(Transport,
                 "window of %zu bytes kept, with its %d peer mappings and %zu mapped peer "
                 "allocations, while %lld CUDA graph(s) that read them live (of %llu captured with "
@@ -691,17 +705,9 @@ class CudaMemoryOps final : public MemoryOps {
                                    lines_copied_, peers_, imports_, identity_, rank_, flag(0),
                                    flags_, bucket_end_});
       lines_copied_ = nullptr;
-    } else if (settled == Settled::Finished) {
+    } else if (settled) {
       free_window(-1, base_, flags_host_, host_check_, nullptr, peers_, imports_);
-    } else {
-      // This rank's stream must not wait for ever on peers that will never come; freeing would
-      // wait for the whole device (see the top of this file). The process's end returns it all.
-      release_waits(Waits::All);
-      MAGI_WARN(Transport,
-                "window of %zu bytes left allocated, with its %d peer mappings and %zu mapped "
-                "peer allocations: %s",
-                bytes_, nranks_ - 1, imports_.size(), settled_name(settled, unfinished).c_str());
-    }
+    }  // else left allocated, as the transport said (window_end.h)
     // Graphs that name the order event may still be launched: it goes with what was kept for
     // them, or, where the window was left allocated, with the process.
     if (graphs > 0) bucket_end_ = nullptr;
@@ -712,7 +718,6 @@ class CudaMemoryOps final : public MemoryOps {
     flags_host_ = nullptr;
     host_check_ = nullptr;
     peers_.clear();
-    peer_pids_.clear();
     imports_.clear();
     if (lines_copied_ != nullptr) cudaEventDestroy(lines_copied_);  // freed once it has passed
     lines_copied_ = nullptr;
@@ -769,121 +774,8 @@ class CudaMemoryOps final : public MemoryOps {
     return device;
   }
 
-  // Offers the pieces of a cuMemCreate export on this window's descriptor channel (started at
-  // the first), and writes where to ask into its record. The pieces' handles are retained until
-  // release: a descriptor is made from them only when a peer asks (the channel's thread), so
-  // the process holds no descriptor between requests. Once per range a plan exports.
-  void offer(exports::Exportable& e) {
-    const std::pair<uintptr_t, uint64_t> range{e.base, e.record.bytes};
-    auto known = offered_.find(range);
-    if (known == offered_.end()) {
-      if (server_ == nullptr) server_ = fd_channel::Server::start(identity_, rank_);
-      fd_channel::Offer offer;
-      auto handles = std::make_shared<std::vector<CUmemGenericAllocationHandle>>();
-      for (const auto& [start, size] : e.pieces) {
-        CUmemGenericAllocationHandle h = 0;
-        cuda_check(
-            MAGI_CUDA_DRIVER_FN(cuMemRetainAllocationHandle)(&h, reinterpret_cast<void*>(start)),
-            "cuMemRetainAllocationHandle (a shard to export)");
-        retained_.push_back(h);
-        handles->push_back(h);
-        const uint64_t bytes = size;
-        offer.payload.insert(offer.payload.end(), reinterpret_cast<const uint8_t*>(&bytes),
-                             reinterpret_cast<const uint8_t*>(&bytes) + sizeof(bytes));
-      }
-      offer.count = handles->size();
-      CUcontext context = nullptr;
-      MAGI_CUDA_DRIVER_FN(cuCtxGetCurrent)(&context);
-      offer.make = [handles, context](size_t i) {
-        if (context != nullptr) MAGI_CUDA_DRIVER_FN(cuCtxSetCurrent)(context);
-        int fd = -1;
-        cuda_check(MAGI_CUDA_DRIVER_FN(cuMemExportToShareableHandle)(
-                       &fd, (*handles)[i], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                   "cuMemExportToShareableHandle");
-        return fd;
-      };
-      known = offered_.emplace(range, server_->offer(std::move(offer))).first;
-    }
-    exports::set_descriptor_source(e.record, server_->address(), known->second);
-  }
-  // The channel stops before the handles go: no descriptor is made from a released handle.
-  void stop_offering() {
-    if (server_ != nullptr) server_->stop();
-    server_.reset();
-    for (CUmemGenericAllocationHandle h : retained_) MAGI_CUDA_DRIVER_FN(cuMemRelease)(h);
-    retained_.clear();
-    offered_.clear();
-  }
   // A flag word of this rank's window, by its offset from the flags' start (flags_).
   uint8_t* flag(size_t offset) const { return static_cast<uint8_t*>(base_) + flags_at_ + offset; }
-
-  // Why a window could not be freed; `ranks` names the peers concerned, where there are any.
-  enum class Settled : uint8_t {
-    Finished,
-    PeerDied,
-    OwnStreamBehind,
-    PeersBehind,
-    Abandoned,
-    Unreadable
-  };
-  static std::string settled_name(Settled s, const std::string& ranks) {
-    switch (s) {
-      case Settled::Finished: return "finished";
-      case Settled::PeerDied: return "rank " + ranks + " died before it finished reading it";
-      case Settled::OwnStreamBehind:
-        return "this rank's stream had not run its last moved gather within " +
-               std::to_string(kSettleLimit.count()) + " s (work queued before it" +
-               (ranks.empty() ? std::string(")") : ", or a wait on rank(s) " + ranks + ")");
-      case Settled::PeersBehind:
-        return "rank(s) " + ranks + " had not finished reading it within " +
-               std::to_string(kSettleLimit.count()) + " s";
-      case Settled::Abandoned: return "the communicator was aborted with a bucket in flight";
-      case Settled::Unreadable: return "its flags could not be read";
-    }
-    return "?";
-  }
-
-  // This rank's flag words as they are now, read on its own stream (never the program's, which
-  // may be the one stuck).
-  bool read_flags() {
-    if (cudaMemcpyAsync(flags_host_, flag(0), flag_bytes_, cudaMemcpyDeviceToHost, own_stream_) !=
-            cudaSuccess ||
-        cudaStreamSynchronize(own_stream_) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return true;
-  }
-  uint64_t read_word(size_t offset) const {
-    uint64_t v = 0;
-    std::memcpy(&v, static_cast<const uint8_t*>(flags_host_) + offset, sizeof(v));
-    return v;
-  }
-
-  // Waits up to `limit` until buckets 1..target have run here and every peer has finished
-  // reading this window. A peer whose process ended before finishing died mid-run: this rank
-  // gives up on it at once (NCCL's kernels may be stuck on it too, and freeing would then hang).
-  // `ranks` gets the peers that had not finished, for the warning.
-  Settled settle(uint64_t target, std::chrono::steady_clock::duration limit, std::string& ranks) {
-    const auto deadline = std::chrono::steady_clock::now() + limit;
-    for (;;) {
-      if (!read_flags()) return Settled::Unreadable;
-      const bool own_done = read_word(flags_.own()) >= target;
-      ranks.clear();
-      for (int r = 0; r < nranks_; ++r) {
-        if (r == rank_ || read_word(flags_.done(r)) >= target) continue;
-        if (!process_alive(peer_pids_[static_cast<size_t>(r)])) {
-          ranks = std::to_string(r);
-          return Settled::PeerDied;
-        }
-        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-      }
-      if (own_done && ranks.empty()) return Settled::Finished;
-      if (std::chrono::steady_clock::now() >= deadline)
-        return own_done ? Settled::PeersBehind : Settled::OwnStreamBehind;
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-  }
 
   // `device` >= 0: made current first (a window kept for graphs, freed from any thread).
   static void free_window(int device, void* base, void* flags_host, void* host_check,
@@ -930,36 +822,6 @@ class CudaMemoryOps final : public MemoryOps {
     cudaGetLastError();
   }
 
-  // Every wait of this rank, queued or to come, passes: its own window's ready and done words
-  // (Waits::All), and its graph slots' latches, for every replay to come. Not mem_ops_: a call
-  // may be filling that on another thread.
-  enum class Waits : uint8_t { All, Latches };
-  void release_waits(Waits which) {
-    std::vector<CUstreamBatchMemOpParams> ops;
-    for (int r = 0; r < nranks_; ++r) {
-      if (r == rank_) continue;
-      if (which == Waits::All) {
-        ops.push_back(write_op(flag(flags_.ready(r)), kReleased));
-        ops.push_back(write_op(flag(flags_.done(r)), kReleased));
-      }
-      for (int slot = 0; slot < 2; ++slot) {
-        ops.push_back(write_half_op(flag(flags_.staged(slot, r)), true, 1));
-        ops.push_back(write_half_op(flag(flags_.read(slot, r)), true, 1));
-      }
-    }
-    if (ops.empty()) return;
-    const CudaDriver* driver = cuda_driver();
-    if (driver == nullptr || driver->cuStreamBatchMemOp_fn == nullptr ||
-        driver->cuStreamBatchMemOp_fn(reinterpret_cast<CUstream>(own_stream_),
-                                      static_cast<unsigned>(ops.size()), ops.data(),
-                                      0) != CUDA_SUCCESS ||
-        cudaStreamSynchronize(own_stream_) != cudaSuccess) {
-      cudaGetLastError();
-      MAGI_WARN(Transport,
-                "could not release this rank's waits on its peers; its stream may stay blocked");
-    }
-  }
-
   const int rank_;
   const int nranks_;
   const uint64_t identity_;
@@ -979,15 +841,9 @@ class CudaMemoryOps final : public MemoryOps {
   void* last_bucket_stream_ = nullptr;
   std::array<uint8_t, 16> gpu_{};  // this rank's GPU (export_window)
   std::vector<uint8_t*> peers_;
-  std::vector<pid_t> peer_pids_;
   std::vector<uint8_t*> imports_;  // opened through ImportedAllocations
-  // cuMemCreate exports: the channel that hands their descriptors, the handles it makes them
-  // from, and each range's offer.
-  std::unique_ptr<fd_channel::Server> server_;
+  // cuMemCreate exports: the handles their offers make descriptors from (descriptor_offer).
   std::vector<CUmemGenericAllocationHandle> retained_;
-  std::map<std::pair<uintptr_t, uint64_t>, uint32_t> offered_;
-  static constexpr uint64_t kNotSettled = ~uint64_t{0};
-  uint64_t settled_at_ = kNotSettled;  // abandon() found buckets 1..settled_at_ all finished
   std::vector<void*> dsts_;
   std::vector<const void*> srcs_;
   std::vector<size_t> sizes_;
@@ -1006,18 +862,14 @@ void abandon_graphs(uint64_t comm_identity) noexcept {
   std::vector<CUstreamBatchMemOpParams> ops;
   int device = -1;
   size_t windows = 0;
+  std::vector<FlagOp> opens;
   for (const KeptForGraphs& k : kept_for_graphs()) {
     if (k.identity != comm_identity || k.flags == nullptr) continue;
     device = k.device;
     ++windows;
-    for (int r = 0; r < k.layout.nranks; ++r) {
-      if (r == k.rank) continue;
-      for (int slot = 0; slot < 2; ++slot) {
-        ops.push_back(write_half_op(k.flags + k.layout.staged(slot, r), true, 1));
-        ops.push_back(write_half_op(k.flags + k.layout.read(slot, r), true, 1));
-      }
-    }
+    add_wait_releases(opens, k.layout, k.rank, k.flags, false);
   }
+  for (const FlagOp& op : opens) ops.push_back(flag_op(op));
   if (ops.empty()) return;
   const RelaxedCaptureMode own_calls;
   int saved = -1;
