@@ -1,8 +1,10 @@
 // Device memory for the window transport (memory_ops.h): windows shared through CUDA IPC,
-// copy-engine reads (cudaMemcpyBatchAsync) on the caller's stream, and the flag words written
-// and waited for by stream memory operations (cuStreamBatchMemOp write/wait of 64-bit sequence
-// numbers). Everything is enqueued on the caller's stream: the host never waits, no kernel is
-// launched, no SM is used.
+// copy-engine reads (cudaMemcpyBatchAsync: cuda_copies.cc) on the caller's stream, and the flag
+// words written and waited for by stream memory operations (cuda_stream_ops.cc). Everything is
+// enqueued on the caller's stream: the host never waits, no kernel is launched, no SM is used.
+// The peers' exported allocations are mapped in cuda_imports.cc, windows that graphs still read
+// kept in cuda_graphs.cc; which words a step writes, and when a window may be freed, is the
+// transport's (window_transport.cc, window_end.h): this file only executes.
 //
 // Why the window is cudaMalloc + CUDA IPC handles rather than VMM with POSIX file descriptors: an
 // fd reaches another process only over a Unix socket (or pidfd_getfd, which needs ptrace
@@ -21,11 +23,7 @@
 //
 // Flags (protocol.h's FlagLayout, on 256-byte lines): the ready and done words of every peer, the
 // own word and the graph slots' latches; never the failed ones, which only synchronous memory
-// can act on. Measured on an
-// H200 (2026-11): a peer's mapping stays readable after the peer dies, and cudaFree,
-// cudaIpcCloseMemHandle and even cudaMalloc block while any stream of the device waits on a word
-// that nobody will write: a window is freed only once every peer has said it finished reading it
-// (release), and an abort first releases this rank's waits by writing its own words.
+// can act on. A window is freed only once it has settled (window_end.h says why).
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <unistd.h>
@@ -46,11 +44,11 @@
 #include "base/base.h"
 #include "base/cuda_driver.h"
 #include "ce_transport/backends.h"
+#include "ce_transport/cuda_memory.h"
 #include "ce_transport/cuda_thread.h"
 #include "ce_transport/exports.h"
 #include "ce_transport/fd_channel.h"
 #include "ce_transport/memory_ops.h"
-#include "ce_transport/window_end.h"
 
 namespace magi::ce {
 namespace {
@@ -95,253 +93,6 @@ void check_bindable(const Copy& shard) {
   const auto at = reinterpret_cast<CUdeviceptr>(shard.src);
   if (range(&base, &size, at) != CUDA_SUCCESS || at + shard.bytes > base + size)
     throw Error(ErrorKind::System, "binding a shard: its send buffer is no longer allocated");
-}
-
-// A peer's cuMemCreate pieces, imported from their descriptors and mapped one after the other
-// into one reserved range, so its shards read as they do at the owner. The mapping holds the
-// memory: the imported handles are released once mapped; unmapped and freed by unmap().
-struct PieceMapping {
-  CUdeviceptr base = 0;
-  size_t bytes = 0;
-  std::vector<size_t> pieces;  // mapped, in order
-  void unmap() {
-    size_t at = 0;
-    for (size_t size : pieces) {
-      MAGI_CUDA_DRIVER_FN(cuMemUnmap)(base + at, size);
-      at += size;
-    }
-    if (base != 0) MAGI_CUDA_DRIVER_FN(cuMemAddressFree)(base, bytes);
-    pieces.clear();
-    base = 0;
-  }
-};
-
-PieceMapping map_by_descriptor(const ExportRecord& record, int device) {
-  const fd_channel::Address where = exports::descriptor_source(record);
-  std::vector<CUmemGenericAllocationHandle> handles;
-  PieceMapping m;
-  auto release_handles = [&] {
-    for (CUmemGenericAllocationHandle h : handles) MAGI_CUDA_DRIVER_FN(cuMemRelease)(h);
-    handles.clear();
-  };
-  try {
-    const std::vector<uint8_t> payload =
-        fd_channel::fetch(where, record.index, [&](size_t, int fd) {
-          CUmemGenericAllocationHandle h = 0;
-          const CUresult imported = MAGI_CUDA_DRIVER_FN(cuMemImportFromShareableHandle)(
-              &h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
-              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-          ::close(fd);
-          cuda_check(imported, "cuMemImportFromShareableHandle (a peer's cuMemCreate shards)");
-          handles.push_back(h);
-        });
-    std::vector<uint64_t> sizes(payload.size() / sizeof(uint64_t));
-    std::memcpy(sizes.data(), payload.data(), sizes.size() * sizeof(uint64_t));
-    uint64_t total = 0;
-    for (uint64_t size : sizes) total += size;
-    if (handles.empty() || sizes.size() != handles.size() || total != record.bytes)
-      throw Error(ErrorKind::Usage, "a peer's cuMemCreate export came as " +
-                                        std::to_string(handles.size()) + " pieces of " +
-                                        std::to_string(total) + " bytes, not its record's " +
-                                        std::to_string(record.bytes));
-    CUmemAllocationProp prop{};
-    cuda_check(MAGI_CUDA_DRIVER_FN(cuMemGetAllocationPropertiesFromHandle)(&prop, handles[0]),
-               "cuMemGetAllocationPropertiesFromHandle (a peer's piece)");
-    size_t granularity = 0;
-    cuda_check(MAGI_CUDA_DRIVER_FN(cuMemGetAllocationGranularity)(&granularity, &prop,
-                                                                  CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-               "cuMemGetAllocationGranularity");
-    cuda_check(MAGI_CUDA_DRIVER_FN(cuMemAddressReserve)(&m.base, record.bytes, granularity, 0, 0),
-               "cuMemAddressReserve (a peer's cuMemCreate shards)");
-    m.bytes = record.bytes;
-    size_t at = 0;
-    for (size_t i = 0; i < handles.size(); ++i) {
-      cuda_check(MAGI_CUDA_DRIVER_FN(cuMemMap)(m.base + at, sizes[i], 0, handles[i], 0),
-                 "cuMemMap (a peer's cuMemCreate piece)");
-      m.pieces.push_back(sizes[i]);
-      at += sizes[i];
-    }
-    CUmemAccessDesc access{};
-    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    access.location.id = device;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    cuda_check(MAGI_CUDA_DRIVER_FN(cuMemSetAccess)(m.base, m.bytes, &access, 1),
-               "cuMemSetAccess (a peer's cuMemCreate shards)");
-    release_handles();  // the mappings hold the memory
-    return m;
-  } catch (...) {
-    m.unmap();
-    release_handles();
-    throw;
-  }
-}
-
-// The peers' exported allocations this process has mapped. Process-wide: CUDA maps a handle at
-// most once per process ("already mapped" the second time), and two communicators may read the
-// same peer allocation. Counted; unmapped when the last reader lets go. An export by descriptor
-// is fetched and mapped outside the lock (a peer's channel may take its time); two readers that
-// raced map it twice and one mapping goes, which VMM allows (legacy IPC would not).
-class ImportedAllocations {
- public:
-  static ImportedAllocations& get() {
-    static ImportedAllocations* imports = new ImportedAllocations;  // outlives atexit handlers
-    return *imports;
-  }
-  uint8_t* open(const ExportRecord& record, int device) {
-    Key key{};
-    std::memcpy(key.data(), record.handle, sizeof(record.handle));
-    std::memcpy(key.data() + sizeof(record.handle), &record.index, sizeof(record.index));
-    key.back() = static_cast<uint8_t>(record.kind);
-    std::unique_lock<std::mutex> lock(mutex_);
-    auto it = open_.find(key);
-    if (it != open_.end()) {
-      ++it->second.readers;
-      return it->second.base;
-    }
-    if (record.kind == ExportRecord::Kind::ByDescriptor) {
-      lock.unlock();
-      PieceMapping mapped = map_by_descriptor(record, device);
-      lock.lock();
-      it = open_.find(key);
-      if (it != open_.end()) {
-        mapped.unmap();
-        ++it->second.readers;
-        return it->second.base;
-      }
-      auto* base = reinterpret_cast<uint8_t*>(mapped.base);
-      open_.emplace(key, Entry{base, 1, std::move(mapped)});
-      return base;
-    }
-    cudaIpcMemHandle_t handle{};
-    std::memcpy(&handle, record.handle, sizeof(handle));
-    void* mapped = nullptr;
-    cuda_check(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess),
-               "cudaIpcOpenMemHandle (a peer's exported shards)");
-    open_.emplace(key, Entry{static_cast<uint8_t*>(mapped), 1, {}});
-    return static_cast<uint8_t*>(mapped);
-  }
-  void close(uint8_t* base) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto it = open_.begin(); it != open_.end(); ++it) {
-      if (it->second.base != base) continue;
-      if (--it->second.readers == 0) {
-        if (it->second.pieces.base != 0) {
-          it->second.pieces.unmap();
-        } else {
-          cudaIpcCloseMemHandle(base);
-          cudaGetLastError();
-        }
-        open_.erase(it);
-      }
-      return;
-    }
-  }
-
- private:
-  // The handle, the index and the kind.
-  using Key = std::array<uint8_t, sizeof(ExportRecord::handle) + sizeof(uint32_t) + 1>;
-  struct Entry {
-    uint8_t* base;
-    size_t readers;
-    PieceMapping pieces;  // by descriptor; empty for legacy IPC
-  };
-  std::mutex mutex_;
-  std::map<Key, Entry> open_;
-};
-
-// ---- windows read by captured CUDA graphs ----
-// A graph captured with moved gathers (Timing::Captured) holds one user object per capture; its
-// destructor runs on a CUDA thread once the graph and every instance of it are destroyed (and
-// their launches have run), and may make no CUDA call: it only counts down. A window released
-// while the count is above zero keeps its memory and mappings in KeptForGraphs, freed by a later
-// release or allocate (any communicator's) once the count is zero, or by the process's end.
-struct GraphHolds {
-  std::atomic<int64_t> live{0};
-};
-
-void CUDART_CB drop_graph_hold(void* held) {
-  auto* holds = static_cast<std::shared_ptr<GraphHolds>*>(held);
-  (*holds)->live.fetch_sub(1, std::memory_order_acq_rel);
-  delete holds;
-}
-
-struct KeptForGraphs {
-  std::shared_ptr<GraphHolds> holds;
-  int device = -1;
-  void* base = nullptr;
-  void* flags_host = nullptr;
-  void* host_check = nullptr;
-  cudaEvent_t lines_copied = nullptr;
-  std::vector<uint8_t*> peers;
-  std::vector<uint8_t*> imports;
-  // Whose window it is, and where its flag words lie: an abort of that communicator opens its
-  // graph slots' latches (abandon_graphs).
-  uint64_t identity = 0;
-  int rank = -1;
-  uint8_t* flags = nullptr;
-  protocol::FlagLayout layout{};
-  cudaEvent_t bucket_end = nullptr;  // named by the graphs' event nodes (bucket order)
-};
-
-// Never destroyed: a CUDA thread may still count down while the process exits.
-std::mutex& kept_mutex() {
-  static auto* mutex = new std::mutex;
-  return *mutex;
-}
-std::vector<KeptForGraphs>& kept_for_graphs() {
-  static auto* kept = new std::vector<KeptForGraphs>;
-  return *kept;
-}
-
-CUstreamBatchMemOpParams write_op(const uint8_t* address, uint64_t value) {
-  CUstreamBatchMemOpParams op{};
-  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-  op.writeValue.address = reinterpret_cast<CUdeviceptr>(address);
-  op.writeValue.value64 = value;
-  // With the memory barrier that precedes it by default (a batch refuses the flag that drops it).
-  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-  return op;
-}
-
-CUstreamBatchMemOpParams wait_op(const uint8_t* address, uint64_t at_least) {
-  CUstreamBatchMemOpParams op{};
-  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-  op.waitValue.address = reinterpret_cast<CUdeviceptr>(address);
-  op.waitValue.value64 = at_least;
-  op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-  return op;
-}
-
-// A latch's half (protocol.h): the low one by the handshake, the high one by an abort. The
-// words are little-endian on every device CUDA runs on.
-CUstreamBatchMemOpParams write_half_op(const uint8_t* latch, bool high, uint32_t value) {
-  CUstreamBatchMemOpParams op{};
-  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
-  op.writeValue.address = reinterpret_cast<CUdeviceptr>(latch + (high ? 4 : 0));
-  op.writeValue.value = value;
-  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-  return op;
-}
-
-// Until the latch is set or aborted: (word & kLatchOpen) != 0.
-CUstreamBatchMemOpParams wait_latch_op(const uint8_t* latch) {
-  CUstreamBatchMemOpParams op{};
-  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-  op.waitValue.address = reinterpret_cast<CUdeviceptr>(latch);
-  op.waitValue.value64 = protocol::kLatchOpen;
-  op.waitValue.flags = CU_STREAM_WAIT_VALUE_AND;
-  return op;
-}
-
-CUstreamBatchMemOpParams flag_op(const FlagOp& op) {
-  switch (op.kind) {
-    case FlagOp::Kind::Write: return write_op(op.word, op.value);
-    case FlagOp::Kind::Wait: return wait_op(op.word, op.value);
-    case FlagOp::Kind::Latch: return write_half_op(op.word, false, op.value != 0 ? 1 : 0);
-    case FlagOp::Kind::WaitLatch: return wait_latch_op(op.word);
-    case FlagOp::Kind::Open: return write_half_op(op.word, true, 1);
-  }
-  return wait_latch_op(op.word);
 }
 
 class CudaMemoryOps final : public MemoryOps {
@@ -491,54 +242,16 @@ class CudaMemoryOps final : public MemoryOps {
   }
   // Mapped once per process (ImportedAllocations).
   exports::Span import(const ExportRecord& record) override {
-    imports_.push_back(ImportedAllocations::get().open(record, current_device()));
+    imports_.push_back(open_imported(record, current_device()));
     return {imports_.back(), record.bytes};
   }
   size_t imports() const override { return imports_.size(); }
 
-  // One cudaMemcpyBatchAsync: the driver spreads the copies over the copy engines. The legacy
-  // default stream does not take batches; there each copy goes on its own.
-  void copy_batch(std::span<const Copy> copies, void* stream_handle) override {
-    const auto stream = static_cast<cudaStream_t>(stream_handle);
-    if (copies.empty()) return;
-    if (stream == nullptr || stream == cudaStreamLegacy) {
-      for (const Copy& c : copies)
-        cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream),
-                   "cudaMemcpyAsync");
-      return;
-    }
-    dsts_.clear();
-    srcs_.clear();
-    sizes_.clear();
-    for (const Copy& c : copies) {
-      dsts_.push_back(c.dst);
-      srcs_.push_back(c.src);
-      sizes_.push_back(c.bytes);
-    }
-    cudaMemcpyAttributes attributes{};
-    attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-    attributes.srcLocHint.type = cudaMemLocationTypeDevice;
-    attributes.srcLocHint.id = device_ < 0 ? 0 : device_;
-    attributes.dstLocHint = attributes.srcLocHint;
-    size_t first = 0;
-    const cudaError_t batched = cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(),
-                                                     copies.size(), &attributes, &first, 1, stream);
-    if (batched == cudaSuccess) return;
-    // The peers are already waiting on this bucket's flags: a refused batch (not a broken
-    // context) is retried copy by copy rather than leaving them without their bytes.
-    cudaGetLastError();
-    MAGI_WARN(Transport, "cudaMemcpyBatchAsync refused a bucket (%s); copying one by one",
-              cudaGetErrorName(batched));
-    for (const Copy& c : copies)
-      cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream),
-                 "cudaMemcpyAsync");
+  void copy_batch(std::span<const Copy> copies, void* stream) override {
+    copy_batch_on(copies, static_cast<cudaStream_t>(stream), device_, batch_);
   }
   void copy_captured(std::span<const Copy> copies, void* stream) override {
-    for (const Copy& c : copies)
-      cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault,
-                                 static_cast<cudaStream_t>(stream)),
-                 "cudaMemcpyAsync (captured)");
+    copy_each(copies, static_cast<cudaStream_t>(stream), "cudaMemcpyAsync (captured)");
   }
   // Once per capture: a graph holds the window from its first moved gather on.
   void hold_for_graph(void* stream) override {
@@ -605,7 +318,7 @@ class CudaMemoryOps final : public MemoryOps {
   void run_flags(std::span<const FlagOp> ops, void* stream) override {
     if (ops.empty()) return;
     mem_ops_.clear();
-    for (const FlagOp& op : ops) mem_ops_.push_back(flag_op(op));
+    for (const FlagOp& op : ops) mem_ops_.push_back(stream_flag_op(op));
     cuda_check(MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp)(reinterpret_cast<CUstream>(stream),
                                                        static_cast<unsigned>(mem_ops_.size()),
                                                        mem_ops_.data(), 0),
@@ -624,21 +337,8 @@ class CudaMemoryOps final : public MemoryOps {
   }
 
   uint8_t* check_buffer() override { return static_cast<uint8_t*>(host_check_); }
-  // The lines of `set` from `from` into `into`, packed: the full lines in one strided copy (one
-  // copy-engine operation), a short last line in a second. The source pitch, S, is about B / 256
-  // (B >= 64 KiB): under the devices' maximum pitch (cudaDevAttrMaxPitch, 2^31 - 1 on current
-  // GPUs) for any shard that fits in one.
-  void copy_lines(uint8_t* into, const uint8_t* from, const SampleSet& set,
-                  void* stream_handle) override {
-    const auto stream = static_cast<cudaStream_t>(stream_handle);
-    if (set.rows != 0)
-      cuda_check(cudaMemcpy2DAsync(into, SampleSet::kLine, from + set.first, set.stride,
-                                   SampleSet::kLine, set.rows, cudaMemcpyDefault, stream),
-                 "cudaMemcpy2DAsync (verify)");
-    if (set.tail_bytes != 0)
-      cuda_check(cudaMemcpyAsync(into + set.rows * SampleSet::kLine, from + set.offset(set.rows),
-                                 set.tail_bytes, cudaMemcpyDefault, stream),
-                 "cudaMemcpyAsync (verify)");
+  void copy_lines(uint8_t* into, const uint8_t* from, const SampleSet& set, void* stream) override {
+    copy_lines_on(into, from, set, static_cast<cudaStream_t>(stream));
   }
   void mark_lines(void* stream) override {
     record(lines_copied_, stream, "cudaEventRecord (verify)");
@@ -667,7 +367,7 @@ class CudaMemoryOps final : public MemoryOps {
   // Not mem_ops_: a call may be filling that on another thread.
   bool run_flags_now(std::span<const FlagOp> ops) override {
     std::vector<CUstreamBatchMemOpParams> batch;
-    for (const FlagOp& op : ops) batch.push_back(flag_op(op));
+    for (const FlagOp& op : ops) batch.push_back(stream_flag_op(op));
     const CudaDriver* driver = cuda_driver();
     if (driver == nullptr || driver->cuStreamBatchMemOp_fn == nullptr ||
         driver->cuStreamBatchMemOp_fn(reinterpret_cast<CUstream>(own_stream_),
@@ -700,10 +400,9 @@ class CudaMemoryOps final : public MemoryOps {
                 "it); freed once they are destroyed",
                 bytes_, nranks_ - 1, imports_.size(), static_cast<long long>(graphs),
                 static_cast<unsigned long long>(graphs_held_));
-      std::lock_guard<std::mutex> lock(kept_mutex());
-      kept_for_graphs().push_back({graph_holds_, current_device(), base_, flags_host_, host_check_,
-                                   lines_copied_, peers_, imports_, identity_, rank_, flag(0),
-                                   flags_, bucket_end_});
+      keep_for_graphs({graph_holds_, current_device(), base_, flags_host_, host_check_,
+                       lines_copied_, peers_, imports_, identity_, rank_, flag(0), flags_,
+                       bucket_end_});
       lines_copied_ = nullptr;
     } else if (settled) {
       free_window(-1, base_, flags_host_, host_check_, nullptr, peers_, imports_);
@@ -734,8 +433,8 @@ class CudaMemoryOps final : public MemoryOps {
  private:
   uint8_t* region() const { return static_cast<uint8_t*>(base_); }
   // One word between host and a window, through the pinned flags buffer's line of the left word
-  // (settle() reads that buffer whole later; prepare, release, abandon and lost_peer() come one
-  // at a time: window_transport.cc's lifetime_). It may run on a thread of the program's (its
+  // (read_flags_now() reads that buffer whole later; prepare, release, abandon and lost_peer() come
+  // one at a time: window_transport.cc's lifetime_). It may run on a thread of the program's (its
   // watchdog's, for lost_peer()): the copy is waited for a second at most, by polling, never
   // with a call that could wait on the device's other streams.
   void copy_word_now(void* dst, const void* src, cudaMemcpyKind kind) {
@@ -777,51 +476,6 @@ class CudaMemoryOps final : public MemoryOps {
   // A flag word of this rank's window, by its offset from the flags' start (flags_).
   uint8_t* flag(size_t offset) const { return static_cast<uint8_t*>(base_) + flags_at_ + offset; }
 
-  // `device` >= 0: made current first (a window kept for graphs, freed from any thread).
-  static void free_window(int device, void* base, void* flags_host, void* host_check,
-                          cudaEvent_t lines_copied, const std::vector<uint8_t*>& peers,
-                          const std::vector<uint8_t*>& imports) {
-    if (device >= 0) cudaSetDevice(device);
-    for (uint8_t* p : peers)
-      if (p != nullptr) cudaIpcCloseMemHandle(p);
-    for (uint8_t* p : imports) ImportedAllocations::get().close(p);
-    cudaFree(base);
-    cudaFreeHost(flags_host);
-    if (host_check != nullptr) cudaFreeHost(host_check);
-    if (lines_copied != nullptr) cudaEventDestroy(lines_copied);
-    cudaGetLastError();
-  }
-
-  // What earlier releases kept for graphs now destroyed (KeptForGraphs).
-  static void free_kept_for_graphs() {
-    std::vector<KeptForGraphs> free;
-    {
-      std::lock_guard<std::mutex> lock(kept_mutex());
-      auto& kept = kept_for_graphs();
-      for (auto it = kept.begin(); it != kept.end();) {
-        if (it->holds->live.load(std::memory_order_acquire) > 0) {
-          ++it;
-          continue;
-        }
-        free.push_back(std::move(*it));
-        it = kept.erase(it);
-      }
-    }
-    if (free.empty()) return;
-    int device = -1;  // the thread's, given back after (another device's window may be freed)
-    if (cudaGetDevice(&device) != cudaSuccess) device = -1;
-    for (const KeptForGraphs& k : free) {
-      free_window(k.device, k.base, k.flags_host, k.host_check, k.lines_copied, k.peers, k.imports);
-      if (k.bucket_end != nullptr) cudaEventDestroy(k.bucket_end);
-      MAGI_INFO(Transport,
-                "a window of %zu peer mappings kept for CUDA graphs was freed: those graphs are "
-                "all destroyed",
-                k.peers.size() + k.imports.size());
-    }
-    if (device >= 0) cudaSetDevice(device);
-    cudaGetLastError();
-  }
-
   const int rank_;
   const int nranks_;
   const uint64_t identity_;
@@ -833,7 +487,7 @@ class CudaMemoryOps final : public MemoryOps {
   size_t flags_at_ = 0;  // offset of the flag words in the allocation
   size_t flag_bytes_ = 0;
   cudaStream_t own_stream_ = nullptr;
-  void* flags_host_ = nullptr;  // pinned: this rank's flags, read back by settle()
+  void* flags_host_ = nullptr;  // pinned: this rank's flags, read back by read_flags_now()
   void* host_check_ = nullptr;  // bound: kCheckBytes, pinned
   cudaEvent_t lines_copied_ = nullptr;
   cudaEvent_t bucket_end_ = nullptr;  // recorded at each staged bucket's end (end_bucket)
@@ -841,12 +495,10 @@ class CudaMemoryOps final : public MemoryOps {
   void* last_bucket_stream_ = nullptr;
   std::array<uint8_t, 16> gpu_{};  // this rank's GPU (export_window)
   std::vector<uint8_t*> peers_;
-  std::vector<uint8_t*> imports_;  // opened through ImportedAllocations
+  std::vector<uint8_t*> imports_;  // opened through open_imported (cuda_imports.cc)
   // cuMemCreate exports: the handles their offers make descriptors from (descriptor_offer).
   std::vector<CUmemGenericAllocationHandle> retained_;
-  std::vector<void*> dsts_;
-  std::vector<const void*> srcs_;
-  std::vector<size_t> sizes_;
+  CopyBatch batch_;  // a bucket's copies, kept for their room
   std::vector<CUstreamBatchMemOpParams> mem_ops_;
   // Graphs captured with this window's gathers (hold_for_graph): their count, the last capture
   // that took a hold, and how many did.
@@ -856,47 +508,6 @@ class CudaMemoryOps final : public MemoryOps {
 };
 
 }  // namespace
-
-void abandon_graphs(uint64_t comm_identity) noexcept {
-  std::lock_guard<std::mutex> lock(kept_mutex());  // no window listed is freed meanwhile
-  std::vector<CUstreamBatchMemOpParams> ops;
-  int device = -1;
-  size_t windows = 0;
-  std::vector<FlagOp> opens;
-  for (const KeptForGraphs& k : kept_for_graphs()) {
-    if (k.identity != comm_identity || k.flags == nullptr) continue;
-    device = k.device;
-    ++windows;
-    add_wait_releases(opens, k.layout, k.rank, k.flags, false);
-  }
-  for (const FlagOp& op : opens) ops.push_back(flag_op(op));
-  if (ops.empty()) return;
-  const RelaxedCaptureMode own_calls;
-  int saved = -1;
-  if (cudaGetDevice(&saved) != cudaSuccess) saved = -1;
-  cudaStream_t stream = nullptr;
-  const CudaDriver* driver = cuda_driver();
-  const bool opened = device >= 0 && cudaSetDevice(device) == cudaSuccess &&
-                      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
-                      driver != nullptr && driver->cuStreamBatchMemOp_fn != nullptr &&
-                      driver->cuStreamBatchMemOp_fn(reinterpret_cast<CUstream>(stream),
-                                                    static_cast<unsigned>(ops.size()), ops.data(),
-                                                    0) == CUDA_SUCCESS &&
-                      cudaStreamSynchronize(stream) == cudaSuccess;
-  if (stream != nullptr) cudaStreamDestroy(stream);
-  if (saved >= 0) cudaSetDevice(saved);
-  cudaGetLastError();
-  if (opened)
-    MAGI_INFO(Transport,
-              "comm %012llx: aborted: the graph latches of %zu window(s) kept for CUDA graphs "
-              "are open, so no replay of those graphs waits on a peer",
-              short_id(comm_identity), windows);
-  else
-    MAGI_WARN(Transport,
-              "comm %012llx: aborted, but the graph latches of %zu window(s) kept for CUDA "
-              "graphs could not be opened; a replay of those graphs may wait on its peers",
-              short_id(comm_identity), windows);
-}
 
 std::unique_ptr<MemoryOps> make_cuda_memory(int rank, int nranks, uint64_t comm_identity,
                                             int device) {
