@@ -13,6 +13,8 @@
 #include <string_view>
 #include <vector>
 
+#include "base/backend.h"
+
 namespace magi {
 
 // FaultSpec is MAGI_INJECT_FAULT's PLACE:RANK.
@@ -66,7 +68,7 @@ struct Options {
   std::string nccl_library;
   enum class Transport : uint8_t { CopyEngine, Nccl };
   Transport transport{};
-  enum class Backend : uint8_t { Cuda, Host };
+  using Backend = magi::Backend;  // MAGI_BACKEND
   Backend backend{};
   int64_t warmup_steps{};
   int64_t reagree_steps{};

@@ -34,9 +34,16 @@
 #include <string>
 #include <vector>
 
+#include "base/backend.h"
+
 namespace magi::ce {
 
-enum class Backend : uint8_t { Cuda = 0, Host = 1 };
+using magi::Backend;
+
+// Where slots, shards in a bound region and the offsets of a bucket's gathers are aligned: the
+// copy engines' alignment for full-speed reads, and the offsets rewrite/ agrees on (the same on
+// every rank) are multiples of it.
+inline constexpr size_t kSlotAlignment = 256;
 
 // What kind of memory a buffer is; decides eligibility (device memory for Cuda, host for Host).
 enum class MemoryKind : uint8_t { Device, Host, Managed, Unknown };

@@ -116,12 +116,4 @@ std::unique_ptr<Exchange> make_cuda_exchange(size_t contribution_bytes, int nran
   return std::make_unique<CudaExchange>(contribution_bytes, nranks);
 }
 
-std::unique_ptr<Exchange> make_exchange(Backend backend, size_t contribution_bytes, int nranks,
-                                        int device) {
-  if (backend == Backend::Host) return make_host_exchange(contribution_bytes, nranks);
-  return make_cuda_exchange(contribution_bytes, nranks, device);
-}
-
-bool backend_available(Backend backend) { return backend == Backend::Host || cuda_driver_loaded(); }
-
 }  // namespace magi::ce

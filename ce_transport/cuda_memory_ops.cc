@@ -1,8 +1,10 @@
 // Device memory for the window transport (memory_ops.h): windows shared through CUDA IPC,
-// copy-engine reads (cudaMemcpyBatchAsync) on the caller's stream, and the flag words written
-// and waited for by stream memory operations (cuStreamBatchMemOp write/wait of 64-bit sequence
-// numbers). Everything is enqueued on the caller's stream: the host never waits, no kernel is
-// launched, no SM is used.
+// copy-engine reads (cudaMemcpyBatchAsync: cuda_copies.cc) on the caller's stream, and the flag
+// words written and waited for by stream memory operations (cuda_stream_ops.cc). Everything is
+// enqueued on the caller's stream: the host never waits, no kernel is launched, no SM is used.
+// The peers' exported allocations are mapped in cuda_imports.cc, windows that graphs still read
+// kept in cuda_graphs.cc; which words a step writes, and when a window may be freed, is the
+// transport's (window_transport.cc, window_end.h): this file only executes.
 //
 // Why the window is cudaMalloc + CUDA IPC handles rather than VMM with POSIX file descriptors: an
 // fd reaches another process only over a Unix socket (or pidfd_getfd, which needs ptrace
@@ -21,11 +23,7 @@
 //
 // Flags (protocol.h's FlagLayout, on 256-byte lines): the ready and done words of every peer, the
 // own word and the graph slots' latches; never the failed ones, which only synchronous memory
-// can act on. Measured on an
-// H200 (2026-11): a peer's mapping stays readable after the peer dies, and cudaFree,
-// cudaIpcCloseMemHandle and even cudaMalloc block while any stream of the device waits on a word
-// that nobody will write: a window is freed only once every peer has said it finished reading it
-// (release), and an abort first releases this rank's waits by writing its own words.
+// can act on. A window is freed only once it has settled (window_end.h says why).
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <unistd.h>
@@ -46,24 +44,17 @@
 #include "base/base.h"
 #include "base/cuda_driver.h"
 #include "ce_transport/backends.h"
+#include "ce_transport/cuda_memory.h"
+#include "ce_transport/cuda_thread.h"
 #include "ce_transport/exports.h"
 #include "ce_transport/fd_channel.h"
 #include "ce_transport/memory_ops.h"
-#include "ce_transport/process.h"
 
 namespace magi::ce {
 namespace {
 
 constexpr size_t kFlagLine = 256;
-constexpr size_t kSlotAlign = 256;
 constexpr size_t kAllocationGranule = size_t{2} << 20;
-// What an abandoned wait is released with. Stream waits compare cyclically ((int64_t)(word -
-// target) >= 0): the value must be far ahead of any sequence number, yet not wrap past them.
-constexpr uint64_t kReleased = uint64_t{1} << 62;
-// How long release() waits for peers to finish reading this window, and abandon() for a bucket
-// still in flight to end by itself, before giving up on them.
-constexpr auto kSettleLimit = std::chrono::seconds(10);
-constexpr auto kAbortGrace = std::chrono::seconds(1);
 
 // What the CUDA medium holds: the window's IPC handle, and the GPU's UUID (all zero where it
 // could not be read), which tells the ranks that share a GPU apart from the device number, since
@@ -104,275 +95,6 @@ void check_bindable(const Copy& shard) {
     throw Error(ErrorKind::System, "binding a shard: its send buffer is no longer allocated");
 }
 
-// A peer's cuMemCreate pieces, imported from their descriptors and mapped one after the other
-// into one reserved range, so its shards read as they do at the owner. The mapping holds the
-// memory: the imported handles are released once mapped; unmapped and freed by unmap().
-struct PieceMapping {
-  CUdeviceptr base = 0;
-  size_t bytes = 0;
-  std::vector<size_t> pieces;  // mapped, in order
-  void unmap() {
-    size_t at = 0;
-    for (size_t size : pieces) {
-      MAGI_CUDA_DRIVER_FN(cuMemUnmap)(base + at, size);
-      at += size;
-    }
-    if (base != 0) MAGI_CUDA_DRIVER_FN(cuMemAddressFree)(base, bytes);
-    pieces.clear();
-    base = 0;
-  }
-};
-
-PieceMapping map_by_descriptor(const ExportRecord& record, int device) {
-  const fd_channel::Address where = exports::descriptor_source(record);
-  std::vector<CUmemGenericAllocationHandle> handles;
-  PieceMapping m;
-  auto release_handles = [&] {
-    for (CUmemGenericAllocationHandle h : handles) MAGI_CUDA_DRIVER_FN(cuMemRelease)(h);
-    handles.clear();
-  };
-  try {
-    const std::vector<uint8_t> payload =
-        fd_channel::fetch(where, record.index, [&](size_t, int fd) {
-          CUmemGenericAllocationHandle h = 0;
-          const CUresult imported = MAGI_CUDA_DRIVER_FN(cuMemImportFromShareableHandle)(
-              &h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
-              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-          ::close(fd);
-          cuda_check(imported, "cuMemImportFromShareableHandle (a peer's cuMemCreate shards)");
-          handles.push_back(h);
-        });
-    std::vector<uint64_t> sizes(payload.size() / sizeof(uint64_t));
-    std::memcpy(sizes.data(), payload.data(), sizes.size() * sizeof(uint64_t));
-    uint64_t total = 0;
-    for (uint64_t size : sizes) total += size;
-    if (handles.empty() || sizes.size() != handles.size() || total != record.bytes)
-      throw Error(ErrorKind::Usage, "a peer's cuMemCreate export came as " +
-                                        std::to_string(handles.size()) + " pieces of " +
-                                        std::to_string(total) + " bytes, not its record's " +
-                                        std::to_string(record.bytes));
-    CUmemAllocationProp prop{};
-    cuda_check(MAGI_CUDA_DRIVER_FN(cuMemGetAllocationPropertiesFromHandle)(&prop, handles[0]),
-               "cuMemGetAllocationPropertiesFromHandle (a peer's piece)");
-    size_t granularity = 0;
-    cuda_check(MAGI_CUDA_DRIVER_FN(cuMemGetAllocationGranularity)(&granularity, &prop,
-                                                                  CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-               "cuMemGetAllocationGranularity");
-    cuda_check(MAGI_CUDA_DRIVER_FN(cuMemAddressReserve)(&m.base, record.bytes, granularity, 0, 0),
-               "cuMemAddressReserve (a peer's cuMemCreate shards)");
-    m.bytes = record.bytes;
-    size_t at = 0;
-    for (size_t i = 0; i < handles.size(); ++i) {
-      cuda_check(MAGI_CUDA_DRIVER_FN(cuMemMap)(m.base + at, sizes[i], 0, handles[i], 0),
-                 "cuMemMap (a peer's cuMemCreate piece)");
-      m.pieces.push_back(sizes[i]);
-      at += sizes[i];
-    }
-    CUmemAccessDesc access{};
-    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    access.location.id = device;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    cuda_check(MAGI_CUDA_DRIVER_FN(cuMemSetAccess)(m.base, m.bytes, &access, 1),
-               "cuMemSetAccess (a peer's cuMemCreate shards)");
-    release_handles();  // the mappings hold the memory
-    return m;
-  } catch (...) {
-    m.unmap();
-    release_handles();
-    throw;
-  }
-}
-
-// The peers' exported allocations this process has mapped. Process-wide: CUDA maps a handle at
-// most once per process ("already mapped" the second time), and two communicators may read the
-// same peer allocation. Counted; unmapped when the last reader lets go. An export by descriptor
-// is fetched and mapped outside the lock (a peer's channel may take its time); two readers that
-// raced map it twice and one mapping goes, which VMM allows (legacy IPC would not).
-class ImportedAllocations {
- public:
-  static ImportedAllocations& get() {
-    static ImportedAllocations* imports = new ImportedAllocations;  // outlives atexit handlers
-    return *imports;
-  }
-  uint8_t* open(const ExportRecord& record, int device) {
-    Key key{};
-    std::memcpy(key.data(), record.handle, sizeof(record.handle));
-    std::memcpy(key.data() + sizeof(record.handle), &record.index, sizeof(record.index));
-    key.back() = static_cast<uint8_t>(record.kind);
-    std::unique_lock<std::mutex> lock(mutex_);
-    auto it = open_.find(key);
-    if (it != open_.end()) {
-      ++it->second.readers;
-      return it->second.base;
-    }
-    if (record.kind == ExportRecord::Kind::ByDescriptor) {
-      lock.unlock();
-      PieceMapping mapped = map_by_descriptor(record, device);
-      lock.lock();
-      it = open_.find(key);
-      if (it != open_.end()) {
-        mapped.unmap();
-        ++it->second.readers;
-        return it->second.base;
-      }
-      auto* base = reinterpret_cast<uint8_t*>(mapped.base);
-      open_.emplace(key, Entry{base, 1, std::move(mapped)});
-      return base;
-    }
-    cudaIpcMemHandle_t handle{};
-    std::memcpy(&handle, record.handle, sizeof(handle));
-    void* mapped = nullptr;
-    cuda_check(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess),
-               "cudaIpcOpenMemHandle (a peer's exported shards)");
-    open_.emplace(key, Entry{static_cast<uint8_t*>(mapped), 1, {}});
-    return static_cast<uint8_t*>(mapped);
-  }
-  void close(uint8_t* base) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto it = open_.begin(); it != open_.end(); ++it) {
-      if (it->second.base != base) continue;
-      if (--it->second.readers == 0) {
-        if (it->second.pieces.base != 0) {
-          it->second.pieces.unmap();
-        } else {
-          cudaIpcCloseMemHandle(base);
-          cudaGetLastError();
-        }
-        open_.erase(it);
-      }
-      return;
-    }
-  }
-
- private:
-  // The handle, the index and the kind.
-  using Key = std::array<uint8_t, sizeof(ExportRecord::handle) + sizeof(uint32_t) + 1>;
-  struct Entry {
-    uint8_t* base;
-    size_t readers;
-    PieceMapping pieces;  // by descriptor; empty for legacy IPC
-  };
-  std::mutex mutex_;
-  std::map<Key, Entry> open_;
-};
-
-// ---- windows read by captured CUDA graphs ----
-// A graph captured with moved gathers (Timing::Captured) holds one user object per capture; its
-// destructor runs on a CUDA thread once the graph and every instance of it are destroyed (and
-// their launches have run), and may make no CUDA call: it only counts down. A window released
-// while the count is above zero keeps its memory and mappings in KeptForGraphs, freed by a later
-// release or allocate (any communicator's) once the count is zero, or by the process's end.
-struct GraphHolds {
-  std::atomic<int64_t> live{0};
-};
-
-void CUDART_CB drop_graph_hold(void* held) {
-  auto* holds = static_cast<std::shared_ptr<GraphHolds>*>(held);
-  (*holds)->live.fetch_sub(1, std::memory_order_acq_rel);
-  delete holds;
-}
-
-struct KeptForGraphs {
-  std::shared_ptr<GraphHolds> holds;
-  int device = -1;
-  void* base = nullptr;
-  void* flags_host = nullptr;
-  void* host_check = nullptr;
-  cudaEvent_t lines_copied = nullptr;
-  std::vector<uint8_t*> peers;
-  std::vector<uint8_t*> imports;
-  // Whose window it is, and where its flag words lie: an abort of that communicator opens its
-  // graph slots' latches (abandon_graphs).
-  uint64_t identity = 0;
-  int rank = -1;
-  uint8_t* flags = nullptr;
-  protocol::FlagLayout layout{};
-  cudaEvent_t bucket_end = nullptr;  // named by the graphs' event nodes (bucket order)
-};
-
-// Never destroyed: a CUDA thread may still count down while the process exits.
-std::mutex& kept_mutex() {
-  static auto* mutex = new std::mutex;
-  return *mutex;
-}
-std::vector<KeptForGraphs>& kept_for_graphs() {
-  static auto* kept = new std::vector<KeptForGraphs>;
-  return *kept;
-}
-
-// For its life, the calling thread's current device is `device` (when known); the thread's own
-// is given back after: a thread of the program's (its watchdog's) keeps the device it chose.
-class ThreadDevice {
- public:
-  explicit ThreadDevice(int device) {
-    if (device < 0 || cudaGetDevice(&saved_) != cudaSuccess || saved_ == device) {
-      saved_ = -1;
-      cudaGetLastError();
-      return;
-    }
-    cuda_check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~ThreadDevice() {
-    if (saved_ >= 0) cudaSetDevice(saved_);
-    cudaGetLastError();
-  }
-  ThreadDevice(const ThreadDevice&) = delete;
-  ThreadDevice& operator=(const ThreadDevice&) = delete;
-
- private:
-  int saved_ = -1;
-};
-
-CUstreamBatchMemOpParams write_op(const uint8_t* address, uint64_t value) {
-  CUstreamBatchMemOpParams op{};
-  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-  op.writeValue.address = reinterpret_cast<CUdeviceptr>(address);
-  op.writeValue.value64 = value;
-  // With the memory barrier that precedes it by default (a batch refuses the flag that drops it).
-  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-  return op;
-}
-
-CUstreamBatchMemOpParams wait_op(const uint8_t* address, uint64_t at_least) {
-  CUstreamBatchMemOpParams op{};
-  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-  op.waitValue.address = reinterpret_cast<CUdeviceptr>(address);
-  op.waitValue.value64 = at_least;
-  op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-  return op;
-}
-
-// A latch's half (protocol.h): the low one by the handshake, the high one by an abort. The
-// words are little-endian on every device CUDA runs on.
-CUstreamBatchMemOpParams write_half_op(const uint8_t* latch, bool high, uint32_t value) {
-  CUstreamBatchMemOpParams op{};
-  op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
-  op.writeValue.address = reinterpret_cast<CUdeviceptr>(latch + (high ? 4 : 0));
-  op.writeValue.value = value;
-  op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-  return op;
-}
-
-// Until the latch is set or aborted: (word & kLatchOpen) != 0.
-CUstreamBatchMemOpParams wait_latch_op(const uint8_t* latch) {
-  CUstreamBatchMemOpParams op{};
-  op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
-  op.waitValue.address = reinterpret_cast<CUdeviceptr>(latch);
-  op.waitValue.value64 = protocol::kLatchOpen;
-  op.waitValue.flags = CU_STREAM_WAIT_VALUE_AND;
-  return op;
-}
-
-CUstreamBatchMemOpParams flag_op(const FlagOp& op) {
-  switch (op.kind) {
-    case FlagOp::Kind::Write: return write_op(op.word, op.value);
-    case FlagOp::Kind::Wait: return wait_op(op.word, op.value);
-    case FlagOp::Kind::Latch: return write_half_op(op.word, false, op.value != 0 ? 1 : 0);
-    case FlagOp::Kind::WaitLatch: return wait_latch_op(op.word);
-  }
-  return wait_latch_op(op.word);
-}
-
 class CudaMemoryOps final : public MemoryOps {
  public:
   CudaMemoryOps(int rank, int nranks, uint64_t identity, int device)
@@ -385,6 +107,9 @@ class CudaMemoryOps final : public MemoryOps {
   Backend backend() const override { return Backend::Cuda; }
   bool synchronous() const override { return false; }
   const protocol::FlagLayout& flags() const override { return flags_; }
+  int relax_capture() override { return relax_capture_mode(); }
+  void restore_capture(int saved) override { restore_capture_mode(saved); }
+  bool paces_mappings() const override { return true; }
   // Our CUDA runtime is not the program's: it follows the communicator's device explicitly.
   void use() override {
     if (device_ < 0) return;
@@ -400,25 +125,23 @@ class CudaMemoryOps final : public MemoryOps {
     if (device_ >= 0) cuda_check(cudaSetDevice(device_), "cudaSetDevice");
   }
 
-  WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots) override {
+  WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots,
+                      std::span<const uint8_t> first_flags) override {
     free_kept_for_graphs();
-    stride_ = round_up(std::max<size_t>(slot_bytes, 1), kSlotAlign);
+    stride_ = round_up(std::max<size_t>(slot_bytes, 1), kSlotAlignment);
     flags_at_ = (bound ? 1 : graph_slots ? 4 : 2) * stride_;
     flag_bytes_ = flags_.bytes_but_failed();
     bytes_ = round_up(flags_at_ + flag_bytes_, kAllocationGranule);
-    settled_at_ = kNotSettled;
     cuda_check(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking),
                "cudaStreamCreateWithFlags");
     cuda_check(cudaMallocHost(&flags_host_, flag_bytes_), "cudaMallocHost (flags)");
     if (bound) cuda_check(cudaMallocHost(&host_check_, kCheckBytes), "cudaMallocHost (check)");
     cuda_check(cudaMalloc(&base_, bytes_), "cudaMalloc (window)");
-    // Zero, but the graph slots' read latches (set: no peer owes a read yet). Copied from the
-    // pinned buffer settle() reads into later; export_window() waits for the copy.
-    std::memset(flags_host_, 0, flag_bytes_);
-    for (int slot = 0; slot < 2; ++slot)
-      for (int r = 0; r < nranks_; ++r)
-        std::memcpy(static_cast<uint8_t*>(flags_host_) + flags_.read(slot, r), &protocol::kLatchSet,
-                    sizeof(protocol::kLatchSet));
+    // Copied from the pinned buffer read_flags_now() reads into later; export_window() waits
+    // for the copy.
+    if (first_flags.size() < flag_bytes_)
+      throw Error(ErrorKind::Internal, "a window's first flags are short of its flag words");
+    std::memcpy(flags_host_, first_flags.data(), flag_bytes_);
     cuda_check(
         cudaMemcpyAsync(flag(0), flags_host_, flag_bytes_, cudaMemcpyHostToDevice, own_stream_),
         "cudaMemcpyAsync (flags)");
@@ -444,12 +167,11 @@ class CudaMemoryOps final : public MemoryOps {
     std::memcpy(medium.data(), &cuda, sizeof(cuda));
   }
 
-  void begin_attach() override {
+  void begin_attach(std::span<const pid_t> /*pids*/) override {
     use_on_any_thread();
     if (nranks_ > 1)
       MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp);  // refuse now, not on the first gather
     peers_.assign(static_cast<size_t>(nranks_), nullptr);
-    peer_pids_.assign(static_cast<size_t>(nranks_), 0);
   }
   WindowView map_peer(int rank, const protocol::BlobHeader& header, const Medium& medium) override {
     CudaMedium cuda;
@@ -458,10 +180,9 @@ class CudaMemoryOps final : public MemoryOps {
     cuda_check(cudaIpcOpenMemHandle(&mapped, cuda.handle, cudaIpcMemLazyEnablePeerAccess),
                "cudaIpcOpenMemHandle");
     uint8_t* peer = peers_[static_cast<size_t>(rank)] = static_cast<uint8_t*>(mapped);
-    peer_pids_[static_cast<size_t>(rank)] = static_cast<pid_t>(header.pid);
     size_t flags_at = flags_at_;
     if (header.zero_copy != 0) {  // its window holds its own region, then its flags (allocate)
-      flags_at = round_up(std::max<size_t>(header.slot_bytes, 1), kSlotAlign);
+      flags_at = round_up(std::max<size_t>(header.slot_bytes, 1), kSlotAlignment);
       if (flags_at + flag_bytes_ > header.window_bytes)
         throw Error(ErrorKind::Usage,
                     "rank " + std::to_string(rank) + "'s window has no room for its flags");
@@ -476,19 +197,44 @@ class CudaMemoryOps final : public MemoryOps {
   }
 
   exports::Exportable find_export(const void* ptr, size_t bytes) override {
-    exports::Exportable e = exports::find_cuda_export(ptr, bytes);
-    if (!e.ok || e.record.kind != ExportRecord::Kind::ByDescriptor) return e;
-    try {
-      offer(e);
-    } catch (const Error& error) {
-      e.ok = false;
-      e.refusal =
-          std::string("its cuMemCreate memory cannot be offered by descriptor: ") + error.what();
-    }
-    return e;
+    return exports::find_cuda_export(ptr, bytes);
   }
-  void allow_peers(std::span<const pid_t> pids) override {
-    if (server_ != nullptr) server_->allow(pids);
+  // The pieces of a cuMemCreate export: their handles retained until end_offers(), a descriptor
+  // made from them only when a peer asks (the channel's thread), so the process holds no
+  // descriptor between requests; the payload, each piece's size.
+  fd_channel::Offer descriptor_offer(const exports::Exportable& e) override {
+    fd_channel::Offer offer;
+    auto handles = std::make_shared<std::vector<CUmemGenericAllocationHandle>>();
+    for (const auto& [start, size] : e.pieces) {
+      CUmemGenericAllocationHandle h = 0;
+      cuda_check(
+          MAGI_CUDA_DRIVER_FN(cuMemRetainAllocationHandle)(&h, reinterpret_cast<void*>(start)),
+          "cuMemRetainAllocationHandle (a shard to export)");
+      retained_.push_back(h);
+      handles->push_back(h);
+      const uint64_t bytes = size;
+      offer.payload.insert(offer.payload.end(), reinterpret_cast<const uint8_t*>(&bytes),
+                           reinterpret_cast<const uint8_t*>(&bytes) + sizeof(bytes));
+    }
+    offer.count = handles->size();
+    CUcontext context = nullptr;
+    MAGI_CUDA_DRIVER_FN(cuCtxGetCurrent)(&context);
+    offer.make = [handles, context](size_t i) {
+      if (context != nullptr) MAGI_CUDA_DRIVER_FN(cuCtxSetCurrent)(context);
+      int fd = -1;
+      cuda_check(MAGI_CUDA_DRIVER_FN(cuMemExportToShareableHandle)(
+                     &fd, (*handles)[i], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                 "cuMemExportToShareableHandle");
+      return fd;
+    };
+    return offer;
+  }
+  const char* offer_refusal() const override {
+    return "its cuMemCreate memory cannot be offered by descriptor: ";
+  }
+  void end_offers() override {
+    for (CUmemGenericAllocationHandle h : retained_) MAGI_CUDA_DRIVER_FN(cuMemRelease)(h);
+    retained_.clear();
   }
   bool export_alive(uintptr_t base, size_t, uint64_t identity) override {
     return identify_buffer(Backend::Cuda, reinterpret_cast<const void*>(base)).allocation_id ==
@@ -496,54 +242,16 @@ class CudaMemoryOps final : public MemoryOps {
   }
   // Mapped once per process (ImportedAllocations).
   exports::Span import(const ExportRecord& record) override {
-    imports_.push_back(ImportedAllocations::get().open(record, current_device()));
+    imports_.push_back(open_imported(record, current_device()));
     return {imports_.back(), record.bytes};
   }
   size_t imports() const override { return imports_.size(); }
 
-  // One cudaMemcpyBatchAsync: the driver spreads the copies over the copy engines. The legacy
-  // default stream does not take batches; there each copy goes on its own.
-  void copy_batch(std::span<const Copy> copies, void* stream_handle) override {
-    const auto stream = static_cast<cudaStream_t>(stream_handle);
-    if (copies.empty()) return;
-    if (stream == nullptr || stream == cudaStreamLegacy) {
-      for (const Copy& c : copies)
-        cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream),
-                   "cudaMemcpyAsync");
-      return;
-    }
-    dsts_.clear();
-    srcs_.clear();
-    sizes_.clear();
-    for (const Copy& c : copies) {
-      dsts_.push_back(c.dst);
-      srcs_.push_back(c.src);
-      sizes_.push_back(c.bytes);
-    }
-    cudaMemcpyAttributes attributes{};
-    attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-    attributes.srcLocHint.type = cudaMemLocationTypeDevice;
-    attributes.srcLocHint.id = device_ < 0 ? 0 : device_;
-    attributes.dstLocHint = attributes.srcLocHint;
-    size_t first = 0;
-    const cudaError_t batched = cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(),
-                                                     copies.size(), &attributes, &first, 1, stream);
-    if (batched == cudaSuccess) return;
-    // The peers are already waiting on this bucket's flags: a refused batch (not a broken
-    // context) is retried copy by copy rather than leaving them without their bytes.
-    cudaGetLastError();
-    MAGI_WARN(Transport, "cudaMemcpyBatchAsync refused a bucket (%s); copying one by one",
-              cudaGetErrorName(batched));
-    for (const Copy& c : copies)
-      cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream),
-                 "cudaMemcpyAsync");
+  void copy_batch(std::span<const Copy> copies, void* stream) override {
+    copy_batch_on(copies, static_cast<cudaStream_t>(stream), device_, batch_);
   }
   void copy_captured(std::span<const Copy> copies, void* stream) override {
-    for (const Copy& c : copies)
-      cuda_check(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault,
-                                 static_cast<cudaStream_t>(stream)),
-                 "cudaMemcpyAsync (captured)");
+    copy_each(copies, static_cast<cudaStream_t>(stream), "cudaMemcpyAsync (captured)");
   }
   // Once per capture: a graph holds the window from its first moved gather on.
   void hold_for_graph(void* stream) override {
@@ -610,7 +318,7 @@ class CudaMemoryOps final : public MemoryOps {
   void run_flags(std::span<const FlagOp> ops, void* stream) override {
     if (ops.empty()) return;
     mem_ops_.clear();
-    for (const FlagOp& op : ops) mem_ops_.push_back(flag_op(op));
+    for (const FlagOp& op : ops) mem_ops_.push_back(stream_flag_op(op));
     cuda_check(MAGI_CUDA_DRIVER_FN(cuStreamBatchMemOp)(reinterpret_cast<CUstream>(stream),
                                                        static_cast<unsigned>(mem_ops_.size()),
                                                        mem_ops_.data(), 0),
@@ -629,21 +337,8 @@ class CudaMemoryOps final : public MemoryOps {
   }
 
   uint8_t* check_buffer() override { return static_cast<uint8_t*>(host_check_); }
-  // The lines of `set` from `from` into `into`, packed: the full lines in one strided copy (one
-  // copy-engine operation), a short last line in a second. The source pitch, S, is about B / 256
-  // (B >= 64 KiB): under the devices' maximum pitch (cudaDevAttrMaxPitch, 2^31 - 1 on current
-  // GPUs) for any shard that fits in one.
-  void copy_lines(uint8_t* into, const uint8_t* from, const SampleSet& set,
-                  void* stream_handle) override {
-    const auto stream = static_cast<cudaStream_t>(stream_handle);
-    if (set.rows != 0)
-      cuda_check(cudaMemcpy2DAsync(into, SampleSet::kLine, from + set.first, set.stride,
-                                   SampleSet::kLine, set.rows, cudaMemcpyDefault, stream),
-                 "cudaMemcpy2DAsync (verify)");
-    if (set.tail_bytes != 0)
-      cuda_check(cudaMemcpyAsync(into + set.rows * SampleSet::kLine, from + set.offset(set.rows),
-                                 set.tail_bytes, cudaMemcpyDefault, stream),
-                 "cudaMemcpyAsync (verify)");
+  void copy_lines(uint8_t* into, const uint8_t* from, const SampleSet& set, void* stream) override {
+    copy_lines_on(into, from, set, static_cast<cudaStream_t>(stream));
   }
   void mark_lines(void* stream) override {
     record(lines_copied_, stream, "cudaEventRecord (verify)");
@@ -658,23 +353,35 @@ class CudaMemoryOps final : public MemoryOps {
     return true;
   }
 
-  // A healthy abort (the program's shutdown) finds every bucket run or about to be; anything
-  // else is released at once (a dead peer) or after a short grace (a peer that stalls).
-  // A graph's latches are opened in any case: a replay may come after the eager buckets settled,
-  // and would wait on peers that no longer serve it.
-  void abandon(uint64_t last_bucket) override {
-    use_on_any_thread();
-    std::string unfinished;  // not said: an abort that finds a bucket in flight says so at release
-    if (settle(last_bucket, kAbortGrace, unfinished) == Settled::Finished) {
-      settled_at_ = last_bucket;
-      release_waits(Waits::Latches);
-    } else {
-      release_waits(Waits::All);
+  // This rank's flags, read on its own stream (never the program's, which may be the one
+  // stuck), into the pinned buffer.
+  const uint8_t* read_flags_now() override {
+    if (cudaMemcpyAsync(flags_host_, flag(0), flag_bytes_, cudaMemcpyDeviceToHost, own_stream_) !=
+            cudaSuccess ||
+        cudaStreamSynchronize(own_stream_) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
     }
+    return static_cast<const uint8_t*>(flags_host_);
   }
+  // Not mem_ops_: a call may be filling that on another thread.
+  bool run_flags_now(std::span<const FlagOp> ops) override {
+    std::vector<CUstreamBatchMemOpParams> batch;
+    for (const FlagOp& op : ops) batch.push_back(stream_flag_op(op));
+    const CudaDriver* driver = cuda_driver();
+    if (driver == nullptr || driver->cuStreamBatchMemOp_fn == nullptr ||
+        driver->cuStreamBatchMemOp_fn(reinterpret_cast<CUstream>(own_stream_),
+                                      static_cast<unsigned>(batch.size()), batch.data(),
+                                      0) != CUDA_SUCCESS ||
+        cudaStreamSynchronize(own_stream_) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return true;
+  }
+  bool own_work_done() override { return cudaStreamSynchronize(own_stream_) == cudaSuccess; }
 
-  void release(uint64_t last_bucket, bool attached, bool abandoned) override {
-    stop_offering();
+  void release(bool settled) override {
     if (base_ == nullptr) {  // never prepared, or prepare failed part way
       if (own_stream_ != nullptr) cudaStreamDestroy(own_stream_);
       if (flags_host_ != nullptr) cudaFreeHost(flags_host_);
@@ -685,43 +392,21 @@ class CudaMemoryOps final : public MemoryOps {
       cudaGetLastError();
       return;
     }
-    use_on_any_thread();
-    Settled settled = Settled::Finished;
-    std::string unfinished;
-    if (attached && last_bucket > 0) {
-      if (abandoned) {
-        settled = settled_at_ == last_bucket ? Settled::Finished : Settled::Abandoned;
-      } else {
-        settled = settle(last_bucket, kSettleLimit, unfinished);
-      }
-    } else {
-      // Nothing was gathered: only this rank's own setup (flags, binding) may still be queued.
-      if (cudaStreamSynchronize(own_stream_) != cudaSuccess) settled = Settled::Unreadable;
-    }
     const int64_t graphs = graph_holds_ ? graph_holds_->live.load(std::memory_order_acquire) : 0;
-    if (settled == Settled::Finished && graphs > 0) {
+    if (settled && graphs > 0) {
       MAGI_INFO(Transport,
                 "window of %zu bytes kept, with its %d peer mappings and %zu mapped peer "
                 "allocations, while %lld CUDA graph(s) that read them live (of %llu captured with "
                 "it); freed once they are destroyed",
                 bytes_, nranks_ - 1, imports_.size(), static_cast<long long>(graphs),
                 static_cast<unsigned long long>(graphs_held_));
-      std::lock_guard<std::mutex> lock(kept_mutex());
-      kept_for_graphs().push_back({graph_holds_, current_device(), base_, flags_host_, host_check_,
-                                   lines_copied_, peers_, imports_, identity_, rank_, flag(0),
-                                   flags_, bucket_end_});
+      keep_for_graphs({graph_holds_, current_device(), base_, flags_host_, host_check_,
+                       lines_copied_, peers_, imports_, identity_, rank_, flag(0), flags_,
+                       bucket_end_});
       lines_copied_ = nullptr;
-    } else if (settled == Settled::Finished) {
+    } else if (settled) {
       free_window(-1, base_, flags_host_, host_check_, nullptr, peers_, imports_);
-    } else {
-      // This rank's stream must not wait for ever on peers that will never come; freeing would
-      // wait for the whole device (see the top of this file). The process's end returns it all.
-      release_waits(Waits::All);
-      MAGI_WARN(Transport,
-                "window of %zu bytes left allocated, with its %d peer mappings and %zu mapped "
-                "peer allocations: %s",
-                bytes_, nranks_ - 1, imports_.size(), settled_name(settled, unfinished).c_str());
-    }
+    }  // else left allocated, as the transport said (window_end.h)
     // Graphs that name the order event may still be launched: it goes with what was kept for
     // them, or, where the window was left allocated, with the process.
     if (graphs > 0) bucket_end_ = nullptr;
@@ -732,7 +417,6 @@ class CudaMemoryOps final : public MemoryOps {
     flags_host_ = nullptr;
     host_check_ = nullptr;
     peers_.clear();
-    peer_pids_.clear();
     imports_.clear();
     if (lines_copied_ != nullptr) cudaEventDestroy(lines_copied_);  // freed once it has passed
     lines_copied_ = nullptr;
@@ -749,8 +433,8 @@ class CudaMemoryOps final : public MemoryOps {
  private:
   uint8_t* region() const { return static_cast<uint8_t*>(base_); }
   // One word between host and a window, through the pinned flags buffer's line of the left word
-  // (settle() reads that buffer whole later; prepare, release, abandon and lost_peer() come one
-  // at a time: window_transport.cc's lifetime_). It may run on a thread of the program's (its
+  // (read_flags_now() reads that buffer whole later; prepare, release, abandon and lost_peer() come
+  // one at a time: window_transport.cc's lifetime_). It may run on a thread of the program's (its
   // watchdog's, for lost_peer()): the copy is waited for a second at most, by polling, never
   // with a call that could wait on the device's other streams.
   void copy_word_now(void* dst, const void* src, cudaMemcpyKind kind) {
@@ -789,196 +473,8 @@ class CudaMemoryOps final : public MemoryOps {
     return device;
   }
 
-  // Offers the pieces of a cuMemCreate export on this window's descriptor channel (started at
-  // the first), and writes where to ask into its record. The pieces' handles are retained until
-  // release: a descriptor is made from them only when a peer asks (the channel's thread), so
-  // the process holds no descriptor between requests. Once per range a plan exports.
-  void offer(exports::Exportable& e) {
-    const std::pair<uintptr_t, uint64_t> range{e.base, e.record.bytes};
-    auto known = offered_.find(range);
-    if (known == offered_.end()) {
-      if (server_ == nullptr) server_ = fd_channel::Server::start(identity_, rank_);
-      fd_channel::Offer offer;
-      auto handles = std::make_shared<std::vector<CUmemGenericAllocationHandle>>();
-      for (const auto& [start, size] : e.pieces) {
-        CUmemGenericAllocationHandle h = 0;
-        cuda_check(
-            MAGI_CUDA_DRIVER_FN(cuMemRetainAllocationHandle)(&h, reinterpret_cast<void*>(start)),
-            "cuMemRetainAllocationHandle (a shard to export)");
-        retained_.push_back(h);
-        handles->push_back(h);
-        const uint64_t bytes = size;
-        offer.payload.insert(offer.payload.end(), reinterpret_cast<const uint8_t*>(&bytes),
-                             reinterpret_cast<const uint8_t*>(&bytes) + sizeof(bytes));
-      }
-      offer.count = handles->size();
-      CUcontext context = nullptr;
-      MAGI_CUDA_DRIVER_FN(cuCtxGetCurrent)(&context);
-      offer.make = [handles, context](size_t i) {
-        if (context != nullptr) MAGI_CUDA_DRIVER_FN(cuCtxSetCurrent)(context);
-        int fd = -1;
-        cuda_check(MAGI_CUDA_DRIVER_FN(cuMemExportToShareableHandle)(
-                       &fd, (*handles)[i], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                   "cuMemExportToShareableHandle");
-        return fd;
-      };
-      known = offered_.emplace(range, server_->offer(std::move(offer))).first;
-    }
-    exports::set_descriptor_source(e.record, server_->address(), known->second);
-  }
-  // The channel stops before the handles go: no descriptor is made from a released handle.
-  void stop_offering() {
-    if (server_ != nullptr) server_->stop();
-    server_.reset();
-    for (CUmemGenericAllocationHandle h : retained_) MAGI_CUDA_DRIVER_FN(cuMemRelease)(h);
-    retained_.clear();
-    offered_.clear();
-  }
   // A flag word of this rank's window, by its offset from the flags' start (flags_).
   uint8_t* flag(size_t offset) const { return static_cast<uint8_t*>(base_) + flags_at_ + offset; }
-
-  // Why a window could not be freed; `ranks` names the peers concerned, where there are any.
-  enum class Settled : uint8_t {
-    Finished,
-    PeerDied,
-    OwnStreamBehind,
-    PeersBehind,
-    Abandoned,
-    Unreadable
-  };
-  static std::string settled_name(Settled s, const std::string& ranks) {
-    switch (s) {
-      case Settled::Finished: return "finished";
-      case Settled::PeerDied: return "rank " + ranks + " died before it finished reading it";
-      case Settled::OwnStreamBehind:
-        return "this rank's stream had not run its last moved gather within " +
-               std::to_string(kSettleLimit.count()) + " s (work queued before it" +
-               (ranks.empty() ? std::string(")") : ", or a wait on rank(s) " + ranks + ")");
-      case Settled::PeersBehind:
-        return "rank(s) " + ranks + " had not finished reading it within " +
-               std::to_string(kSettleLimit.count()) + " s";
-      case Settled::Abandoned: return "the communicator was aborted with a bucket in flight";
-      case Settled::Unreadable: return "its flags could not be read";
-    }
-    return "?";
-  }
-
-  // This rank's flag words as they are now, read on its own stream (never the program's, which
-  // may be the one stuck).
-  bool read_flags() {
-    if (cudaMemcpyAsync(flags_host_, flag(0), flag_bytes_, cudaMemcpyDeviceToHost, own_stream_) !=
-            cudaSuccess ||
-        cudaStreamSynchronize(own_stream_) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return true;
-  }
-  uint64_t read_word(size_t offset) const {
-    uint64_t v = 0;
-    std::memcpy(&v, static_cast<const uint8_t*>(flags_host_) + offset, sizeof(v));
-    return v;
-  }
-
-  // Waits up to `limit` until buckets 1..target have run here and every peer has finished
-  // reading this window. A peer whose process ended before finishing died mid-run: this rank
-  // gives up on it at once (NCCL's kernels may be stuck on it too, and freeing would then hang).
-  // `ranks` gets the peers that had not finished, for the warning.
-  Settled settle(uint64_t target, std::chrono::steady_clock::duration limit, std::string& ranks) {
-    const auto deadline = std::chrono::steady_clock::now() + limit;
-    for (;;) {
-      if (!read_flags()) return Settled::Unreadable;
-      const bool own_done = read_word(flags_.own()) >= target;
-      ranks.clear();
-      for (int r = 0; r < nranks_; ++r) {
-        if (r == rank_ || read_word(flags_.done(r)) >= target) continue;
-        if (!process_alive(peer_pids_[static_cast<size_t>(r)])) {
-          ranks = std::to_string(r);
-          return Settled::PeerDied;
-        }
-        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-      }
-      if (own_done && ranks.empty()) return Settled::Finished;
-      if (std::chrono::steady_clock::now() >= deadline)
-        return own_done ? Settled::PeersBehind : Settled::OwnStreamBehind;
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-  }
-
-  // `device` >= 0: made current first (a window kept for graphs, freed from any thread).
-  static void free_window(int device, void* base, void* flags_host, void* host_check,
-                          cudaEvent_t lines_copied, const std::vector<uint8_t*>& peers,
-                          const std::vector<uint8_t*>& imports) {
-    if (device >= 0) cudaSetDevice(device);
-    for (uint8_t* p : peers)
-      if (p != nullptr) cudaIpcCloseMemHandle(p);
-    for (uint8_t* p : imports) ImportedAllocations::get().close(p);
-    cudaFree(base);
-    cudaFreeHost(flags_host);
-    if (host_check != nullptr) cudaFreeHost(host_check);
-    if (lines_copied != nullptr) cudaEventDestroy(lines_copied);
-    cudaGetLastError();
-  }
-
-  // What earlier releases kept for graphs now destroyed (KeptForGraphs).
-  static void free_kept_for_graphs() {
-    std::vector<KeptForGraphs> free;
-    {
-      std::lock_guard<std::mutex> lock(kept_mutex());
-      auto& kept = kept_for_graphs();
-      for (auto it = kept.begin(); it != kept.end();) {
-        if (it->holds->live.load(std::memory_order_acquire) > 0) {
-          ++it;
-          continue;
-        }
-        free.push_back(std::move(*it));
-        it = kept.erase(it);
-      }
-    }
-    if (free.empty()) return;
-    int device = -1;  // the thread's, given back after (another device's window may be freed)
-    if (cudaGetDevice(&device) != cudaSuccess) device = -1;
-    for (const KeptForGraphs& k : free) {
-      free_window(k.device, k.base, k.flags_host, k.host_check, k.lines_copied, k.peers, k.imports);
-      if (k.bucket_end != nullptr) cudaEventDestroy(k.bucket_end);
-      MAGI_INFO(Transport,
-                "a window of %zu peer mappings kept for CUDA graphs was freed: those graphs are "
-                "all destroyed",
-                k.peers.size() + k.imports.size());
-    }
-    if (device >= 0) cudaSetDevice(device);
-    cudaGetLastError();
-  }
-
-  // Every wait of this rank, queued or to come, passes: its own window's ready and done words
-  // (Waits::All), and its graph slots' latches, for every replay to come. Not mem_ops_: a call
-  // may be filling that on another thread.
-  enum class Waits : uint8_t { All, Latches };
-  void release_waits(Waits which) {
-    std::vector<CUstreamBatchMemOpParams> ops;
-    for (int r = 0; r < nranks_; ++r) {
-      if (r == rank_) continue;
-      if (which == Waits::All) {
-        ops.push_back(write_op(flag(flags_.ready(r)), kReleased));
-        ops.push_back(write_op(flag(flags_.done(r)), kReleased));
-      }
-      for (int slot = 0; slot < 2; ++slot) {
-        ops.push_back(write_half_op(flag(flags_.staged(slot, r)), true, 1));
-        ops.push_back(write_half_op(flag(flags_.read(slot, r)), true, 1));
-      }
-    }
-    if (ops.empty()) return;
-    const CudaDriver* driver = cuda_driver();
-    if (driver == nullptr || driver->cuStreamBatchMemOp_fn == nullptr ||
-        driver->cuStreamBatchMemOp_fn(reinterpret_cast<CUstream>(own_stream_),
-                                      static_cast<unsigned>(ops.size()), ops.data(),
-                                      0) != CUDA_SUCCESS ||
-        cudaStreamSynchronize(own_stream_) != cudaSuccess) {
-      cudaGetLastError();
-      MAGI_WARN(Transport,
-                "could not release this rank's waits on its peers; its stream may stay blocked");
-    }
-  }
 
   const int rank_;
   const int nranks_;
@@ -991,7 +487,7 @@ class CudaMemoryOps final : public MemoryOps {
   size_t flags_at_ = 0;  // offset of the flag words in the allocation
   size_t flag_bytes_ = 0;
   cudaStream_t own_stream_ = nullptr;
-  void* flags_host_ = nullptr;  // pinned: this rank's flags, read back by settle()
+  void* flags_host_ = nullptr;  // pinned: this rank's flags, read back by read_flags_now()
   void* host_check_ = nullptr;  // bound: kCheckBytes, pinned
   cudaEvent_t lines_copied_ = nullptr;
   cudaEvent_t bucket_end_ = nullptr;  // recorded at each staged bucket's end (end_bucket)
@@ -999,18 +495,10 @@ class CudaMemoryOps final : public MemoryOps {
   void* last_bucket_stream_ = nullptr;
   std::array<uint8_t, 16> gpu_{};  // this rank's GPU (export_window)
   std::vector<uint8_t*> peers_;
-  std::vector<pid_t> peer_pids_;
-  std::vector<uint8_t*> imports_;  // opened through ImportedAllocations
-  // cuMemCreate exports: the channel that hands their descriptors, the handles it makes them
-  // from, and each range's offer.
-  std::unique_ptr<fd_channel::Server> server_;
+  std::vector<uint8_t*> imports_;  // opened through open_imported (cuda_imports.cc)
+  // cuMemCreate exports: the handles their offers make descriptors from (descriptor_offer).
   std::vector<CUmemGenericAllocationHandle> retained_;
-  std::map<std::pair<uintptr_t, uint64_t>, uint32_t> offered_;
-  static constexpr uint64_t kNotSettled = ~uint64_t{0};
-  uint64_t settled_at_ = kNotSettled;  // abandon() found buckets 1..settled_at_ all finished
-  std::vector<void*> dsts_;
-  std::vector<const void*> srcs_;
-  std::vector<size_t> sizes_;
+  CopyBatch batch_;  // a bucket's copies, kept for their room
   std::vector<CUstreamBatchMemOpParams> mem_ops_;
   // Graphs captured with this window's gathers (hold_for_graph): their count, the last capture
   // that took a hold, and how many did.
@@ -1021,74 +509,11 @@ class CudaMemoryOps final : public MemoryOps {
 
 }  // namespace
 
-void abandon_graphs(uint64_t comm_identity) noexcept {
-  std::lock_guard<std::mutex> lock(kept_mutex());  // no window listed is freed meanwhile
-  std::vector<CUstreamBatchMemOpParams> ops;
-  int device = -1;
-  size_t windows = 0;
-  for (const KeptForGraphs& k : kept_for_graphs()) {
-    if (k.identity != comm_identity || k.flags == nullptr) continue;
-    device = k.device;
-    ++windows;
-    for (int r = 0; r < k.layout.nranks; ++r) {
-      if (r == k.rank) continue;
-      for (int slot = 0; slot < 2; ++slot) {
-        ops.push_back(write_half_op(k.flags + k.layout.staged(slot, r), true, 1));
-        ops.push_back(write_half_op(k.flags + k.layout.read(slot, r), true, 1));
-      }
-    }
-  }
-  if (ops.empty()) return;
-  const RelaxedCaptureMode own_calls(true);
-  int saved = -1;
-  if (cudaGetDevice(&saved) != cudaSuccess) saved = -1;
-  cudaStream_t stream = nullptr;
-  const CudaDriver* driver = cuda_driver();
-  const bool opened = device >= 0 && cudaSetDevice(device) == cudaSuccess &&
-                      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
-                      driver != nullptr && driver->cuStreamBatchMemOp_fn != nullptr &&
-                      driver->cuStreamBatchMemOp_fn(reinterpret_cast<CUstream>(stream),
-                                                    static_cast<unsigned>(ops.size()), ops.data(),
-                                                    0) == CUDA_SUCCESS &&
-                      cudaStreamSynchronize(stream) == cudaSuccess;
-  if (stream != nullptr) cudaStreamDestroy(stream);
-  if (saved >= 0) cudaSetDevice(saved);
-  cudaGetLastError();
-  if (opened)
-    MAGI_INFO(Transport,
-              "comm %012llx: aborted: the graph latches of %zu window(s) kept for CUDA graphs "
-              "are open, so no replay of those graphs waits on a peer",
-              short_id(comm_identity), windows);
-  else
-    MAGI_WARN(Transport,
-              "comm %012llx: aborted, but the graph latches of %zu window(s) kept for CUDA "
-              "graphs could not be opened; a replay of those graphs may wait on its peers",
-              short_id(comm_identity), windows);
-}
-
-RelaxedCaptureMode::RelaxedCaptureMode(bool cuda) {
-  if (!cuda) return;
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  if (cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess)
-    saved_ = static_cast<int>(mode);
-  else
-    cudaGetLastError();
-}
-
-RelaxedCaptureMode::~RelaxedCaptureMode() {
-  if (saved_ < 0) return;
-  auto mode = static_cast<cudaStreamCaptureMode>(saved_);
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  cudaGetLastError();
-}
-
-std::unique_ptr<Transport> make_cuda_transport(int rank, int nranks, uint64_t comm_identity,
-                                               int device, const Options::Fault& fault) {
-  check_rank(rank, nranks);
+std::unique_ptr<MemoryOps> make_cuda_memory(int rank, int nranks, uint64_t comm_identity,
+                                            int device) {
   if (!cuda_driver_loaded())
     throw Error(ErrorKind::System, "the CUDA driver is not loaded in this process");
-  return make_window_transport(std::make_unique<CudaMemoryOps>(rank, nranks, comm_identity, device),
-                               rank, nranks, comm_identity, fault);
+  return std::make_unique<CudaMemoryOps>(rank, nranks, comm_identity, device);
 }
 
 }  // namespace magi::ce

@@ -66,18 +66,7 @@ SourceTable SourceTable::parse(std::span<const uint8_t> in) {
   return table;
 }
 
-bool exportable(Backend backend, const void* ptr, size_t bytes) {
-  try {
-    return backend == Backend::Host ? exports::find_host_export(ptr, bytes).ok
-                                    : exports::find_cuda_export(ptr, bytes).ok;
-  } catch (const Error&) {  // no driver: nothing is exportable
-    return false;
-  }
-}
-
 namespace exports {
-
-constexpr size_t kRegionAlign = 256;
 
 SourcePlan plan_sources(const WindowPlan& plan,
                         const std::function<Exportable(const BindOp&)>& find_export) {
@@ -124,7 +113,7 @@ SourcePlan plan_sources(const WindowPlan& plan,
     }
     source.allocation = ShardSource::kInWindow;
     source.offset = out.region_bytes;
-    out.region_bytes += round_up(b.bytes, kRegionAlign);
+    out.region_bytes += round_up(b.bytes, kSlotAlignment);
     if (b.bytes == 0) continue;
     ++out.memory.bound_shards;
     out.memory.bound_bytes += b.bytes;

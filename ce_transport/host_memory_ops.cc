@@ -15,7 +15,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <new>
 #include <span>
@@ -25,7 +24,6 @@
 #include "base/base.h"
 #include "ce_transport/backends.h"
 #include "ce_transport/exports.h"
-#include "ce_transport/fd_channel.h"
 #include "ce_transport/host_window.h"
 #include "ce_transport/memory_ops.h"
 #include "ce_transport/process.h"
@@ -114,15 +112,15 @@ std::atomic<uint64_t>& word_at(const uint8_t* word) {
 
 class HostMemoryOps final : public MemoryOps {
  public:
-  HostMemoryOps(int rank, int nranks, uint64_t identity)
-      : rank_(rank), nranks_(nranks), identity_(identity), flags_{kCacheLine, nranks} {}
-  ~HostMemoryOps() override { stop_offering(); }
+  explicit HostMemoryOps(int nranks) : nranks_(nranks), flags_{kCacheLine, nranks} {}
+  ~HostMemoryOps() override { end_offers(); }
 
   Backend backend() const override { return Backend::Host; }
   bool synchronous() const override { return true; }
   const protocol::FlagLayout& flags() const override { return flags_; }
 
-  WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots) override {
+  WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots,
+                      std::span<const uint8_t> first_flags) override {
     // Slots start on cache lines, so packed 64-byte-aligned slot offsets stay aligned in memory.
     stride_ = round_up(slot_bytes, kCacheLine);
     region_at_ = sizeof(WindowHead) + flags_.bytes();
@@ -130,9 +128,12 @@ class HostMemoryOps final : public MemoryOps {
     own_ = HostWindow::create(region_at_ + slots * stride_, flags_.bytes(), nranks_ - 1);
     if (bound) check_.resize(kCheckBytes);
     const WindowView own = view(own_);
-    for (int slot = 0; slot < 2; ++slot)
-      for (int r = 0; r < nranks_; ++r)
-        word_at(own.flags + flags_.read(slot, r)).store(protocol::kLatchSet);
+    // The words start at 0 (HostWindow::create): only the others are stored.
+    for (size_t at = 0; at + sizeof(uint64_t) <= first_flags.size(); at += sizeof(uint64_t)) {
+      uint64_t value = 0;
+      std::memcpy(&value, first_flags.data() + at, sizeof(value));
+      if (value != 0) word_at(own.flags + at).store(value);
+    }
     return own;
   }
   size_t window_bytes() const override { return own_.size(); }
@@ -145,9 +146,9 @@ class HostMemoryOps final : public MemoryOps {
     std::memcpy(medium.data(), &host, sizeof(host));
   }
 
-  void begin_attach() override {
+  void begin_attach(std::span<const pid_t> pids) override {
     peers_.resize(static_cast<size_t>(nranks_));
-    peer_pids_.assign(static_cast<size_t>(nranks_), 0);
+    peer_pids_.assign(pids.begin(), pids.end());
   }
   WindowView map_peer(int rank, const protocol::BlobHeader& header, const Medium& medium) override {
     HostMedium host;
@@ -166,20 +167,43 @@ class HostMemoryOps final : public MemoryOps {
     // A peer whose pid this process cannot see (another pid namespace) could never be told apart
     // from a dead one while waiting: refuse it now.
     if (!process_alive(pid)) peer_gone(rank, pid);
-    peer_pids_[static_cast<size_t>(rank)] = pid;
     return view(peer);
   }
 
   exports::Exportable find_export(const void* ptr, size_t bytes) override {
-    return offered(exports::find_host_export(ptr, bytes));
+    return exports::find_host_export(ptr, bytes);
   }
   std::function<exports::Exportable(const void*, size_t)> export_finder() override {
-    return [this, find = exports::host_export_finder()](const void* ptr, size_t bytes) {
-      return offered(find(ptr, bytes));
-    };
+    return exports::host_export_finder();
   }
-  void allow_peers(std::span<const pid_t> pids) override {
-    if (server_ != nullptr) server_->allow(pids);
+  // Shared memory with no name a peer could open (exports.h): a descriptor of its file, held
+  // until end_offers(), and its file offset, inode and device, which the peer checks.
+  fd_channel::Offer descriptor_offer(const exports::Exportable& e) override {
+    uint64_t file_offset = 0;
+    const int fd = exports::host_export_descriptor(e.base, e.record.bytes, e.identity, file_offset);
+    held_.push_back(fd);
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) throw Error(ErrorKind::System, "fstat of its file failed");
+    const uint64_t said[3] = {file_offset, static_cast<uint64_t>(st.st_ino),
+                              static_cast<uint64_t>(st.st_dev)};
+    fd_channel::Offer offer;
+    offer.payload.resize(sizeof(said));
+    std::memcpy(offer.payload.data(), said, sizeof(said));
+    offer.count = 1;
+    offer.make = [fd](size_t) {
+      const int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+      if (copy < 0) throw Error(ErrorKind::System, "dup of an exported file failed");
+      return copy;
+    };
+    return offer;
+  }
+  const char* offer_refusal() const override {
+    return "its shared memory has no name a peer could open, and it cannot be offered by "
+           "descriptor: ";
+  }
+  void end_offers() override {
+    for (int fd : held_) ::close(fd);
+    held_.clear();
   }
   bool export_alive(uintptr_t base, size_t bytes, uint64_t identity) override {
     return exports::host_export_alive(base, bytes, identity);
@@ -219,6 +243,7 @@ class HostMemoryOps final : public MemoryOps {
             return (word.load(std::memory_order_acquire) & protocol::kLatchOpen) != 0;
           });
           break;
+        case FlagOp::Kind::Open: word.fetch_or(uint64_t{1} << 32, std::memory_order_release); break;
       }
     }
   }
@@ -244,11 +269,28 @@ class HostMemoryOps final : public MemoryOps {
   bool lines_copied() override { return true; }
 
   // Only the flag: the mappings stay until release(), which comes after any call in flight.
-  void abandon(uint64_t /*last_bucket*/) override {
-    abandoned_.store(true, std::memory_order_relaxed);
+  void interrupt_waits() override { abandoned_.store(true, std::memory_order_relaxed); }
+  // This window's words, each loaded as the atomic it is.
+  const uint8_t* read_flags_now() override {
+    if (own_.size() == 0) return nullptr;
+    flags_now_.resize(flags_.bytes());
+    const uint8_t* flags = own_.data() + sizeof(WindowHead);
+    for (size_t at = 0; at + sizeof(uint64_t) <= flags_now_.size(); at += sizeof(uint64_t)) {
+      const uint64_t value = word_at(flags + at).load(std::memory_order_acquire);
+      std::memcpy(flags_now_.data() + at, &value, sizeof(value));
+    }
+    return flags_now_.data();
   }
-  void release(uint64_t /*last_bucket*/, bool /*attached*/, bool /*abandoned*/) override {
-    stop_offering();
+  bool run_flags_now(std::span<const FlagOp> ops) override {
+    try {
+      run_flags(ops, nullptr);
+    } catch (const Error&) {
+      return false;
+    }
+    return true;
+  }
+  // Freed whether settled or not: a peer's mapping holds the memory it still reads.
+  void release(bool /*settled*/) override {
     imports_.clear();  // unmaps the peers' exported allocations
     peers_.clear();    // unmaps; their names were removed when the last peer opened them
     peer_pids_.clear();
@@ -257,61 +299,12 @@ class HostMemoryOps final : public MemoryOps {
   }
 
  private:
-  // Shared memory with no name a peer could open (exports.h): offered on this window's
-  // descriptor channel (started at the first), a descriptor of its file held until release.
-  // Once per mapping a plan exports. A failure leaves the shard to be bound, with the reason.
-  exports::Exportable offered(exports::Exportable e) {
-    if (!e.ok || e.record.kind != ExportRecord::Kind::ByDescriptor) return e;
-    try {
-      auto known = offered_.find(e.base);
-      if (known == offered_.end()) {
-        uint64_t file_offset = 0;
-        const int fd =
-            exports::host_export_descriptor(e.base, e.record.bytes, e.identity, file_offset);
-        held_.push_back(fd);
-        struct stat st {};
-        if (::fstat(fd, &st) != 0) throw Error(ErrorKind::System, "fstat of its file failed");
-        const uint64_t said[3] = {file_offset, static_cast<uint64_t>(st.st_ino),
-                                  static_cast<uint64_t>(st.st_dev)};
-        if (server_ == nullptr) server_ = fd_channel::Server::start(identity_, rank_);
-        fd_channel::Offer offer;
-        offer.payload.resize(sizeof(said));
-        std::memcpy(offer.payload.data(), said, sizeof(said));
-        offer.count = 1;
-        offer.make = [fd](size_t) {
-          const int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
-          if (copy < 0) throw Error(ErrorKind::System, "dup of an exported file failed");
-          return copy;
-        };
-        known = offered_.emplace(e.base, server_->offer(std::move(offer))).first;
-      }
-      exports::set_descriptor_source(e.record, server_->address(), known->second);
-    } catch (const Error& error) {
-      e.ok = false;
-      e.refusal = std::string(
-                      "its shared memory has no name a peer could open, and it cannot be "
-                      "offered by descriptor: ") +
-                  error.what();
-    }
-    return e;
-  }
-  // The channel stops before the descriptors it hands out are closed.
-  void stop_offering() {
-    if (server_ != nullptr) server_->stop();
-    server_.reset();
-    for (int fd : held_) ::close(fd);
-    held_.clear();
-    offered_.clear();
-  }
-
   WindowView view(const HostWindow& window) const {
     return {window.data() + region_at_, window.size() - region_at_, stride_,
             window.data() + sizeof(WindowHead)};
   }
 
-  const int rank_;
   const int nranks_;
-  const uint64_t identity_;
   const protocol::FlagLayout flags_;
   size_t region_at_ = 0;  // where the slots (or the bound region) start in a window
   size_t stride_ = 0;
@@ -320,18 +313,15 @@ class HostMemoryOps final : public MemoryOps {
   std::vector<pid_t> peer_pids_;
   std::vector<exports::HostImport> imports_;  // the peers' exported allocations, mapped
   std::vector<uint8_t> check_;
+  std::vector<uint8_t> flags_now_;  // read_flags_now()'s
   std::atomic<bool> abandoned_{false};
-  std::unique_ptr<fd_channel::Server> server_;  // exports by descriptor
-  std::vector<int> held_;                       // their files
-  std::map<uintptr_t, uint32_t> offered_;       // by mapping start: the offer
+  std::vector<int> held_;  // the files of the exports by descriptor
 };
 
 }  // namespace
 
-std::unique_ptr<Transport> make_host_transport(int rank, int nranks, uint64_t comm_identity,
-                                               const Options::Fault& fault) {
-  return make_window_transport(std::make_unique<HostMemoryOps>(rank, nranks, comm_identity), rank,
-                               nranks, comm_identity, fault);
+std::unique_ptr<MemoryOps> make_host_memory(int nranks) {
+  return std::make_unique<HostMemoryOps>(nranks);
 }
 
 }  // namespace magi::ce

@@ -11,13 +11,13 @@
 #include <string>
 
 #include "base/cuda_driver.h"
+#include "ce_transport/backends.h"
 #include "ce_transport/ce_transport.h"
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
 namespace magi::ce {
-namespace {
 
 BufferIdentity identify_cuda_buffer(const void* ptr) {
   // Asked at each call: the program may load the driver after us.
@@ -51,8 +51,8 @@ BufferIdentity identify_cuda_buffer(const void* ptr) {
   return id;
 }
 
-// XXH3 of the host name and the kernel's boot id: equal for processes that share a machine and
-// its current boot, so shared memory between them is real.
+// Equal for processes that share a machine and its current boot, so shared memory between them
+// is real.
 uint64_t host_fingerprint() {
   char name[HOST_NAME_MAX + 1] = {};
   if (gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
@@ -63,8 +63,7 @@ uint64_t host_fingerprint() {
   return XXH3_64bits(key.data(), key.size());
 }
 
-// Bit d set when `device` can reach device d's memory (its own included). Only with the driver
-// already loaded: the runtime would otherwise start CUDA.
+// Only with the driver already loaded: the runtime would otherwise start CUDA.
 uint64_t peer_access_mask(int device) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
@@ -83,24 +82,6 @@ uint64_t peer_access_mask(int device) {
     if (can != 0) mask |= uint64_t{1} << d;
   }
   return mask;
-}
-
-}  // namespace
-
-BufferIdentity identify_buffer(Backend backend, const void* ptr) {
-  if (backend == Backend::Host) return {MemoryKind::Host, 0, -1};
-  return identify_cuda_buffer(ptr);
-}
-
-Locality local_locality(Backend backend, int cuda_device) {
-  static const uint64_t host = host_fingerprint();
-  Locality here;
-  here.host = host;
-  if (backend == Backend::Cuda && cuda_device >= 0 && cuda_driver_loaded()) {
-    here.device = cuda_device;
-    here.peer_access_mask = peer_access_mask(cuda_device);
-  }
-  return here;
 }
 
 }  // namespace magi::ce

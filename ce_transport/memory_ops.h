@@ -24,6 +24,7 @@
 #include "base/base.h"
 #include "ce_transport/ce_transport.h"
 #include "ce_transport/exports.h"
+#include "ce_transport/fd_channel.h"
 #include "ce_transport/protocol.h"
 #include "ce_transport/sample_plan.h"
 
@@ -50,8 +51,9 @@ struct Copy {
 //    least `value`.
 //  - Latch, WaitLatch: a latch (graph slots: protocol.h): stores `value` (0 or 1) in the low 32
 //    bits alone; waits until the word & kLatchOpen is not 0 (set, or aborted).
+//  - Open: a latch opened for good by an abort: 1 stored in its high 32 bits alone.
 struct FlagOp {
-  enum class Kind : uint8_t { Write, Wait, Latch, WaitLatch };
+  enum class Kind : uint8_t { Write, Wait, Latch, WaitLatch, Open };
   Kind kind;
   int rank;        // Write, Latch: whose window holds `word`; waits: the peer that writes it
   uint8_t* word;   // waits: always a word of this rank's own window
@@ -86,12 +88,24 @@ class MemoryOps {
   // The same on a thread that may never have used it (the set-up's, a watchdog's): first in
   // prepare, attach, abandon and release, off the gathers' path.
   virtual void use_on_any_thread() { use(); }
+  // The calling thread's own calls on this memory (a window's set-up or release) are not taken
+  // for part of a CUDA graph a thread of the program is capturing, until restore_capture() is
+  // given what this returned (cuda_thread.h's RelaxedCaptureMode); through OwnCalls. Nothing for
+  // host memory.
+  virtual int relax_capture() { return -1; }
+  virtual void restore_capture(int /*saved*/) {}
+  // Whether mapping a peer's allocation holds up the program's own calls on the device (CUDA
+  // IPC: in proportion to the bytes mapped), so that a set-up off the calls spreads its mappings
+  // out (pace_mappings_on_this_thread). Shared-memory mappings hold nothing up.
+  virtual bool paces_mappings() const { return false; }
 
   // ---- this rank's window ----
-  // Allocates it, its flag words zeroed but for the graph slots' read latches (set): two
+  // Allocates it, its flag words as `first_flags` has them (protocol::first_flags(): the
+  // FlagLayout's bytes(); a kind that keeps no failed words takes those before them): two
   // staging slots of `slot_bytes` (four with `graph_slots`: WindowView::slot_stride apart), or
   // one bound region of `slot_bytes` (`bound`, which also gets a check buffer).
-  virtual WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots) = 0;
+  virtual WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots,
+                              std::span<const uint8_t> first_flags) = 0;
   virtual size_t window_bytes() const = 0;  // 0 while there is no window
   // Bound windows, at prepare: copies the program's shards into the window, done before prepare
   // returns. A shard the program has freed since is refused (Error System), never read.
@@ -100,9 +114,10 @@ class MemoryOps {
   virtual void export_window(Medium& medium) = 0;
 
   // ---- the peers' windows ----
-  // First in attach (CUDA: the device; the stream memory operations looked up now, not at the
-  // first gather).
-  virtual void begin_attach() = 0;
+  // First in attach, once the peers' blobs are checked (CUDA: the device; the stream memory
+  // operations looked up now, not at the first gather). `pids`: the peers' processes, by rank
+  // (this rank's own 0), from their blobs: a wait on the host notices a dead one.
+  virtual void begin_attach(std::span<const pid_t> pids) = 0;
   // Maps peer `rank`'s window from its checked header and its medium. A mapping made is kept
   // until release(), also when this throws afterwards.
   virtual WindowView map_peer(int rank, const protocol::BlobHeader& header,
@@ -121,9 +136,14 @@ class MemoryOps {
   // Whether the allocation exported at `base` is still the one exported (`identity`; `bytes`:
   // the export's size, ExportRecord::bytes).
   virtual bool export_alive(uintptr_t base, size_t bytes, uint64_t identity) = 0;
-  // The peers' processes (by rank, this rank's own 0), known at attach before any import: the
-  // only ones this rank's exports by descriptor are handed to (fd_channel.h).
-  virtual void allow_peers(std::span<const pid_t> /*pids*/) {}
+  // An export by descriptor (find_export's, kind ByDescriptor): what the offer of it hands a
+  // peer (fd_channel.h), made now (host: a descriptor of its file held; CUDA: its pieces'
+  // handles retained) and kept until end_offers(). Throws when it cannot be offered;
+  // offer_refusal() begins the reason.
+  virtual fd_channel::Offer descriptor_offer(const exports::Exportable& e) = 0;
+  virtual const char* offer_refusal() const = 0;
+  // What the offers were made from goes (after the channel that served them stopped).
+  virtual void end_offers() {}
   // Maps a peer's exported allocation, until release().
   virtual exports::Span import(const ExportRecord& record) = 0;
   virtual size_t imports() const = 0;
@@ -177,31 +197,40 @@ class MemoryOps {
   virtual uint64_t read_word_now(const uint8_t* word) = 0;
   virtual void write_word_now(uint8_t* word, uint64_t value) = 0;
 
-  // ---- the end ----
-  // The communicator is aborted, the window attached, `last_bucket` the last one started: every
-  // wait of this rank on its peers gives up (ce_transport.h's abandon()), the graph slots'
-  // latches for good (their high halves: a replay's own stores cannot close them again).
-  virtual void abandon(uint64_t last_bucket) = 0;
-  // Frees the window, the peers' mappings and imports, once that is safe (ce_transport.h's
-  // release()); `abandoned`: abandon() came first.
-  virtual void release(uint64_t last_bucket, bool attached, bool abandoned) = 0;
+  // ---- the end (window_end.h decides, these execute) ----
+  // Synchronous memory: every wait of this rank running on a thread now, or to come, gives up
+  // (throws). A stream's waits are released by the words an abort writes (run_flags_now).
+  virtual void interrupt_waits() {}
+  // This rank's own flag words as they are now, copied to the host (CUDA: on the window's own
+  // stream, waited for: never a program's stream, which may be the one stuck); nullptr when they
+  // cannot be read. Valid until the next call.
+  virtual const uint8_t* read_flags_now() = 0;
+  // Flag operations (writes only) run now on the window's own stream, waited for; false when
+  // they could not be run. May come from another thread than the gathers'.
+  virtual bool run_flags_now(std::span<const FlagOp> ops) = 0;
+  // Waits for what this rank queued on its window off the program's streams (the first flags,
+  // the bindings); false when it failed.
+  virtual bool own_work_done() { return true; }
+  // Frees the window, the peers' mappings and imports. `settled`: no peer reads the window any
+  // more and this rank's own work on it has run (window_end.h); else the memory is left as it
+  // is (freeing device memory would wait for the whole device, which a stuck peer holds) and
+  // only forgotten: the process's end returns it.
+  virtual void release(bool settled) = 0;
 };
 
-// For its life, the calling thread's CUDA calls for the transport itself (a window's set-up or
-// release, on the program's thread or the set-up's) are not taken for part of a CUDA graph that
-// a thread of the program is capturing: the thread's capture mode is relaxed, and restored at
-// the end. Under the default (global) mode, a cudaMalloc or a cudaStreamSynchronize made while
-// any thread captures would be refused, and on the capturing thread would end its capture.
-// `cuda`: false for host memory, which needs nothing.
-class RelaxedCaptureMode {
+// For its life, the calling thread's own calls on `memory` are kept out of any CUDA graph a
+// thread of the program is capturing (MemoryOps::relax_capture), and the thread's mode is given
+// back at the end.
+class OwnCalls {
  public:
-  explicit RelaxedCaptureMode(bool cuda);
-  ~RelaxedCaptureMode();
-  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
-  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+  explicit OwnCalls(MemoryOps& memory) : memory_(memory), saved_(memory.relax_capture()) {}
+  ~OwnCalls() { memory_.restore_capture(saved_); }
+  OwnCalls(const OwnCalls&) = delete;
+  OwnCalls& operator=(const OwnCalls&) = delete;
 
  private:
-  int saved_ = -1;  // the thread's mode before, or -1: nothing to restore
+  MemoryOps& memory_;
+  int saved_;
 };
 
 // Throws Error(Usage) unless 0 <= rank < nranks.

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace magi::ce::protocol {
 namespace {
@@ -78,6 +79,14 @@ BlobHeader check_header(const HandleBlob& blob, int rank, const WindowShape& sha
 
 std::string source_log_of(const BlobHeader& header) {
   return std::string(header.source_log, strnlen(header.source_log, sizeof(header.source_log)));
+}
+
+std::vector<uint8_t> first_flags(const FlagLayout& layout) {
+  std::vector<uint8_t> words(layout.bytes(), 0);
+  for (int slot = 0; slot < 2; ++slot)
+    for (int r = 0; r < layout.nranks; ++r)
+      std::memcpy(words.data() + layout.read(slot, r), &kLatchSet, sizeof(kLatchSet));
+  return words;
 }
 
 void FaultPoints::at_prepare() const {

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "base/base.h"
 #include "ce_transport/ce_transport.h"
@@ -141,6 +142,15 @@ struct FlagLayout {
 // writes its high half (the handshake's own stores write only the low half).
 inline constexpr uint64_t kLatchSet = 1;
 inline constexpr uint64_t kLatchOpen = kLatchSet | ~uint64_t{0} << 32;  // a wait's mask
+
+// What an abort raises this rank's ready and done words to, so that its waits on them pass.
+// Stream waits compare cyclically ((int64_t)(word - target) >= 0): the value must be far ahead
+// of any sequence number, yet not wrap past them.
+inline constexpr uint64_t kReleased = uint64_t{1} << 62;
+
+// A window's flag words as they start (layout.bytes() of them): 0, but the graph slots' read
+// latches, set: no peer owes a read of a slot not yet staged.
+std::vector<uint8_t> first_flags(const FlagLayout& layout);
 
 // ---- MAGI_INJECT_FAULT ------------------------------------------------------------------------
 // Lets tests make one rank's transport fail where a CUDA error could, to show that every rank

@@ -5,7 +5,7 @@
 
 #include "base/base.h"
 #include "base/cuda_driver.h"
-#include "ce_transport/ce_transport.h"
+#include "ce_transport/backends.h"
 
 namespace magi::ce {
 namespace {
@@ -54,9 +54,7 @@ class EventTimer final : public CompletionTimer {
 
 }  // namespace
 
-std::unique_ptr<CompletionTimer> make_timer(Backend backend) {
-  if (backend == Backend::Host) return std::make_unique<WallTimer>();
-  return std::make_unique<EventTimer>();
-}
+std::unique_ptr<CompletionTimer> make_wall_timer() { return std::make_unique<WallTimer>(); }
+std::unique_ptr<CompletionTimer> make_event_timer() { return std::make_unique<EventTimer>(); }
 
 }  // namespace magi::ce

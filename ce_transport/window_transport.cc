@@ -14,7 +14,9 @@
 // Why it cannot hang: on synchronous memory every wait is on a peer that is either alive (and
 // then gets there, as every rank runs the same buckets) or dead, which the wait notices through
 // the peer's pid and reports; on a stream, a wait holds the stream as NCCL's kernels would, until
-// the communicator is aborted, which releases this rank's waits by writing its own words.
+// the communicator is aborted, which releases this rank's waits by writing its own words
+// (abandon(), window_end.h), and a window on a stream is freed only once it has settled.
+// Everything here decides which words a step reads and writes; the memory only executes.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -26,7 +28,7 @@
 #include <vector>
 
 #include "base/base.h"
-#include "ce_transport/backends.h"
+#include "ce_transport/descriptor_offers.h"
 #include "ce_transport/exports.h"
 #include "ce_transport/mapping_turns.h"
 #include "ce_transport/memory_ops.h"
@@ -35,6 +37,7 @@
 #include "ce_transport/sample_plan.h"
 #include "ce_transport/source_log.h"
 #include "ce_transport/verify_schedule.h"
+#include "ce_transport/window_end.h"
 
 namespace magi::ce {
 namespace {
@@ -57,7 +60,8 @@ class WindowTransport final : public Transport {
         nranks_(nranks),
         identity_(identity),
         flags_(memory_->flags()),
-        faults_(fault, rank) {}
+        faults_(fault, rank),
+        offers_(identity, rank) {}
   ~WindowTransport() override {
     try {
       release();
@@ -66,7 +70,7 @@ class WindowTransport final : public Transport {
 
   void prepare(const WindowPlan& plan, HandleBlob& out) override {
     std::lock_guard<std::mutex> lock(lifetime_);
-    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
+    const OwnCalls own_calls(*memory_);
     release_locked();  // a new plan starts from a new window and bucket 1
     faults_.at_prepare();
     memory_->use_on_any_thread();
@@ -76,14 +80,16 @@ class WindowTransport final : public Transport {
     zero_copy_ = plan.bound && plan.zero_copy;
     if (bound_) {
       const auto find = memory_->export_finder();
-      sources_ =
-          exports::bound_sources(plan, [&](const BindOp& b) { return find(b.sendbuf, b.bytes); });
+      sources_ = exports::bound_sources(plan, [&](const BindOp& b) {
+        return offers_.offered(find(b.sendbuf, b.bytes), *memory_);
+      });
       bind_ = plan.bind;
       bind_index_.reset(plan.bind);
       references_.reset(plan.bind.size());
     }
     verify_.reset(plan.verify_first, plan.verify_every);
-    own_ = memory_->allocate(bound_ ? sources_.region_bytes : slot_bytes_, bound_, graph_slots_);
+    own_ = memory_->allocate(bound_ ? sources_.region_bytes : slot_bytes_, bound_, graph_slots_,
+                             protocol::first_flags(flags_));
     if (bound_) bind_shards(plan);
     shape_ = {memory_->backend(),
               identity_,
@@ -104,7 +110,7 @@ class WindowTransport final : public Transport {
   }
 
   void attach(std::span<const HandleBlob> blobs, std::span<const SourceTable> tables) override {
-    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
+    const OwnCalls own_calls(*memory_);
     if (memory_->window_bytes() == 0) throw Error(ErrorKind::Usage, "attach before prepare");
     if (attached_) throw Error(ErrorKind::Usage, "attach called twice for one window");
     if (blobs.size() != static_cast<size_t>(nranks_))
@@ -114,7 +120,6 @@ class WindowTransport final : public Transport {
       throw Error(ErrorKind::Usage, "a zero-copy window needs every rank's source table");
     faults_.at_attach();
     std::lock_guard<std::mutex> lock(lifetime_);
-    memory_->begin_attach();
     peers_.assign(static_cast<size_t>(nranks_), WindowView{});
     std::vector<std::string> logs(static_cast<size_t>(nranks_));
     std::vector<protocol::BlobHeader> headers(static_cast<size_t>(nranks_));
@@ -126,9 +131,10 @@ class WindowTransport final : public Transport {
       media[i] = protocol::read_blob<Medium>(blobs[i], r, shape_, headers[i]);
       pids[i] = static_cast<pid_t>(headers[i].pid);
     }
+    memory_->begin_attach(pids);
     // Before any mapping: a peer may already be asking for this rank's exports by descriptor.
-    memory_->allow_peers(faults_.refuses_descriptors() ? std::span<const pid_t>{}
-                                                       : std::span<const pid_t>(pids));
+    offers_.allow(faults_.refuses_descriptors() ? std::span<const pid_t>{}
+                                                : std::span<const pid_t>(pids));
     peer_pids_ = pids;
     for (int r = 0; r < nranks_; ++r) {
       if (r == rank_) continue;
@@ -148,8 +154,7 @@ class WindowTransport final : public Transport {
       peer_sources_ = exports::locate_peer_sources(
           rank_, bind_, zero_copy_ ? tables : std::span<const SourceTable>{}, regions,
           [&](const ExportRecord& record) {
-            if (!t_pace_mappings || memory_->backend() != Backend::Cuda)
-              return memory_->import(record);
+            if (!t_pace_mappings || !memory_->paces_mappings()) return memory_->import(record);
             exports::Span mapped;
             std::chrono::steady_clock::duration took;
             {
@@ -206,16 +211,35 @@ class WindowTransport final : public Transport {
     return gather_staged(bucket, eager, stream);
   }
 
+  // Synchronous memory: the waits running on threads give up. On a stream: a healthy abort (the
+  // program's shutdown) finds every bucket run or about to be; anything else is released at once
+  // (a dead peer) or after a short grace (a peer that stalls). A graph's latches are opened in
+  // any case: a replay may come after the eager buckets settled, and would wait on peers that no
+  // longer serve it (window_end.h).
   void abandon() override {
     std::lock_guard<std::mutex> lock(lifetime_);
-    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
+    const OwnCalls own_calls(*memory_);
     abandoned_.store(true);
-    if (attached_) memory_->abandon(settling_bucket());
+    if (!attached_) return;
+    if (memory_->synchronous()) {
+      memory_->interrupt_waits();
+      return;
+    }
+    memory_->use_on_any_thread();
+    const uint64_t last = settling_bucket();
+    std::string unfinished;  // not said: an abort that finds a bucket in flight says so at release
+    if (settle(*memory_, flags_, rank_, peer_pids_, last, kAbortGrace, unfinished) ==
+        Settled::Finished) {
+      settled_at_ = last;
+      release_waits(false);
+    } else {
+      release_waits(true);
+    }
   }
 
   void release() override {
     std::lock_guard<std::mutex> lock(lifetime_);
-    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
+    const OwnCalls own_calls(*memory_);
     release_locked();
   }
 
@@ -233,7 +257,7 @@ class WindowTransport final : public Transport {
   std::string lost_peer() override {
     std::unique_lock<std::mutex> lock(lifetime_, std::try_to_lock);
     if (!lock.owns_lock() || !attached_) return {};
-    const RelaxedCaptureMode own_calls(memory_->backend() == Backend::Cuda);
+    const OwnCalls own_calls(*memory_);
     for (int r = 0; r < nranks_; ++r) {
       const pid_t pid = peer_pids_[static_cast<size_t>(r)];
       if (r == rank_ || pid <= 0 || process_alive(pid)) continue;
@@ -634,6 +658,19 @@ class WindowTransport final : public Transport {
   // graph's own lifetime keeps what it uses: hold_for_graph).
   uint64_t settling_bucket() const { return eager_.load(); }
 
+  // Every wait of this rank on its peers passes, queued or to come (window_end.h): its ready and
+  // done words (`counters`) and its graph slots' latches. Not flag_ops_: a call may be filling
+  // that on another thread.
+  void release_waits(bool counters) {
+    if (own_.flags == nullptr) return;  // no window: nothing ever waited on it
+    std::vector<FlagOp> ops;
+    add_wait_releases(ops, flags_, rank_, own_.flags, counters);
+    if (ops.empty()) return;
+    if (!memory_->run_flags_now(ops))
+      MAGI_WARN(Transport,
+                "could not release this rank's waits on its peers; its stream may stay blocked");
+  }
+
   void release_locked() {
     // Peers that outlive this process must not take its end for a death (lost_peer()).
     if (own_.flags != nullptr) {
@@ -641,7 +678,37 @@ class WindowTransport final : public Transport {
         memory_->write_word_now(own_.flags + flags_.left(), 1);
       } catch (const Error&) {}
     }
-    memory_->release(settling_bucket(), attached_, abandoned_.load());
+    offers_.stop();
+    memory_->end_offers();
+    bool settled = true;
+    if (memory_->window_bytes() != 0 && !memory_->synchronous()) {
+      memory_->use_on_any_thread();
+      const uint64_t last = settling_bucket();
+      Settled how = Settled::Finished;
+      std::string unfinished;
+      if (attached_ && last > 0) {
+        if (abandoned_.load())
+          how = settled_at_ == last ? Settled::Finished : Settled::Abandoned;
+        else
+          how = settle(*memory_, flags_, rank_, peer_pids_, last, kSettleLimit, unfinished);
+      } else if (!memory_->own_work_done()) {
+        // Nothing was gathered: only this rank's own set-up (flags, binding) may be queued.
+        how = Settled::Unreadable;
+      }
+      if (how != Settled::Finished) {
+        // This rank's stream must not wait for ever on peers that will never come; freeing
+        // would wait for the whole device (window_end.h). The process's end returns it all.
+        release_waits(true);
+        MAGI_WARN(Transport,
+                  "window of %zu bytes left allocated, with its %d peer mappings and %zu mapped "
+                  "peer allocations: %s",
+                  memory_->window_bytes(), nranks_ - 1, memory_->imports(),
+                  settled_name(how, unfinished).c_str());
+        settled = false;
+      }
+    }
+    memory_->release(settled);
+    settled_at_ = kNotSettled;
     log_.close();
     peers_.clear();
     peer_pids_.clear();
@@ -702,6 +769,9 @@ class WindowTransport final : public Transport {
   std::atomic<uint64_t> sequence_{0};  // the last bucket started; read by abandon() from any thread
   std::atomic<uint64_t> eager_{0};     // buckets started that were not captured
   std::atomic<bool> abandoned_{false};
+  static constexpr uint64_t kNotSettled = ~uint64_t{0};
+  uint64_t settled_at_ = kNotSettled;  // abandon() found buckets 1..settled_at_ all finished
+  DescriptorOffers offers_;            // exports by descriptor (bound windows)
   std::mutex lifetime_;  // prepare, attach, release and abandon, which may come from another thread
 };
 
@@ -719,12 +789,6 @@ std::unique_ptr<Transport> make_window_transport(std::unique_ptr<MemoryOps> memo
                                                  const Options::Fault& fault) {
   check_rank(rank, nranks);
   return std::make_unique<WindowTransport>(std::move(memory), rank, nranks, comm_identity, fault);
-}
-
-std::unique_ptr<Transport> make_transport(Backend backend, int rank, int nranks,
-                                          uint64_t comm_identity, int device) {
-  if (backend == Backend::Host) return make_host_transport(rank, nranks, comm_identity);
-  return make_cuda_transport(rank, nranks, comm_identity, device);
 }
 
 }  // namespace magi::ce

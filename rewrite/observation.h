@@ -23,7 +23,7 @@
 namespace magi::rewrite {
 
 inline constexpr uint16_t kNoGroup = 0xffff;
-inline constexpr size_t kSlotAlignment = 256;
+using ce::kSlotAlignment;
 
 // What the observation keeps of one collective: its shape and this rank's own facts (call site,
 // buffers, grouping, capture). Held for recent calls too, to seed a step just found

@@ -82,27 +82,23 @@ struct Event {
 
 class FakeMemory final : public MemoryOps {
  public:
-  struct Release {
-    uint64_t last_bucket;
-    bool attached;
-    bool abandoned;
-  };
-
   FakeMemory(int rank, int nranks, FakeExports& exports)
       : rank_(rank), nranks_(nranks), flags_{kLine, nranks}, exports_(exports) {}
 
   Backend backend() const override { return Backend::Cuda; }
   bool synchronous() const override { return false; }
   const protocol::FlagLayout& flags() const override { return flags_; }
+  bool paces_mappings() const override { return true; }
 
-  WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots) override {
+  WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots,
+                      std::span<const uint8_t> first_flags) override {
     const size_t stride = round_up(std::max<size_t>(slot_bytes, 1), kLine);
     const size_t flags_at = (bound ? 1 : graph_slots ? 4 : 2) * stride;
     storage_.assign((flags_at + flags_.bytes_but_failed()) / 8, 0);
     auto* base = reinterpret_cast<uint8_t*>(storage_.data());
     own_ = {base, flags_at, stride, base + flags_at};
-    for (int slot = 0; slot < 2; ++slot)
-      for (int r = 0; r < nranks_; ++r) store(own_.flags + flags_.read(slot, r), 1);
+    EXPECT_GE(first_flags.size(), flags_.bytes_but_failed());
+    std::memcpy(own_.flags, first_flags.data(), flags_.bytes_but_failed());
     if (bound) check_.assign(kCheckBytes, 0);
     return own_;
   }
@@ -111,7 +107,10 @@ class FakeMemory final : public MemoryOps {
     for (const Copy& c : shards) std::memcpy(c.dst, c.src, c.bytes);
   }
   void export_window(Medium& medium) override { std::memcpy(medium.data(), &own_, sizeof(own_)); }
-  void begin_attach() override { peer_flags_.assign(static_cast<size_t>(nranks_), nullptr); }
+  void begin_attach(std::span<const pid_t> pids) override {
+    peer_flags_.assign(static_cast<size_t>(nranks_), nullptr);
+    peer_pids = {pids.begin(), pids.end()};
+  }
   WindowView map_peer(int rank, const protocol::BlobHeader& header, const Medium& medium) override {
     WindowView peer;
     std::memcpy(&peer, medium.data(), sizeof(peer));
@@ -141,6 +140,10 @@ class FakeMemory final : public MemoryOps {
     return false;
   }
   bool shares_gpu_with(const Medium&) const override { return exports_.one_gpu; }
+  fd_channel::Offer descriptor_offer(const exports::Exportable&) override {
+    throw Error(ErrorKind::Internal, "the fake exports nothing by descriptor");
+  }
+  const char* offer_refusal() const override { return "not offered: "; }
   exports::Span import(const ExportRecord& record) override {
     if (exports_.import_takes.count() > 0) {
       const int now = ++exports_.importing;
@@ -186,17 +189,6 @@ class FakeMemory final : public MemoryOps {
   FakeGraph take_graph() {
     graph.clear();
     return {std::exchange(recorded, {})};
-  }
-  // As the CUDA backend's abandon(): the high half of each of this rank's latches.
-  void open_latches() {
-    for (int slot = 0; slot < 2; ++slot)
-      for (int r = 0; r < nranks_; ++r) {
-        if (r == rank_) continue;
-        for (const size_t word : {flags_.staged(slot, r), flags_.read(slot, r)}) {
-          const uint32_t one = 1;
-          std::memcpy(own_.flags + word + 4, &one, sizeof(one));
-        }
-      }
   }
   // A word of this rank's own window.
   uint64_t word(size_t offset) const {
@@ -255,6 +247,13 @@ class FakeMemory final : public MemoryOps {
         case FlagOp::Kind::WaitLatch:
           step = [word] { return (load(word) & protocol::kLatchOpen) != 0; };
           break;
+        case FlagOp::Kind::Open:
+          step = [word] {  // the high half alone
+            const uint32_t one = 1;
+            std::memcpy(word + 4, &one, sizeof(one));
+            return true;
+          };
+          break;
       }
       if (capturing)
         record(std::move(step));
@@ -289,9 +288,28 @@ class FakeMemory final : public MemoryOps {
   }
   bool lines_copied() override { return lines_copied_; }
 
-  void abandon(uint64_t last_bucket) override { abandoned_at.push_back(last_bucket); }
-  void release(uint64_t last_bucket, bool attached, bool abandoned) override {
-    if (!storage_.empty()) releases.push_back({last_bucket, attached, abandoned});
+  // The words as they are: what no stream has run yet is not in them.
+  const uint8_t* read_flags_now() override {
+    ++flag_reads;
+    return flags_unreadable ? nullptr : own_.flags;
+  }
+  // Run at once, off every stream (as on the window's own), and said in `ran_now`.
+  bool run_flags_now(std::span<const FlagOp> ops) override {
+    for (const FlagOp& op : ops) {
+      ran_now.push_back(describe(op));
+      if (op.kind == FlagOp::Kind::Write) {
+        store(op.word, op.value);
+      } else if (op.kind == FlagOp::Kind::Open) {
+        const uint32_t one = 1;  // the high half alone
+        std::memcpy(op.word + 4, &one, sizeof(one));
+      } else {
+        ADD_FAILURE() << "a wait or a latch's low half run now";
+      }
+    }
+    return true;
+  }
+  void release(bool settled) override {
+    if (!storage_.empty()) releases.push_back(settled);
     storage_.clear();
     own_ = {};
     imports_ = 0;
@@ -300,9 +318,12 @@ class FakeMemory final : public MemoryOps {
   const WindowView& own() const { return own_; }
 
   std::vector<Event> events;
-  std::vector<uint64_t> abandoned_at;
-  std::vector<Release> releases;
-  std::vector<Copy> graph;  // what copy_captured recorded
+  std::vector<bool> releases;        // settled or not, one per window
+  std::vector<std::string> ran_now;  // run_flags_now()'s operations, described
+  int flag_reads = 0;                // read_flags_now()'s
+  bool flags_unreadable = false;     // read_flags_now() fails
+  std::vector<pid_t> peer_pids;      // begin_attach()'s
+  std::vector<Copy> graph;           // what copy_captured recorded
   int graph_holds = 0;
   bool capturing = false;  // flag operations are recorded, not queued
   std::vector<std::function<FakeStep()>> recorded;
@@ -337,8 +358,12 @@ class FakeMemory final : public MemoryOps {
     if (op.kind == FlagOp::Kind::Wait) return "wait " + word + ">=" + std::to_string(op.value);
     if (op.kind == FlagOp::Kind::WaitLatch) return "wait " + word;
     const int window = flags == own_.flags ? rank_ : op.rank;
-    return (op.kind == FlagOp::Kind::Latch ? "latch r" : "write r") + std::to_string(window) + ":" +
-           word + "=" + std::to_string(op.value);
+    const std::string value =
+        op.value == protocol::kReleased ? "released" : std::to_string(op.value);
+    return (op.kind == FlagOp::Kind::Latch  ? "latch r"
+            : op.kind == FlagOp::Kind::Open ? "open r"
+                                            : "write r") +
+           std::to_string(window) + ":" + word + "=" + value;
   }
 
   const int rank_;
@@ -369,7 +394,11 @@ class FakeRanks {
           make_window_transport(std::move(memory), r, nranks, kCommIdentity, fault));
     }
   }
+  // A bucket some rank never ran would hold a release's settle for its whole limit: at the end
+  // of a test, the words read as lost make it give up at once (what a release does is checked
+  // where a test releases itself).
   ~FakeRanks() {
+    for (FakeMemory* m : memories_) m->flags_unreadable = true;
     for (auto& t : transports_) t->release();
   }
 
@@ -689,17 +718,22 @@ TEST(WindowTransport, AttachAndGatherRefuseWhatCannotBeRight) {
   const GatherOp unbound{send.data(), recv.data(), 8, 32};
   EXPECT_EQ(kind_of([&] { ranks.gather(0, std::span<const GatherOp>(&unbound, 1)); }),
             ErrorKind::Usage);
+  // The unbound one counted: it never ran, so the abort finds it in flight (after its grace)
+  // and releases every wait of this rank, its counters with its latches.
+  const std::vector<std::string> every_wait = {
+      "write r0:ready[1]=released", "write r0:done[1]=released", "open r0:staged0[1]=1",
+      "open r0:read0[1]=1",         "open r0:staged1[1]=1",      "open r0:read1[1]=1"};
   ranks.transport(0).abandon();
-  EXPECT_EQ(ranks.memory(0).abandoned_at, std::vector<uint64_t>{1});  // the unbound one counted
+  EXPECT_EQ(ranks.memory(0).ran_now, every_wait);
   EXPECT_EQ(kind_of([&] { ranks.gather(0, std::span<const GatherOp>(&op, 1)); }), ErrorKind::Usage);
+  // Left allocated, its waits released again: the abort found a bucket in flight.
   ranks.transport(0).release();
-  ASSERT_EQ(ranks.memory(0).releases.size(), 1u);
-  EXPECT_EQ(ranks.memory(0).releases[0].last_bucket, 1u);
-  EXPECT_TRUE(ranks.memory(0).releases[0].attached);
-  EXPECT_TRUE(ranks.memory(0).releases[0].abandoned);
+  EXPECT_EQ(ranks.memory(0).releases, std::vector<bool>{false});
+  EXPECT_EQ(ranks.memory(0).ran_now.size(), 2 * every_wait.size());
   // Unattached, an abort has no waits to release.
   ranks.transport(1).abandon();
-  EXPECT_TRUE(ranks.memory(1).abandoned_at.empty());
+  EXPECT_TRUE(ranks.memory(1).ran_now.empty());
+  EXPECT_EQ(ranks.memory(1).flag_reads, 0);
 }
 
 TEST(WindowTransport, ABindingThatOverflowsTheRegionIsRefused) {
@@ -894,14 +928,14 @@ TEST(WindowTransport, ACapturedBucketRecordsTheReadsAloneAndEveryReplayIsRight) 
   for (int r = 0; r < kRanks; ++r) ranks.memory(r).replay();
   EXPECT_EQ(s.wrong(), "");
   // Bucket 3 captured last: the release settles on the first eager bucket, the last eager one
-  // (a captured bucket writes no flag on any rank: its end would be waited for in vain).
+  // (a captured bucket writes no flag on any rank: its end would be waited for in vain, and the
+  // window left allocated).
   for (int r = 0; r < kRanks; ++r)
     ranks.gather(r, s.ops[static_cast<size_t>(r)], Transport::Timing::Captured);
   for (int r = 0; r < kRanks; ++r) {
     EXPECT_EQ(ranks.memory(r).graph_holds, 2);
     ranks.transport(r).release();
-    ASSERT_EQ(ranks.memory(r).releases.size(), 1u);
-    EXPECT_EQ(ranks.memory(r).releases[0].last_bucket, 1u) << "rank " << r;
+    EXPECT_EQ(ranks.memory(r).releases, std::vector<bool>{true}) << "rank " << r;
   }
 }
 
@@ -1131,9 +1165,9 @@ TEST(WindowTransport, GraphsLaunchedOnUnorderedStreamsReplayInLaunchOrder) {
 }
 
 // A peer that never replays holds the others' replays at their waits, as NCCL's kernels would
-// be held; the abort opens this rank's latches for good (their high halves, as the CUDA backend
-// does), so the stuck replay ends and later ones never block, though each lowers the latches
-// it waited on: the handshake's own stores write the low halves alone.
+// be held; the abort opens this rank's latches for good (their high halves), so the stuck replay
+// ends and later ones never block, though each lowers the latches it waited on: the handshake's own
+// stores write the low halves alone.
 TEST(WindowTransport, AnAbortOpensTheGraphLatchesForEveryReplayToCome) {
   constexpr int kRanks = 3;
   FakeRanks ranks(kRanks);
@@ -1144,7 +1178,7 @@ TEST(WindowTransport, AnAbortOpensTheGraphLatchesForEveryReplayToCome) {
   for (int r = 0; r < kRanks; ++r) graphs[r] = capture(ranks, r, bucket);
   for (int r = 0; r < 2; ++r) ranks.memory(r).launch(graphs[r], &ranks.stream(r));  // not rank 2
   EXPECT_FALSE(ranks.run({0, 1})) << "replays ended without their peer";
-  for (int r = 0; r < 2; ++r) ranks.memory(r).open_latches();
+  for (int r = 0; r < 2; ++r) ranks.transport(r).abandon();
   EXPECT_TRUE(ranks.run({0, 1})) << "the abort did not release the replay in flight";
   for (int replay = 0; replay < 3; ++replay) {
     for (int r = 0; r < 2; ++r) ranks.memory(r).launch(graphs[r], &ranks.stream(r));
