@@ -27,7 +27,7 @@ Reason unagreeable(const capture::CommInfo& info) {
 
 HelloGate::HelloGate(const capture::CommInfo& info, const Options& options, bool can_issue,
                      const AgreementLog& log)
-    : settings_(schedule_settings(options, ce::backend_available(backend_of(options)))),
+    : settings_(schedule_settings(options, ce::backend_available(options.backend))),
       nranks_(info.nranks),
       log_(log) {
   never_ = unagreeable(info) == Reason::None

@@ -5,13 +5,9 @@
 
 namespace magi::rewrite {
 
-ce::Backend backend_of(const Options& options) {
-  return options.backend == Options::Backend::Host ? ce::Backend::Host : ce::Backend::Cuda;
-}
-
 AgreementWorld production_world(const RealNcclCalls& nccl) {
   const Options& options = Options::get();
-  const ce::Backend backend = backend_of(options);
+  const ce::Backend backend = options.backend;
   TransportFactory make;
   make.transport = [backend](const capture::CommInfo& info) {
     return ce::make_transport(backend, info.rank, info.nranks, info.identity, info.cuda_device);

@@ -49,8 +49,6 @@ struct AgreementWorld {
   TraceSink trace;
 };
 
-ce::Backend backend_of(const Options& options);
-
 // The process's world: Options::get(), ce_transport/'s factories, capture/'s group state and trace.
 AgreementWorld production_world(const RealNcclCalls& nccl);
 

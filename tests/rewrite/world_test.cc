@@ -26,8 +26,8 @@ ncclResult_t no_group_end() { return ncclInvalidUsage; }
 const RealNcclCalls kNccl{no_all_gather, no_group_start, no_group_end};
 
 TEST(World, TheBackendIsTheMemoryTheOptionsName) {
-  EXPECT_EQ(backend_of(test::options_from({{"MAGI_BACKEND", "host"}})), ce::Backend::Host);
-  EXPECT_EQ(backend_of(test::options_from({{"MAGI_BACKEND", "cuda"}})), ce::Backend::Cuda);
+  EXPECT_EQ(test::options_from({{"MAGI_BACKEND", "host"}}).backend, ce::Backend::Host);
+  EXPECT_EQ(test::options_from({{"MAGI_BACKEND", "cuda"}}).backend, ce::Backend::Cuda);
 }
 
 TEST(World, TheProductionWorldIssuesRoundsThroughTheRealNcclItIsHanded) {
@@ -88,7 +88,7 @@ TEST(World, TheProductionWorldPreparesHundredsOfCudaExportsOffTheCalls) {
   const AgreementWorld world = production_world(kNccl);
   // 256 allocations exported took 45-65 ms at the call on an H200; the host backend finds a
   // plan's in one read of /proc/self/maps.
-  const bool cuda = backend_of(world.options) == ce::Backend::Cuda;
+  const bool cuda = world.options.backend == ce::Backend::Cuda;
   EXPECT_EQ(256 * world.make.export_ns > kSetUpAtTheCallNs, cuda);
   EXPECT_GT(world.make.export_ns, 0u);
 }
