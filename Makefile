@@ -38,7 +38,7 @@ LIB       := $(BUILD)/libmagice.so
 # What the trace tool shares with the library: the trace format and the step detector.
 CORE_OBJS := $(BUILD)/obj/capture/trace_reader.o $(BUILD)/obj/capture/skeleton.o \
              $(BUILD)/obj/capture/trace_format.o $(BUILD)/obj/base/options.o $(BUILD)/obj/base/log.o \
-             $(BUILD)/obj/capture/flight_recorder.o
+             $(BUILD)/obj/base/host.o $(BUILD)/obj/capture/flight_recorder.o
 TOOL_SRCS := $(wildcard tools/magice-trace/*.cc)
 TOOL_OBJS := $(TOOL_SRCS:%.cc=$(BUILD)/obj/%.o)
 TOOL      := $(BUILD)/magice-trace
@@ -388,7 +388,7 @@ $(FUZZ_BUILD)/obj/%.o: %.cc | $(DEPS_STAMP) $(FUZZ_BUILD)/.deps-ok
 $(FUZZ_BUILD)/fuzz_trace_reader: $(addprefix $(FUZZ_BUILD)/obj/,tests/fuzz/trace_reader_fuzz.o \
                                    capture/trace_reader.o)
 $(FUZZ_BUILD)/fuzz_options: $(addprefix $(FUZZ_BUILD)/obj/,tests/fuzz/options_fuzz.o \
-                              base/options.o base/log.o)
+                              base/options.o base/log.o base/host.o)
 $(FUZZERS):
 	$(FUZZ_CXX) -fsanitize=fuzzer,$(FUZZ_SANITIZERS) -o $@ $^ -pthread
 

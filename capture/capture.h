@@ -77,6 +77,10 @@ void group_simulated();
 // own, opened at its first record.
 void flush_trace();
 void close_trace();
+// At exit, before anything else of ours: the flight recorder's completion poller (if it runs)
+// marks what finished last and stops, before CUDA's own exit handlers, which run after the
+// lifecycle's (it is armed once a communicator exists, so after the program's CUDA started).
+void stop_completion() noexcept;
 void forget_trace_in_child();
 
 // ---- the call path ----

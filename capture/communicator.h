@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "base/spin_lock.h"
 #include "capture/skeleton.h"
 #include "capture/trace_format.h"
 
@@ -35,7 +36,7 @@ struct Communicator {
 
   // NCCL requires the calls on one communicator to be serialised by the program, so this lock
   // is uncontended in a correct program; it only keeps a misbehaving one from corrupting state.
-  std::atomic_flag steps_lock = ATOMIC_FLAG_INIT;
+  SpinLock steps_lock;
   StepDetector steps;        // fed the shapes of collectives
   uint64_t collectives = 0;  // collectives fed to `steps` (guarded by steps_lock)
 

@@ -1,8 +1,9 @@
 // The NCCL entry points the host program reaches through LD_PRELOAD.
 //
-// Each one records the call (capture/) and forwards it, unchanged, to the real NCCL; the result
-// the program sees is exactly what the real NCCL returned. Nothing here runs at load time: the
-// real NCCL is found, and options read, on the first call.
+// Each one records the call (capture/) and forwards it, unchanged, to the real NCCL, whose result
+// the program sees; the one exception is an all-gather every rank agreed to move (rewrite/),
+// served by the copy-engine transport, whose result the program sees instead. Nothing here runs
+// at load time: the real NCCL is found, and options read, on the first call.
 #include <nccl.h>
 
 #include <algorithm>
