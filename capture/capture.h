@@ -103,6 +103,10 @@ struct StepView {
 void begin_call(Communicator& comm, const CallArgs& args, CallRecord& record,
                 StepView* view = nullptr);
 void end_call(CallRecord& record, ncclResult_t result);
+// The communicator's untraced all-gathers need no call site from now on (rewrite/ said, when it
+// joined or in a call's outcome, that it will never explore it again): capture stops unwinding
+// them, for good. Written once, not at every call: the record's cache line stays shared.
+void stop_gather_callsites(Communicator& comm) noexcept;
 // Whether the call's stream is capturing a CUDA graph, asked of the driver once per call and
 // kept in record.flags. begin_call asks only for a traced call: elsewhere the caller asks where
 // its decision depends on it.

@@ -42,8 +42,8 @@ struct Communicator {
 
   FlightRing* flight = nullptr;  // MAGI_FLIGHT_RECORDER: set at the join, before any call
   // Whether an untraced all-gather's call site is wanted (rewrite/ keys gathers on it while the
-  // communicator may explore). The shim clears it for good once the communicator never will: the
-  // unwinding is most of a watched gather's cost.
+  // communicator may explore). Cleared for good by stop_gather_callsites (capture/capture.h):
+  // the unwinding is most of a watched gather's cost.
   std::atomic<bool> gather_callsites{true};
 };
 

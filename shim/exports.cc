@@ -63,9 +63,7 @@ ncclResult_t recorded(const char* entry_point, ncclComm_t comm, const CallArgs& 
   });
   const rewrite::Outcome outcome =
       seen ? rewrite::intercept(state->agreement, args, record, view) : rewrite::Outcome{};
-  // Written once, not at every call: the record's cache line stays shared between threads.
-  if (!outcome.watching && state->capture.gather_callsites.load(std::memory_order_relaxed))
-    state->capture.gather_callsites.store(false, std::memory_order_relaxed);
+  if (!outcome.watching) capture::stop_gather_callsites(state->capture);
   const ncclResult_t result = outcome.served ? outcome.result : forward();
   if (seen) guarded(entry_point, [&] { capture::end_call(record, result); });
   return result;
