@@ -1,8 +1,7 @@
-// One error family for the whole library.
-//  - Inside, code may throw magi::Error (a kind and a message); at the NCCL API edge, guarded()
-//    turns it into one WARN line, so nothing escapes into the host program.
-//  - Code that calls NCCL-style functions uses MAGI_CHECK: a failure returns upward, each level
-//    adding an INFO line "file:line -> code", so one failure prints its whole path (NCCL's chain).
+// One error family for the whole library: inside, code throws magi::Error (a kind, and a
+// message that names what failed and why), never a chain of result codes; where a served call
+// must answer with an ncclResult_t, Error::result() makes it from the kind. At the NCCL API edge,
+// guarded() turns whatever was thrown into one WARN line, so nothing escapes into the host program.
 #pragma once
 
 #include <nccl.h>
@@ -60,14 +59,3 @@ bool guarded(const char* where, Work&& work) noexcept {
 }
 
 }  // namespace magi
-
-// Returns the failing ncclResult_t upward and adds this frame to the chain.
-// ncclInProgress is not a failure: non-blocking communicators return it routinely.
-#define MAGI_CHECK(call)                                                               \
-  do {                                                                                 \
-    ncclResult_t magi_res_ = (call);                                                   \
-    if (magi_res_ != ncclSuccess && magi_res_ != ncclInProgress) {                     \
-      MAGI_INFO(Shim, "%s:%d -> %d", __FILE__, __LINE__, static_cast<int>(magi_res_)); \
-      return magi_res_;                                                                \
-    }                                                                                  \
-  } while (0)

@@ -7,26 +7,12 @@
 #include <cstdio>
 #include <cstring>
 
+#include "base/host.h"
 #include "base/options.h"
 
 namespace magi {
 namespace {
 std::atomic<int> g_rank{-1};
-
-// Read once, under the thread-safe initialisation of a local static: the first lines may come
-// from several threads at once. Trivially destructible, so lines logged during exit still see it.
-struct HostName {
-  HostName() {
-    gethostname(text, sizeof(text) - 1);
-    if (char* dot = std::strchr(text, '.')) *dot = '\0';
-  }
-  char text[64] = {};
-};
-
-const char* host_name() {
-  static const HostName host;
-  return host.text;
-}
 }  // namespace
 
 namespace log_detail {
@@ -56,7 +42,7 @@ void emit(int level, Subsystem subsys, const char* file, int line, const char* f
   }
   // One write(2) per line so lines of concurrent threads and ranks never interleave.
   char out[1280];
-  const int n = snprintf(out, sizeof(out), "%s:%d:%ld [%s] MAGI %s %s%s %s\n", host_name(),
+  const int n = snprintf(out, sizeof(out), "%s:%d:%ld [%s] MAGI %s %s%s %s\n", short_host_name(),
                          static_cast<int>(getpid()), static_cast<long>(syscall(SYS_gettid)), rank,
                          kLevels[level < 0   ? 0
                                  : level > 2 ? 2

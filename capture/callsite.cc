@@ -39,6 +39,8 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "base/free_later.h"
+
 namespace magi::capture {
 namespace {
 
@@ -212,7 +214,7 @@ std::atomic<HazardSlot*> g_slots{nullptr};  // grows only; a slot is reused afte
 std::mutex g_build_mutex;
 uint64_t g_generation = 0;
 // Left allocated at exit on purpose: a call made while the process exits may still need them.
-std::vector<const ModuleTable*>* g_retired = nullptr;
+FreeLater<const ModuleTable*>* g_retired = nullptr;
 std::unordered_map<uint64_t, ModuleIdentity>* g_module_names = nullptr;
 
 HazardSlot* acquire_slot() {
@@ -268,13 +270,10 @@ void refresh_table(const LoaderCounters& reading) {
   const ModuleTable* current = g_table.load(std::memory_order_acquire);
   if (current != nullptr && current->counters.covers(reading)) return;
   const ModuleTable* old = g_table.exchange(build_table(), std::memory_order_seq_cst);
-  if (g_retired == nullptr) g_retired = new std::vector<const ModuleTable*>;
-  if (old != nullptr) g_retired->push_back(old);
-  std::erase_if(*g_retired, [](const ModuleTable* table) {
-    if (held_by_any_reader(table)) return false;
-    delete table;
-    return true;
-  });
+  if (g_retired == nullptr) g_retired = new FreeLater<const ModuleTable*>;
+  if (old != nullptr) g_retired->add(old);
+  g_retired->free_ready([](const ModuleTable* table) { return !held_by_any_reader(table); },
+                        [](const ModuleTable* table) { delete table; });
 }
 
 // A table that describes the modules mapped now; valid until this thread's next call here.

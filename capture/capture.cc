@@ -232,6 +232,7 @@ void comm_ended(const Communicator& state, CommEndKind how) {
 
 void flush_trace() { trace_flush_if_open(); }
 void close_trace() { trace_close(); }
+void stop_completion() noexcept { completion_stop(); }
 void forget_trace_in_child() {
   trace_forget_in_child();
   flight_forget_in_child();
@@ -329,7 +330,7 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
 
   uint64_t collective = 0;  // index + 1
   if (trace::is_collective(args.op)) {
-    while (state.steps_lock.test_and_set(std::memory_order_acquire)) __builtin_ia32_pause();
+    state.steps_lock.lock();
     collective = ++state.collectives;
     const StepDetector::Event event = state.steps.push(record.shape);
     if (event != StepDetector::Event::None) record_step_event(writer, state, event);
@@ -345,7 +346,7 @@ void begin_call(Communicator& state, const CallArgs& args, CallRecord& record, S
       view->origin = s.found() ? s.origin() : 0;
       view->collective_index = state.collectives - 1;
     }
-    state.steps_lock.clear(std::memory_order_release);
+    state.steps_lock.unlock();
   }
   if (state.flight != nullptr) {
     const FlightSlot slot =
@@ -377,6 +378,11 @@ bool stream_capturing(const CallArgs& args, CallRecord& record) {
     }
   }
   return (record.flags & trace::kCallCapturing) != 0;
+}
+
+void stop_gather_callsites(Communicator& comm) noexcept {
+  if (comm.gather_callsites.load(std::memory_order_relaxed))
+    comm.gather_callsites.store(false, std::memory_order_relaxed);
 }
 
 void end_call(CallRecord& record, ncclResult_t result) {

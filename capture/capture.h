@@ -77,6 +77,10 @@ void group_simulated();
 // own, opened at its first record.
 void flush_trace();
 void close_trace();
+// At exit, before anything else of ours: the flight recorder's completion poller (if it runs)
+// marks what finished last and stops, before CUDA's own exit handlers, which run after the
+// lifecycle's (it is armed once a communicator exists, so after the program's CUDA started).
+void stop_completion() noexcept;
 void forget_trace_in_child();
 
 // ---- the call path ----
@@ -99,6 +103,10 @@ struct StepView {
 void begin_call(Communicator& comm, const CallArgs& args, CallRecord& record,
                 StepView* view = nullptr);
 void end_call(CallRecord& record, ncclResult_t result);
+// The communicator's untraced all-gathers need no call site from now on (rewrite/ said, when it
+// joined or in a call's outcome, that it will never explore it again): capture stops unwinding
+// them, for good. Written once, not at every call: the record's cache line stays shared.
+void stop_gather_callsites(Communicator& comm) noexcept;
 // Whether the call's stream is capturing a CUDA graph, asked of the driver once per call and
 // kept in record.flags. begin_call asks only for a traced call: elsewhere the caller asks where
 // its decision depends on it.

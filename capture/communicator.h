@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "base/spin_lock.h"
 #include "capture/skeleton.h"
 #include "capture/trace_format.h"
 
@@ -35,14 +36,14 @@ struct Communicator {
 
   // NCCL requires the calls on one communicator to be serialised by the program, so this lock
   // is uncontended in a correct program; it only keeps a misbehaving one from corrupting state.
-  std::atomic_flag steps_lock = ATOMIC_FLAG_INIT;
+  SpinLock steps_lock;
   StepDetector steps;        // fed the shapes of collectives
   uint64_t collectives = 0;  // collectives fed to `steps` (guarded by steps_lock)
 
   FlightRing* flight = nullptr;  // MAGI_FLIGHT_RECORDER: set at the join, before any call
   // Whether an untraced all-gather's call site is wanted (rewrite/ keys gathers on it while the
-  // communicator may explore). The shim clears it for good once the communicator never will: the
-  // unwinding is most of a watched gather's cost.
+  // communicator may explore). Cleared for good by stop_gather_callsites (capture/capture.h):
+  // the unwinding is most of a watched gather's cost.
   std::atomic<bool> gather_callsites{true};
 };
 

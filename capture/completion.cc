@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
 
 #include "base/base.h"
 #include "base/cuda_driver.h"
+#include "base/spin_lock.h"
 
 namespace magi::capture {
 
@@ -102,14 +104,9 @@ constexpr size_t kMaxPending = 128;  // grouped calls of one thread waiting for 
 
 // Guards the pools' free lists and the queue to the poller: held for a few stores, never across
 // a driver call.
-std::atomic_flag g_lock = ATOMIC_FLAG_INIT;
-struct Locked {
-  Locked() {
-    while (g_lock.test_and_set(std::memory_order_acquire)) __builtin_ia32_pause();
-  }
-  ~Locked() { g_lock.clear(std::memory_order_release); }
-  Locked(const Locked&) = delete;
-  Locked& operator=(const Locked&) = delete;
+SpinLock g_lock;
+struct Locked : std::lock_guard<SpinLock> {
+  Locked() : std::lock_guard<SpinLock>(g_lock) {}
 };
 
 // Events of one context, made the first time a call needs them (never at load time). All
@@ -337,8 +334,8 @@ void* poll_events(void*) {
   return nullptr;
 }
 
-// The poller may be inside the driver while the process exits: it is asked to stop first (this
-// handler is registered after CUDA's own, so it runs before them), and waited for briefly.
+// The poller may be inside the driver while the process exits: it is asked to stop first, and
+// waited for briefly (completion_stop, from the lifecycle's exit).
 void stop_poller() {
   g_stop.store(true, std::memory_order_release);
   for (int i = 0; i < 100 && !g_poller_done.load(std::memory_order_acquire); ++i) {
@@ -349,7 +346,6 @@ void stop_poller() {
 
 void start_poller() {
   if (g_poller_started.exchange(true, std::memory_order_acq_rel)) return;
-  std::atexit(stop_poller);
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
@@ -520,9 +516,13 @@ void completion_group_discarded() noexcept {
   end_group(ncclInvalidUsage, flight::kUnwatchedNotRun);
 }
 
+void completion_stop() noexcept {
+  if (g_poller_started.load(std::memory_order_acquire)) stop_poller();
+}
+
 void completion_forget_in_child() {
   g_in_child.store(true, std::memory_order_relaxed);
-  g_lock.clear(std::memory_order_relaxed);  // a parent thread may have held it at the fork
+  g_lock.unlock();  // a parent thread may have held it at the fork
   t_current.active = false;
   t_pending_count = 0;
 }

@@ -54,6 +54,11 @@ void completion_group_ended(int32_t result) noexcept;
 // The outermost group was only simulated (ncclGroupSimulateEnd): its calls never run.
 void completion_group_discarded() noexcept;
 
+// At exit (the lifecycle's first step, capture::stop_completion): the poller makes one last pass,
+// marking what finished in the job's last millisecond, and stops, waited for at most 100 ms, so
+// it is not inside the driver while CUDA's own exit handlers run. Nothing without a poller.
+void completion_stop() noexcept;
+
 // In a child after fork(): nothing is watched any more (the poller thread is not there).
 void completion_forget_in_child();
 

@@ -17,6 +17,7 @@
 #include <stdexcept>
 
 #include "base/base.h"
+#include "base/host.h"
 
 namespace magi::capture {
 
@@ -183,13 +184,6 @@ thread_local FlightRing* t_ring = nullptr;
 thread_local flight::Record* t_slot = nullptr;
 thread_local FlightRing* t_joining = nullptr;  // between flight_join(kJoining) and the init's end
 
-std::string host_name() {
-  char host[64] = {};
-  gethostname(host, sizeof(host) - 1);
-  if (char* dot = std::strchr(host, '.')) *dot = '\0';
-  return host;
-}
-
 std::string directory() {
   const Options& o = Options::get();
   if (!o.flight_recorder_dir.empty()) return o.flight_recorder_dir;
@@ -216,7 +210,7 @@ bool open_file_locked() {
     g_failed = true;
     return false;
   }
-  const std::string base = dir + "/magice." + host_name() + "." + std::to_string(getpid());
+  const std::string base = dir + "/magice." + short_host_name() + "." + std::to_string(getpid());
   std::string path;
   int fd = -1;
   for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
@@ -247,7 +241,7 @@ bool open_file_locked() {
   h->pid = static_cast<uint64_t>(getpid());
   h->start_monotonic_ns = clock_ns(CLOCK_MONOTONIC);
   h->start_realtime_ns = clock_ns(CLOCK_REALTIME);
-  snprintf(h->host, sizeof(h->host), "%s", host_name().c_str());
+  snprintf(h->host, sizeof(h->host), "%s", short_host_name());
   char exe[sizeof(h->program)] = {};
   if (readlink("/proc/self/exe", exe, sizeof(exe) - 1) > 0) {
     const char* slash = std::strrchr(exe, '/');

@@ -19,24 +19,10 @@
 #include <vector>
 
 #include "base/base.h"
+#include "base/host.h"
+#include "base/spin_lock.h"
 
 namespace magi::capture {
-namespace {
-
-// A spinlock: held only for one memcpy of a record, so spinning beats a futex round trip.
-class SpinLock {
- public:
-  void lock() {
-    while (flag_.test_and_set(std::memory_order_acquire))
-      while (flag_.test(std::memory_order_relaxed)) __builtin_ia32_pause();
-  }
-  void unlock() { flag_.clear(std::memory_order_release); }
-
- private:
-  std::atomic_flag flag_ = ATOMIC_FLAG_INIT;
-};
-
-}  // namespace
 
 class TraceWriter {
  public:
@@ -195,7 +181,7 @@ class TraceWriter {
 
   int fd_;
   const size_t capacity_;
-  SpinLock lock_;
+  SpinLock lock_;             // held only for one memcpy of a record
   std::vector<char> active_;  // guarded by lock_
   std::vector<char> spare_;   // owned by the writer while spare_busy_
   std::atomic<bool> spare_busy_{false};
@@ -217,17 +203,10 @@ std::atomic<TraceWriter*> g_writer{nullptr};
 std::atomic<bool> g_tried{false};
 std::mutex g_open_mutex;
 
-std::string host_name() {
-  char host[64] = {};
-  gethostname(host, sizeof(host) - 1);
-  if (char* dot = std::strchr(host, '.')) *dot = '\0';
-  return host;
-}
-
 // O_EXCL and O_NOFOLLOW: never follow a planted symlink, never append to another run's file.
 int open_trace_file(const std::string& dir, std::string& path) {
   if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return -1;
-  const std::string base = dir + "/magice." + host_name() + "." + std::to_string(getpid());
+  const std::string base = dir + "/magice." + short_host_name() + "." + std::to_string(getpid());
   for (int attempt = 0; attempt < 100; ++attempt) {
     path = base + (attempt == 0 ? "" : "." + std::to_string(attempt)) + ".trace";
     const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -244,7 +223,7 @@ trace::FileHeader make_header() {
   h.pid = static_cast<uint64_t>(getpid());
   h.start_monotonic_ns = clock_ns(CLOCK_MONOTONIC);
   h.start_realtime_ns = clock_ns(CLOCK_REALTIME);
-  snprintf(h.host, sizeof(h.host), "%s", host_name().c_str());
+  snprintf(h.host, sizeof(h.host), "%s", short_host_name());
   char exe[sizeof(h.program)] = {};
   if (readlink("/proc/self/exe", exe, sizeof(exe) - 1) > 0) {
     const char* slash = std::strrchr(exe, '/');

@@ -7,7 +7,6 @@
 #include "ce_transport/fd_channel.h"
 
 #include <poll.h>
-#include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -24,6 +23,7 @@
 #include <thread>
 
 #include "base/base.h"
+#include "ce_transport/process.h"
 
 namespace magi::ce::fd_channel {
 namespace {
@@ -328,11 +328,12 @@ std::vector<uint8_t> fetch(const Address& address, uint32_t index,
   socklen_t length = 0;
   const sockaddr_un sun = socket_address(address, length);
   if (::connect(conn, reinterpret_cast<const sockaddr*>(&sun), length) != 0) {
-    const bool alive = ::kill(address.pid, 0) == 0 || errno == EPERM;
+    const int refused = errno;
     throw Error(ErrorKind::System,
                 "cannot reach " + owner + "'s descriptor channel: " +
-                    (alive ? "it no longer serves (" + std::string(std::strerror(errno)) + ")"
-                           : std::string("the process is gone")));
+                    (process_alive(address.pid)
+                         ? "it no longer serves (" + std::string(std::strerror(refused)) + ")"
+                         : std::string("the process is gone")));
   }
   auto failed = [&](const std::string& what) -> Error {
     const bool timed_out = errno == EAGAIN || errno == EWOULDBLOCK;

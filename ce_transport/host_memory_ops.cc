@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "base/base.h"
+#include "base/spin_lock.h"
 #include "ce_transport/backends.h"
 #include "ce_transport/exports.h"
 #include "ce_transport/host_window.h"
@@ -38,14 +39,6 @@ struct HostMedium {
 static_assert(sizeof(HostMedium) <= protocol::kMediumBytes);
 
 // ---- waiting ----------------------------------------------------------------------------------
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 [[noreturn]] void peer_gone(int rank, pid_t pid) {
   throw Error(ErrorKind::System,

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "base/cuda_driver.h"
+#include "base/host.h"
 #include "ce_transport/backends.h"
 #include "ce_transport/ce_transport.h"
 
@@ -54,9 +55,7 @@ BufferIdentity identify_cuda_buffer(const void* ptr) {
 // Equal for processes that share a machine and its current boot, so shared memory between them
 // is real.
 uint64_t host_fingerprint() {
-  char name[HOST_NAME_MAX + 1] = {};
-  if (gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
-  std::string key(name);
+  std::string key(host_name());
   key.push_back('\n');
   std::ifstream boot("/proc/sys/kernel/random/boot_id");
   key.append(std::istreambuf_iterator<char>(boot), std::istreambuf_iterator<char>());

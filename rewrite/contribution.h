@@ -14,8 +14,8 @@
 #include <span>
 #include <vector>
 
-#include "capture/trace_format.h"
 #include "ce_transport/ce_transport.h"
+#include "trace/agreement.h"
 
 namespace magi::rewrite {
 

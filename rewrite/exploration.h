@@ -37,7 +37,7 @@
 #include <vector>
 
 #include "base/base.h"
-#include "capture/trace_format.h"
+#include "trace/agreement.h"
 
 namespace magi::rewrite {
 

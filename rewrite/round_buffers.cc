@@ -6,7 +6,7 @@ namespace magi::rewrite {
 
 RoundBuffers::~RoundBuffers() {
   // A finished round is freed with the pool; one still in flight belongs to NCCL.
-  for (auto& [exchange, bytes] : retired_) {
+  for (auto& [exchange, bytes] : retired_.take_all()) {
     if (exchange && !exchange->ready()) {
       MAGI_WARN(Rewrite,
                 "comm %012llx: an agreement round was still in flight at destroy; its "
@@ -18,22 +18,17 @@ RoundBuffers::~RoundBuffers() {
 }
 
 void RoundBuffers::retire(std::unique_ptr<ce::Exchange> exchange, size_t bytes) {
-  if (exchange) retired_.push_back({std::move(exchange), bytes});
+  if (exchange) retired_.add({std::move(exchange), bytes});
 }
 
 void RoundBuffers::free_ready() {
-  for (auto it = retired_.begin(); it != retired_.end();) {
-    if (!it->exchange->ready()) {
-      ++it;
-      continue;
-    }
-    std::unique_ptr<ce::Exchange>& spare = spare_for(it->bytes);
-    if (!spare) {
-      spare = std::move(it->exchange);
-      if (it->bytes != kContributionBytes) large_spare_bytes_ = it->bytes;
-    }
-    it = retired_.erase(it);
-  }
+  retired_.free_ready([](Retired& round) { return round.exchange->ready(); },
+                      [&](Retired round) {
+                        std::unique_ptr<ce::Exchange>& spare = spare_for(round.bytes);
+                        if (spare) return;  // freed here
+                        spare = std::move(round.exchange);
+                        if (round.bytes != kContributionBytes) large_spare_bytes_ = round.bytes;
+                      });
 }
 
 void RoundBuffers::keep_spare(std::unique_ptr<ce::Exchange>& used, size_t bytes) {

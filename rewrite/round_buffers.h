@@ -15,6 +15,7 @@
 #include <memory>
 #include <vector>
 
+#include "base/free_later.h"
 #include "ce_transport/ce_transport.h"
 #include "rewrite/contribution.h"
 
@@ -74,7 +75,7 @@ class RoundBuffers {
   }
 
   const uint64_t comm_identity_;
-  std::vector<Retired> retired_;               // rounds whose result nobody needs
+  FreeLater<Retired> retired_;                 // rounds whose result nobody needs
   std::unique_ptr<ce::Exchange> spare_;        // a read round's buffers, for the next
   std::unique_ptr<ce::Exchange> large_spare_;  // the same, of a larger round
   size_t large_spare_bytes_ = 0;

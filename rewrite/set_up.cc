@@ -6,12 +6,13 @@
 #include <utility>
 
 #include "base/base.h"
+#include "base/free_later.h"
 
 namespace magi::rewrite {
 namespace {
 
 std::mutex g_orphans_mutex;
-std::vector<std::unique_ptr<SetUpJob>>* g_orphans = nullptr;  // under g_orphans_mutex
+FreeLater<std::unique_ptr<SetUpJob>>* g_orphans = nullptr;  // under g_orphans_mutex
 
 // An orphan that has finished: joined, and its transport released if its thread did not (it
 // finished before it saw that it was orphaned).
@@ -104,8 +105,8 @@ void orphan(std::unique_ptr<SetUpJob> job) {
     return;
   }
   std::lock_guard<std::mutex> lock(g_orphans_mutex);
-  if (g_orphans == nullptr) g_orphans = new std::vector<std::unique_ptr<SetUpJob>>();
-  g_orphans->push_back(std::move(job));
+  if (g_orphans == nullptr) g_orphans = new FreeLater<std::unique_ptr<SetUpJob>>();
+  g_orphans->add(std::move(job));
 }
 
 void reap_orphans() {
@@ -113,14 +114,11 @@ void reap_orphans() {
   {
     std::lock_guard<std::mutex> lock(g_orphans_mutex);
     if (g_orphans == nullptr) return;
-    for (auto it = g_orphans->begin(); it != g_orphans->end();) {
-      if ((*it)->state() == SetUpJob::State::Running) {
-        ++it;
-        continue;
-      }
-      done.push_back(std::move(*it));
-      it = g_orphans->erase(it);
-    }
+    g_orphans->free_ready(
+        [](const std::unique_ptr<SetUpJob>& job) {
+          return job->state() != SetUpJob::State::Running;
+        },
+        [&](std::unique_ptr<SetUpJob> job) { done.push_back(std::move(job)); });
   }
   // Outside the lock; each thread has finished already.
   for (auto& job : done) finish_orphan(std::move(job));
@@ -131,8 +129,7 @@ void join_orphans() {
   {
     std::lock_guard<std::mutex> lock(g_orphans_mutex);
     if (g_orphans == nullptr) return;
-    all = std::move(*g_orphans);
-    g_orphans->clear();
+    all = g_orphans->take_all();
   }
   for (auto& job : all) finish_orphan(std::move(job));  // joins each thread
 }
@@ -141,7 +138,7 @@ void forget_orphans_in_child() {
   // Their threads are the parent's: joining here would fail. Set aside, reachable, never freed.
   // Another thread of the parent may have held the lock at fork(): the child, alone now, starts
   // with a lock of its own.
-  static std::vector<std::unique_ptr<SetUpJob>>* parents = nullptr;  // kept reachable
+  static FreeLater<std::unique_ptr<SetUpJob>>* parents = nullptr;  // kept reachable
   if (g_orphans != nullptr && parents == nullptr) parents = g_orphans;
   g_orphans = nullptr;
   new (&g_orphans_mutex) std::mutex();

@@ -57,9 +57,8 @@ CommRef add_comm(ncclComm_t comm, const capture::CommInfo& info,
   arm_lifecycle();
   auto record = std::make_shared<CommRecord>(
       info, static_cast<uint32_t>(Options::get().max_step_calls), std::move(agreement));
-  record->capture.gather_callsites.store(
-      record->agreement != nullptr && rewrite::watching(*record->agreement),
-      std::memory_order_relaxed);
+  if (record->agreement == nullptr || !rewrite::watching(*record->agreement))
+    capture::stop_gather_callsites(record->capture);
   capture::comm_joined(comm, record->capture);
   CommRef replaced;
   {

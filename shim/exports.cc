@@ -1,8 +1,9 @@
 // The NCCL entry points the host program reaches through LD_PRELOAD.
 //
-// Each one records the call (capture/) and forwards it, unchanged, to the real NCCL; the result
-// the program sees is exactly what the real NCCL returned. Nothing here runs at load time: the
-// real NCCL is found, and options read, on the first call.
+// Each one records the call (capture/) and forwards it, unchanged, to the real NCCL, whose result
+// the program sees; the one exception is an all-gather every rank agreed to move (rewrite/),
+// served by the copy-engine transport, whose result the program sees instead. Nothing here runs
+// at load time: the real NCCL is found, and options read, on the first call.
 #include <nccl.h>
 
 #include <algorithm>
@@ -62,9 +63,7 @@ ncclResult_t recorded(const char* entry_point, ncclComm_t comm, const CallArgs& 
   });
   const rewrite::Outcome outcome =
       seen ? rewrite::intercept(state->agreement, args, record, view) : rewrite::Outcome{};
-  // Written once, not at every call: the record's cache line stays shared between threads.
-  if (!outcome.watching && state->capture.gather_callsites.load(std::memory_order_relaxed))
-    state->capture.gather_callsites.store(false, std::memory_order_relaxed);
+  if (!outcome.watching) capture::stop_gather_callsites(state->capture);
   const ncclResult_t result = outcome.served ? outcome.result : forward();
   if (seen) guarded(entry_point, [&] { capture::end_call(record, result); });
   return result;

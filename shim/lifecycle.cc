@@ -3,7 +3,10 @@
 // order: end it in the trace, flush the trace, then release its windows — after NCCL's abort,
 // for an abort, whose kernels may still read them.)
 //
-// At exit, for the communicators the program never destroyed:
+// At exit:
+//   0. the flight recorder's completion poller makes its last pass and stops (it may be inside
+//      the driver: it must be done before CUDA's exit handlers, which run after this one);
+// then, for the communicators the program never destroyed:
 //   1. end them: each gets its CommEnd record (ProcessExit);
 //   2. flush the trace, so the records are on disk before anything below can be slow;
 //   3. release their windows (shared-memory names unlinked, device memory freed; a window a peer
@@ -34,6 +37,7 @@ namespace {
 
 void at_exit() {
   guarded("process exit", [] {
+    capture::stop_completion();
     std::vector<CommRef> live = registry::take_all();
     for (const CommRef& record : live)
       capture::comm_ended(record->capture, capture::CommEndKind::ProcessExit);

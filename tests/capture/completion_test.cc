@@ -363,6 +363,14 @@ bool eventually(Done done) {
   return done();
 }
 
+// The library stops the poller first thing at exit (shim/lifecycle.cc), which this binary does
+// not arm: the same step once every test ran, before the fake driver it queries is destroyed.
+class StopPollerAtEnd : public ::testing::Environment {
+  void TearDown() override { completion_stop(); }
+};
+[[maybe_unused]] const ::testing::Environment* const g_stop_poller_at_end =
+    ::testing::AddGlobalTestEnvironment(new StopPollerAtEnd);
+
 class CompletionEvents : public ::testing::Test {
  protected:
   void SetUp() override { completion_use_driver(&FakeGpu::get().driver()); }

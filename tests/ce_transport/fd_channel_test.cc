@@ -215,6 +215,48 @@ TEST(FdChannel, AnOwnerThatIsGoneIsAClearError) {
   }
 }
 
+// An owner killed and not yet reaped is a zombie: kill(pid, 0) still answers for it, the liveness
+// rule (ce_transport/process.h) does not. Its socket closed with it: the fetch says it is gone.
+TEST(FdChannel, AnOwnerKilledButNotYetReapedIsGone) {
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::alarm(static_cast<unsigned>(kChildLimit.count()));
+    Address mine{0x9a, 4, static_cast<int32_t>(::getpid()), 0x5eef};
+    const std::string name = socket_name(mine);
+    sockaddr_un sun{};
+    sun.sun_family = AF_UNIX;
+    std::memcpy(sun.sun_path, name.data(), name.size());
+    const int listener = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    const auto length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size());
+    if (listener < 0 || ::bind(listener, reinterpret_cast<const sockaddr*>(&sun), length) != 0 ||
+        ::listen(listener, 1) != 0)
+      ::_exit(1);
+    if (::write(pipe_fds[1], &mine, sizeof(mine)) != sizeof(mine)) ::_exit(1);
+    for (;;) ::pause();  // killed by the parent
+  }
+  ASSERT_GT(pid, 0);
+  Address at{};
+  const bool told = ::read(pipe_fds[0], &at, sizeof(at)) == static_cast<ssize_t>(sizeof(at));
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
+  ::kill(pid, SIGKILL);
+  siginfo_t info{};
+  ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT), 0);  // not reaped
+  ASSERT_TRUE(told);
+  ASSERT_EQ(::kill(pid, 0), 0) << "a zombie answers kill(pid, 0)";
+  std::string what;
+  try {
+    fetch(at, 0, [](size_t, int fd) { ::close(fd); });
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  EXPECT_NE(what.find("the process is gone"), std::string::npos) << what;
+}
+
 // More than one SCM_RIGHTS message holds (253): a shard of 600 granules comes in one request.
 TEST(FdChannel, ManyDescriptorsComeInOneRequestInOrder) {
   constexpr size_t kCount = 600;
