@@ -30,7 +30,7 @@ CXXFLAGS  += $(CXXSTD) $(OPT) $(WARNINGS) $(INCLUDES) -fPIC -pthread -MMD -MP
 # cudart is linked statically and the driver is reached at run time, so a machine without a
 # driver still loads the shim; libunwind is linked dynamically (Debian's .a is not PIC) and
 # carried (below): beside the library in build/, in PREFIX/lib/magice/ once installed.
-LIB_SRCS  := $(filter-out capture/trace_reader.cc,$(wildcard base/*.cc trace/*.cc shim/*.cc capture/*.cc rewrite/*.cc ce_transport/*.cc))
+LIB_SRCS  := $(filter-out capture/trace_reader.cc,$(wildcard base/*.cc shim/*.cc capture/*.cc rewrite/*.cc ce_transport/*.cc))
 LIB_OBJS  := $(LIB_SRCS:%.cc=$(BUILD)/obj/%.o)
 LIB_LDLIBS:= -L$(CUDA_HOME)/lib64 -lcudart_static -lunwind -ldl -lrt -pthread
 LIB       := $(BUILD)/libmagice.so
@@ -38,7 +38,7 @@ LIB       := $(BUILD)/libmagice.so
 # What the trace tool shares with the library: the trace format and the step detector.
 CORE_OBJS := $(BUILD)/obj/capture/trace_reader.o $(BUILD)/obj/capture/skeleton.o \
              $(BUILD)/obj/capture/trace_format.o $(BUILD)/obj/base/options.o $(BUILD)/obj/base/log.o \
-             $(BUILD)/obj/base/host.o $(BUILD)/obj/trace/agreement.o $(BUILD)/obj/capture/flight_recorder.o
+             $(BUILD)/obj/base/host.o $(BUILD)/obj/base/agreement_records.o $(BUILD)/obj/capture/flight_recorder.o
 TOOL_SRCS := $(wildcard tools/magice-trace/*.cc)
 TOOL_OBJS := $(TOOL_SRCS:%.cc=$(BUILD)/obj/%.o)
 TOOL      := $(BUILD)/magice-trace
@@ -61,7 +61,7 @@ EXTLIB    := $(SUPPORT)/libworkload_ext.so
 DEMO      := $(BUILD)/magice-demo
 
 TEST_SRCS := $(filter-out tests/capture/callsite_probe_lib.cc,\
-               $(wildcard tests/base/*.cc tests/trace/*.cc tests/shim/*.cc tests/capture/*.cc tests/tools/*.cc tests/integration/*.cc tests/ce_transport/*.cc tests/rewrite/*.cc tests/*.cc))
+               $(wildcard tests/base/*.cc tests/shim/*.cc tests/capture/*.cc tests/tools/*.cc tests/integration/*.cc tests/ce_transport/*.cc tests/rewrite/*.cc tests/*.cc))
 TEST_OBJS := $(TEST_SRCS:%.cc=$(BUILD)/obj/%.o)
 TESTS     := $(BUILD)/tests/magice-tests
 BENCH     := $(BUILD)/magice-bench
@@ -437,7 +437,7 @@ $(FUZZ_BUILD)/make_corpus: tests/fuzz/make_corpus.cc tests/support/trace_builder
 # Every C++ file follows .clang-format; no line of the library (base, shim, capture, rewrite,
 # ce_transport) is longer than 100 columns, comments and strings included.
 FORMATTED := $(shell git ls-files '*.cc' '*.h' 2>/dev/null)
-LIBRARY_SOURCES := $(filter base/% trace/% shim/% capture/% rewrite/% ce_transport/%,$(FORMATTED))
+LIBRARY_SOURCES := $(filter base/% shim/% capture/% rewrite/% ce_transport/%,$(FORMATTED))
 format: | $(DEPS_STAMP)
 	clang-format -i $(FORMATTED)
 format-check: | $(DEPS_STAMP)
@@ -446,10 +446,9 @@ format-check: | $(DEPS_STAMP)
 	@echo "format-check: $(words $(FORMATTED)) files follow .clang-format"
 
 # Data flows shim -> capture -> rewrite -> ce_transport, with base/ below them all: a folder may
-# include only folders below it. trace/ (the agreement's words and records) is a leaf under
-# capture and rewrite. Each line: a folder, then the folders it must never include.
-LAYERS := base:shim,capture,rewrite,ce_transport,trace capture:shim,rewrite,ce_transport \
-          rewrite:shim ce_transport:shim,capture,rewrite,trace trace:shim,capture,rewrite,ce_transport
+# include only folders below it. Each line: a folder, then the folders it must never include.
+LAYERS := base:shim,capture,rewrite,ce_transport capture:shim,rewrite,ce_transport \
+          rewrite:shim ce_transport:shim,capture,rewrite
 layers-check:
 	@status=0; for rule in $(LAYERS); do \
 	   folder=$${rule%%:*}; \

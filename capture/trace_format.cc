@@ -6,7 +6,7 @@
 #include <string>
 #include <unordered_map>
 
-#include "trace/names.h"
+#include "base/enum_names.h"
 
 namespace magi::trace {
 

@@ -7,7 +7,7 @@
 //   types; a change to an existing layout bumps kVersion.
 //
 // The agreement's words and records (Agreement, Decision, Window, WindowRefusal) are part of this
-// format and live in trace/agreement.h, a leaf that rewrite/ includes too.
+// format and live in base/agreement_records.h, a leaf that rewrite/ includes too.
 //
 // The same structs are what the library keeps in memory, so writing a record is one memcpy.
 // Pointers (buffers, streams, handles) are recorded beside the fingerprints, never hashed into
@@ -18,7 +18,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include "trace/agreement.h"
+#include "base/agreement_records.h"
 
 namespace magi::trace {
 

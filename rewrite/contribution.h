@@ -14,8 +14,8 @@
 #include <span>
 #include <vector>
 
+#include "base/agreement_records.h"
 #include "ce_transport/ce_transport.h"
-#include "trace/agreement.h"
 
 namespace magi::rewrite {
 

@@ -36,8 +36,8 @@
 #include <string>
 #include <vector>
 
+#include "base/agreement_records.h"
 #include "base/base.h"
-#include "trace/agreement.h"
 
 namespace magi::rewrite {
 

@@ -1,6 +1,6 @@
 // The agreement's words are bytes of the trace file: their values and the records' layouts are
 // pinned here, so moving or editing them cannot change a file silently (that bumps kVersion).
-#include "trace/agreement.h"
+#include "base/agreement_records.h"
 
 #include <gtest/gtest.h>
 

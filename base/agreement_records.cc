@@ -1,6 +1,6 @@
-#include "trace/agreement.h"
+#include "base/agreement_records.h"
 
-#include "trace/names.h"
+#include "base/enum_names.h"
 
 namespace magi::trace {
 

@@ -3,8 +3,8 @@
 // Decision, Window and WindowRefusal records of the trace file (capture/trace_format.h: the
 // file, its header and record types, version 1).
 //
-// A leaf under capture/ and rewrite/ (it includes nothing of the project's): rewrite/ decides in
-// these words and fills these records, capture/ writes them into the trace and the tools read
+// In base/, below capture/ and rewrite/ (it includes nothing of the project's): rewrite/ decides
+// in these words and fills these records, capture/ writes them into the trace and the tools read
 // them back, and neither folder holds the other's words. Part of the trace format: a change to
 // a layout here bumps trace::kVersion.
 #pragma once

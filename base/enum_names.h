@@ -1,4 +1,5 @@
-// How the trace format's enumerations are named (capture/trace_format.cc, trace/agreement.cc).
+// How the trace format's enumerations are named (capture/trace_format.cc,
+// base/agreement_records.cc).
 #pragma once
 
 #include <array>
