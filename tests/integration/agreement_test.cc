@@ -1118,12 +1118,13 @@ TEST(Agreement, AFallenBackGroupedBucketIsNotTracedAsMoved) {
 // up", every rank reads that alike and asks again a few steps later (1, 2, 4, ... steps apart),
 // the program's calls go on through NCCL meanwhile, and every rank moves at the same call once
 // all are done. Every byte is checked by the program.
-// The run is thousands of steps so that the 100 ms land inside it on a fast machine; under the
-// sanitizers on two cores those steps take up to two minutes, and the plain build took 276 s
-// in a fresh clone's make test with the ASan suite beside it, hence the longer limit. A step
-// there may take more than 50 ms, so the 100 ms may hold only one confirm.
+// Each step ends with 2 ms of host work, so the 300 steps last at least 600 ms on any machine:
+// the 100 ms land inside the run however fast its steps are, and a slow machine (a sanitizer on
+// two cores, beside the other suites) runs no more steps than a fast one. A step there may take
+// more than 50 ms, so the 100 ms may hold only one confirm.
 TEST(Agreement, ASlowSetUpRunsOffTheCallsAndEveryRankMovesOnceAllAreDone) {
-  const AgreedRun r = run_agreed(4, fsdp({}, 3000), {{"MAGI_INJECT_FAULT", "slow-attach:2"}}, 600);
+  const AgreedRun r = run_agreed(4, fsdp({"--step-pause-ms", "2"}, 300),
+                                 {{"MAGI_INJECT_FAULT", "slow-attach:2"}}, 120);
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   const uint64_t comm = r.comm_ids()[0];
