@@ -316,16 +316,17 @@ TEST_F(StandInTest, ProcessWithoutNcclFindsNoAllReduce) {
 
 TEST(MagiLaunch, TimeoutRemovesSegmentsOfRanksThatNeverAllJoined) {
   // Both ranks believe in a third that never comes, so the segment is never complete and its
-  // name stays until the launcher cleans up after killing them.
+  // name stays until the launcher cleans up after killing them: they are killed once it is there.
   LaunchSpec spec;
   spec.nranks = 2;
   spec.argv = {"/bin/sh", "-c", "STANDIN_NRANKS=3 exec \"$0\" split",
                support_binary("magi-workload")};
-  spec.timeout_s = 2;
+  spec.hung = [](const LaunchResult& so_far) { return !segments_named(so_far.shm_tag).empty(); };
+  spec.timeout_s = 30;
   spec.hang_expected = true;
   spec.capture_output = true;
   const LaunchResult r = launch(spec);
-  EXPECT_TRUE(r.timed_out) << transcript(r);
+  EXPECT_TRUE(r.hung) << transcript(r);
   ASSERT_FALSE(r.shm_tag.empty());
   EXPECT_TRUE(segments_named(r.shm_tag).empty());
 }
@@ -393,11 +394,15 @@ TEST(LaunchLibrary, TimeoutKillsWhatTheRanksStarted) {
   LaunchSpec spec;
   spec.nranks = 1;
   spec.argv = {"/bin/sh", "-c", "sleep 30 & echo $!; wait"};
-  spec.timeout_s = 2;
+  // Killed once it has said its child's pid (then it only waits).
+  spec.hung = [](const LaunchResult& so_far) {
+    return so_far.ranks.at(0).stdout_text.find('\n') != std::string::npos;
+  };
+  spec.timeout_s = 30;
   spec.hang_expected = true;
   spec.capture_output = true;
   const LaunchResult r = launch(spec);
-  ASSERT_TRUE(r.timed_out);
+  ASSERT_TRUE(r.hung) << transcript(r);
   const pid_t grandchild = std::atoi(r.ranks.at(0).stdout_text.c_str());
   ASSERT_GT(grandchild, 0) << r.ranks[0].stdout_text;
   // Dead means gone, or a zombie nobody has reaped yet.
