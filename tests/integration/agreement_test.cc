@@ -1118,12 +1118,14 @@ TEST(Agreement, AFallenBackGroupedBucketIsNotTracedAsMoved) {
 // up", every rank reads that alike and asks again a few steps later (1, 2, 4, ... steps apart),
 // the program's calls go on through NCCL meanwhile, and every rank moves at the same call once
 // all are done. Every byte is checked by the program.
-// Each step ends with 2 ms of host work, so the 300 steps last at least 600 ms on any machine:
-// the 100 ms land inside the run however fast its steps are, and a slow machine (a sanitizer on
-// two cores, beside the other suites) runs no more steps than a fast one. A step there may take
-// more than 50 ms, so the 100 ms may hold only one confirm.
+// Each step ends with 2 ms of host work, so on any machine the 100 ms end within 50 steps of the
+// publish, and the confirm asked 63 steps after it (1 + 2 + ... + 32) sees them done: the plan
+// moves near step 70 at the latest (69 on a fast machine), and 160 steps hold the wait and many
+// moved steps however fast the steps are, while a slow machine (a sanitizer on two cores, beside
+// the other suites) runs no more of them than a fast one. A step there may take more than 50 ms,
+// so the 100 ms may hold only one confirm.
 TEST(Agreement, ASlowSetUpRunsOffTheCallsAndEveryRankMovesOnceAllAreDone) {
-  const AgreedRun r = run_agreed(4, fsdp({"--step-pause-ms", "2"}, 300),
+  const AgreedRun r = run_agreed(4, fsdp({"--step-pause-ms", "2"}, 160),
                                  {{"MAGI_INJECT_FAULT", "slow-attach:2"}}, 120);
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
