@@ -155,18 +155,9 @@ TEST_P(StandInRanks, InitAllCommunicatorsAreDrivenFromOneThreadInGroups) {
 TEST_P(StandInRanks, CountDivergenceBlocksLikeNccl) {
   LaunchSpec spec;
   spec.nranks = GetParam();
-  spec.argv = {support_binary("magi-workload"),
-               "fsdp",
-               "--layers",
-               "3",
-               "--steps",
-               "4",
-               "--diverge-rank",
-               "1",
-               "--diverge-step",
-               "2",
-               "--diverge-kind",
-               "count"};
+  spec.argv = {support_binary("magi-workload"), "fsdp", "--layers", "3", "--steps", "4"};
+  for (const char* arg : {"--diverge-rank", "1", "--diverge-step", "2", "--diverge-kind", "count"})
+    spec.argv.emplace_back(arg);
   spec.env = {{"STANDIN_SHM_TAG", shm_tag()}};
   spec.capture_output = true;
   spec.hang_expected = true;
