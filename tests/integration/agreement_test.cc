@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <map>
 #include <set>
@@ -92,9 +93,12 @@ struct AgreedRun {
 
 using EnvList = std::vector<std::pair<std::string, std::string>>;
 
-// `rank_env`: per rank, after `env` (index = rank).
-AgreedRun run_agreed(int n, std::vector<std::string> args, EnvList env = {}, double timeout_s = 60,
-                     std::vector<EnvList> rank_env = {}) {
+using HungWhen = std::function<bool(const support::LaunchResult&)>;
+
+// `rank_env`: per rank, after `env` (index = rank). `hung`: for a run that provokes a hang, true
+// once the ranks stand where the test wants them; they are killed then (launch.h).
+AgreedRun run_agreed_or_hung(int n, std::vector<std::string> args, EnvList env, double timeout_s,
+                             std::vector<EnvList> rank_env, HungWhen hung) {
   TempDir dir;
   support::LaunchSpec spec;
   spec.nranks = n;
@@ -115,6 +119,8 @@ AgreedRun run_agreed(int n, std::vector<std::string> args, EnvList env = {}, dou
   if (!force_set) spec.env.emplace_back("MAGI_CE_FORCE", "1");
   spec.rank_env = std::move(rank_env);
   spec.timeout_s = timeout_s;
+  spec.hang_expected = static_cast<bool>(hung);
+  spec.hung = std::move(hung);
   spec.capture_output = true;
   AgreedRun out;
   out.result = support::launch(spec);
@@ -163,6 +169,11 @@ AgreedRun run_agreed(int n, std::vector<std::string> args, EnvList env = {}, dou
                 [](const auto& a, const auto& b) { return a.seq < b.seq; });
     }
   return out;
+}
+
+AgreedRun run_agreed(int n, std::vector<std::string> args, EnvList env = {}, double timeout_s = 60,
+                     std::vector<EnvList> rank_env = {}) {
+  return run_agreed_or_hung(n, std::move(args), std::move(env), timeout_s, std::move(rank_env), {});
 }
 
 // The launch's summary, then the lines that say how the run went (the programs' own lines and the
@@ -1117,12 +1128,15 @@ TEST(Agreement, AFallenBackGroupedBucketIsNotTracedAsMoved) {
 // up", every rank reads that alike and asks again a few steps later (1, 2, 4, ... steps apart),
 // the program's calls go on through NCCL meanwhile, and every rank moves at the same call once
 // all are done. Every byte is checked by the program.
-// The run is thousands of steps so that the 100 ms land inside it on a fast machine; under the
-// sanitizers on two cores those steps take up to two minutes, and the plain build took 276 s
-// in a fresh clone's make test with the ASan suite beside it, hence the longer limit. A step
-// there may take more than 50 ms, so the 100 ms may hold only one confirm.
+// Each step ends with 2 ms of host work, so on any machine the 100 ms end within 50 steps of the
+// publish, and the confirm asked 63 steps after it (1 + 2 + ... + 32) sees them done: the plan
+// moves near step 70 at the latest (69 on a fast machine), and 160 steps hold the wait and many
+// moved steps however fast the steps are, while a slow machine (a sanitizer on two cores, beside
+// the other suites) runs no more of them than a fast one. A step there may take more than 50 ms,
+// so the 100 ms may hold only one confirm.
 TEST(Agreement, ASlowSetUpRunsOffTheCallsAndEveryRankMovesOnceAllAreDone) {
-  const AgreedRun r = run_agreed(4, fsdp({}, 3000), {{"MAGI_INJECT_FAULT", "slow-attach:2"}}, 600);
+  const AgreedRun r = run_agreed(4, fsdp({"--step-pause-ms", "2"}, 160),
+                                 {{"MAGI_INJECT_FAULT", "slow-attach:2"}}, 120);
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   const uint64_t comm = r.comm_ids()[0];
@@ -1378,19 +1392,27 @@ TEST(Agreement, APeerThatDiesWithTheCommunicatorInUseIsReportedByGetAsyncError) 
 // others block, in the transport or in NCCL, as they would on NCCL alone. The program's watchdog
 // thread (as PyTorch's) then aborts the communicators while the main thread is blocked; the abort
 // must free that thread (the transport gives up its waits), not hang it or crash it. The hung
-// rank outlives the watchdog's grace, so a main thread the abort did not free exits 4, not 3.
+// rank stays hung until both others have ended, and is killed then: no exit of its own can free
+// them, and a main thread the abort did not free exits 4 (after the watchdog's grace), not 3.
 TEST(Agreement, AnAbortFromAWatchdogThreadFreesCallsBlockedOnAHungPeer) {
   std::vector<support::LaunchResult> runs;
+  const auto others_ended = [](const support::LaunchResult& so_far) {
+    for (const int rank : {0, 2}) {
+      const auto& rr = so_far.ranks[static_cast<size_t>(rank)];
+      if (rr.exit_code == -1 && rr.signal == 0) return false;
+    }
+    return true;
+  };
   for (const int step : {6, 14}) {
-    const AgreedRun r =
-        run_agreed(3,
-                   fsdp({"--stall-rank", "1", "--stall-step", std::to_string(step), "--stall-s",
-                         "14", "--watchdog-s", "3", "--watchdog-grace-s", "8", "--comms", "2"},
-                        20),
-                   {}, 90);
+    const AgreedRun r = run_agreed_or_hung(
+        3,
+        fsdp({"--stall-rank", "1", "--stall-step", std::to_string(step), "--stall-s", "600",
+              "--watchdog-s", "3", "--watchdog-grace-s", "8", "--comms", "2"},
+             20),
+        {}, 90, {}, others_ended);
     runs.push_back(r.result);
-    ASSERT_FALSE(r.result.timed_out) << "stalled at step " << step << ": " << transcript(r);
-    EXPECT_EQ(r.result.ranks[1].exit_code, 0) << transcript(r);
+    ASSERT_TRUE(r.result.hung) << "stalled at step " << step << ": " << transcript(r);
+    EXPECT_EQ(r.result.ranks[1].signal, SIGKILL) << transcript(r);  // hung till the end
     for (const int rank : {0, 2}) {
       const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
       EXPECT_EQ(rr.signal, 0) << "step " << step << " rank " << rank << " crashed:\n"

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <chrono>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -147,15 +148,40 @@ TEST_P(StandInRanks, InitAllCommunicatorsAreDrivenFromOneThreadInGroups) {
   EXPECT_TRUE(r.all_ok()) << transcript(r);
 }
 
-// The job blocks until the launcher kills it: long enough for 8 ranks under a sanitizer, with
-// the other suites running beside this one, to reach the mismatch (3 s was not, under make test).
+// Like NCCL, every rank says its mismatch and then stays inside the call. The ranks are killed
+// once every one has said it and has stood still a moment more: a call that came back would have
+// said so ("returned", written right after the mismatch line) or ended its rank by then. A rank
+// that ends on its own, or ranks that never all say it within the limit, fail the test.
 TEST_P(StandInRanks, CountDivergenceBlocksLikeNccl) {
-  const LaunchResult r = run_workload(GetParam(),
-                                      {"fsdp", "--layers", "3", "--steps", "4", "--diverge-rank",
-                                       "1", "--diverge-step", "2", "--diverge-kind", "count"},
-                                      {}, 10.0);
-  EXPECT_TRUE(r.timed_out) << transcript(r);
+  LaunchSpec spec;
+  spec.nranks = GetParam();
+  spec.argv = {support_binary("magi-workload"), "fsdp", "--layers", "3", "--steps", "4"};
+  for (const char* arg : {"--diverge-rank", "1", "--diverge-step", "2", "--diverge-kind", "count"})
+    spec.argv.emplace_back(arg);
+  spec.env = {{"STANDIN_SHM_TAG", shm_tag()}};
+  spec.capture_output = true;
+  spec.hang_expected = true;
+  spec.timeout_s = 60;  // long enough for 8 ranks under a sanitizer beside the other suites
+  using Clock = std::chrono::steady_clock;
+  const auto still = std::chrono::duration<double>(0.5 * magi::support::timeout_scale());
+  std::optional<Clock::time_point> all_said;
+  spec.hung = [&](const LaunchResult& so_far) {
+    for (const auto& rank : so_far.ranks) {
+      if (rank.exit_code != -1 || rank.signal != 0) return false;  // it left the call
+    }
+    if (!every_rank_said(so_far, "mismatch")) return false;
+    if (!all_said) all_said = Clock::now();
+    return Clock::now() - *all_said >= still;
+  };
+  const LaunchResult r = launch(spec);
+  ASSERT_TRUE(r.hung) << transcript(r);
   EXPECT_TRUE(every_rank_said(r, "mismatch")) << transcript(r);
+  for (size_t rank = 0; rank < r.ranks.size(); ++rank) {
+    EXPECT_EQ(r.ranks[rank].signal, SIGKILL) << "rank " << rank << "\n" << transcript(r);
+    EXPECT_EQ(r.ranks[rank].stderr_text.find("returned"), std::string::npos)
+        << "rank " << rank << "'s call came back\n"
+        << transcript(r);
+  }
 }
 
 TEST_P(StandInRanks, CountDivergenceFailsTheCallOnEveryRankUnderMismatchError) {
@@ -281,16 +307,17 @@ TEST_F(StandInTest, ProcessWithoutNcclFindsNoAllReduce) {
 
 TEST(MagiLaunch, TimeoutRemovesSegmentsOfRanksThatNeverAllJoined) {
   // Both ranks believe in a third that never comes, so the segment is never complete and its
-  // name stays until the launcher cleans up after killing them.
+  // name stays until the launcher cleans up after killing them: they are killed once it is there.
   LaunchSpec spec;
   spec.nranks = 2;
   spec.argv = {"/bin/sh", "-c", "STANDIN_NRANKS=3 exec \"$0\" split",
                support_binary("magi-workload")};
-  spec.timeout_s = 2;
+  spec.hung = [](const LaunchResult& so_far) { return !segments_named(so_far.shm_tag).empty(); };
+  spec.timeout_s = 30;
   spec.hang_expected = true;
   spec.capture_output = true;
   const LaunchResult r = launch(spec);
-  EXPECT_TRUE(r.timed_out) << transcript(r);
+  EXPECT_TRUE(r.hung) << transcript(r);
   ASSERT_FALSE(r.shm_tag.empty());
   EXPECT_TRUE(segments_named(r.shm_tag).empty());
 }
@@ -358,11 +385,15 @@ TEST(LaunchLibrary, TimeoutKillsWhatTheRanksStarted) {
   LaunchSpec spec;
   spec.nranks = 1;
   spec.argv = {"/bin/sh", "-c", "sleep 30 & echo $!; wait"};
-  spec.timeout_s = 2;
+  // Killed once it has said its child's pid (then it only waits).
+  spec.hung = [](const LaunchResult& so_far) {
+    return so_far.ranks.at(0).stdout_text.find('\n') != std::string::npos;
+  };
+  spec.timeout_s = 30;
   spec.hang_expected = true;
   spec.capture_output = true;
   const LaunchResult r = launch(spec);
-  ASSERT_TRUE(r.timed_out);
+  ASSERT_TRUE(r.hung) << transcript(r);
   const pid_t grandchild = std::atoi(r.ranks.at(0).stdout_text.c_str());
   ASSERT_GT(grandchild, 0) << r.ranks[0].stdout_text;
   // Dead means gone, or a zombie nobody has reaped yet.

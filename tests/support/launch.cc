@@ -59,6 +59,14 @@ std::vector<char*> pointers_to(std::vector<std::string>& strings) {
   return pointers;
 }
 
+// Each rank's output so far, from the files the launch in `dir` redirected it to.
+void read_output(const std::string& dir, LaunchResult& result) {
+  for (size_t rank = 0; rank < result.ranks.size(); ++rank) {
+    result.ranks[rank].stdout_text = read_file(dir + "/rank" + std::to_string(rank) + ".out");
+    result.ranks[rank].stderr_text = read_file(dir + "/rank" + std::to_string(rank) + ".err");
+  }
+}
+
 bool spec_sets(const LaunchSpec& spec, const std::string& key) {
   for (const auto& [k, v] : spec.env) {
     if (k == key) return true;
@@ -213,6 +221,7 @@ LaunchResult launch(const LaunchSpec& spec) {
     const auto now = std::chrono::steady_clock::now();
     if (spec.hung && now >= next_look) {
       next_look = now + std::chrono::milliseconds(50);
+      if (spec.capture_output) read_output(dir, result);  // what the ranks said so far
       result.hung = spec.hung(result);
     }
     if (result.hung || (limit_s > 0 && now > deadline)) {
@@ -229,12 +238,7 @@ LaunchResult launch(const LaunchSpec& spec) {
   }
   result.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  if (spec.capture_output) {
-    for (size_t rank = 0; rank < pids.size(); ++rank) {
-      result.ranks[rank].stdout_text = read_file(dir + "/rank" + std::to_string(rank) + ".out");
-      result.ranks[rank].stderr_text = read_file(dir + "/rank" + std::to_string(rank) + ".err");
-    }
-  }
+  if (spec.capture_output) read_output(dir, result);
   remove_entries(dir, "", true);
   bool killed = result.timed_out;
   for (const auto& r : result.ranks) killed |= r.signal != 0;

@@ -27,7 +27,8 @@ struct LaunchSpec {
   double timeout_s = 60;
   bool hang_expected = false;
   // For a hang the test provokes: true once the ranks stand where the test wants them (polled
-  // every 50 ms while they run, given the result so far: the ranks' pids and the tag); they are
+  // every 50 ms while they run, given the result so far: the ranks' pids, the tag, how the ranks
+  // that ended ended, and with capture_output what each rank has written so far); they are
   // killed at once then. With it, a slow machine waits as long as it needs (timeout_s, scaled as
   // any limit, bounds the wait) and a fast one no longer. Without it, a provoked hang is killed
   // after exactly timeout_s.

@@ -23,7 +23,9 @@ thread_local GroupState t_group;
 // STANDIN_TIMEOUT_S bounds it, and a peer process that has exited ends it (ncclRemoteError).
 ncclResult_t run(std::vector<std::unique_ptr<Operation>>& ops) {
   using Clock = std::chrono::steady_clock;
-  constexpr auto kLivenessInterval = std::chrono::seconds(1);
+  // How often a wait asks whether the rank it waits for still lives: one kill(pid, 0) per tenth
+  // of a second of waiting costs nothing, and a dead peer ends the wait that soon.
+  constexpr auto kLivenessInterval = std::chrono::milliseconds(100);
   if (Settings::get().delay_us > 0)
     std::this_thread::sleep_for(std::chrono::microseconds(Settings::get().delay_us));
   if (Settings::get().group_order_by_size && ops.size() > 1) {

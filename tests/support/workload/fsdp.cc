@@ -5,7 +5,7 @@
 //      [--step-group 1] [--settle-step K] [--p2p 1]
 //      [--static-change-rank R --static-change-step K] [--die-rank R --die-step K] [--abort-step K]
 //      [--stall-rank R --stall-step K --stall-s T] [--watchdog-s S [--watchdog-grace-s G]]
-//      [--end-rank R --end-how kill|exit] [--end-poll-s T]
+//      [--end-rank R --end-how kill|exit] [--end-poll-s T] [--step-pause-ms T]
 //
 // An FSDP-style inference loop: one all-reduce at start-up, then per step every layer's weight
 // shard is all-gathered (pairs of layers in one ncclGroupStart/End, as FSDP buckets them), used
@@ -58,6 +58,9 @@
 //   --p2p 1            after the start-up all-reduce, each rank sends a token to the next rank
 //                      and receives one from the previous (ncclSend/ncclRecv in one group): the
 //                      calls' numbers (seq) then run ahead of the collectives' numbers
+//   --step-pause-ms T  after each step every rank sleeps T ms (host work between steps): a
+//                      run of S steps then lasts at least S * T ms on any machine, so what
+//                      happens at a set time (an injected set-up delay) lands inside it
 //   --comms 2          a second communicator (ncclCommSplit, color rank % 2) runs a model of its
 //                      own, step for step with the first; --perturb-comm picks which one the
 //                      changes above apply to (default 1)
@@ -541,6 +544,8 @@ int run_fsdp(const ScenarioOptions& options) {
   const int stall_rank = static_cast<int>(options.number("stall-rank", -1));
   const int stall_step = static_cast<int>(options.number("stall-step", -1));
   const double stall_s = options.number("stall-s", 30);
+  const auto step_pause =
+      std::chrono::duration<double, std::milli>(options.number("step-pause-ms", 0));
   std::vector<ncclComm_t> watched = {comm.get()};
   if (sub.get() != nullptr) watched.push_back(sub.get());
   // The hung rank runs none: it stands for a process whose every thread is stuck.
@@ -571,6 +576,7 @@ int run_fsdp(const ScenarioOptions& options) {
     }
     watchdog.step_ended();
     watchdog.exit_if_fired(boot.rank);
+    if (step_pause.count() > 0) std::this_thread::sleep_for(step_pause);
   }
   const int end_rank = static_cast<int>(options.number("end-rank", -1));
   if (boot.rank == end_rank) {
