@@ -380,11 +380,6 @@ bool stream_capturing(const CallArgs& args, CallRecord& record) {
   return (record.flags & trace::kCallCapturing) != 0;
 }
 
-void stop_gather_callsites(Communicator& comm) noexcept {
-  if (comm.gather_callsites.load(std::memory_order_relaxed))
-    comm.gather_callsites.store(false, std::memory_order_relaxed);
-}
-
 void end_call(CallRecord& record, ncclResult_t result) {
   record.result = static_cast<int32_t>(result);
   flight_return(record.comm_id, record.seq, record.result);

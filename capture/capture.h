@@ -105,8 +105,12 @@ void begin_call(Communicator& comm, const CallArgs& args, CallRecord& record,
 void end_call(CallRecord& record, ncclResult_t result);
 // The communicator's untraced all-gathers need no call site from now on (rewrite/ said, when it
 // joined or in a call's outcome, that it will never explore it again): capture stops unwinding
-// them, for good. Written once, not at every call: the record's cache line stays shared.
-void stop_gather_callsites(Communicator& comm) noexcept;
+// them, for good. Written once, not at every call: the record's cache line stays shared. Inline:
+// a communicator that never explores asks it at every call.
+inline void stop_gather_callsites(Communicator& comm) noexcept {
+  if (comm.gather_callsites.load(std::memory_order_relaxed))
+    comm.gather_callsites.store(false, std::memory_order_relaxed);
+}
 // Whether the call's stream is capturing a CUDA graph, asked of the driver once per call and
 // kept in record.flags. begin_call asks only for a traced call: elsewhere the caller asks where
 // its decision depends on it.
