@@ -178,6 +178,8 @@ CAPTURE_REFUSED = ("weights: ncclAllGather (captured into a CUDA graph) returned
                    "usage): device buffers on a stream capturing a CUDA graph are not supported")
 STAYS = ("[{r}] MAGI INFO REWRITE comm 3f2a0c1d9e7b: the 6 gathers captured into a CUDA graph stay "
          "on NCCL on every rank")
+REPLAY_FAILED = ("standin: rank 2: a replay of a CUDA graph: AllGather(int32, count 4096) returned 2: "
+                 "rank 2: blocked 60.0 s; the communicator is broken")
 STANDIN_GAVE_UP = ("standin: rank 1: blocked 60.0 s in AllGather float32 x 4096 (seq 112) waiting "
                    "for rank 2; giving up (STANDIN_TIMEOUT_S)")
 
@@ -220,25 +222,34 @@ launch_ranks() {{
         self.assertEqual(len(lines), 1, out)
         return lines[0].split()[0]
 
-    # graph_runs.sh: every rank refused at its capture, none hung.
-    def refused(self, lines, status=1):
+    # graph_runs.sh: the captured gathers stay on NCCL, the stand-in replays them; none hung.
+    def stayed(self, lines, status=0):
         name = "mps-weights-graph-default"
-        call = f"launch_ranks {name}; graph_refused_check {name} 3 {status}"
+        call = f"launch_ranks {name}; graph_stayed_check {name} 3 {status}"
         return self.verdict_of(self.run_checks(call, {name: "\n".join(lines) + "\n"}), name)
 
-    def test_every_rank_refused_at_its_capture_passes(self):
-        good = [STAYS.format(r=r) for r in range(3)] + [CAPTURE_REFUSED] * 3
-        self.assertEqual(self.refused(good), "PASS")
+    def test_every_rank_replayed_its_captured_gathers_passes(self):
+        self.assertEqual(self.stayed([STAYS.format(r=r) for r in range(3)]), "PASS")
+
+    def test_a_rank_refused_at_its_capture_fails(self):
+        refused = [STAYS.format(r=r) for r in range(3)] + [CAPTURE_REFUSED]
+        self.assertEqual(self.stayed(refused, status=1), "FAIL")
 
     def test_a_rank_the_standin_gave_up_on_fails(self):
         # One rank blocked in a collective until the stand-in gave up: a hang, which says
         # "giving up", never "timed out" (the launcher's word, 60 s later).
-        hung = [STAYS.format(r=r) for r in range(3)] + [CAPTURE_REFUSED] * 2 + [STANDIN_GAVE_UP]
-        self.assertEqual(self.refused(hung), "FAIL")
+        hung = [STAYS.format(r=r) for r in range(3)] + [STANDIN_GAVE_UP]
+        self.assertEqual(self.stayed(hung), "FAIL")
+
+    def test_a_failed_replay_fails_even_at_exit_0(self):
+        failed = [STAYS.format(r=r) for r in range(3)] + [REPLAY_FAILED]
+        self.assertEqual(self.stayed(failed), "FAIL")
 
     def test_a_launcher_timeout_fails(self):
-        good = [STAYS.format(r=r) for r in range(3)] + [CAPTURE_REFUSED] * 3
-        self.assertEqual(self.refused(good, status=124), "FAIL")
+        self.assertEqual(self.stayed([STAYS.format(r=r) for r in range(3)], status=124), "FAIL")
+
+    def test_gathers_that_did_not_stay_on_nccl_fail(self):
+        self.assertEqual(self.stayed(["weights: rank 0: step 16: ok"]), "FAIL")
 
     # standin_runs.sh: a rank killed with gathers moving.
     def killed_peer(self, summary: str, extra=()):
