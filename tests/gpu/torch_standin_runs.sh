@@ -23,6 +23,8 @@ torch_standin_launch() {
   local dir="$work/$name" standin="$build/tests/support/libnccl.so.2"
   mkdir -p "$dir/trace" "$dir/out"
   local envs=(TORCH_STANDIN_NCCL="$standin")
+  # Inductor says why it skips its CUDA graphs only among its performance hints.
+  [ "$programs" = compile ] && envs+=(TORCH_LOGS=perf_hints)
   if [ "$side" = magi ]; then
     envs+=(LD_PRELOAD="$build/libmagice.so $standin" MAGI_LOG=INFO MAGI_TRACE_DIR="$dir/trace")
     # shellcheck disable=SC2206  # the settings, word by word
@@ -142,7 +144,7 @@ torch_standin_runs() {
     torch_standin_compare "$world" compile "torch-standin-$world-plain-compile" \
       "torch-standin-$world-magi-compile"
     if grep -q "cudagraphs skipped" "$work/torch-standin-$world-plain-compile/log" 2>/dev/null; then
-      skip "torch-standin-$world compile: Inductor skipped its CUDA graphs, so no collective was captured: $(grep -m 1 -o "cudagraphs skipped.*" "$work/torch-standin-$world-plain-compile/log")"
+      skip "torch-standin-$world compile: Inductor skipped its CUDA graphs, so no collective was captured: $(grep -m 1 -o "skipping cudagraphs due to.*" "$work/torch-standin-$world-plain-compile/log" || grep -m 1 -o "cudagraphs skipped.*" "$work/torch-standin-$world-plain-compile/log")"
     fi
     torch_standin_moved "$world" "torch-standin-$world-magi" "torch-standin-$world-magi-compile"
   done
