@@ -8,10 +8,10 @@
 #include <gtest/gtest.h>
 #include <nccl.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <iterator>
 #include <set>
 #include <string>
 #include <vector>
@@ -33,43 +33,59 @@ std::string real_nccl_path() {
          "/lib64/libnccl.so.2";
 }
 
+// `bytes` bytes of `in` from `offset`; empty when the file is shorter.
+std::string read_at(std::ifstream& in, uint64_t offset, uint64_t bytes) {
+  std::string data(bytes, '\0');
+  in.clear();
+  in.seekg(static_cast<std::streamoff>(offset));
+  in.read(data.data(), static_cast<std::streamsize>(bytes));
+  if (!in || static_cast<uint64_t>(in.gcount()) != bytes) return {};
+  return data;
+}
+
 // The names starting with "nccl" or "pnccl" that `path` defines and exports (global or weak,
-// default visibility), from its .dynsym; `error` says why none could be read.
+// default visibility), from its .dynsym; `error` says why none could be read. Only the headers
+// and the two tables are read: the real NCCL is some 200 MB.
 std::set<std::string> exported_nccl_names(const std::string& path, std::string& error) {
-  std::ifstream in(path, std::ios::binary);
-  const std::vector<char> bytes{std::istreambuf_iterator<char>(in),
-                                std::istreambuf_iterator<char>()};
   std::set<std::string> names;
-  if (bytes.size() < sizeof(Elf64_Ehdr)) {
+  std::ifstream in(path, std::ios::binary);
+  const std::string head = read_at(in, 0, sizeof(Elf64_Ehdr));
+  if (head.empty()) {
     error = path + ": not readable, or not an ELF file";
     return names;
   }
-  const auto* header = reinterpret_cast<const Elf64_Ehdr*>(bytes.data());
-  if (std::memcmp(header->e_ident, ELFMAG, SELFMAG) != 0 ||
-      header->e_ident[EI_CLASS] != ELFCLASS64 || header->e_shentsize != sizeof(Elf64_Shdr) ||
-      header->e_shoff + header->e_shnum * sizeof(Elf64_Shdr) > bytes.size()) {
+  Elf64_Ehdr header;
+  std::memcpy(&header, head.data(), sizeof header);
+  if (std::memcmp(header.e_ident, ELFMAG, SELFMAG) != 0 || header.e_ident[EI_CLASS] != ELFCLASS64 ||
+      header.e_shentsize != sizeof(Elf64_Shdr)) {
     error = path + ": not a 64-bit ELF file with section headers";
     return names;
   }
-  const auto* sections = reinterpret_cast<const Elf64_Shdr*>(bytes.data() + header->e_shoff);
-  for (int i = 0; i < header->e_shnum; ++i) {
-    const Elf64_Shdr& symbols = sections[i];
-    if (symbols.sh_type != SHT_DYNSYM || symbols.sh_link >= header->e_shnum) continue;
+  const std::string table = read_at(in, header.e_shoff, header.e_shnum * sizeof(Elf64_Shdr));
+  if (table.empty()) {
+    error = path + ": its section headers lie past the end of the file";
+    return names;
+  }
+  std::vector<Elf64_Shdr> sections(header.e_shnum);
+  std::memcpy(sections.data(), table.data(), table.size());
+  for (const Elf64_Shdr& symbols : sections) {
+    if (symbols.sh_type != SHT_DYNSYM || symbols.sh_link >= sections.size()) continue;
     const Elf64_Shdr& strings = sections[symbols.sh_link];
-    if (symbols.sh_offset + symbols.sh_size > bytes.size() ||
-        strings.sh_offset + strings.sh_size > bytes.size()) {
+    const std::string symbol_bytes = read_at(in, symbols.sh_offset, symbols.sh_size);
+    const std::string string_bytes = read_at(in, strings.sh_offset, strings.sh_size);
+    if (symbol_bytes.size() != symbols.sh_size || string_bytes.size() != strings.sh_size) {
       error = path + ": a dynamic symbol table past the end of the file";
       return names;
     }
-    const auto* symbol = reinterpret_cast<const Elf64_Sym*>(bytes.data() + symbols.sh_offset);
-    const size_t count = symbols.sh_size / sizeof(Elf64_Sym);
-    for (size_t s = 0; s < count; ++s, ++symbol) {
-      const int binding = ELF64_ST_BIND(symbol->st_info);
-      if (symbol->st_shndx == SHN_UNDEF || symbol->st_name >= strings.sh_size ||
+    for (size_t at = 0; at + sizeof(Elf64_Sym) <= symbol_bytes.size(); at += sizeof(Elf64_Sym)) {
+      Elf64_Sym symbol;
+      std::memcpy(&symbol, symbol_bytes.data() + at, sizeof symbol);
+      const int binding = ELF64_ST_BIND(symbol.st_info);
+      if (symbol.st_shndx == SHN_UNDEF || symbol.st_name >= string_bytes.size() ||
           (binding != STB_GLOBAL && binding != STB_WEAK) ||
-          ELF64_ST_VISIBILITY(symbol->st_other) != STV_DEFAULT)
+          ELF64_ST_VISIBILITY(symbol.st_other) != STV_DEFAULT)
         continue;
-      const char* name = bytes.data() + strings.sh_offset + symbol->st_name;
+      const char* name = string_bytes.c_str() + symbol.st_name;
       if (std::strncmp(name, "nccl", 4) == 0 || std::strncmp(name, "pnccl", 5) == 0)
         names.insert(name);
     }
