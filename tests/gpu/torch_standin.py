@@ -124,7 +124,8 @@ def run_fsdp2(ctx) -> None:
                 scale = reference.abs().max().item()
                 if not diff <= 1e-2 * scale:
                     raise Failed(f"rank {ctx.rank}: fsdp2: the sharded model differs from the "
-                                 f"unsharded one at step 0 by {diff:.3g} (logits up to {scale:.3g})")
+                                 f"unsharded one at step 0 by {diff:.3g} (logits up to "
+                                 f"{scale:.3g})")
     ctx.save("fsdp2", {"last_logits": logits_per_step, "final_hidden": [hidden.float().cpu()]})
     say(ctx, f"fsdp2: {ctx.args.steps} steps of FSDP2 inference ({margs.layers} blocks of hidden "
              f"{margs.hidden}), step 0 matches the unsharded model")
@@ -260,8 +261,8 @@ def check_close(ctx, program, what, got, want, rtol, atol) -> None:
     for name, a, b in zip("xyzr", got, want):
         if not torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol):
             diff = (a.float() - b.float()).abs().max().item()
-            raise Failed(f"rank {ctx.rank}: {program}: {what}: output {name} differs from the eager "
-                         f"forward by up to {diff:.3g}")
+            raise Failed(f"rank {ctx.rank}: {program}: {what}: output {name} differs from the "
+                         f"eager forward by up to {diff:.3g}")
 
 
 # ---- graph -------------------------------------------------------------------------------------
@@ -293,7 +294,10 @@ def run_graph(ctx) -> None:
         graph.replay()
         torch.cuda.synchronize()  # no eager collective while a replay is in flight
         got = [o.cpu() for o in outs]
-        want = eager[k] if k < 3 else [t.cpu() for t in forward(input_of(k), shards, ops, ctx.world)]
+        if k < 3:
+            want = eager[k]
+        else:
+            want = [t.cpu() for t in forward(input_of(k), shards, ops, ctx.world)]
         torch.cuda.synchronize()
         check_close(ctx, "graph", f"replay {k}", got, want, rtol=1e-5, atol=1e-6)
         replays.extend(got)
@@ -312,7 +316,8 @@ def compile_unavailable(torch) -> str:
         return "torch.compile is not in this PyTorch"
     try:
         import torch._dynamo
-        if hasattr(torch._dynamo, "is_dynamo_supported") and not torch._dynamo.is_dynamo_supported():
+        supported = getattr(torch._dynamo, "is_dynamo_supported", lambda: True)
+        if not supported():
             return f"TorchDynamo does not support Python {sys.version.split()[0]}"
         from torch.utils._triton import has_triton
         if not has_triton():
