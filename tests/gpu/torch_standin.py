@@ -69,18 +69,21 @@ def nccl_libraries() -> set:
     return paths
 
 
-def check_nccl_is_standin(ctx) -> None:
-    """PyTorch must have taken the stand-in as its NCCL, and loaded no other."""
+def standin_problem(rank: int, loaded: bool) -> str:
+    """Why PyTorch's NCCL is not the stand-in alone, or "": it must have taken the preloaded
+    stand-in as its NCCL (`loaded`: once a collective ran, it must be mapped), and loaded no
+    other."""
     expected = os.environ.get("TORCH_STANDIN_NCCL", "")
-    mapped = nccl_libraries()
     if not expected:
-        raise SystemExit(f"torch_standin: rank {ctx.rank}: TORCH_STANDIN_NCCL is not set (the "
-                         f"stand-in's path, as preloaded)")
+        return (f"torch_standin: rank {rank}: TORCH_STANDIN_NCCL is not set (the stand-in's path, "
+                f"as preloaded)")
+    mapped = nccl_libraries()
     want = os.path.realpath(expected)
-    if mapped != {want}:
-        raise SystemExit(f"torch_standin: rank {ctx.rank}: the NCCL libraries in the process are "
-                         f"{sorted(mapped) or 'none'}, not the stand-in {want} alone: preload it "
-                         f"(LD_PRELOAD) so that PyTorch loads no other")
+    if mapped - {want} or (loaded and want not in mapped):
+        return (f"torch_standin: rank {rank}: the NCCL libraries in the process are "
+                f"{sorted(mapped) or 'none'}, not the stand-in {want} alone: preload it "
+                f"(LD_PRELOAD) so that PyTorch loads no other")
+    return ""
 
 
 class Ctx:
@@ -391,6 +394,11 @@ def main() -> int:
     torch.zeros(1, device="cuda:0")
     # The same kernels on both runs, so that any difference is the collectives'.
     torch.use_deterministic_algorithms(True, warn_only=True)
+    # Before the first collective, which another NCCL would refuse with two ranks on one GPU.
+    problem = standin_problem(rank, loaded=False)
+    if problem:
+        print(problem, file=sys.stderr, flush=True)
+        return 2
     # No device_id: it would make the communicator eager and bound to a device per rank; the
     # ranks' communicator is made at the first collective, on cuda:0 for all.
     dist.init_process_group("nccl", rank=rank, world_size=world,
@@ -402,7 +410,10 @@ def main() -> int:
         print(f"torch_standin: rank {rank}: the first all-reduce gave {first.item()}, not {world}",
               file=sys.stderr)
         return 1
-    check_nccl_is_standin(ctx)
+    problem = standin_problem(rank, loaded=True)
+    if problem:
+        print(problem, file=sys.stderr, flush=True)
+        return 2
     say(ctx, f"{world} ranks on cuda:0 over the stand-in ({os.environ['TORCH_STANDIN_NCCL']}), "
              f"PyTorch {torch.__version__}, programs {','.join(programs)}")
     status = 0
