@@ -7,8 +7,10 @@
 #    and move on graph slots with MAGI_GRAPH_SLOTS=always, the weights rewritten before each
 #    replay.
 #  - graph_standin_runs (under MPS, from standin_mps_runs): ranks of the weights program over the
-#    stand-in, whose collectives refuse a capturing stream: a captured gather that did not move
-#    fails the run. Every byte of every replay is checked by the program.
+#    stand-in, which records a captured collective into the graph (a copy to pinned staging, a
+#    host node that runs it with the peers at each replay, a copy back): gathers that move, and
+#    gathers that stay on NCCL (the default mode) or run with no library at all, replayed by the
+#    stand-in. Every byte of every replay is checked by the program.
 #  - graph_real_nccl_runs: the same program at world size 1 over the real NCCL, as nccl-tests -G
 #    runs: N gathers captured once, the graph replayed, every byte of every replay checked; also
 #    in the default mode with graph slots, the shards rewritten before every replay.
@@ -117,29 +119,47 @@ graph_standin_runs() {
     "served off NCCL, .*; 12 of them captured into CUDA graphs"
   standin_log_check "$name" "no WARN" " MAGI WARN " absent
   grep -E "rank 0: step (16|17|29):" "$work/$name/log" | sed 's/^/  /'
-  # The default mode: the captured gathers stay on NCCL on every rank, which the stand-in
-  # refuses while capturing: every rank fails at its capture, none hangs.
+  # The default mode: the captured gathers stay on NCCL on every rank, so the stand-in records
+  # them into the graph and runs them at each of the 14 replays, every byte checked.
   name=mps-weights-graph-default
   launch_ranks "$name" 3 "" MAGI_CE_FORCE=1 -- weights --device 1 --layers 6 --steps 30 \
-    --program swap --swap-step 100 --graph-step 16
-  graph_refused_check "$name" 3 $?
+    --program swap --swap-step 100 --graph-step 16 --report-slowest 1
+  graph_stayed_check "$name" 3 $?
+  grep -E "rank 0: step (15|16|29):" "$work/$name/log" | sed 's/^/  /'
+  # The stand-in alone, no library: its captured gathers replayed, at 2 and 4 ranks.
+  local n
+  for n in 2 4; do
+    name=mps-standin-graph-$n
+    mkdir -p "$work/$name"
+    if "$launch" -n "$n" --timeout 120 -- "$workload" weights --device 1 --layers 6 --steps 30 \
+      --program swap --swap-step 100 --graph-step 16 --report-slowest 1 >"$work/$name/log" 2>&1; then
+      pass "$name: the stand-in alone, 14 replays of 6 captured gathers on $n ranks, every byte right"
+    else
+      fail "$name: the stand-in alone, 14 replays of 6 captured gathers on $n ranks, every byte right"
+      tail -n 10 "$work/$name/log" | sed 's/^/  /'
+    fi
+  done
 }
 
-# graph_refused_check NAME N STATUS: run NAME's N ranks each failed at its capture (the stand-in
-# refuses a capturing stream: "ncclAllGather (captured into a CUDA graph) returned ...") after the
-# library said the captured gathers stay on NCCL, and none hung. A rank blocked in a collective
-# is given up by the stand-in itself ("giving up", at STANDIN_TIMEOUT_S: long before the
-# launcher's own timeout, exit 124 "timed out"), so both are looked for.
-graph_refused_check() {
-  local name=$1 n=$2 status=$3 log="$work/$1/log" refused hung
-  refused=$(grep -c "ncclAllGather (captured into a CUDA graph) returned" "$log" 2>/dev/null)
-  hung=$(grep -cE "giving up|timed out" "$log" 2>/dev/null)
-  if [ "$status" != 124 ] && [ "${hung:-0}" = 0 ] && [ "${refused:-0}" = "$n" ] &&
+# graph_stayed_check NAME N STATUS: run NAME's N ranks all ended well (the program checked every
+# byte of every replay: exit 0) after the library said the captured gathers stay on NCCL, the
+# stand-in ran them at the replays (no rank refused at its capture, none hung: a rank blocked in
+# a collective is given up by the stand-in itself, "giving up", long before the launcher's own
+# timeout, exit 124 "timed out"), and the traces mark none of the captured gathers moved.
+graph_stayed_check() {
+  local name=$1 n=$2 status=$3 log="$work/$1/log" refused hung moved captured
+  refused=$(grep -c "(captured into a CUDA graph) returned" "$log" 2>/dev/null)
+  hung=$(grep -cE "giving up|timed out|a replay of a CUDA graph" "$log" 2>/dev/null)
+  # Captured calls carry flag C (the dump's tenth column); a moved one ends "moved".
+  captured=$(for t in "$work/$name"/trace/*; do "$build/magice-trace" dump "$t" 2>/dev/null; done |
+    awk 'length($1) == 12 && $2 ~ /^[0-9]+$/ && $3 == "AllGather" && $10 ~ /C/' | tee "$work/$name/captured" | wc -l)
+  moved=$(awk '$NF == "moved"' "$work/$name/captured" | wc -l)
+  if [ "$status" = 0 ] && [ "${hung:-0}" = 0 ] && [ "${refused:-0}" = 0 ] && [ "$moved" = 0 ] &&
       grep -q "captured into a CUDA graph stay on NCCL on every rank" "$log"; then
-    pass "$name: captured gathers stay on NCCL on every rank (the stand-in refuses them), no hang"
+    pass "$name: captured gathers stay on NCCL on every rank, the stand-in replays them, every byte right ($captured captured calls in the traces, none moved)"
   else
-    fail "$name: captured gathers stay on NCCL on every rank (the stand-in refuses them), no hang (launcher status $status, ${refused:-0} of $n ranks refused at capture, ${hung:-0} lines of a rank given up or timed out)"
-    grep -E "giving up|timed out" "$log" 2>/dev/null | head -n 4 | sed 's/^/  /'
+    fail "$name: captured gathers stay on NCCL on every rank, the stand-in replays them, every byte right (launcher status $status, ${refused:-0} ranks refused at capture, ${hung:-0} lines of a rank given up, timed out or a failed replay, $moved of $captured captured calls moved)"
+    grep -E "giving up|timed out|returned|a replay of a CUDA graph" "$log" 2>/dev/null | head -n 4 | sed 's/^/  /'
     tail -n 8 "$log" | sed 's/^/  /'
   fi
 }

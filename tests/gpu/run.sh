@@ -15,9 +15,12 @@ trap 'rm -rf "$work"' EXIT
 . "$here/standin_runs.sh"
 # shellcheck source=tests/gpu/graph_runs.sh
 . "$here/graph_runs.sh"
+# shellcheck source=tests/gpu/torch_standin_runs.sh
+. "$here/torch_standin_runs.sh"
 # GPU_ONLY=graphs: the CUDA-graph runs alone (graph_runs.sh), a few minutes; GPU_ONLY=graphs-mps:
-# only those of several ranks under MPS (graph_standin_runs). Any other value selects nothing,
-# and fails.
+# only those of several ranks under MPS (graph_standin_runs); GPU_ONLY=torch-standin: only
+# PyTorch at world 2, 4 and 8 over the stand-in under MPS (torch_standin_runs.sh). Any other
+# value selects nothing, and fails.
 if [ -n "${GPU_ONLY:-}" ]; then
   export NCCL_NVLS_ENABLE=0
   echo "== CUDA graphs only (GPU_ONLY=$GPU_ONLY)"
@@ -26,13 +29,19 @@ if [ -n "${GPU_ONLY:-}" ]; then
       graph_torch_runs
       graph_real_nccl_runs
       ;;
-    graphs-mps) ;;
-    *) fail "GPU_ONLY=$GPU_ONLY selects nothing (graphs or graphs-mps)" ;;
+    graphs-mps | torch-standin) ;;
+    *) fail "GPU_ONLY=$GPU_ONLY selects nothing (graphs, graphs-mps or torch-standin)" ;;
   esac
   case $GPU_ONLY in
     graphs | graphs-mps)
       if mps_start; then  # else it counted the skip
         graph_standin_runs
+        mps_stop
+      fi
+      ;;
+    torch-standin)
+      if mps_start; then
+        torch_standin_runs
         mps_stop
       fi
       ;;
@@ -250,6 +259,14 @@ else
   standin_hang_report_runs
   echo "== ranks as MPS clients"
   standin_mps_runs
+  # PyTorch itself over the stand-in (torch_standin_runs.sh), its ranks as MPS clients of a
+  # daemon of their own: its log counts only their connections.
+  echo "== PyTorch at world 2, 4 and 8 on one GPU over the stand-in, ranks as MPS clients"
+  rm -rf "$work/mps-log"
+  if mps_start; then
+    torch_standin_runs
+    mps_stop
+  fi
 fi
 
 # The CUDA transport alone under faults (tests/gpu/cuda_transport_faults.cc): its own PASS/FAIL

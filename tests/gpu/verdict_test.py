@@ -165,6 +165,13 @@ class RunSelection(unittest.TestCase):
         self.assertIn("SKIP MPS runs: the MPS control daemon did not start", r.stdout)
         self.assertEqual(r.stdout.splitlines()[-1], "gpu-tests: 0 passed, 1 failed, 1 skipped")
 
+    def test_torch_standin_without_mps_fails_with_its_skip_counted(self):
+        r = self.run_gpu_tests("torch-standin")
+        self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+        self.assertIn("SKIP MPS runs: the MPS control daemon did not start", r.stdout)
+        self.assertNotIn("== PyTorch over the stand-in", r.stdout)
+        self.assertEqual(r.stdout.splitlines()[-1], "gpu-tests: 0 passed, 1 failed, 1 skipped")
+
     def test_a_selection_of_nothing_fails(self):
         r = self.run_gpu_tests("nothing-by-this-name")
         self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
@@ -178,6 +185,8 @@ CAPTURE_REFUSED = ("weights: ncclAllGather (captured into a CUDA graph) returned
                    "usage): device buffers on a stream capturing a CUDA graph are not supported")
 STAYS = ("[{r}] MAGI INFO REWRITE comm 3f2a0c1d9e7b: the 6 gathers captured into a CUDA graph stay "
          "on NCCL on every rank")
+REPLAY_FAILED = ("standin: rank 2: a replay of a CUDA graph: AllGather(int32, count 4096) returned "
+                 "2: rank 2: blocked 60.0 s; the communicator is broken")
 STANDIN_GAVE_UP = ("standin: rank 1: blocked 60.0 s in AllGather float32 x 4096 (seq 112) waiting "
                    "for rank 2; giving up (STANDIN_TIMEOUT_S)")
 
@@ -220,25 +229,34 @@ launch_ranks() {{
         self.assertEqual(len(lines), 1, out)
         return lines[0].split()[0]
 
-    # graph_runs.sh: every rank refused at its capture, none hung.
-    def refused(self, lines, status=1):
+    # graph_runs.sh: the captured gathers stay on NCCL, the stand-in replays them; none hung.
+    def stayed(self, lines, status=0):
         name = "mps-weights-graph-default"
-        call = f"launch_ranks {name}; graph_refused_check {name} 3 {status}"
+        call = f"launch_ranks {name}; graph_stayed_check {name} 3 {status}"
         return self.verdict_of(self.run_checks(call, {name: "\n".join(lines) + "\n"}), name)
 
-    def test_every_rank_refused_at_its_capture_passes(self):
-        good = [STAYS.format(r=r) for r in range(3)] + [CAPTURE_REFUSED] * 3
-        self.assertEqual(self.refused(good), "PASS")
+    def test_every_rank_replayed_its_captured_gathers_passes(self):
+        self.assertEqual(self.stayed([STAYS.format(r=r) for r in range(3)]), "PASS")
+
+    def test_a_rank_refused_at_its_capture_fails(self):
+        refused = [STAYS.format(r=r) for r in range(3)] + [CAPTURE_REFUSED]
+        self.assertEqual(self.stayed(refused, status=1), "FAIL")
 
     def test_a_rank_the_standin_gave_up_on_fails(self):
         # One rank blocked in a collective until the stand-in gave up: a hang, which says
         # "giving up", never "timed out" (the launcher's word, 60 s later).
-        hung = [STAYS.format(r=r) for r in range(3)] + [CAPTURE_REFUSED] * 2 + [STANDIN_GAVE_UP]
-        self.assertEqual(self.refused(hung), "FAIL")
+        hung = [STAYS.format(r=r) for r in range(3)] + [STANDIN_GAVE_UP]
+        self.assertEqual(self.stayed(hung), "FAIL")
+
+    def test_a_failed_replay_fails_even_at_exit_0(self):
+        failed = [STAYS.format(r=r) for r in range(3)] + [REPLAY_FAILED]
+        self.assertEqual(self.stayed(failed), "FAIL")
 
     def test_a_launcher_timeout_fails(self):
-        good = [STAYS.format(r=r) for r in range(3)] + [CAPTURE_REFUSED] * 3
-        self.assertEqual(self.refused(good, status=124), "FAIL")
+        self.assertEqual(self.stayed([STAYS.format(r=r) for r in range(3)], status=124), "FAIL")
+
+    def test_gathers_that_did_not_stay_on_nccl_fail(self):
+        self.assertEqual(self.stayed(["weights: rank 0: step 16: ok"]), "FAIL")
 
     # standin_runs.sh: a rank killed with gathers moving.
     def killed_peer(self, summary: str, extra=()):
@@ -268,6 +286,63 @@ launch_ranks() {{
         crashed = ("rank 0 exited 3; rank 1 killed by signal 11 (Segmentation fault); rank 2 "
                    "killed by signal 9 (Killed); rank 3 exited 3 (7.10 s)")
         self.assertEqual(self.killed_peer(crashed), "FAIL")
+
+
+END_LINE = ("h:7:7 [{r}] MAGI INFO REWRITE comm 3f2a0c1d9e7b: {m} of {g} all-gathers ({m}0 of {g}0 "
+            "bytes sent) served off NCCL, 0 fell back to NCCL; exploring cost 1.0 ms")
+
+
+class TorchStandinChecks(unittest.TestCase):
+    """torch_standin_runs.sh's checks on made-up job directories: the share of gathers moved,
+    a program this PyTorch lacks, a job that failed or timed out."""
+
+    def run_checks(self, call: str, jobs: dict) -> str:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, (log, rc) in jobs.items():
+                os.makedirs(os.path.join(tmp, name, "out"))
+                with open(os.path.join(tmp, name, "log"), "w") as f:
+                    f.write(log)
+                with open(os.path.join(tmp, name, "rc"), "w") as f:
+                    f.write(str(rc))
+            script = f"""
+build=/nonexistent here="{HERE}" work="{tmp}" torch_python=false
+. "$here/verdict.sh"
+. "$here/torch_standin_runs.sh"
+{call}
+"""
+            r = bash(script, tmp)
+            self.assertEqual(r.stderr, "")
+            return r.stdout
+
+    def test_the_share_moved_sums_every_ranks_end_line(self):
+        log = "\n".join(END_LINE.format(r=r, m=m, g=16) for r, m in ((0, 12), (1, 12))) + "\n"
+        out = self.run_checks("torch_standin_moved 2 a b", {"a": (log, 0), "b": ("", 0)})
+        self.assertIn("PASS torch-standin-2: the library moved 24 of 32 all-gathers off NCCL "
+                      "(75%; 2 end-of-communicator lines)", out)
+
+    def test_no_end_line_fails(self):
+        out = self.run_checks("torch_standin_moved 4 a", {"a": ("torch_standin: done\n", 0)})
+        self.assertIn("FAIL torch-standin-4: the library's end-of-communicator lines", out)
+
+    def test_a_program_this_pytorch_lacks_is_a_skip_with_its_reason(self):
+        line = "torch_standin: world 2: compile: unavailable: Triton is missing\n"
+        out = self.run_checks("torch_standin_compare 2 compile p m",
+                              {"p": (line, 0), "m": (line, 0)})
+        self.assertIn("SKIP torch-standin-2 compile: Triton is missing", out)
+        self.assertNotIn("PASS", out)
+
+    def test_missing_results_fail_the_comparison(self):
+        out = self.run_checks("torch_standin_compare 2 fsdp2 p m", {"p": ("", 0), "m": ("", 0)})
+        self.assertIn("FAIL torch-standin-2 fsdp2: bitwise equal with and without the library "
+                      "(ranks 0 1 differ or lack results)", out)
+
+    def test_a_job_that_timed_out_or_failed_fails(self):
+        out = self.run_checks("torch_standin_ran a 'ran'; torch_standin_ran b 'ran'; "
+                              "torch_standin_ran c 'ran'",
+                              {"a": ("", 0), "b": ("", 124), "c": ("Traceback\n", 1)})
+        self.assertIn("PASS a: ran", out)
+        self.assertIn("FAIL b: ran (timed out after", out)
+        self.assertIn("FAIL c: ran (exit 1)", out)
 
 
 if __name__ == "__main__":

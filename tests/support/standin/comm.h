@@ -1,6 +1,7 @@
 // A communicator as this process sees it: its rank, the shared segment, and the counters that
 // put its operations in the same order on every rank. Only the thread using the communicator
-// touches these (NCCL's rule too), so none of it is locked.
+// touches these (NCCL's rule too), so none of it is locked; a CUDA graph's replay uses it from
+// CUDA's host-function thread, in stream order with the program's calls (device_memory.h).
 #pragma once
 
 #include <nccl.h>
@@ -8,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -34,7 +36,8 @@ struct ncclComm {
   bool finalized = false;
   bool revoked = false;
   std::atomic<bool> aborted{false};  // set by ncclCommAbort, from any thread
-  std::string broken;  // why this communicator refuses work (a timeout); empty if healthy
+  std::string broken;       // why this communicator refuses work (a timeout); empty if healthy
+  std::mutex replay_mutex;  // one CUDA graph's replay of this communicator's operations at a time
 };
 
 namespace standin {

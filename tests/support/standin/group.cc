@@ -5,6 +5,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/standin/device_memory.h"
 #include "tests/support/standin/report.h"
 #include "tests/support/standin/settings.h"
 
@@ -17,11 +18,13 @@ struct GroupState {
 };
 thread_local GroupState t_group;
 
+}  // namespace
+
 // Drives `ops` until all are done. Cannot hang on its own: every operation can advance whenever
 // its peers have, and the sleep is cut short by any doorbell of the segment slept on (and by a
 // short limit when operations wait on several segments). What stays is a real hang, as in NCCL:
 // STANDIN_TIMEOUT_S bounds it, and a peer process that has exited ends it (ncclRemoteError).
-ncclResult_t run(std::vector<std::unique_ptr<Operation>>& ops) {
+ncclResult_t run_operations(std::vector<std::unique_ptr<Operation>>& ops) {
   using Clock = std::chrono::steady_clock;
   // How often a wait asks whether the rank it waits for still lives: one kill(pid, 0) per tenth
   // of a second of waiting costs nothing, and a dead peer ends the wait that soon.
@@ -111,6 +114,31 @@ ncclResult_t run(std::vector<std::unique_ptr<Operation>>& ops) {
     }
   }
   return result;
+}
+
+namespace {
+
+// A group's operations: those on a stream capturing a CUDA graph are recorded into it (they run
+// at its replays), the others run now.
+ncclResult_t run(std::vector<std::unique_ptr<Operation>>& ops) {
+  std::vector<std::unique_ptr<Operation>> captured;
+  for (auto& op : ops) {
+    if (is_captured(*op)) captured.push_back(std::move(op));
+  }
+  if (captured.empty()) return run_operations(ops);
+  std::erase(ops, nullptr);
+  // A capture that failed fails the call, after the rest of the group ran: the peers expect it.
+  ncclResult_t recorded = ncclSuccess;
+  std::string why;
+  try {
+    record_captured(std::move(captured));
+  } catch (const Failure& f) {
+    recorded = f.code();
+    why = f.what();
+  }
+  const ncclResult_t result = ops.empty() ? ncclSuccess : run_operations(ops);
+  if (recorded == ncclSuccess) return result;
+  throw Failure(recorded, why);
 }
 
 }  // namespace

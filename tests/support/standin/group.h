@@ -6,6 +6,7 @@
 #include <nccl.h>
 
 #include <memory>
+#include <vector>
 
 #include "tests/support/standin/operation.h"
 
@@ -18,5 +19,10 @@ ncclResult_t group_simulate_end();
 
 // Queues `op` inside a group; otherwise runs it to completion now.
 ncclResult_t submit(std::unique_ptr<Operation> op);
+
+// Launches `ops` in order and drives them until each is done, on the calling thread, outside any
+// group (a CUDA graph's replay runs its operations so). The first failure's code; its message
+// is the thread's last error.
+ncclResult_t run_operations(std::vector<std::unique_ptr<Operation>>& ops);
 
 }  // namespace standin
