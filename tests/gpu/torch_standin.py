@@ -69,20 +69,43 @@ def nccl_libraries() -> set:
     return paths
 
 
+def global_nccl_file() -> str:
+    """The file that defines the ncclAllGather the process's global scope resolves to: what
+    libtorch_cuda.so calls, whatever else is mapped (PyTorch may map its own NCCL by path,
+    RTLD_LOCAL, beside the preloaded stand-in; the global scope, preloads first, wins)."""
+    import ctypes
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    process = ctypes.CDLL(None)
+    try:
+        symbol = ctypes.cast(process.ncclAllGather, ctypes.c_void_p)
+    except AttributeError:
+        return ""
+    info = DlInfo()
+    if not process.dladdr(symbol, ctypes.byref(info)) or not info.dli_fname:
+        return ""
+    return os.path.realpath(info.dli_fname.decode())
+
+
 def standin_problem(rank: int, loaded: bool) -> str:
-    """Why PyTorch's NCCL is not the stand-in alone, or "": it must have taken the preloaded
-    stand-in as its NCCL (`loaded`: once a collective ran, it must be mapped), and loaded no
-    other."""
+    """Why PyTorch's NCCL is not the stand-in, or "": its calls must reach the preloaded stand-in
+    (directly, or through the library preloaded in front of it), and once a collective ran the
+    stand-in must be mapped."""
     expected = os.environ.get("TORCH_STANDIN_NCCL", "")
     if not expected:
         return (f"torch_standin: rank {rank}: TORCH_STANDIN_NCCL is not set (the stand-in's path, "
                 f"as preloaded)")
-    mapped = nccl_libraries()
     want = os.path.realpath(expected)
-    if mapped - {want} or (loaded and want not in mapped):
-        return (f"torch_standin: rank {rank}: the NCCL libraries in the process are "
-                f"{sorted(mapped) or 'none'}, not the stand-in {want} alone: preload it "
-                f"(LD_PRELOAD) so that PyTorch loads no other")
+    bound = global_nccl_file()
+    if bound != want and os.path.basename(bound) != "libmagice.so":
+        return (f"torch_standin: rank {rank}: ncclAllGather resolves to {bound or 'nothing'}, not "
+                f"the stand-in {want}: preload it (LD_PRELOAD) (NCCL files mapped: "
+                f"{sorted(nccl_libraries()) or 'none'})")
+    if loaded and want not in nccl_libraries():
+        return f"torch_standin: rank {rank}: the stand-in {want} is not mapped"
     return ""
 
 
