@@ -60,7 +60,8 @@ constexpr int kMaxRanks = 4095;                      // a rank fits in 12 bits o
 constexpr size_t kDataAlignment = size_t{2} << 20;
 constexpr size_t kFirstReservation = size_t{64} << 10;
 constexpr uint64_t kLivenessPeriodNs = 20'000'000;
-constexpr uint64_t kJoinLimitNs = 10'000'000'000;  // a creator that never finishes its board
+constexpr uint64_t kJoinLimitNs = 10'000'000'000;     // a creator that never finishes its board
+constexpr int64_t kLongestWaitMs = int64_t{1} << 40;  // 35 years: no overflow in nanoseconds
 
 struct alignas(kLine) Word {
   std::atomic<uint64_t> value{0};
@@ -215,7 +216,8 @@ class SharedBoard final : public RoundBoard {
       throw Error(ErrorKind::Usage, "round board " + name_ + " used in a forked child");
     const uint64_t round1 = ++rounds_;
     const uint64_t start = clock_ns();
-    const uint64_t wait_ms = static_cast<uint64_t>(std::max<int64_t>(deadline.count(), 0));
+    const uint64_t wait_ms =
+        static_cast<uint64_t>(std::clamp<int64_t>(deadline.count(), 0, kLongestWaitMs));
     const Round round{round1, start + wait_ms * 1'000'000, start, wait_ms};
     BoardRound result = take_part(round, mine);
     own().finished.value.store(round1, std::memory_order_release);

@@ -276,6 +276,31 @@ TEST(RoundBoard, EightRanksAgreeOnEveryRoundWithEveryByteInRankOrder) {
   every_round_agrees(8, 100);
 }
 
+// Two ranks of one process (one thread each, as a program driving two GPUs may have): the same
+// rounds, with a deadline so long it must not overflow.
+TEST(RoundBoard, TwoRanksOfOneProcessAgreeFromTheirOwnThreads) {
+  constexpr int kRanks = 2;
+  constexpr int kRounds = 60;
+  const uint64_t identity = fresh_identity();
+  std::atomic<int> failures{0};
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < kRanks; ++rank)
+    ranks.emplace_back([&, rank] {
+      auto board = open_round_board(identity, rank, kRanks);
+      for (int round = 0; round < kRounds; ++round) {
+        const size_t bytes = size_of_round(round);
+        const BoardRound got =
+            board->exchange(contribution(rank, round, bytes), milliseconds::max());
+        if (got.outcome != BoardRound::Outcome::Agreed ||
+            !holds_every_contribution(got, kRanks, round, bytes))
+          failures.fetch_add(1);
+      }
+    });
+  for (std::thread& rank : ranks) rank.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_FALSE(board_file_exists(identity));
+}
+
 TEST(RoundBoard, ContributionsOfFourMebibytesArriveWhole) {
   constexpr int kRanks = 4;
   constexpr int kRounds = 3;
