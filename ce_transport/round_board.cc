@@ -510,8 +510,8 @@ class SharedBoard final : public RoundBoard {
     return {BoardRound::Outcome::Abandoned, {}, why(of_round, round)};
   }
 
-  // One line for an abandoned round: what its deciding rank saw (in its own words when that is
-  // this rank: each rank has the board's one word for its rank).
+  // One line for an abandoned round: what its deciding rank saw, with this rank's own deadline
+  // when this rank decided (no other process holds its rank on the board).
   std::string why(const Decision& d, const Round& round) const {
     const bool decided_here = d.by == rank_;
     const std::string about = "rank " + std::to_string(d.about);

@@ -77,7 +77,8 @@ struct RankRun {
   std::vector<Outcome> ranks;
 };
 
-// Forks `nranks` children running `body(rank)`; its return value is the exit status. The rank
+// Forks `nranks` children running `body(rank)`, each with its pid in `shared` before it starts;
+// the body's return value is the exit status. The rank
 // `reap_last` (if >= 0) is reaped only after every other rank has exited, so while the others
 // run it stays a zombie once dead, as a child whose parent is busy elsewhere would.
 RankRun run_ranks(int nranks, Shared& shared, double timeout_s,
