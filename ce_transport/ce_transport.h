@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "base/backend.h"
+#include "ce_transport/round_board.h"  // part of the face: rounds where no NCCL call may run
 
 namespace magi::ce {
 
