@@ -60,7 +60,8 @@ class CostTrial {
   // when no timer could be made: unmeasured, the cost round then keeps the bucket moving) ...
   std::unique_ptr<ce::CompletionTimer> begin_timing(const TransportFactory& make,
                                                     void* stream) const;
-  // ... stopped after the bucket and read a step later (collect), long complete by then. Never
+  // ... stopped after the bucket and read at a later anchor or at the activation (collect),
+  // complete by then (the confirm read there waited for a round queued after it). Never
   // throws (it runs as the bucket's serving unwinds): a timing it cannot keep is left unmeasured.
   void end_timing(std::unique_ptr<ce::CompletionTimer> timer, void* stream, uint16_t bucket,
                   bool via_nccl) noexcept;

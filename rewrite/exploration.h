@@ -2,9 +2,9 @@
 //
 // Exploring is everything the library does to find out whether a gather should leave NCCL and
 // that the program would not do without it: agreement rounds (one small all-gather each, read a
-// step later), calls timed both ways in a cost trial, and the host waits a round may cause. It
-// must pay for itself. The rules, each a function of what every rank read alike (so every rank
-// explores at the same calls, and a round only ever meets a round):
+// fixed number of calls later), calls timed both ways in a cost trial, and the host waits a
+// round may cause. It must pay for itself. The rules, each a function of what every rank read
+// alike (so every rank explores at the same calls, and a round only ever meets a round):
 //
 //  - Never where it cannot win. A communicator of one rank (NCCL's all-gather there is one local
 //    copy, which a copy-engine read cannot beat) takes no part unless MAGI_CE_FORCE=1, and ranks
