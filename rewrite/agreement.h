@@ -14,9 +14,12 @@
 //                       publish with this rank's window handle if something moves
 //   a quarter step on:  read publish -> open peers' windows; issue confirm (opened, or not)
 //   a quarter step on:  read confirm -> every rank opened every window: routes change here
+//                       (a timed plan's: once each bucket went to NCCL since the propose read,
+//                       its cost trial's NCCL side, rewrite/cost_trial.h; a step at most)
 // (ExplorationPolicy::read_distance: a quarter of the step's calls, at least one), so a plan is
 // agreed inside the step that completes the warmup: with the default W = 3 its gathers move
-// from the 4th or 5th step, W = 1 from the 3rd, where the detector found the step by its 3rd.
+// from the 5th step at the latest (the 4th untimed), W = 1 from the 4th (the 3rd untimed),
+// where the detector found the step by its 3rd.
 // A cost round is read a step after its issue, at the next anchor, and so is every round of a
 // step whose in-step publish or confirm failed (one issued inside a group holding Send/Recv, where
 // only the anchor moves on). The next propose's wait counts from the step after the last round's

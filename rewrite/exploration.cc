@@ -73,8 +73,8 @@ void ExplorationPolicy::retry_soon() {
 
 void ExplorationPolicy::move_anchor(uint32_t period) {
   anchor_ = (anchor_ + 1) % period;
-  // Read at the next anchor, as before rounds were read inside the step, this counted the step
-  // of the read, and the moved anchor came round again within it.
+  // The step after the void round's issue, as when it was read at the next anchor: the moved
+  // anchor comes round within that step.
   next_propose_ = waits_from();
 }
 
