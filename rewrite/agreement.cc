@@ -82,6 +82,9 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
       at_anchor(view);
       position = step_.refined.position_of(view);  // a refinement read here renumbers this call
     }
+  } else if (round_due(seq) && !capture::stream_capturing(args, record)) {
+    read_round(seq);  // read inside the step (ExplorationPolicy::read_distance)
+    position = step_.refined.position_of(view);
   }
   step_.seen.observe(position, facts, channel_.backend());
 
@@ -94,6 +97,7 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
     log_.captured(routed.captured == Routed::Captured::Moves, plan_.bound(), plan_.dry(),
                   world_.options.graph_slots == Options::GraphSlots::Never);
   Route route = routed.route;
+  if (route.kind == Route::Kind::TrialNccl) trial_.routed_to_nccl(route.bucket, position);
   // Static weights: where each bound shard lives follows every call of its position from the
   // binding on, whatever route the call takes: find() for a moved call, observe() for any other
   // (NCCL before the activation, the trial's NCCL side, a bucket the cost round kept on NCCL, a
@@ -149,7 +153,7 @@ void CommAgreement::restart(const capture::StepView& view) {
                     channel_.backend());
   serving_.forget_stale();
   step_.digest = view.digest;
-  policy_.restart(view.digest, view.position);
+  policy_.restart(view.digest, view.position, step_.seen.complete_steps());
   // A new shape step: rounds follow it, and this rank's own facts are watched afresh from here.
   step_.refined.follow_shape_step(view);
 }
@@ -166,7 +170,8 @@ void CommAgreement::refine(const Decision& d, uint64_t seq) {
   step_.recent.seed(step_.seen, step_.refined.refined_run_origin(), period, seq,
                     channel_.backend());
   serving_.forget_stale();
-  policy_.restart(step_.digest ^ period, step_.refined.refined_position(seq));
+  policy_.restart(step_.digest ^ period, step_.refined.refined_position(seq),
+                  step_.seen.complete_steps());
   log_.refined(plan_.round, period, period / std::max<uint32_t>(step_.refined.shape_period(), 1));
   // Every rank read the refinement at this call, so a propose issued here too is issued alike;
   // the seeded warmup may already be complete, and the next anchor is a whole refined step away.
@@ -199,6 +204,15 @@ bool CommAgreement::anchor_has_work() const {
          trial_.running() || trial_.timing() || propose_due();
 }
 
+// A round is read at its call (RoundChannel::due). A timed plan's confirm also waits until each
+// of its buckets went to NCCL once since the propose read (the trial's NCCL side, by routes: the
+// same call on every rank), a step on at the latest.
+bool CommAgreement::round_due(uint64_t seq) const {
+  if (!channel_.due(seq)) return false;
+  const uint64_t step = std::min<uint64_t>(seq, step_.seen.period());
+  return phase_ != Phase::Confirming || trial_.nccl_side_routed() || channel_.due(seq - step);
+}
+
 bool CommAgreement::propose_due() const {
   return step_.seen.has_gathers() && policy_.propose_due(step_.seen.complete_steps());
 }
@@ -208,7 +222,7 @@ void CommAgreement::at_anchor(const capture::StepView& view) {
   channel_.free_ready();
   trial_.collect();
   if (round_in_flight(phase_)) {
-    read_round(seq);
+    if (round_due(seq)) read_round(seq);
   } else if (phase_ == Phase::SettingUp) {
     if (commit_.due(policy_.steps()))
       commit_round(commit_.waiting_for(), commit_.waiting_hash(), seq);
@@ -358,6 +372,7 @@ void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
   // Timed: the plan's gathers sent to NCCL from here until its activation are the trial's NCCL
   // side (committing(), route_by_plan).
   trial_.begin(timed, buckets);
+  trial_.await_nccl_routes(plan_.layout);
   publish(seq);
 }
 
@@ -387,7 +402,7 @@ void CommAgreement::read_commit(std::span<const uint8_t> all, const Round& round
   if (c.pending) {
     // Some rank is still setting up: every rank read the same, so every rank issues the round
     // again at the same later step (Commit::wait), the gathers on NCCL meanwhile.
-    if (commit_.wait(round.kind, round.decision_hash, policy_.steps()))
+    if (commit_.wait(round.kind, round.decision_hash, policy_.waits_from()))
       commit_round(round.kind, round.decision_hash, seq);
     else
       set_phase(Phase::SettingUp, seq);
@@ -414,6 +429,7 @@ void CommAgreement::end_commit(uint64_t seq) {
   serving_.drop();
   plan_.sources.clear();
   policy_.retry_soon();
+  policy_.read_at_anchor();
   set_phase(Phase::Watching, seq);
 }
 

@@ -1,26 +1,40 @@
 // Agreement for one communicator: the rounds, the plan, and the route of each collective.
 //
-// When rounds happen. Only at the anchor, one position of the communicator's step (as capture's
-// step detector reports it; the position of the call where the step was found), counted in steps
-// since the step was found.
+// When rounds happen. Issued only at the anchor, one position of the communicator's step (as
+// capture's step detector reports it: the position of the call where the step was found if the
+// warmup is complete there, else position 0, where the step that completes it begins), counted
+// in steps since the step was found; each read at a fixed number of calls after its issue.
 // The detector sees only shapes (op, type, count, root, reduction), which every rank of a correct
 // NCCL program issues alike, so every rank finds, loses and positions the step at the same call,
 // and so issues each round at the same place in the communicator's call sequence: our all-gather
 // never meets a different call of another rank.
 //
 //   W = MAGI_WARMUP_STEPS complete steps observed:  issue propose at the anchor
-//   next step:   read propose -> decision (the ladder, rewrite/contribution.h); issue publish
-//                with this rank's window handle if something moves
-//   next step:   read publish -> open peers' windows; issue confirm (opened, or not)
-//   next step:   read confirm -> every rank opened every window: routes change here
+//   a quarter step on:  read propose -> decision (the ladder, rewrite/contribution.h); issue
+//                       publish with this rank's window handle if something moves
+//   a quarter step on:  read publish -> open peers' windows; issue confirm (opened, or not)
+//   a quarter step on:  read confirm -> every rank opened every window: routes change here
+//                       (a timed plan's: once each bucket went to NCCL since the propose read,
+//                       its cost trial's NCCL side, rewrite/cost_trial.h; a step at most)
+// (ExplorationPolicy::read_distance: a quarter of the step's calls, at least one), so a plan is
+// agreed inside the step that completes the warmup: with the default W = 3 its gathers move
+// from the 5th step at the latest (the 4th untimed), W = 1 from the 4th (the 3rd untimed),
+// where the detector found the step by its 3rd.
+// A cost round is read a step after its issue, at the next anchor, and so is every round of a
+// step whose in-step publish or confirm failed (one issued inside a group holding Send/Recv, where
+// only the anchor moves on). The next propose's wait counts from the step after the last round's
+// issue, as when each round was read a step later: no step holds more rounds than it did then.
 // Either half of the set-up (making and exporting this rank's window; opening the peers') runs
 // off the program's calls where it would take long (rewrite/set_up.h): its round then says
 // "still setting up" (kSettingUp), every rank reads that alike, and the same round is issued
 // again 1, 2, 4, ... 64 steps later until every rank is ready (rewrite/commit.h).
 // Where a communicator is in all this is one value, its phase (rewrite/phase.h).
-// A round is read one step after it was issued: the host waits there only if the round is
-// somehow still in flight. The observation is seeded, when the step is found, with the step's
-// calls the detector already saw repeat (RecentCalls), so the W steps may be complete at once.
+// A round is read at the call `read_distance` collectives after its issue, the same call on
+// every rank (positions are shapes), so the host waits there only for an all-gather every rank
+// has issued before that call; it waits only if the round is still in flight (on a GPU, the
+// rounds queue behind the communicator's work issued before them). The observation is seeded,
+// when the step is found, with the step's calls the detector already saw repeat (RecentCalls),
+// so the W steps may be complete at once.
 // When the next propose comes, what is remembered between rounds and when exploring stops is the
 // exploration policy's (rewrite/exploration.h), fed only what every rank read alike: the
 // decision says whether a round moved less than it could (Decision::retry_soon). A communicator
@@ -168,6 +182,7 @@ class CommAgreement {
   // collect): only then is the call's capture state asked.
   bool anchor_has_work() const;
   bool propose_due() const;
+  bool round_due(uint64_t seq) const;
   void at_anchor(const capture::StepView& view);
   // `bytes_each`: the contribution size, equal on every rank (a publish's: ActivePlan).
   void issue(RoundKind kind, Contribution& contribution, uint64_t seq,

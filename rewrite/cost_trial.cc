@@ -14,6 +14,33 @@ void CostTrial::begin(bool timed, size_t buckets) {
   moved_ns_.assign(buckets, {});
   nccl_ns_.assign(buckets, {});
   nccl_on_purpose_.assign(buckets, 0);
+  awaited_.assign(buckets, 0);
+  last_.assign(buckets, 0);
+  unrouted_ = 0;
+}
+
+void CostTrial::await_nccl_routes(const SlotLayout& layout) {
+  if (!running_) return;
+  // Positions in step order: a bucket's first and last calls.
+  for (size_t p = 0; p < layout.offset_by_position.size(); ++p) {
+    const uint16_t b = layout.bucket_by_position[p];
+    if (layout.offset_by_position[p] == SIZE_MAX || b >= awaited_.size()) continue;
+    if (awaited_[b] == 0) {
+      awaited_[b] = static_cast<uint32_t>(p) + 1;
+      ++unrouted_;
+    }
+    last_[b] = static_cast<uint32_t>(p);
+  }
+}
+
+void CostTrial::routed_to_nccl(uint16_t bucket, uint32_t position) {
+  if (bucket >= awaited_.size() || awaited_[bucket] != position + 1) return;
+  if (position != last_[bucket]) {
+    awaited_[bucket] = last_[bucket] + 1;  // the rest of this call's bucket, in this step
+    return;
+  }
+  awaited_[bucket] = 0;
+  --unrouted_;
 }
 
 void CostTrial::start(uint64_t steps, uint64_t warmup_steps) {

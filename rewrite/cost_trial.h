@@ -2,7 +2,9 @@
 // verdict: ExplorationPolicy): each moving bucket is timed both ways, then a cost round keeps,
 // per bucket, the route that was faster on the slowest rank.
 // Its NCCL side is timed first, on calls that go to NCCL anyway: those of the plan's gathers
-// between the propose read and the activation (the publish and confirm rounds take two steps).
+// between the propose read and the activation. The publish and confirm are read inside the step
+// (ExplorationPolicy::read_distance), so the confirm of a timed plan waits until every moving
+// bucket has gone to NCCL once since the propose read (nccl_side_routed), at most a step.
 // Its copy-engine side is the first MAGI_WARMUP_STEPS steps after activation. So no call runs the
 // slower way on purpose, but for the copy-engine calls of a bucket NCCL then wins. Where a bucket
 // has no NCCL timing by the activation (a timer that could not start, a step lost and found), the
@@ -25,6 +27,16 @@ class CostTrial {
   // A plan of `buckets` buckets was read and is being committed; `timed`: the trial runs, and
   // times its gathers sent to NCCL from here (the NCCL side).
   void begin(bool timed, size_t buckets);
+  // The buckets of `layout` (a timed plan's) the NCCL side waits for, each until all its calls
+  // of one step, first to last, were routed there (routed_to_nccl): a group the propose was
+  // read in, or the plan activated in, is a bucket partly on NCCL, and untimed.
+  void await_nccl_routes(const SlotLayout& layout);
+  // The call at step `position`, of `bucket`, was routed to NCCL as a trial call. Routes alone,
+  // never timings, so the same calls on every rank, whether or not this rank's timer started.
+  void routed_to_nccl(uint16_t bucket, uint32_t position);
+  // Every awaited bucket went to NCCL (or the trial does not run): its confirm may be read, and
+  // the plan activated with no call sent to NCCL on purpose.
+  bool nccl_side_routed() const { return !running_ || unrouted_ == 0; }
   // The plan was activated at anchor count `steps`: the copy-engine side is timed from here.
   void start(uint64_t steps, uint64_t warmup_steps);
   // The plan ended: nothing more is timed, measurements waiting to be read are dropped.
@@ -48,7 +60,8 @@ class CostTrial {
   // when no timer could be made: unmeasured, the cost round then keeps the bucket moving) ...
   std::unique_ptr<ce::CompletionTimer> begin_timing(const TransportFactory& make,
                                                     void* stream) const;
-  // ... stopped after the bucket and read a step later (collect), long complete by then. Never
+  // ... stopped after the bucket and read at a later anchor or at the activation (collect),
+  // complete by then (the confirm read there waited for a round queued after it). Never
   // throws (it runs as the bucket's serving unwinds): a timing it cannot keep is left unmeasured.
   void end_timing(std::unique_ptr<ce::CompletionTimer> timer, void* stream, uint16_t bucket,
                   bool via_nccl) noexcept;
@@ -77,6 +90,9 @@ class CostTrial {
   std::vector<std::vector<uint64_t>> moved_ns_;  // by bucket
   std::vector<std::vector<uint64_t>> nccl_ns_;
   std::vector<uint64_t> nccl_on_purpose_;  // by bucket: launches the alternation sent to NCCL
+  std::vector<uint32_t> awaited_;          // by bucket: the position awaited + 1; 0: routed
+  std::vector<uint32_t> last_;             // by bucket: its last position
+  size_t unrouted_ = 0;
 };
 
 // The cost round read: the gathers of every bucket NCCL served faster stay from now on (their

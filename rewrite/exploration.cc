@@ -15,10 +15,12 @@ Reason ExplorationPolicy::never_explores(const Options& options, int nranks) {
   return Reason::None;
 }
 
-void ExplorationPolicy::restart(uint64_t digest, uint32_t position) {
+void ExplorationPolicy::restart(uint64_t digest, uint32_t position, uint64_t complete_steps) {
   steps_ = 0;
-  anchor_ = position;
+  anchor_ = complete_steps >= warmup_needed() ? position : 0;
   next_propose_ = 0;
+  last_issued_ = 0;
+  in_step_ = true;
   const auto found = std::find_if(memory_.begin(), memory_.end(),
                                   [&](const StepMemory& m) { return m.digest == digest; });
   if (found != memory_.end()) {
@@ -40,21 +42,30 @@ bool ExplorationPolicy::propose_due(uint64_t complete_steps) const {
   // As many whole steps as a position needs to be stable: a propose sooner (static weights with
   // MAGI_WARMUP_STEPS=1) finds the positions past the anchor one step short, moves the rest, and
   // then replaces its own plan a round later.
-  return !stopped() && steps_ >= next_propose_ &&
-         complete_steps >= stable_steps_needed(static_cast<uint64_t>(options_.warmup_steps),
-                                               options_.static_weights);
+  return !stopped() && steps_ >= next_propose_ && complete_steps >= warmup_needed();
+}
+
+uint64_t ExplorationPolicy::warmup_needed() const {
+  return stable_steps_needed(static_cast<uint64_t>(options_.warmup_steps), options_.static_weights);
+}
+
+uint64_t ExplorationPolicy::read_distance(RoundKind kind, uint32_t period) const {
+  const uint64_t step = std::max<uint32_t>(period, 1);
+  if (kind == RoundKind::Cost || !in_step_) return step;
+  return std::max<uint64_t>(step / 4, 1);
 }
 
 void ExplorationPolicy::reagree_later() {
   current().backoff = 1;
-  next_propose_ =
-      options_.reagree_steps > 0 ? steps_ + static_cast<uint64_t>(options_.reagree_steps) : kNever;
+  next_propose_ = options_.reagree_steps > 0
+                      ? waits_from() + static_cast<uint64_t>(options_.reagree_steps)
+                      : kNever;
 }
 
 void ExplorationPolicy::retry_soon() {
   uint64_t& backoff = current().backoff;
-  next_propose_ = steps_ + backoff;
-  if (options_.static_weights && steps_ < kStaticEagerSteps) return;
+  next_propose_ = waits_from() + backoff;
+  if (options_.static_weights && waits_from() < kStaticEagerSteps) return;
   const uint64_t cap =
       options_.reagree_steps > 0 ? static_cast<uint64_t>(options_.reagree_steps) : kNever / 2;
   backoff = std::min(2 * backoff, cap);
@@ -62,7 +73,9 @@ void ExplorationPolicy::retry_soon() {
 
 void ExplorationPolicy::move_anchor(uint32_t period) {
   anchor_ = (anchor_ + 1) % period;
-  next_propose_ = steps_ + 1;
+  // The step after the void round's issue, as when it was read at the next anchor: the moved
+  // anchor comes round within that step.
+  next_propose_ = waits_from();
 }
 
 void ExplorationPolicy::stop(Reason why) {

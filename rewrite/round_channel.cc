@@ -64,6 +64,7 @@ std::unique_ptr<Round> RoundChannel::issue(RoundKind kind, Contribution& c, uint
   round->voted_no = in_group;
   round->decision_hash = c.header.decision_hash;
   round->bytes = bytes_each;
+  round->read_at = seq + policy_.read_distance(kind, stamp.period);
   try {
     // Reused (RoundBuffers): made anew at every round, they would stall the program's streams.
     round->exchange =

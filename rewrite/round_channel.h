@@ -29,6 +29,9 @@ struct Round {
   size_t bytes = kContributionBytes;  // per contribution (a static plan's publish: more)
   bool voted_no = false;              // issued inside an open group: this rank said no
   uint64_t decision_hash = 0;         // publish/confirm
+  // The collective index it is read at (ExplorationPolicy::read_distance after its issue): the
+  // same call on every rank.
+  uint64_t read_at = 0;
 };
 
 class RoundChannel {
@@ -51,7 +54,8 @@ class RoundChannel {
   Contribution header(RoundKind kind, const RoundStamp& stamp) const;
 
   // Issues `c` as round number policy.rounds() (`bytes_each`: the contribution size, equal on
-  // every rank) and records it with `stamp`. A round that cannot launch now (it sits in a group
+  // every rank) at collective `seq`, to be read at the policy's distance for the step of
+  // `stamp`, and records it with `stamp`. A round that cannot launch now (it sits in a group
   // holding Send/Recv until that group ends) is never waited for: this rank votes no in it
   // (voted_no). Null when it could not be issued (said): the communicator must take no part from
   // here.
@@ -60,8 +64,11 @@ class RoundChannel {
   // Every rank's contribution, waiting for them if the round is still in flight (counted).
   std::span<const uint8_t> read(Round& round);
 
-  // The round waiting to be read at the anchor (one at most; the hello is kept apart).
+  // The round waiting to be read (one at most; the hello is kept apart).
   bool pending() const { return pending_ != nullptr; }
+  // The round waiting is to be read at collective `seq`, or was due before (a call skipped, as a
+  // captured one is, on every rank alike).
+  bool due(uint64_t seq) const { return pending_ != nullptr && seq >= pending_->read_at; }
   void pend(std::unique_ptr<Round> round) { pending_ = std::move(round); }
   std::unique_ptr<Round> take_pending() { return std::move(pending_); }
 

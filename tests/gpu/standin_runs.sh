@@ -181,8 +181,10 @@ standin_clean_end_run() {
 standin_groupskew_run() {
   # NCCL's order within a group (largest first), which the hang on two H200s needed.
   standin_run "groupskew-4" 4 STANDIN_GROUP_ORDER=size -- groupskew --device 1 --configs 12 --steps 16
-  standin_run "groupskew-simulated-4" 4 STANDIN_GROUP_ORDER=size -- groupskew --device 1 --configs 4 \
-    --steps 16 --simulate 1
+  # One warmup step: complete where the step is found, in the simulated group, so the anchor is
+  # there (with more it is the step's first position).
+  standin_run "groupskew-simulated-4" 4 STANDIN_GROUP_ORDER=size MAGI_WARMUP_STEPS=1 -- groupskew \
+    --device 1 --configs 4 --steps 16 --simulate 1
 }
 
 # standin_log_check NAME WHAT PATTERN [absent]: PASS when some line of run NAME's output matches

@@ -1460,11 +1460,14 @@ TEST(Agreement, AGroupingSkewSurvivesNcclsLargestFirstOrderWithinAGroup) {
 
 // A round whose anchor falls in a group launches the group so far before it (above). A group the
 // program then ends with ncclGroupSimulateEnd had those calls run for real, which cannot be
-// taken back: every rank must still end right and agree, and the log must say it.
+// taken back: every rank must still end right and agree, and the log must say it. (With one
+// warmup step the warmup is complete where the step is found, in that group, so the anchor is
+// there; with more it would be the step's first position.)
 TEST(Agreement, AGroupEndedBySimulationIsToldWhenARoundLaunchedPartOfIt) {
-  const AgreedRun r =
-      run_agreed(4, {"groupskew", "--configs", "4", "--steps", "16", "--simulate", "1"},
-                 {{"STANDIN_GROUP_ORDER", "size"}, {"STANDIN_TIMEOUT_S", "20"}}, 60);
+  const AgreedRun r = run_agreed(
+      4, {"groupskew", "--configs", "4", "--steps", "16", "--simulate", "1"},
+      {{"STANDIN_GROUP_ORDER", "size"}, {"STANDIN_TIMEOUT_S", "20"}, {"MAGI_WARMUP_STEPS", "1"}},
+      60);
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   EXPECT_NE(r.log.find("ncclGroupSimulateEnd: an agreement round launched the first 1 call(s) of "
@@ -1553,6 +1556,74 @@ TEST(Agreement, AnNcclTestsLikeLoopMovesMostTimedCallsOfEveryPhase) {
       for (int i = 0; i < kIters; ++i) moved += v.collectives[phase * (kIters + 2) + 1 + i].moved;
       EXPECT_GE(moved, kIters * 3 / 4) << "rank " << rank << " phase " << phase << "\n"
                                        << transcript(r);
+    }
+  }
+}
+
+// When the first gather moves. With the defaults (a warmup of 3 steps, the cost trial on) a
+// stable step moves from its 5th step at the latest; with MAGI_WARMUP_STEPS=1 from its 3rd, or
+// its 4th when the cost trial runs. The propose comes at the call that completes the warmup (the
+// steps seen before the step was found count), and it, the publish and the confirm are each read
+// a quarter step after their issue, inside that step; a timed plan's confirm also waits until
+// every bucket went to NCCL once since the propose read (the trial's NCCL side, so that no call
+// goes there on purpose), a step at most. Shapes the detector finds by their 3rd step: layers of
+// distinct shapes with a group, many layers, layers of one shape that need refining (the refined
+// propose then comes at the read that refines), static weights of distinct and of one shape.
+TEST(Agreement, TheFirstGatherMovesByTheFifthStepOrTheThirdWithOneWarmupStep) {
+  struct Shape {
+    std::string name;
+    std::vector<std::string> args;
+    EnvList env;
+    uint64_t prologue;  // collectives before the first step
+    uint64_t per_step;
+  };
+  const std::vector<Shape> shapes = {
+      {"5 layers", {"fsdp", "--layers", "5", "--steps", "12"}, {}, 1, 6},
+      {"12 layers", {"fsdp", "--layers", "12", "--steps", "12"}, {}, 1, 13},
+      {"8 layers of one shape",
+       {"fsdp", "--layers", "8", "--uniform", "1", "--steps", "12"},
+       {},
+       1,
+       8},
+      {"5 layers, static weights",
+       {"fsdp", "--layers", "5", "--steps", "12"},
+       {{"MAGI_STATIC_WEIGHTS", "1"}},
+       1,
+       6},
+      {"6 layers of one shape, static weights",
+       {"weights", "--layers", "6", "--steps", "12", "--program", "swap", "--swap-step", "100"},
+       {{"MAGI_STATIC_WEIGHTS", "1"}},
+       0,
+       7},
+  };
+  struct Setting {
+    int warmup;
+    bool timed;
+    uint64_t latest;  // the step, from 1, the first moved gather lies in at the latest
+  };
+  for (const Setting& setting : {Setting{3, true, 5}, Setting{1, false, 3}, Setting{1, true, 4}}) {
+    const uint64_t latest = setting.latest;
+    for (const Shape& shape : shapes) {
+      SCOPED_TRACE(shape.name + ", MAGI_WARMUP_STEPS=" + std::to_string(setting.warmup) +
+                   (setting.timed ? ", timed" : ", MAGI_CE_FORCE=1"));
+      EnvList env = shape.env;
+      env.push_back({"MAGI_CE_FORCE", setting.timed ? "0" : "1"});
+      env.push_back({"MAGI_WARMUP_STEPS", std::to_string(setting.warmup)});
+      const AgreedRun r = run_agreed(2, shape.args, env);
+      ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+      expect_ranks_agree(r);
+      ASSERT_EQ(r.comms.size(), 1u);
+      for (const auto& [rank, v] : r.comms.begin()->second) {
+        uint64_t first = UINT64_MAX;
+        for (size_t i = 0; i < v.collectives.size() && first == UINT64_MAX; ++i)
+          if (v.collectives[i].moved) first = i;
+        ASSERT_NE(first, UINT64_MAX) << "rank " << rank << ": nothing moved\n" << transcript(r);
+        ASSERT_GE(first, shape.prologue);
+        const uint64_t step = (first - shape.prologue) / shape.per_step + 1;
+        EXPECT_LE(step, latest) << "rank " << rank << ": the first moved gather is collective #"
+                                << first << "\n"
+                                << transcript(r);
+      }
     }
   }
 }

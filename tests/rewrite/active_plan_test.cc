@@ -110,7 +110,7 @@ TEST(ActivePlan, BucketsBoundShardsAndThePublishSizeFollowTheMovingGathers) {
 TEST(Judged, APlanNcclWonWhenTimedMovesNothingAndAnotherPlanIsLeftAsRead) {
   const Options options = test::options_from({{"MAGI_BACKEND", "host"}});
   ExplorationPolicy policy(options);
-  policy.restart(0xd1, 0);
+  policy.restart(0xd1, 0, 0);
   StepObservation seen;
   seen.reset(5);
   EXPECT_EQ(judged(plan_of(false), policy, seen, false, 0xd1).moved, 2u);

@@ -291,25 +291,26 @@ TEST(AgreementRounds, NoRoundBeforeTheWarmupStepsAreComplete) {
   }
 }
 
-// Propose (step 3) -> publish (4) -> confirm (5) -> read at the anchor of step 6 (index 15): the
-// gathers of that very step move, on every rank at the same call.
+// Propose at the anchor of step 3 (index 6), each round read a call later (a quarter of a step
+// of 3, at least one call): publish at 7, confirm at 8, read at 9: the gathers of the step that
+// begins there move, on every rank at the same call.
 TEST(AgreementRounds, AnAgreedPlanMovesAtTheSameCallOnceConfirmed) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
   const std::vector<Kind> kinds = rank.steps(8);
   EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
                                    {6, RoundKind::Propose},
-                                   {9, RoundKind::Publish},
-                                   {12, RoundKind::Confirm}}));
-  for (uint64_t i = 0; i < 16; ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
-  for (uint64_t i = 16; i < kinds.size(); ++i)
+                                   {7, RoundKind::Publish},
+                                   {8, RoundKind::Confirm}}));
+  for (uint64_t i = 0; i < 10; ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
+  for (uint64_t i = 10; i < kinds.size(); ++i)
     EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;
   const trace::AgreementRecord* activated =
       rank.find(trace::RoundEvent::Activated, RoundKind::Confirm);
   ASSERT_NE(activated, nullptr);
-  EXPECT_EQ(activated->seq, 15u);
+  EXPECT_EQ(activated->seq, 9u);
   EXPECT_EQ(activated->moved, 2u);
   EXPECT_EQ(rank.fakes.transports_made, 1);
-  EXPECT_EQ(rank.fakes.transport_gathers, 6);
+  EXPECT_EQ(rank.fakes.transport_gathers, 10);
   EXPECT_EQ(rank.fakes.nccl_gathers, 0);
   // Publish and confirm carry the plan and say this rank can serve it.
   ASSERT_EQ(rank.fakes.contributed.size(), 4u);
@@ -320,7 +321,7 @@ TEST(AgreementRounds, AnAgreedPlanMovesAtTheSameCallOnceConfirmed) {
 }
 
 // The phase says where the communicator is at every call: watching until the propose (index 6),
-// then one phase per round in flight, and Active from the confirm's read (index 15) on.
+// then one phase per round in flight, and Active from the confirm's read (index 9) on.
 TEST(AgreementRounds, ACommunicatorsPhaseFollowsItsRoundsFromWatchingToActive) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
   std::vector<Phase> phases;
@@ -330,9 +331,9 @@ TEST(AgreementRounds, ACommunicatorsPhaseFollowsItsRoundsFromWatchingToActive) {
   }
   for (uint64_t i = 0; i < phases.size(); ++i) {
     const Phase expected = i < 6    ? Phase::Watching
-                           : i < 9  ? Phase::Proposing
-                           : i < 12 ? Phase::Publishing
-                           : i < 15 ? Phase::Confirming
+                           : i == 6 ? Phase::Proposing
+                           : i == 7 ? Phase::Publishing
+                           : i == 8 ? Phase::Confirming
                                     : Phase::Active;
     EXPECT_EQ(phases[i], expected) << "call " << i << ": " << phase_name(phases[i]);
   }
@@ -385,25 +386,27 @@ TEST(AgreementRounds, AGatherNotYetStableOnAPeerIsProposedAgainSoonBackingOff) {
     if (!settled && r == 3 && c.header.kind == static_cast<uint8_t>(RoundKind::Propose))
       for (GatherEntry& e : c.entries) e.reason = static_cast<uint8_t>(Reason::NotStable);
   };
-  // Step s (counted at the anchor from 1) begins at index 3 (s - 1). Propose at step 3, read at
-  // 4 + 1 = 5, (read 6) + 2 = 8, (read 9) + 4 = 13, (read 14) + 8 = 22, (read 23) + 16 = 39.
+  // Step s (counted at the anchor from 1) begins at index 3 (s - 1). Each propose is read a
+  // call after its issue, and the wait counts from the step after the issue, as when it was read
+  // there: propose at step 3, then (3 + 1) + 1 = 5, (5 + 1) + 2 = 8, (8 + 1) + 4 = 13,
+  // (13 + 1) + 8 = 22, (22 + 1) + 16 = 39: no more rounds than when each was read a step later.
   Issued expected = {{0, RoundKind::Hello}};
   for (const uint64_t step : {3, 5, 8, 13, 22, 39})
     expected.push_back({3 * (step - 1), RoundKind::Propose});
-  rank.run_to(3 * 39);  // up to the read of the propose of step 39, excluded
+  rank.run_to(3 * 38 + 1);  // up to the read of the propose of step 39, excluded
   EXPECT_EQ(rank.issued(), expected);
   EXPECT_EQ(rank.fakes.rounds_launched, static_cast<int>(expected.size()));
   ASSERT_FALSE(rank.fakes.decisions.empty());
   EXPECT_EQ(rank.fakes.decisions.back().reason, static_cast<uint8_t>(Reason::OtherRankRefused));
-  // Settled when that propose is read (step 40): publish there, confirm at 41, the plan moves
-  // from the read at step 42 (index 123).
+  // Settled when that propose is read (index 115): publish there, confirm at 116, the plan moves
+  // from the read at 117.
   settled = true;
   std::vector<Kind> kinds;
   for (int i = 0; i < 4 * static_cast<int>(kPeriod); ++i) kinds.push_back(rank.call());
-  EXPECT_EQ(rank.issued().back(), (std::pair<uint64_t, RoundKind>{120, RoundKind::Confirm}));
+  EXPECT_EQ(rank.issued().back(), (std::pair<uint64_t, RoundKind>{116, RoundKind::Confirm}));
   for (size_t i = 0; i < kinds.size(); ++i) {
-    const uint64_t index = 117 + i;
-    const Kind expected_kind = index > 123 && index % kPeriod != 0 ? Kind::Move : Kind::Nccl;
+    const uint64_t index = 115 + i;
+    const Kind expected_kind = index > 117 && index % kPeriod != 0 ? Kind::Move : Kind::Nccl;
     EXPECT_EQ(kinds[i], expected_kind) << "call " << index;
   }
 }
@@ -425,10 +428,10 @@ TEST(AgreementRounds, ARoundIssuedInsideAGroupLaunchesAloneAndCounts) {
   EXPECT_EQ(rank.fakes.results_read, 4);
   EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
                                    {6, RoundKind::Propose},
-                                   {9, RoundKind::Publish},
-                                   {12, RoundKind::Confirm}}));
-  EXPECT_EQ(kinds[16 - 7], Kind::Move);
-  EXPECT_EQ(kinds[14 - 7], Kind::Nccl);
+                                   {7, RoundKind::Publish},
+                                   {8, RoundKind::Confirm}}));
+  EXPECT_EQ(kinds[10 - 7], Kind::Move);
+  EXPECT_EQ(kinds[8 - 7], Kind::Nccl);
 }
 
 // Every step one group (ncclGroupStart, the three calls, ncclGroupEnd): every round is issued
@@ -447,11 +450,11 @@ TEST(AgreementRounds, AStepThatIsOneGroupMoves) {
   }
   EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
                                    {6, RoundKind::Propose},
-                                   {9, RoundKind::Publish},
-                                   {12, RoundKind::Confirm}}));
-  for (uint64_t i = 15; i < kinds.size(); ++i)
+                                   {7, RoundKind::Publish},
+                                   {8, RoundKind::Confirm}}));
+  for (uint64_t i = 9; i < kinds.size(); ++i)
     EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;
-  EXPECT_EQ(rank.fakes.transport_gathers, 3);  // one bucket a step (the group): steps 5 to 7
+  EXPECT_EQ(rank.fakes.transport_gathers, 5);  // one bucket a step (the group): steps 3 to 7
   EXPECT_EQ(rank.fakes.nccl_gathers, 0);
 }
 
@@ -476,12 +479,13 @@ TEST(AgreementRounds, GroupsThatStraddleStepsMove) {
   EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
                                    {6, RoundKind::Propose},
                                    {12, RoundKind::Propose},
-                                   {15, RoundKind::Publish},
-                                   {18, RoundKind::Confirm}}));
-  for (uint64_t i = 22; i < kinds.size(); ++i)
+                                   {13, RoundKind::Publish},
+                                   {14, RoundKind::Confirm}}));
+  // Activated at 15, inside the group [13, 14, 15]: 13 and 14 were routed to NCCL before it.
+  for (uint64_t i = 16; i < kinds.size(); ++i)
     EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;
-  EXPECT_EQ(kinds[20], Kind::Nccl);
-  EXPECT_EQ(rank.fakes.transport_gathers, 3);  // one bucket (positions 1 and 2) a group: 22..30
+  EXPECT_EQ(kinds[14], Kind::Nccl);
+  EXPECT_EQ(rank.fakes.transport_gathers, 5);  // one bucket (positions 1 and 2) a group: 16..30
   EXPECT_EQ(rank.fakes.nccl_gathers, 0);
   EXPECT_EQ(rank.fakes.group_ends, 4);  // the groups launched early, one for each round
 }
@@ -496,7 +500,9 @@ TEST(AgreementRounds, GathersQueuedUnderAPlanThatEndsInsideTheirGroupGoToNccl) {
     if (refuse && r == 1 && c.header.kind == static_cast<uint8_t>(RoundKind::Propose))
       for (GatherEntry& e : c.entries) e.reason = static_cast<uint8_t>(Reason::DeviceMemory);
   };
-  rank.run_to(22);  // moving from index 15; the next propose was issued at 21, read at 24
+  // Moving from index 9; the next proposes come MAGI_REAGREE_STEPS (2) steps after the step of
+  // the last round's issue: at 15 (read at 16) and at 24, read at 25.
+  rank.run_to(22);
   refuse = true;
   rank.fakes.group_ordinal = 9;
   rank.fakes.group = {1, false, 1};
@@ -504,7 +510,9 @@ TEST(AgreementRounds, GathersQueuedUnderAPlanThatEndsInsideTheirGroupGoToNccl) {
   rank.fakes.group = {1, false, 2};
   EXPECT_EQ(rank.call(), Kind::Move);  // 23: queued
   rank.fakes.group = {1, false, 3};
-  EXPECT_EQ(rank.call(), Kind::Nccl);  // 24: the propose is read, refused: the plan ends here
+  EXPECT_EQ(rank.call(), Kind::Nccl);  // 24: the propose is issued, launched alone
+  rank.fakes.group = {1, false, 4};
+  EXPECT_EQ(rank.call(), Kind::Nccl);  // 25: the propose is read, refused: the plan ends here
   rank.fakes.group = {};
   const int nccl_before = rank.fakes.nccl_gathers;
   const int moved_before = rank.fakes.transport_gathers;
@@ -513,7 +521,7 @@ TEST(AgreementRounds, GathersQueuedUnderAPlanThatEndsInsideTheirGroupGoToNccl) {
   EXPECT_EQ(rank.fakes.transport_gathers, moved_before);
   const trace::AgreementRecord* off = rank.find(trace::RoundEvent::Deactivated, RoundKind::Propose);
   ASSERT_NE(off, nullptr);
-  EXPECT_EQ(off->seq, 24u);
+  EXPECT_EQ(off->seq, 25u);
 }
 
 // Inside a group holding Send/Recv the round cannot launch alone: it stays in the group (no early
@@ -535,32 +543,34 @@ TEST(AgreementRounds, ARoundThatCannotLeaveItsGroupVotesNoAndTheAnchorMovesOn) {
   EXPECT_EQ(rank.fakes.results_read, 1);  // the hello; voted no: the answer is known unread
   const trace::AgreementRecord* read = rank.find(trace::RoundEvent::Read, RoundKind::Propose);
   ASSERT_NE(read, nullptr);
-  EXPECT_EQ(read->seq, 9u);
+  EXPECT_EQ(read->seq, 7u);
   EXPECT_EQ(read->reason, static_cast<uint8_t>(Reason::AnchorInGroup));
-  // The anchor is now position 1: the next propose is issued at index 10, read at 13.
+  // The anchor is now position 1: the next propose is issued at index 10, a step after the void
+  // one, and read at 11.
   EXPECT_EQ(rank.issued(),
             (Issued{{0, RoundKind::Hello}, {6, RoundKind::Propose}, {10, RoundKind::Propose}}));
   const std::vector<Kind> kinds = rank.steps(4);
   EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
                                    {6, RoundKind::Propose},
                                    {10, RoundKind::Propose},
-                                   {13, RoundKind::Publish},
-                                   {16, RoundKind::Confirm}}));
-  // Read at index 19 (position 1, step 7): that gather and the one after it move.
-  EXPECT_EQ(kinds[19 - 11], Kind::Move);
-  EXPECT_EQ(kinds[18 - 11], Kind::Nccl);
-  EXPECT_EQ(kinds[20 - 11], Kind::Move);
+                                   {11, RoundKind::Publish},
+                                   {12, RoundKind::Confirm}}));
+  // Read at index 13 (position 1, step 5): that gather and the one after it move.
+  EXPECT_EQ(kinds[13 - 11], Kind::Move);
+  EXPECT_EQ(kinds[12 - 11], Kind::Nccl);
+  EXPECT_EQ(kinds[14 - 11], Kind::Move);
 }
 
-// The step is lost while a confirm round is pending: the round is abandoned, nothing activates.
+// The step is lost while a confirm round is pending (issued at 8, due at 9): the round is
+// abandoned, nothing activates.
 TEST(AgreementRounds, AStepLostDropsThePendingRound) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
-  rank.run_to(13);
+  rank.run_to(9);
   EXPECT_EQ(rank.call(capture::StepDetector::Event::Lost, false), Kind::Nccl);
   const trace::AgreementRecord* abandoned =
       rank.find(trace::RoundEvent::Abandoned, RoundKind::Confirm);
   ASSERT_NE(abandoned, nullptr);
-  EXPECT_EQ(abandoned->seq, 13u);
+  EXPECT_EQ(abandoned->seq, 9u);
   for (int i = 0; i < 6; ++i) EXPECT_EQ(rank.call(std::nullopt, false), Kind::Nccl);
   EXPECT_EQ(rank.find(trace::RoundEvent::Activated, RoundKind::Confirm), nullptr);
 }
@@ -580,38 +590,40 @@ TEST(AgreementRounds, AStepLostDropsThePlanAndTheWarmupStartsOver) {
   rank.refind();  // index 21 is position 0 of a step found again
   const std::vector<Kind> kinds = rank.steps(3);
   for (const Kind k : kinds) EXPECT_EQ(k, Kind::Nccl);
-  EXPECT_EQ(rank.issued().back(), (std::pair<uint64_t, RoundKind>{27, RoundKind::Propose}));
+  const Issued issued = rank.issued();
+  ASSERT_GE(issued.size(), 3u);
+  EXPECT_EQ(Issued(issued.end() - 3, issued.end()),
+            (Issued{{27, RoundKind::Propose}, {28, RoundKind::Publish}, {29, RoundKind::Confirm}}));
 }
 
-// The plan read at step 4 is committed (publish, confirm) over steps 4 and 5: its gathers go to
-// NCCL there anyway, and are timed there (TrialNccl: the trial's NCCL side). Activated at step 6,
-// they move, timed, for MAGI_WARMUP_STEPS = 2 steps; the cost round is issued at step 8 and read
-// at step 9. No call went to NCCL on purpose. The fake transport is five times slower than
-// NCCL, so every bucket goes back to NCCL, and the same plan is not tried again.
+// The plan read at index 7 is committed (publish at 7, confirm at 8): its gathers at 7 and 8 go
+// to NCCL anyway, and are timed there (TrialNccl: the trial's NCCL side). Activated at step 4
+// (index 9), they move, timed, for MAGI_WARMUP_STEPS = 2 steps; the cost round is issued at step
+// 6 and read a step later. No call went to NCCL on purpose. The fake transport is five times
+// slower than NCCL, so every bucket goes back to NCCL, and the same plan is not tried again.
 TEST(AgreementRounds, TheCostTrialTimesNcclWhileCommittingAndKeepsNcclWhereNcclWasFaster) {
   Rank0 rank(Env{});
   const std::vector<Kind> kinds = rank.steps(16);
   auto at = [&](int step, uint32_t position) {
     return kinds[static_cast<size_t>((step - 1) * 3) + position];
   };
-  for (const int step : {4, 5}) {
-    EXPECT_EQ(at(step, 1), Kind::TrialNccl) << "step " << step;
-    EXPECT_EQ(at(step, 2), Kind::TrialNccl) << "step " << step;
-  }
-  for (const int step : {6, 7, 8}) {
+  EXPECT_EQ(at(3, 1), Kind::TrialNccl);
+  EXPECT_EQ(at(3, 2), Kind::TrialNccl);
+  for (const int step : {4, 5, 6}) {
     EXPECT_EQ(at(step, 1), Kind::Move) << "step " << step;
     EXPECT_EQ(at(step, 2), Kind::Move) << "step " << step;
   }
-  for (int step = 9; step <= 16; ++step) {
+  for (int step = 7; step <= 16; ++step) {
     EXPECT_EQ(at(step, 1), Kind::Nccl) << "step " << step;
     EXPECT_EQ(at(step, 2), Kind::Nccl) << "step " << step;
   }
+  // The next propose MAGI_REAGREE_STEPS (8) steps after the step of the confirm's issue (3).
   EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
                                    {6, RoundKind::Propose},
-                                   {9, RoundKind::Publish},
-                                   {12, RoundKind::Confirm},
-                                   {21, RoundKind::Cost},
-                                   {39, RoundKind::Propose}}));
+                                   {7, RoundKind::Publish},
+                                   {8, RoundKind::Confirm},
+                                   {15, RoundKind::Cost},
+                                   {33, RoundKind::Propose}}));
   const Contribution& cost = rank.fakes.contributed[4];
   ASSERT_EQ(cost.costs.size(), 2u);
   for (const BucketCost& b : cost.costs) {
@@ -620,14 +632,53 @@ TEST(AgreementRounds, TheCostTrialTimesNcclWhileCommittingAndKeepsNcclWhereNcclW
   }
   const trace::AgreementRecord* off = rank.find(trace::RoundEvent::Deactivated, RoundKind::Propose);
   ASSERT_NE(off, nullptr);
-  EXPECT_EQ(off->seq, 24u);
+  EXPECT_EQ(off->seq, 18u);
   EXPECT_EQ(off->reason, static_cast<uint8_t>(Reason::NcclFaster));
-  // The propose at step 14 agrees the same plan again: read at step 15, it moves nothing.
+  // The propose at step 12 agrees the same plan again: read a call later, it moves nothing.
   const trace::AgreementRecord& last = rank.fakes.rounds.back();
-  EXPECT_EQ(last.seq, 42u);
+  EXPECT_EQ(last.seq, 34u);
   EXPECT_EQ(last.event, static_cast<uint8_t>(trace::RoundEvent::Read));
   EXPECT_EQ(last.moved, 0u);
   EXPECT_EQ(rank.fakes.transports_made, 1);
+}
+
+// A timed plan's confirm waits until each of its buckets went to NCCL once since the propose
+// read, so the trial never has to send a call there on purpose. Here the anchor has moved to
+// position 1 (the first propose sat in a Send/Recv group): the propose issued at 10 is read at
+// 11 (position 2, to NCCL and timed), the publish at 12, and the confirm, due at 13, waits for
+// position 1's call there to go to NCCL too: read at 14, the plan moves from that call, both
+// buckets timed both ways, with no alternation.
+TEST(AgreementRounds, ATimedConfirmWaitsUntilEveryBucketWentToNcclOnce) {
+  Rank0 rank(Env{});
+  rank.run_to(6);
+  rank.fakes.group = {1, true, 3};
+  EXPECT_EQ(rank.call(), Kind::Nccl);
+  rank.fakes.group = {};
+  EXPECT_EQ(group_ended(ncclSuccess), ncclSuccess);
+  std::vector<Kind> kinds(7, Kind::Nccl);
+  for (int i = 7; i < 22; ++i) kinds.push_back(rank.call());
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello},
+                                   {6, RoundKind::Propose},
+                                   {10, RoundKind::Propose},
+                                   {11, RoundKind::Publish},
+                                   {12, RoundKind::Confirm},
+                                   {19, RoundKind::Cost}}));
+  EXPECT_EQ(kinds[10], Kind::Nccl);  // before the propose read
+  EXPECT_EQ(kinds[11], Kind::TrialNccl);
+  EXPECT_EQ(kinds[13], Kind::TrialNccl);  // the confirm is due, position 1 not yet timed
+  const trace::AgreementRecord* activated =
+      rank.find(trace::RoundEvent::Activated, RoundKind::Confirm);
+  ASSERT_NE(activated, nullptr);
+  EXPECT_EQ(activated->seq, 14u);
+  for (uint64_t i = 14; i < 21; ++i)
+    EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::Move) << "call " << i;
+  ASSERT_EQ(rank.fakes.contributed.size(), 6u);
+  const Contribution& cost = rank.fakes.contributed[5];
+  ASSERT_EQ(cost.costs.size(), 2u);
+  for (const BucketCost& b : cost.costs) {
+    EXPECT_EQ(b.moved_ns, 500u);
+    EXPECT_EQ(b.nccl_ns, kNcclGatherNs);
+  }
 }
 
 // The same trial with a transport faster than NCCL: every bucket keeps moving.
@@ -682,15 +733,17 @@ TEST(AgreementRounds, HomesFollowTheCallsTheCostRoundKeptOnNccl) {
 
 // Timers that cannot stop leave every bucket unmeasured: the calls are still served, and the
 // cost round keeps the plan moving. Without an NCCL timing by the activation, the trial falls
-// back to alternating: step 6 goes to NCCL on purpose, 7 moves, and so on.
+// back to alternating: step 4 goes to NCCL on purpose, 5 moves, and so on.
 TEST(AgreementRounds, ATimerThatCannotStopLeavesTheTrialUnmeasured) {
   Rank0 rank(Env{});
   rank.fakes.timer_stop_throws = true;
   const std::vector<Kind> kinds = rank.steps(14);
-  EXPECT_EQ(kinds[10], Kind::TrialNccl);  // committing (steps 4 and 5)
-  EXPECT_EQ(kinds[16], Kind::TrialNccl);  // alternating (steps 6 and 8)
+  EXPECT_EQ(kinds[7], Kind::TrialNccl);   // committing (indices 7 and 8)
+  EXPECT_EQ(kinds[10], Kind::TrialNccl);  // alternating (steps 4 and 6)
+  EXPECT_EQ(kinds[13], Kind::Move);
+  EXPECT_EQ(kinds[16], Kind::TrialNccl);
   EXPECT_EQ(kinds[19], Kind::Move);
-  EXPECT_EQ(rank.fakes.nccl_gathers, 8);
+  EXPECT_EQ(rank.fakes.nccl_gathers, 6);
   ASSERT_GE(rank.fakes.contributed.size(), 5u);
   const Contribution& cost = rank.fakes.contributed[4];
   ASSERT_EQ(cost.costs.size(), 2u);
@@ -720,15 +773,15 @@ TEST(AgreementRounds, ReagreeZeroMeansNoFurtherRounds) {
 TEST(AgreementRounds, DryRunReportsWouldMoveAndMovesNothing) {
   Rank0 rank(Env{{"MAGI_DRY_RUN", "1"}});
   const std::vector<Kind> kinds = rank.steps(8);
-  for (uint64_t i = 0; i < 10; ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
-  for (uint64_t i = 10; i < kinds.size(); ++i)
+  for (uint64_t i = 0; i < 7; ++i) EXPECT_EQ(kinds[i], Kind::Nccl) << "call " << i;
+  for (uint64_t i = 7; i < kinds.size(); ++i)
     EXPECT_EQ(kinds[i], i % kPeriod == 0 ? Kind::Nccl : Kind::WouldMove) << "call " << i;
   EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}, {6, RoundKind::Propose}}));
   EXPECT_EQ(rank.fakes.transports_made, 0);
   EXPECT_EQ(rank.fakes.nccl_gathers, 0);  // the shim forwards WouldMove calls, not rewrite/
   const trace::AgreementRecord* on = rank.find(trace::RoundEvent::Activated, RoundKind::Propose);
   ASSERT_NE(on, nullptr);
-  EXPECT_EQ(on->seq, 9u);
+  EXPECT_EQ(on->seq, 7u);  // read a call after its issue
 }
 
 // A moved call whose serving throws (here not even a magi::Error) is never sent to NCCL alone:
@@ -736,7 +789,7 @@ TEST(AgreementRounds, DryRunReportsWouldMoveAndMovesNothing) {
 // the next propose refuses every gather (TransportFailed), so all ranks leave together.
 TEST(AgreementRounds, AThrowWhileServingAMovedCallFailsItAndNeverForwardsItAlone) {
   Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
-  rank.run_to(16);
+  rank.run_to(10);  // the first call of the plan activated at 9
   rank.fakes.gather_throws = true;
   EXPECT_EQ(rank.call(), Kind::TrialNccl);  // served, not moved
   EXPECT_TRUE(rank.last.served);
@@ -780,7 +833,7 @@ TEST(AgreementRounds, CapturedGathersMoveWithStaticWeightsAndStayOnNcclInTheDefa
   for (const bool static_weights : {true, false}) {
     SCOPED_TRACE(static_weights ? "static weights" : "default mode");
     Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_STATIC_WEIGHTS", static_weights ? "1" : "0"}});
-    rank.run_to(30);
+    rank.run_to(33);  // the step of the next propose (read at 34), eager: no round in the capture
     ASSERT_EQ(rank.next() % 3, 0u);
     EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
     const size_t eager = rank.fakes.timings.size();
@@ -813,7 +866,7 @@ TEST(AgreementRounds, CapturedGathersInTheDefaultModeMoveOnAPlanWithGraphSlots) 
     const test::InfoLogged info;
     Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_GRAPH_SLOTS", setting}});
     testing::internal::CaptureStderr();
-    rank.run_to(30);
+    rank.run_to(33);  // the step of the next propose (read at 34), eager: no round in the capture
     EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
     ASSERT_EQ(rank.fakes.plans.size(), 1u);
     EXPECT_EQ(rank.fakes.plans[0].graph_slots, setting == "always");

@@ -117,6 +117,37 @@ TEST(CostTrial, ABucketWithoutANcclTimingAtTheActivationAlternatesForTwiceTheWar
   EXPECT_TRUE(trial.due(16));
 }
 
+// The NCCL side of a timed plan is routed once every bucket had all its calls of one step, first
+// to last, routed to NCCL: by routes alone (no timer is asked). A group's later call alone (the
+// propose read inside it) does not count; a position that does not move is not awaited.
+TEST(CostTrial, TheNcclSideIsRoutedOnceEveryBucketWentThereWhole) {
+  SlotLayout layout;
+  layout.offset_by_position = {0, 0, 64, SIZE_MAX, 0};
+  layout.bucket_by_position = {0, 1, 1, 0, 2};
+  CostTrial trial;
+  trial.begin(true, 3);
+  trial.await_nccl_routes(layout);
+  EXPECT_FALSE(trial.nccl_side_routed());
+  trial.routed_to_nccl(1, 2);  // the group's second call, its first routed before the read
+  trial.routed_to_nccl(2, 4);
+  trial.routed_to_nccl(0, 0);
+  EXPECT_FALSE(trial.nccl_side_routed());
+  trial.routed_to_nccl(1, 1);
+  EXPECT_FALSE(trial.nccl_side_routed());
+  trial.routed_to_nccl(1, 2);
+  EXPECT_TRUE(trial.nccl_side_routed());
+
+  CostTrial untimed;  // no trial: nothing to wait for
+  untimed.begin(false, 3);
+  untimed.await_nccl_routes(layout);
+  EXPECT_TRUE(untimed.nccl_side_routed());
+  CostTrial stopped;
+  stopped.begin(true, 3);
+  stopped.await_nccl_routes(layout);
+  stopped.stop();
+  EXPECT_TRUE(stopped.nccl_side_routed());
+}
+
 TEST(CostTrial, MediansTakeTheMiddleTimingAndZeroForARouteNeverTimed) {
   Clock clock;
   const TransportFactory make = timers_on(clock);

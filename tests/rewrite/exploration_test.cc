@@ -50,10 +50,63 @@ TEST(Exploration, OneRankNeverExploresUnlessForced) {
 TEST(Exploration, TheFirstProposeWaitsForTheWarmup) {
   const Options options = options_with({});
   ExplorationPolicy policy(options);
-  policy.restart(0xa, 3);
-  EXPECT_EQ(policy.anchor(), 3u);
+  policy.restart(0xa, 3, 1);
   EXPECT_FALSE(policy.propose_due(1));
   EXPECT_TRUE(policy.propose_due(2));
+}
+
+// The anchor is where the first propose comes soonest: the call that found the step when the
+// seeded warmup is complete there, else position 0, where the step that completes it is counted.
+TEST(Exploration, TheAnchorIsWhereTheWarmupCompletes) {
+  const Options options = options_with({});  // a warmup of 2 steps
+  ExplorationPolicy policy(options);
+  policy.restart(0xa, 3, 2);
+  EXPECT_EQ(policy.anchor(), 3u);
+  policy.restart(0xa, 3, 1);
+  EXPECT_EQ(policy.anchor(), 0u);
+  const Options static_options =
+      options_with({{"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_WARMUP_STEPS", "1"}});
+  ExplorationPolicy static_weights(static_options);
+  static_weights.restart(0xa, 3, 1);  // two looks at a buffer, whatever the warmup
+  EXPECT_EQ(static_weights.anchor(), 0u);
+  static_weights.restart(0xa, 3, 2);
+  EXPECT_EQ(static_weights.anchor(), 3u);
+}
+
+// A propose, publish or confirm is read a quarter step after its issue (at least a call on); a
+// cost round a step on; once an in-step commit failed, every round a step on until the step
+// changes.
+TEST(Exploration, RoundsAreReadAQuarterStepOnUntilACommitFails) {
+  const Options options = options_with({});
+  ExplorationPolicy policy(options);
+  policy.restart(0xa, 0, 0);
+  EXPECT_EQ(policy.read_distance(RoundKind::Propose, 40), 10u);
+  EXPECT_EQ(policy.read_distance(RoundKind::Publish, 40), 10u);
+  EXPECT_EQ(policy.read_distance(RoundKind::Confirm, 7), 1u);
+  EXPECT_EQ(policy.read_distance(RoundKind::Propose, 1), 1u);
+  EXPECT_EQ(policy.read_distance(RoundKind::Cost, 40), 40u);
+  policy.read_at_anchor();
+  EXPECT_EQ(policy.read_distance(RoundKind::Propose, 40), 40u);
+  policy.restart(0xb, 0, 0);
+  EXPECT_EQ(policy.read_distance(RoundKind::Propose, 40), 10u);
+}
+
+// A round read inside the step it was issued in brings the next one no sooner than a round read
+// a step later did: the wait counts from the step after the issue.
+TEST(Exploration, ARoundReadSoonerBringsTheNextNoSooner) {
+  const Options options = options_with({});
+  ExplorationPolicy policy(options);
+  policy.restart(0xa, 0, 2);
+  policy.pass_anchor();
+  ASSERT_TRUE(policy.propose_due(2));
+  policy.count_round_issued();
+  EXPECT_EQ(policy.waits_from(), 2u);  // read in step 1: as if read at the next anchor
+  policy.retry_soon();                 // back-off 1
+  EXPECT_FALSE(policy.propose_due(2));
+  policy.pass_anchor();
+  EXPECT_FALSE(policy.propose_due(2));
+  policy.pass_anchor();
+  EXPECT_TRUE(policy.propose_due(2));  // step 3, as when the round was read at step 2
 }
 
 // Static weights take two alike steps of a position whatever MAGI_WARMUP_STEPS says; the first
@@ -61,12 +114,12 @@ TEST(Exploration, TheFirstProposeWaitsForTheWarmup) {
 TEST(Exploration, WithStaticWeightsTheFirstProposeWaitsForTwoStepsEvenAtAWarmupOfOne) {
   const Options plain_options = options_with({{"MAGI_WARMUP_STEPS", "1"}});
   ExplorationPolicy plain(plain_options);  // keeps a reference to its options
-  plain.restart(0xa, 3);
+  plain.restart(0xa, 3, 0);
   EXPECT_TRUE(plain.propose_due(1));
   const Options static_options =
       options_with({{"MAGI_WARMUP_STEPS", "1"}, {"MAGI_STATIC_WEIGHTS", "1"}});
   ExplorationPolicy static_weights(static_options);
-  static_weights.restart(0xa, 3);
+  static_weights.restart(0xa, 3, 0);
   EXPECT_FALSE(static_weights.propose_due(1));
   EXPECT_TRUE(static_weights.propose_due(2));
   EXPECT_EQ(stable_steps_needed(1, true), 2u);
@@ -79,7 +132,7 @@ TEST(Exploration, WithStaticWeightsTheFirstProposeWaitsForTwoStepsEvenAtAWarmupO
 TEST(Exploration, DefaultModeBacksOffFromTheFirstRoundThatCouldNotMove) {
   const Options options = options_with({});
   ExplorationPolicy policy(options);
-  policy.restart(0xa, 0);
+  policy.restart(0xa, 0, 0);
   EXPECT_EQ(proposes_when_unsettled(policy, 300),
             (std::vector<uint64_t>{1, 3, 6, 11, 20, 37, 70, 135, 200, 265}));
 }
@@ -89,7 +142,7 @@ TEST(Exploration, DefaultModeBacksOffFromTheFirstRoundThatCouldNotMove) {
 TEST(Exploration, StaticWeightsRetryEveryOtherStepWhileTheStepIsYoung) {
   const Options options = options_with({{"MAGI_STATIC_WEIGHTS", "1"}});
   ExplorationPolicy policy(options);
-  policy.restart(0xa, 0);
+  policy.restart(0xa, 0, 0);
   const std::vector<uint64_t> at = proposes_when_unsettled(policy, 60);
   std::vector<uint64_t> expected;
   for (uint64_t s = 1; s <= ExplorationPolicy::kStaticEagerSteps + 1; s += 2) expected.push_back(s);
@@ -103,7 +156,7 @@ TEST(Exploration, AfterARoundThatMovedAllTheNextComesReagreeStepsLaterOrNever) {
   {
     const Options options = options_with({});
     ExplorationPolicy policy(options);
-    policy.restart(0xa, 0);
+    policy.restart(0xa, 0, 0);
     for (int i = 0; i < 5; ++i) policy.pass_anchor();
     policy.reagree_later();
     for (int i = 0; i < 63; ++i) policy.pass_anchor();
@@ -113,7 +166,7 @@ TEST(Exploration, AfterARoundThatMovedAllTheNextComesReagreeStepsLaterOrNever) {
   }
   const Options never = options_with({{"MAGI_REAGREE_STEPS", "0"}});
   ExplorationPolicy policy(never);
-  policy.restart(0xa, 0);
+  policy.restart(0xa, 0, 0);
   policy.reagree_later();
   for (int i = 0; i < 100000; ++i) policy.pass_anchor();
   EXPECT_FALSE(policy.propose_due(100));
@@ -124,11 +177,11 @@ TEST(Exploration, AfterARoundThatMovedAllTheNextComesReagreeStepsLaterOrNever) {
 TEST(Exploration, AStepThatComesBackKeepsItsBackOff) {
   const Options options = options_with({});
   ExplorationPolicy policy(options);
-  policy.restart(0xa, 0);
+  policy.restart(0xa, 0, 0);
   proposes_when_unsettled(policy, 40);  // proposes at 1, 3, 6, 11, 20, 37: back-off now 64
-  policy.restart(0xb, 0);
+  policy.restart(0xb, 0, 0);
   EXPECT_EQ(proposes_when_unsettled(policy, 8), (std::vector<uint64_t>{1, 3, 6}));
-  policy.restart(0xa, 0);
+  policy.restart(0xa, 0, 0);
   // Due at once (the warmup is complete), then 64 steps after the read.
   EXPECT_EQ(proposes_when_unsettled(policy, 70), (std::vector<uint64_t>{1, 66}));
 }
@@ -136,15 +189,15 @@ TEST(Exploration, AStepThatComesBackKeepsItsBackOff) {
 TEST(Exploration, APlanNcclWonIsRememberedForItsStep) {
   const Options options = options_with({});
   ExplorationPolicy policy(options);
-  policy.restart(0xa, 0);
+  policy.restart(0xa, 0, 0);
   EXPECT_FALSE(policy.nccl_won(0x1234));
   policy.nccl_won_plan(0x1234);
   EXPECT_TRUE(policy.nccl_won(0x1234));
   EXPECT_FALSE(policy.nccl_won(0x1235));
   EXPECT_FALSE(policy.nccl_won(0));
-  policy.restart(0xb, 0);
+  policy.restart(0xb, 0, 0);
   EXPECT_FALSE(policy.nccl_won(0x1234));
-  policy.restart(0xa, 0);
+  policy.restart(0xa, 0, 0);
   EXPECT_TRUE(policy.nccl_won(0x1234));
 }
 
@@ -153,13 +206,13 @@ TEST(Exploration, TheOldestStepIsForgottenFirst) {
   const Options options = options_with({});
   ExplorationPolicy policy(options);
   for (uint64_t d = 1; d <= 64; ++d) {
-    policy.restart(d, 0);
+    policy.restart(d, 0, 0);
     policy.nccl_won_plan(d + 100);
   }
-  policy.restart(65, 0);  // replaces step 1
-  policy.restart(2, 0);
+  policy.restart(65, 0, 0);  // replaces step 1
+  policy.restart(2, 0, 0);
   EXPECT_TRUE(policy.nccl_won(102));
-  policy.restart(1, 0);
+  policy.restart(1, 0, 0);
   EXPECT_FALSE(policy.nccl_won(101));
 }
 
@@ -195,13 +248,13 @@ TEST(Exploration, SizeVerdictsThatContradictEachOtherSayNothing) {
 TEST(Exploration, StoppingForGoodEndsEveryPropose) {
   const Options options = options_with({});
   ExplorationPolicy policy(options);
-  policy.restart(0xa, 0);
+  policy.restart(0xa, 0, 0);
   EXPECT_TRUE(policy.propose_due(100));
   policy.stop(Reason::PeerOffNode);
   EXPECT_TRUE(policy.stopped());
   EXPECT_EQ(policy.stopped_by(), Reason::PeerOffNode);
   EXPECT_FALSE(policy.propose_due(100));
-  policy.restart(0xb, 0);  // a new step changes nothing: where ranks run never does
+  policy.restart(0xb, 0, 0);  // a new step changes nothing: where ranks run never does
   EXPECT_FALSE(policy.propose_due(100));
   policy.stop(Reason::PeerNotAccessible);
   EXPECT_EQ(policy.stopped_by(), Reason::PeerOffNode);  // the first reason stays

@@ -8,7 +8,8 @@
 // ranks issue it plainly. Silent unless wrong: every gathered element is checked.
 // --simulate 1: every rank ends each step with a group of two small all-gathers that it ends
 // with ncclGroupSimulateEnd, so that agreement rounds meet a group that must not run (rounds
-// are issued at the position where the step was found: from a clean start, the last one here).
+// are issued at the position where the step was found when the warmup is complete there, as
+// with MAGI_WARMUP_STEPS=1: from a clean start, the last one here).
 // --p2p 1: every rank issues, between the gather and the all-reduce, a group of a Send to the
 // next rank, a Recv from the previous one and a small all-gather, alike on every rank, so that
 // rounds (from a clean start, at the step's second position) meet a group that cannot be
