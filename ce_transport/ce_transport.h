@@ -27,6 +27,7 @@
 // already met, so it is off the critical path; the one wait that matters is "every peer staged".
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -335,5 +336,41 @@ class Exchange {
 };
 std::unique_ptr<Exchange> make_exchange(Backend backend, size_t contribution_bytes, int nranks,
                                         int device = -1);
+
+// For its life, the calling thread's own CUDA calls (a round's wait, a window's set-up) are not
+// taken for part of a CUDA graph that a thread of the program is capturing, and the thread's
+// capture mode is given back after. Nothing for the host backend.
+class OutsideCapture {
+ public:
+  explicit OutsideCapture(Backend backend);
+  ~OutsideCapture();
+  OutsideCapture(const OutsideCapture&) = delete;
+  OutsideCapture& operator=(const OutsideCapture&) = delete;
+
+ private:
+  int saved_;
+};
+
+// ---- rounds where no NCCL call may run ----
+// Agreement at a CUDA graph capture cannot issue an NCCL round: on a rank that is not capturing
+// it would pair with the program's own call, and it must run now, not at each replay. Among
+// ranks that all run on this host, such rounds go through a board of shared memory.
+struct BoardRound {
+  enum class Outcome : uint8_t { Agreed, Abandoned };
+  Outcome outcome = Outcome::Abandoned;
+  std::vector<uint8_t> all;  // Agreed: nranks contributions of equal size, in rank order
+  std::string why;           // Abandoned: one line for the log
+};
+class RoundBoard {
+ public:
+  virtual ~RoundBoard() = default;
+  // This rank's next round: blocks until every rank of the communicator contributed to the same
+  // round (the k-th exchange of every rank meets the k-th of every other), or the round is
+  // abandoned (a deadline, a peer gone, sizes that differ), with one outcome for every rank.
+  virtual BoardRound exchange(std::span<const uint8_t> mine,
+                              std::chrono::milliseconds deadline) = 0;
+};
+// The board of communicator `identity` for `rank` of `nranks`, opened or created. Throws Error.
+std::unique_ptr<RoundBoard> open_round_board(uint64_t identity, int rank, int nranks);
 
 }  // namespace magi::ce

@@ -93,8 +93,12 @@ class StepObservation {
   // its shard only around its own call: in place, or a send range that overlaps another
   // all-gather's of the step (one buffer refilled for each layer, views of one scratch). A copy
   // of it taken at any other moment (a static binding at the anchor) holds another layer's bytes.
+  // `at_capture`: a propose made while the program captures a CUDA graph (rewrite/
+  // capture_rounds.cc): a captured call's facts are what every replay repeats, so one look at a
+  // position suffices, and captured positions are candidates.
   std::vector<GatherEntry> entries(const Options& options, ce::Backend backend,
-                                   const std::vector<uint32_t>& stale = {}) const;
+                                   const std::vector<uint32_t>& stale = {},
+                                   bool at_capture = false) const;
 
  private:
   // A position's buffer as entries() judges it: identified at its call when keyed on buffers,
