@@ -40,11 +40,9 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
                                    const capture::StepView& view) {
   if (!view.collective) return {};
   const uint64_t seq = view.collective_index;
-  // No round happens at a call captured into a CUDA graph: a capture forbids the waits and
-  // allocations a round may need, and the round's all-gather must run now, not at each replay.
-  // Whether a captured gather moves is decided below, by the agreed plan (static weights only).
-  // Capture is the one input here that is not a shape: programs capture the same calls on every
-  // rank (one graph, replayed by all).
+  // No NCCL round at a call captured into a CUDA graph (it would run at each replay, not now): a
+  // captured gather no plan covers is agreed through the board (capture_rounds.cc). Capture is
+  // the one input here that is not a shape: programs capture the same calls on every rank.
   if (hello_.owed() && !capture::stream_capturing(args, record) &&
       !hello_.issue(channel_, stamp(trace::RoundEvent::Issued), seq,
                     world_.make.locality(info_).host))
@@ -61,8 +59,7 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
     if (channel_.any_retired() && !capture::stream_capturing(args, record)) channel_.free_ready();
     return {};
   }
-  // MAGI_GRAPH_SLOTS=auto asks for graph slots in the proposes from here (a fact of the
-  // observation).
+  // MAGI_GRAPH_SLOTS=auto asks for graph slots in the proposes from here.
   if (gather && capture::stream_capturing(args, record)) channel_.saw_capture();
   const CallFacts facts = CallFacts::of(args, record);
   step_.recent.add(seq, facts);
