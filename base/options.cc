@@ -444,8 +444,9 @@ constexpr OptionSpec kTable[] = {
         "MAGI_GRAPH_SLOTS", "auto", "auto|always|never",
         "Default mode (weights not asserted static): gathers captured into CUDA graphs move "
         "only with graph slots, two more staging slots in the window (twice its memory). auto: "
-        "from the first plan after a gather was captured on the communicator (a graph captured "
-        "before keeps NCCL); always: from the first plan; never: captured gathers stay on NCCL. "
+        "from the first plan after a gather was captured on the communicator (a capture ends a "
+        "plan without them and agrees one with them at the captured call); always: from the "
+        "first plan; never: captured gathers stay on NCCL. "
         "Combined across ranks: never on any rank wins, then always or a capture on any."),
     int_option<&O::capture_wait_ms>(
         "MAGI_CAPTURE_WAIT_MS", "20000", "an integer from 0 to 600000", 0, 600000,
