@@ -15,9 +15,12 @@ trap 'rm -rf "$work"' EXIT
 . "$here/standin_runs.sh"
 # shellcheck source=tests/gpu/graph_runs.sh
 . "$here/graph_runs.sh"
+# shellcheck source=tests/gpu/capture_runs.sh
+. "$here/capture_runs.sh"
 # GPU_ONLY=graphs: the CUDA-graph runs alone (graph_runs.sh), a few minutes; GPU_ONLY=graphs-mps:
-# only those of several ranks under MPS (graph_standin_runs). Any other value selects nothing,
-# and fails.
+# only those of several ranks under MPS (graph_standin_runs, capture_round_runs);
+# GPU_ONLY=capture: the rounds at a capture alone (capture_runs.sh). Any other value selects
+# nothing, and fails.
 if [ -n "${GPU_ONLY:-}" ]; then
   export NCCL_NVLS_ENABLE=0
   echo "== CUDA graphs only (GPU_ONLY=$GPU_ONLY)"
@@ -25,14 +28,17 @@ if [ -n "${GPU_ONLY:-}" ]; then
     graphs)
       graph_torch_runs
       graph_real_nccl_runs
+      nccl_tests_capture_runs
       ;;
     graphs-mps) ;;
-    *) fail "GPU_ONLY=$GPU_ONLY selects nothing (graphs or graphs-mps)" ;;
+    capture) nccl_tests_capture_runs ;;
+    *) fail "GPU_ONLY=$GPU_ONLY selects nothing (graphs, graphs-mps or capture)" ;;
   esac
   case $GPU_ONLY in
-    graphs | graphs-mps)
+    graphs | graphs-mps | capture)
       if mps_start; then  # else it counted the skip
-        graph_standin_runs
+        [ "$GPU_ONLY" = capture ] || graph_standin_runs
+        capture_round_runs
         mps_stop
       fi
       ;;
@@ -218,6 +224,8 @@ echo "== CUDA graphs, PyTorch at world size 1"
 graph_torch_runs
 echo "== CUDA graphs, the weights program over the real NCCL at world size 1"
 graph_real_nccl_runs
+echo "== nccl-tests -G at world size 1: gathers agreed at the capture"
+nccl_tests_capture_runs
 
 # 2. Multi-process on one GPU with the stand-in. Real NCCL refuses two ranks on one GPU, so these
 # runs use the NCCL stand-in (tests/support/standin), which stages device memory through host
