@@ -80,7 +80,7 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   step_.seen.observe(position, facts, channel_.backend());
 
   const bool capturing = (record.flags & trace::kCallCapturing) != 0;  // asked for gathers
-  if (gather && capturing && capture_round_due(position)) agree_at_capture(seq);
+  if (gather && capturing && capture_round_due()) agree_at_capture(seq);
   // A graph captured with no plan in force keeps its gathers on NCCL at every replay (said once).
   if (gather && capturing && !plan_in_force(phase_)) log_.early_capture(seq);
   const Routed routed =

@@ -193,7 +193,7 @@ class CommAgreement {
   void after_cost(std::span<const uint8_t> all, uint64_t seq);
   void deactivate(uint64_t seq, Reason why);
   // Rounds at a CUDA graph capture (rewrite/capture_rounds.cc).
-  bool capture_round_due(uint32_t position) const;
+  bool capture_round_due() const;
   void agree_at_capture(uint64_t seq);
   bool commit_at_capture(RoundKind kind, Contribution& c, uint64_t seq, CommitOutcome& outcome);
   void end_capture_round(uint64_t seq, const char* why);

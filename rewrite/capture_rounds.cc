@@ -59,8 +59,7 @@ const char* why_nothing_moves(const Decision& d) {
 
 }  // namespace
 
-bool CommAgreement::capture_round_due(uint32_t position) const {
-  (void)position;
+bool CommAgreement::capture_round_due() const {
   if (phase_ == Phase::Off || policy_.stopped() || capture_.attempted_at_step == policy_.steps())
     return false;
   if (world_.options.capture_wait_ms == 0 || !world_.make.board ||
@@ -69,11 +68,9 @@ bool CommAgreement::capture_round_due(uint32_t position) const {
   if (!step_.seen.has_gathers() || step_.seen.complete_steps() < 1) return false;
   // A plan in force routes the call, unless a default-mode capture finds it without graph slots:
   // that plan ends here, and one with them is agreed.
-  if (plan_in_force(phase_)) {
-    if (phase_ != Phase::Active || plan_.bound() || plan_.dry() || plan_.graph_slots() ||
-        world_.options.graph_slots == Options::GraphSlots::Never)
-      return false;
-  }
+  if (plan_in_force(phase_) && (plan_.bound() || plan_.dry() || plan_.graph_slots() ||
+                                 world_.options.graph_slots == Options::GraphSlots::Never))
+    return false;
   if (!plan_in_force(phase_) && !world_.options.static_weights &&
       world_.options.graph_slots == Options::GraphSlots::Never)
     return false;
