@@ -62,14 +62,13 @@ const char* why_nothing_moves(const Decision& d) {
 bool CommAgreement::capture_round_due() const {
   if (phase_ == Phase::Off || policy_.stopped() || capture_.attempted_at_step == policy_.steps())
     return false;
-  if (world_.options.capture_wait_ms == 0 || !world_.make.board ||
-      !channel_.board_gone().empty())
+  if (world_.options.capture_wait_ms == 0 || !world_.make.board || !channel_.board_gone().empty())
     return false;
   if (!step_.seen.has_gathers() || step_.seen.complete_steps() < 1) return false;
   // A plan in force routes the call, unless a default-mode capture finds it without graph slots:
   // that plan ends here, and one with them is agreed.
   if (plan_in_force(phase_) && (plan_.bound() || plan_.dry() || plan_.graph_slots() ||
-                                 world_.options.graph_slots == Options::GraphSlots::Never))
+                                world_.options.graph_slots == Options::GraphSlots::Never))
     return false;
   if (!plan_in_force(phase_) && !world_.options.static_weights &&
       world_.options.graph_slots == Options::GraphSlots::Never)
@@ -182,8 +181,7 @@ void CommAgreement::end_capture_round(uint64_t seq, const char* why) {
   serving_.drop();
   plan_.sources.clear();
   set_phase(Phase::Watching, seq);
-  log_.no_capture_round(seq, why != nullptr ? why : channel_.board_gone().c_str(),
-                        why == nullptr);
+  log_.no_capture_round(seq, why != nullptr ? why : channel_.board_gone().c_str(), why == nullptr);
 }
 
 // Which buckets of a plan read at a capture move, untimed; returns what decided, for the log.

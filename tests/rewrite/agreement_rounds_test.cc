@@ -983,6 +983,43 @@ TEST(AgreementRounds, WithoutTimingSmallCapturedBucketsStayByTheSizeRule) {
   EXPECT_EQ(read->moved, 0u);
 }
 
+// Untimed, a captured bucket of a size the communicator's eager cost rounds judged keeps that
+// verdict: where the copy engine won it (50 ns against NCCL's 100 on the fake clock) the plan
+// agreed at the capture moves it, and says what decided; where NCCL won it, it stays, said so.
+TEST(AgreementRounds, WithoutTimingACapturedBucketKeepsItsSizesEagerVerdict) {
+  for (const uint64_t moved_ns : {50u, 500u}) {
+    SCOPED_TRACE(moved_ns);
+    const test::InfoLogged info;
+    Rank0 rank(Env{});
+    rank.fakes.moved_ns = moved_ns;
+    rank.steps(40);  // the eager plan, its trial and its cost round, read
+    const bool copy_engine_won = moved_ns < kNcclGatherNs;
+    ASSERT_EQ(rank.steps(1), copy_engine_won
+                                 ? (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move})
+                                 : std::vector<Kind>(3, Kind::Nccl));
+    testing::internal::CaptureStderr();
+    rank.capturing = true;
+    const std::vector<Kind> captured = rank.steps(1);
+    rank.capturing = false;
+    const std::string log = testing::internal::GetCapturedStderr();
+    if (copy_engine_won) {
+      EXPECT_EQ(captured, (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
+      EXPECT_EQ(test::count_lines(log,
+                                  "agreed at a CUDA graph capture .*untimed, decided by the "
+                                  "eager cost rounds' size verdicts"),
+                1u)
+          << log;
+    } else {
+      EXPECT_EQ(captured, std::vector<Kind>(3, Kind::Nccl));
+      EXPECT_EQ(test::count_lines(log,
+                                  "agreed at the capture, and stay on NCCL: NCCL was faster "
+                                  "for its bucket \\(timed both ways\\)"),
+                1u)
+          << log;
+    }
+  }
+}
+
 // A round at a capture that does not reach every rank (one did not capture, or is gone) is
 // abandoned on every rank that took part: the captured gathers stay on NCCL, said at WARN, and
 // the communicator takes no more rounds at capture; eager rounds go on.
