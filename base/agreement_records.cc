@@ -56,7 +56,11 @@ std::string_view reason_name(Reason reason) {
        "a communicator of one rank: NCCL's one local copy cannot be beaten (MAGI_CE_FORCE=1 "
        "moves anyway)",
        "some rank is still mapping its peers' memory (off the program's calls); the next step "
-       "asks again"},
+       "asks again",
+       "captured into a CUDA graph, so untimed, and its bucket's shards are below the size where "
+       "the copy engine wins (no verdict from eager calls of that size)",
+       "a round at a CUDA graph capture did not reach every rank in time (MAGI_CAPTURE_WAIT_MS), "
+       "or a rank was gone"},
       0, "reason#");
   return names[static_cast<uint8_t>(reason)];
 }

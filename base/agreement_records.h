@@ -68,6 +68,8 @@ enum class Reason : uint8_t {
   StepRefined,        // every rank proposed the same longer step: rounds restart on it
   SingleRank,         // a communicator of one rank: NCCL's one local copy cannot be beaten
   SettingUp,          // a confirm: some rank is still mapping its peers' memory; asked again
+  CaptureRule,        // agreed at a graph capture, untimed: its bucket is below the size rule
+  CaptureAbandoned,   // a round at a graph capture did not reach every rank in time
   Count
 };
 

@@ -444,9 +444,18 @@ constexpr OptionSpec kTable[] = {
         "MAGI_GRAPH_SLOTS", "auto", "auto|always|never",
         "Default mode (weights not asserted static): gathers captured into CUDA graphs move "
         "only with graph slots, two more staging slots in the window (twice its memory). auto: "
-        "from the first plan after a gather was captured on the communicator (a graph captured "
-        "before keeps NCCL); always: from the first plan; never: captured gathers stay on NCCL. "
+        "from the first plan after a gather was captured on the communicator (a capture ends a "
+        "plan without them and agrees one with them at the captured call); always: from the "
+        "first plan; never: captured gathers stay on NCCL. "
         "Combined across ranks: never on any rank wins, then always or a capture on any."),
+    int_option<&O::capture_wait_ms>(
+        "MAGI_CAPTURE_WAIT_MS", "20000", "an integer from 0 to 600000", 0, 600000,
+        OptionUnit::Count,
+        "A gather captured into a CUDA graph with no plan covering it is agreed at the capture, "
+        "through host shared memory among the communicator's ranks (all on this host): the graph "
+        "then holds the copy-engine path on every rank, or NCCL on every rank. How long (ms) such "
+        "a round waits for every rank to capture the same gather; past it, that communicator's "
+        "captured gathers stay on NCCL. 0: no rounds at capture. Alike on every rank."),
     int_option<&O::verify_every>("MAGI_VERIFY_EVERY", "64", "an integer from 0 to 1000000000", 0,
                                  1000000000, OptionUnit::Count,
                                  "Static weights: check a shard (against its binding, or what "

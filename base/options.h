@@ -80,6 +80,8 @@ struct Options {
   // captured into CUDA graphs (auto: once a capture was seen on the communicator).
   enum class GraphSlots : uint8_t { Auto, Always, Never };
   GraphSlots graph_slots{};
+  // MAGI_CAPTURE_WAIT_MS: how long a round at a graph capture waits for the other ranks; 0: none.
+  int64_t capture_wait_ms{};
   bool ce_force{};
   struct Fault {
     enum class Where : uint8_t {

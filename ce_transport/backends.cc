@@ -2,6 +2,7 @@
 // asks here, and nowhere else. The host backend is always there; the CUDA one only once the
 // program loaded the driver (we never start CUDA ourselves).
 #include "ce_transport/backends.h"
+#include "ce_transport/cuda_thread.h"
 
 #include "base/base.h"
 #include "base/cuda_driver.h"
@@ -39,6 +40,10 @@ std::unique_ptr<CompletionTimer> make_timer(Backend backend) {
   if (backend == Backend::Host) return make_wall_timer();
   return make_event_timer();
 }
+
+OutsideCapture::OutsideCapture(Backend backend)
+    : saved_(backend == Backend::Cuda ? relax_capture_mode() : -1) {}
+OutsideCapture::~OutsideCapture() { restore_capture_mode(saved_); }
 
 bool backend_available(Backend backend) { return backend == Backend::Host || cuda_driver_loaded(); }
 

@@ -337,4 +337,18 @@ class Exchange {
 std::unique_ptr<Exchange> make_exchange(Backend backend, size_t contribution_bytes, int nranks,
                                         int device = -1);
 
+// For its life, the calling thread's own CUDA calls (a round's wait, a window's set-up) are not
+// taken for part of a CUDA graph that a thread of the program is capturing, and the thread's
+// capture mode is given back after. Nothing for the host backend.
+class OutsideCapture {
+ public:
+  explicit OutsideCapture(Backend backend);
+  ~OutsideCapture();
+  OutsideCapture(const OutsideCapture&) = delete;
+  OutsideCapture& operator=(const OutsideCapture&) = delete;
+
+ private:
+  int saved_;
+};
+
 }  // namespace magi::ce

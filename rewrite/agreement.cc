@@ -40,13 +40,12 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
                                    const capture::StepView& view) {
   if (!view.collective) return {};
   const uint64_t seq = view.collective_index;
-  // No round happens at a call captured into a CUDA graph: a capture forbids the waits and
-  // allocations a round may need, and the round's all-gather must run now, not at each replay.
-  // Whether a captured gather moves is decided below, by the agreed plan (static weights only).
-  // Capture is the one input here that is not a shape: programs capture the same calls on every
-  // rank (one graph, replayed by all).
+  // No NCCL round at a call captured into a CUDA graph (it would run at each replay, not now): a
+  // captured gather no plan covers is agreed through the board (capture_rounds.cc). Capture is
+  // the one input here that is not a shape: programs capture the same calls on every rank.
   if (hello_.owed() && !capture::stream_capturing(args, record) &&
-      !hello_.issue(channel_, stamp(trace::RoundEvent::Issued), seq))
+      !hello_.issue(channel_, stamp(trace::RoundEvent::Issued), seq,
+                    world_.make.locality(info_).host))
     set_phase(Phase::Off, seq);
   if (const Reason quiet = hello_.at_collective(seq); quiet != Reason::None)
     trace_round(RoundKind::Hello, trace::RoundEvent::Read, seq, AgreementMode::None, quiet, 0);
@@ -60,13 +59,8 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
     if (channel_.any_retired() && !capture::stream_capturing(args, record)) channel_.free_ready();
     return {};
   }
-  if (gather && capture::stream_capturing(args, record)) {  // a fact of the observation
-    // MAGI_GRAPH_SLOTS=auto asks for graph slots in the proposes from here. A graph captured
-    // before any plan was active keeps its gathers on NCCL at every replay: plans are agreed on
-    // eager calls only.
-    channel_.saw_capture();
-    if (!plan_in_force(phase_)) log_.early_capture(seq);
-  }
+  // MAGI_GRAPH_SLOTS=auto asks for graph slots in the proposes from here.
+  if (gather && capture::stream_capturing(args, record)) channel_.saw_capture();
   const CallFacts facts = CallFacts::of(args, record);
   step_.recent.add(seq, facts);
   if (view.event == capture::StepDetector::Event::Lost) on_lost(seq);
@@ -89,6 +83,9 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   step_.seen.observe(position, facts, channel_.backend());
 
   const bool capturing = (record.flags & trace::kCallCapturing) != 0;  // asked for gathers
+  if (gather && capturing && capture_round_due()) agree_at_capture(seq);
+  // A graph captured with no plan in force keeps its gathers on NCCL at every replay (said once).
+  if (gather && capturing && !plan_in_force(phase_)) log_.early_capture(seq);
   const Routed routed =
       route_by_plan(plan_.routes(plan_in_force(phase_), committing(phase_) && trial_.running(),
                                  trial_.sends_to_nccl(policy_.steps()), step_.digest),
@@ -296,9 +293,15 @@ void CommAgreement::read_voted_no(Round& round, uint64_t seq) {
 
 void CommAgreement::propose(uint64_t seq) {
   policy_.next_round();
+  Contribution c = propose_contribution(false);
+  issue(RoundKind::Propose, c, seq);
+}
+
+Contribution CommAgreement::propose_contribution(bool at_capture) {
   Contribution c = channel_.header(RoundKind::Propose, stamp(trace::RoundEvent::Issued));
   const StepObservation& seen = step_.seen;
-  c.entries = seen.entries(world_.options, channel_.backend(), serving_.stale_positions());
+  c.entries =
+      seen.entries(world_.options, channel_.backend(), serving_.stale_positions(), at_capture);
   if (serving_.failed()) {
     for (GatherEntry& e : c.entries) e.reason = static_cast<uint8_t>(Reason::TransportFailed);
   }
@@ -312,7 +315,7 @@ void CommAgreement::propose(uint64_t seq) {
   h.host = here.host;
   h.device = here.device;
   h.peer_access_mask = here.peer_access_mask;
-  issue(RoundKind::Propose, c, seq);
+  return c;
 }
 
 void CommAgreement::take_decision(const Decision& d, uint32_t round, uint64_t seq) {

@@ -83,8 +83,11 @@
 // its rounds on the refined step at that read.
 // Assumed, and checked at each propose: the ranks group their calls (ncclGroupStart/End) the
 // same way; a difference aborts the agreement (buckets and window slots follow the groups).
-// Assumed, not checkable: a call captured into a CUDA graph on one rank is captured on all (it
-// stays on NCCL, since a replay would repeat the handshake's sequence numbers).
+// Assumed, not checkable: a call captured into a CUDA graph on one rank is captured on all, as
+// NCCL requires of its own captured collectives. A captured gather that no plan covers is agreed
+// at that call (rewrite/capture_rounds.cc), through rounds of shared memory that end alike on
+// every rank that takes part; a rank that does not capture it never meets them with a call of
+// its own, and the others give up at MAGI_CAPTURE_WAIT_MS, keeping NCCL.
 #pragma once
 
 #include <nccl.h>
@@ -204,6 +207,14 @@ class CommAgreement {
   void issue_cost(uint64_t seq);
   void after_cost(std::span<const uint8_t> all, uint64_t seq);
   void deactivate(uint64_t seq, Reason why);
+  // Rounds at a CUDA graph capture (rewrite/capture_rounds.cc).
+  bool capture_round_due() const;
+  void agree_at_capture(uint64_t seq);
+  bool commit_at_capture(RoundKind kind, Contribution& c, uint64_t seq, CommitOutcome& outcome);
+  void end_capture_round(uint64_t seq, const char* why);
+  const char* choose_untimed(Decision& d) const;
+  // This rank's propose (`at_capture`: made at a graph capture, StepObservation::entries).
+  Contribution propose_contribution(bool at_capture);
   RoundStamp stamp(trace::RoundEvent event) const;
   void trace_round(RoundKind kind, trace::RoundEvent event, uint64_t seq, AgreementMode mode,
                    Reason reason, uint32_t moved) const;
@@ -221,6 +232,9 @@ class CommAgreement {
   ActivePlan plan_;
   Commit commit_;
   Coverage coverage_;
+  struct CaptureRounds {
+    uint64_t attempted_at_step = UINT64_MAX;  // at most one attempt a step (policy_.steps())
+  } capture_;
 };
 
 // The agreement of a communicator that joined, in the process's world (production_world).

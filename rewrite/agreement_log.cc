@@ -66,10 +66,34 @@ void AgreementLog::early_capture(uint64_t seq) {
   if (std::exchange(early_capture_said_, true)) return;
   MAGI_INFO(Rewrite,
             "comm %012llx: a gather captured into a CUDA graph at collective #%llu, before any "
-            "plan was active: that graph keeps its gathers on NCCL at every replay. Plans are "
-            "agreed on eager steps: capture once the log says \"moving\" (MAGI_WARMUP_STEPS=1 "
-            "shortens the wait)",
+            "plan was active: that graph keeps its gathers on NCCL at every replay (no round at "
+            "the capture moved it: a line before says why)",
             short_id(comm_), static_cast<unsigned long long>(seq));
+}
+
+void AgreementLog::no_capture_round(uint64_t seq, const char* why, bool abandoned) {
+  if (std::exchange(no_capture_round_said_, true)) return;
+  if (abandoned)
+    MAGI_WARN(Rewrite,
+              "comm %012llx: a round at a CUDA graph capture (collective #%llu) was abandoned: %s. "
+              "Every rank keeps this communicator's captured gathers on NCCL from here (did every "
+              "rank capture the same calls?)",
+              short_id(comm_), static_cast<unsigned long long>(seq), why);
+  else
+    MAGI_INFO(Rewrite,
+              "comm %012llx: the gathers captured into a CUDA graph from collective #%llu are "
+              "agreed at the capture, and stay on NCCL: %s",
+              short_id(comm_), static_cast<unsigned long long>(seq), why);
+}
+
+void AgreementLog::agreed_at_capture(uint32_t round, uint64_t seq, uint32_t moved, size_t gathers,
+                                     const char* decided_by, double ms) const {
+  MAGI_INFO(Rewrite,
+            "comm %012llx: round %u agreed at a CUDA graph capture (collective #%llu): %u of %zu "
+            "gathers of the step leave NCCL from here, in this graph and after it; untimed, "
+            "decided by %s; rounds and set-up took %.1f ms, once for this graph",
+            short_id(comm_), round, static_cast<unsigned long long>(seq), moved, gathers,
+            decided_by, ms);
 }
 
 void AgreementLog::captured(bool moves, bool bound, bool dry, bool slots_never) {

@@ -38,6 +38,13 @@ class AgreementLog {
   // static weights, else graph slots), or stays (`dry`: a dry run; `slots_never`:
   // MAGI_GRAPH_SLOTS=never; else a plan without graph slots).
   void captured(bool moves, bool bound, bool dry, bool slots_never);
+  // A round at a graph capture moved nothing (`why`), once per communicator; `abandoned`: the
+  // board's round did not reach every rank (WARN: a rank did not capture what its peers did, or
+  // is gone).
+  void no_capture_round(uint64_t seq, const char* why, bool abandoned = false);
+  // A plan agreed at a graph capture: what moves, what decided without timing, what it took.
+  void agreed_at_capture(uint32_t round, uint64_t seq, uint32_t moved, size_t gathers,
+                         const char* decided_by, double ms) const;
 
   // ---- a propose read ----
   void refined(uint32_t round, uint32_t period, uint32_t shape_steps) const;
@@ -86,6 +93,7 @@ class AgreementLog {
   bool early_capture_said_ = false;
   bool captured_moves_said_ = false;
   bool captured_stays_said_ = false;
+  bool no_capture_round_said_ = false;
   bool prepare_unsaid_ = false;
   bool set_up_unsaid_ = false;
   uint64_t other_source_calls_ = 0;  // moved calls of the plan that read another's binding

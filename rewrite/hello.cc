@@ -1,5 +1,6 @@
 #include "rewrite/hello.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <map>
@@ -28,6 +29,8 @@ constexpr Setting kSettings[] = {
     {"MAGI_REAGREE_STEPS", [](const ScheduleSettings& s) { return s.reagree_steps; }, count_text},
     {"MAGI_MAX_STEP_CALLS", [](const ScheduleSettings& s) { return s.max_step_calls; }, count_text},
     {"MAGI_CE_FORCE", [](const ScheduleSettings& s) -> int64_t { return s.ce_force; }, count_text},
+    {"MAGI_CAPTURE_WAIT_MS", [](const ScheduleSettings& s) { return s.capture_wait_ms; },
+     count_text},
 };
 
 // "0-2, 5"
@@ -71,6 +74,7 @@ ScheduleSettings schedule_settings(const Options& options, bool backend_availabl
   s.warmup_steps = options.warmup_steps;
   s.reagree_steps = options.reagree_steps;
   s.max_step_calls = options.max_step_calls;
+  s.capture_wait_ms = options.capture_wait_ms;
   s.transport = static_cast<uint8_t>(options.transport);
   s.backend = static_cast<uint8_t>(options.backend);
   s.ce_force = options.ce_force ? 1 : 0;
@@ -142,6 +146,8 @@ HelloOutcome read_hello(std::span<const uint8_t> all, int nranks) {
     return out;
   }
   // Alike everywhere; with MAGI_TRANSPORT=nccl everywhere nobody reads this.
+  out.one_host = std::all_of(settings.begin(), settings.end(),
+                             [&](const ScheduleSettings& s) { return s.host == settings[0].host; });
   out.agreed = takes_part(settings[0]);
   if (!out.agreed) {
     out.reason = Reason::CommNotAgreeable;

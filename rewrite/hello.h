@@ -16,16 +16,21 @@ namespace magi::rewrite {
 // This rank's schedule settings, as the hello carries them (values, so a warning can name them).
 // MAGI_DRY_RUN and MAGI_STATIC_WEIGHTS are not here: decide() combines them across ranks.
 struct ScheduleSettings {
-  int64_t warmup_steps;    // MAGI_WARMUP_STEPS: when the first propose comes; the cost trial
-  int64_t reagree_steps;   // MAGI_REAGREE_STEPS: when the next propose comes
-  int64_t max_step_calls;  // MAGI_MAX_STEP_CALLS: which steps capture finds, so where anchors are
-  uint8_t transport;       // Options::Transport; nccl: no rounds at all
-  uint8_t backend;         // Options::Backend
-  uint8_t ce_force;        // MAGI_CE_FORCE: whether a cost round follows an activation
+  int64_t warmup_steps;     // MAGI_WARMUP_STEPS: when the first propose comes; the cost trial
+  int64_t reagree_steps;    // MAGI_REAGREE_STEPS: when the next propose comes
+  int64_t max_step_calls;   // MAGI_MAX_STEP_CALLS: which steps capture finds, so where anchors are
+  int64_t capture_wait_ms;  // MAGI_CAPTURE_WAIT_MS: whether rounds come at a graph capture
+  // Not a setting: where the rank runs (ce::Locality::host), so every rank knows from the hello
+  // whether the communicator lies on one host, as rounds at a graph capture need
+  // (rewrite/capture_rounds.cc).
+  uint64_t host;
+  uint8_t transport;          // Options::Transport; nccl: no rounds at all
+  uint8_t backend;            // Options::Backend
+  uint8_t ce_force;           // MAGI_CE_FORCE: whether a cost round follows an activation
   uint8_t backend_available;  // the backend can run in this process
   uint8_t reserved[4];
 };
-static_assert(sizeof(ScheduleSettings) == 32);
+static_assert(sizeof(ScheduleSettings) == 48);
 
 ScheduleSettings schedule_settings(const Options& options, bool backend_available);
 // Takes part in rounds: the copy-engine transport, on a backend this process can run.
@@ -38,6 +43,7 @@ struct HelloOutcome {
   bool agreed = false;           // settings alike, and every rank can take part
   Reason reason = Reason::None;  // SettingsDiffer, AnchorInGroup, or StepsDiffer (unreadable)
   std::string why;               // one line for the log when not agreed
+  bool one_host = false;         // every rank runs on the same host
 };
 HelloOutcome read_hello(std::span<const uint8_t> all, int nranks);
 

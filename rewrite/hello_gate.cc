@@ -40,10 +40,12 @@ HelloGate::HelloGate(const capture::CommInfo& info, const Options& options, bool
 
 // Before any other round (no propose is issued before the first collective not captured), so
 // the issued round's number and the decision's are both 0: one stamp serves both records.
-bool HelloGate::issue(RoundChannel& channel, const RoundStamp& stamp, uint64_t seq) {
+bool HelloGate::issue(RoundChannel& channel, const RoundStamp& stamp, uint64_t seq, uint64_t host) {
   state_ = State::Issued;
   Contribution c = channel.header(RoundKind::Hello, stamp);
-  c.table = hello_payload(settings_);
+  ScheduleSettings settings = settings_;
+  settings.host = host;
+  c.table = hello_payload(settings);
   c.header.table_bytes = static_cast<uint32_t>(c.table.size());
   round_ = channel.issue(RoundKind::Hello, c, seq, stamp);
   if (!round_) return false;
@@ -59,9 +61,11 @@ bool HelloGate::issue(RoundChannel& channel, const RoundStamp& stamp, uint64_t s
 bool HelloGate::read(RoundChannel& channel, const RoundStamp& stamp, uint64_t seq) {
   if (!round_) return true;
   const std::unique_ptr<Round> round = std::move(round_);
-  const bool agreed = take(read_hello(channel.read(*round), nranks_), channel, stamp, seq);
+  const HelloOutcome hello = read_hello(channel.read(*round), nranks_);
   channel.keep(*round);
-  return agreed;
+  agreed_ = take(hello, channel, stamp, seq);
+  one_host_ = hello.one_host;
+  return agreed_;
 }
 
 void HelloGate::look(RoundChannel& channel, const RoundStamp& stamp) {

@@ -38,7 +38,8 @@ class HelloGate {
   }
   // Issues the hello (owed() only). False: this rank takes no part from here (it could not
   // issue it, or issued it inside a group holding Send/Recv: said, and every rank reads that).
-  bool issue(RoundChannel& channel, const RoundStamp& stamp, uint64_t seq);
+  // `host`: where this rank runs (ce::Locality::host), carried for one_host().
+  bool issue(RoundChannel& channel, const RoundStamp& stamp, uint64_t seq, uint64_t host);
   // Before this rank's first other round: waits for the hello if it is in flight (every rank
   // launched it at the first collective, so it completes). False: no round, ever.
   bool read(RoundChannel& channel, const RoundStamp& stamp, uint64_t seq);
@@ -46,6 +47,10 @@ class HelloGate {
   // on NCCL too; never waits. Recorded at the latest collective (at_collective's).
   void look(RoundChannel& channel, const RoundStamp& stamp);
   bool in_flight() const { return round_ != nullptr; }
+  // Read and agreed: every rank's settings alike, and each took part.
+  bool agreed() const { return agreed_; }
+  // Read and agreed, and every rank runs on this host (rounds at a graph capture need it).
+  bool one_host() const { return agreed_ && one_host_; }
   // The communicator ends: a hello still in flight is retired (RoundBuffers).
   void end(RoundChannel& channel);
 
@@ -62,6 +67,8 @@ class HelloGate {
   Reason quiet_ = Reason::None;  // said in the trace at the first collective (None: said)
   State state_ = State::None;
   bool takes_part_ = false;
+  bool agreed_ = false;
+  bool one_host_ = false;
   uint64_t last_seq_ = 0;  // the latest collective's index
   std::unique_ptr<Round> round_;
 };

@@ -156,13 +156,16 @@ ce::BufferIdentity StepObservation::identity(const ce::BufferIdentity& seen, uin
 }
 
 std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Backend backend,
-                                                  const std::vector<uint32_t>& stale) const {
+                                                  const std::vector<uint32_t>& stale,
+                                                  bool at_capture) const {
   std::vector<GatherEntry> out;
   // Buckets: the gathers of one group share one; an ungrouped gather is a bucket of its own.
   std::map<uint32_t, uint16_t> bucket_of_key;
   const std::vector<bool> overlaps = overlapping_sends(positions_);
   const uint64_t stable_needed =
-      stable_steps_needed(static_cast<uint64_t>(options.warmup_steps), keyed_on_buffers_);
+      at_capture
+          ? 1
+          : stable_steps_needed(static_cast<uint64_t>(options.warmup_steps), keyed_on_buffers_);
   for (uint32_t pos = 0; pos < positions_.size(); ++pos) {
     const PositionSeen& p = positions_[pos];
     if (p.op != static_cast<uint8_t>(trace::Op::AllGather)) continue;
@@ -186,7 +189,10 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
     else if (Reason m2 = memory_refusal(identity(p.recv, p.recvbuf, backend), backend);
              m2 != Reason::None)
       why = m2;
-    else if (p.capturing)
+    else if (p.capturing && !at_capture && !options.static_weights &&
+             options.graph_slots == Options::GraphSlots::Never)
+      // Captured last, it moves in its graph on a static plan or on graph slots, which this
+      // rank refuses: only then is its capture a reason to stay.
       why = Reason::GraphCapture;
     else if (p.count * datatype_bytes(p.dtype) < min_bytes)
       why = Reason::ShardTooSmall;

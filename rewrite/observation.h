@@ -93,8 +93,13 @@ class StepObservation {
   // its shard only around its own call: in place, or a send range that overlaps another
   // all-gather's of the step (one buffer refilled for each layer, views of one scratch). A copy
   // of it taken at any other moment (a static binding at the anchor) holds another layer's bytes.
+  // A position captured into a CUDA graph at its last look is a candidate (its graph moves it on
+  // a static plan or on graph slots), but where this rank refuses graph slots in the default
+  // mode. `at_capture`: a propose made while the program captures (rewrite/capture_rounds.cc):
+  // a captured call's facts are what every replay repeats, so one look at a position suffices.
   std::vector<GatherEntry> entries(const Options& options, ce::Backend backend,
-                                   const std::vector<uint32_t>& stale = {}) const;
+                                   const std::vector<uint32_t>& stale = {},
+                                   bool at_capture = false) const;
 
  private:
   // A position's buffer as entries() judges it: identified at its call when keyed on buffers,

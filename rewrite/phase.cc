@@ -13,6 +13,7 @@ const char* phase_name(Phase phase) {
     case Phase::Active: return "active";
     case Phase::Costing: return "costing";
     case Phase::Reproposing: return "reproposing";
+    case Phase::AgreeingAtCapture: return "agreeing-at-capture";
   }
   return "?";
 }

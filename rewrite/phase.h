@@ -17,10 +17,14 @@
 // of this communicator is in flight in the phases named after one. A dry run activates straight
 // from the propose. A step found, changed or lost ends whatever was agreed: back to Watching.
 //
-// Where a round at CUDA graph capture would fit (a gather captured while no plan covers it,
-// agreed then, with rounds that do not enter the graph): a phase of its own, entered from
-// Watching at the captured call, whose rounds are issued and read outside the capture; see
-// ARCHITECTURE.md. Its transitions would be written here, like these.
+//   Watching     a gather captured with no plan covering it, every rank on this host:
+//                AgreeingAtCapture (so is Active, where the plan in force has no graph slots
+//                for a default-mode capture: that plan ends at the captured call)
+//   AgreeingAtCapture  its rounds run within that call, through the board (rewrite/
+//                capture_rounds.cc): every rank confirmed: Active; otherwise: Watching
+// The rounds at a capture are issued and read within the one captured call, so no round is in
+// flight in that phase once the call returns; it is a phase of its own so the trace shows where
+// a plan came from.
 #pragma once
 
 #include <cstdint>
@@ -30,15 +34,16 @@
 namespace magi::rewrite {
 
 enum class Phase : uint8_t {
-  Off,          // takes no part: no round on this communicator, ever again
-  Watching,     // no plan in force, no round in flight: the step is watched for a propose
-  Proposing,    // a propose in flight, no plan in force
-  Publishing,   // a plan read, being committed: its publish in flight (none in force)
-  Confirming,   // its confirm in flight
-  SettingUp,    // a publish or confirm read "still setting up": issued again at a later step
-  Active,       // a plan routes the step's gathers; no round in flight
-  Costing,      // the plan in force's cost round in flight
-  Reproposing,  // a plan in force, the next propose in flight
+  Off,                // takes no part: no round on this communicator, ever again
+  Watching,           // no plan in force, no round in flight: the step is watched for a propose
+  Proposing,          // a propose in flight, no plan in force
+  Publishing,         // a plan read, being committed: its publish in flight (none in force)
+  Confirming,         // its confirm in flight
+  SettingUp,          // a publish or confirm read "still setting up": issued again at a later step
+  Active,             // a plan routes the step's gathers; no round in flight
+  Costing,            // the plan in force's cost round in flight
+  Reproposing,        // a plan in force, the next propose in flight
+  AgreeingAtCapture,  // rounds at a CUDA graph capture, within the captured call
 };
 
 const char* phase_name(Phase phase);

@@ -1,5 +1,6 @@
 #include "rewrite/round_channel.h"
 
+#include <chrono>
 #include <utility>
 #include <vector>
 
@@ -96,6 +97,39 @@ std::span<const uint8_t> RoundChannel::read(Round& round) {
   const std::span<const uint8_t> all = round.exchange->result();
   policy_.count_round_wait(clock_ns() - asked);
   return all;
+}
+
+bool RoundChannel::exchange_at_capture(RoundKind kind, Contribution& c, uint64_t seq,
+                                       const RoundStamp& stamp, size_t bytes_each,
+                                       std::vector<uint8_t>& all) {
+  if (!board_gone_.empty()) return false;
+  c.header.round = policy_.rounds();
+  std::vector<uint8_t> bytes(bytes_each);
+  ce::BoardRound round;
+  try {
+    if (!board_) {
+      if (!world_.make.board) throw Error(ErrorKind::Internal, "no board in this process");
+      board_ = world_.make.board(info_);
+    }
+    c.serialize(bytes);
+    policy_.count_round_issued();
+    record(stamp, kind, trace::RoundEvent::Issued, seq, AgreementMode::None, Reason::None, 0);
+    const uint64_t asked = clock_ns();
+    round = board_->exchange(bytes, std::chrono::milliseconds(world_.options.capture_wait_ms));
+    policy_.count_round_wait(clock_ns() - asked);
+  } catch (const Error& e) {
+    round.outcome = ce::BoardRound::Outcome::Abandoned;
+    round.why = e.what();
+  }
+  if (round.outcome == ce::BoardRound::Outcome::Agreed &&
+      round.all.size() == bytes_each * static_cast<size_t>(info_.nranks)) {
+    all = std::move(round.all);
+    return true;
+  }
+  board_gone_ = round.why.empty() ? "the board's answer has the wrong size" : round.why;
+  record(stamp, kind, trace::RoundEvent::Abandoned, seq, AgreementMode::None,
+         Reason::CaptureAbandoned, 0);
+  return false;
 }
 
 void RoundChannel::record(const RoundStamp& stamp, RoundKind kind, trace::RoundEvent event,

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
+#include <vector>
 
 #include "rewrite/agreement_log.h"
 #include "rewrite/contribution.h"
@@ -64,6 +66,16 @@ class RoundChannel {
   // Every rank's contribution, waiting for them if the round is still in flight (counted).
   std::span<const uint8_t> read(Round& round);
 
+  // A round at a CUDA graph capture: `c` (round number policy.rounds(), `bytes_each` equal on
+  // every rank) exchanged through the board rather than NCCL, issued and read at once (so both
+  // records carry `seq`). Every rank's contributions into `all`; false (said, and recorded
+  // Abandoned) when the round was abandoned, with the same outcome on every rank that took part:
+  // the communicator takes no more rounds at capture. Opens the board at the first round.
+  bool exchange_at_capture(RoundKind kind, Contribution& c, uint64_t seq, const RoundStamp& stamp,
+                           size_t bytes_each, std::vector<uint8_t>& all);
+  // Why the board was refused or abandoned ("": it was not).
+  const std::string& board_gone() const { return board_gone_; }
+
   // The round waiting to be read (one at most; the hello is kept apart).
   bool pending() const { return pending_ != nullptr; }
   // The round waiting is to be read at collective `seq`, or was due before (a call skipped, as a
@@ -97,6 +109,8 @@ class RoundChannel {
   GroupFlush flush_;
   RoundBuffers buffers_;  // the rounds' buffers, reused
   std::unique_ptr<Round> pending_;
+  std::unique_ptr<ce::RoundBoard> board_;  // rounds at a graph capture
+  std::string board_gone_;
   bool saw_capture_ = false;
 };
 

@@ -27,6 +27,9 @@ AgreementWorld production_world(const RealNcclCalls& nccl) {
   // a window made took 45-65 ms at the publish call on an H200 with 4 ranks, ~0.2 ms each; the
   // host finds all of a plan's in one read of /proc/self/maps, then a few µs each.
   make.export_ns = backend == ce::Backend::Cuda ? 100'000 : 2'000;
+  make.board = [](const capture::CommInfo& info) {
+    return ce::open_round_board(info.identity, info.rank, info.nranks);
+  };
   make.locality = [backend](const capture::CommInfo& info) {
     return ce::local_locality(backend, info.cuda_device);
   };

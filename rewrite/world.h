@@ -32,6 +32,9 @@ struct TransportFactory {
       exchange;
   std::function<std::unique_ptr<ce::CompletionTimer>()> timer;
   std::function<ce::Locality(const capture::CommInfo& info)> locality;
+  // The board of rounds at a graph capture (ce::RoundBoard), opened at the first such round;
+  // empty: no rounds at capture.
+  std::function<std::unique_ptr<ce::RoundBoard>(const capture::CommInfo& info)> board;
   // What opening one peer's window or exported allocation takes, for choosing whether a plan's
   // set-up runs at the call or off it (rewrite/set_up.h).
   uint64_t mapping_ns = 0;

@@ -24,7 +24,9 @@ TEST(TraceAgreementWords, KeepTheirValuesOnDisk) {
   EXPECT_EQ(static_cast<int>(Reason::TransportFailed), 18);
   EXPECT_EQ(static_cast<int>(Reason::NcclFaster), 24);
   EXPECT_EQ(static_cast<int>(Reason::SettingUp), 28);
-  EXPECT_EQ(static_cast<int>(Reason::Count), 29);
+  EXPECT_EQ(static_cast<int>(Reason::CaptureRule), 29);
+  EXPECT_EQ(static_cast<int>(Reason::CaptureAbandoned), 30);
+  EXPECT_EQ(static_cast<int>(Reason::Count), 31);
 }
 
 TEST(TraceAgreementWords, RecordsKeepTheirLayout) {

@@ -3,9 +3,9 @@
 #  - graph_torch_runs: PyTorch at world size 1 (real NCCL), a step run eagerly and then captured
 #    with torch.cuda.graph and replayed into poisoned buffers; bitwise equal with and without
 #    the shim. With static weights the captured gathers move (the log says so, the trace marks
-#    them moved), also with PyTorch's expandable segments; in the default mode they stay on NCCL,
-#    and move on graph slots with MAGI_GRAPH_SLOTS=always, the weights rewritten before each
-#    replay.
+#    them moved), also with PyTorch's expandable segments; in the default mode they move on a
+#    plan with graph slots agreed at the capture, and with MAGI_GRAPH_SLOTS=always on the eager
+#    plan, the weights rewritten before each replay.
 #  - graph_standin_runs (under MPS, from standin_mps_runs): ranks of the weights program over the
 #    stand-in, which records a captured collective into the graph (a copy to pinned staging, a
 #    host node that runs it with the peers at each replay, a copy back): gathers that move, and
@@ -61,10 +61,13 @@ graph_torch_runs() {
     moved=$(awk 'length($1) == 12 && $2 ~ /^[0-9]+$/ && $3 == "AllGather" && $10 ~ /C/ && $NF == "moved"' \
       "$work/$name/dump.txt" | wc -l)
     if [ "$name" = graphs-default ]; then
-      if [ "$moved" = 0 ] && grep -q "captured into a CUDA graph stay on NCCL on every rank" "$work/$name/log"; then
-        pass "$name: the captured gathers stay on NCCL, and the log says why"
+      # The eager plan has no graph slots (nothing was captured when it was agreed): the capture
+      # ends it and agrees one with them at the captured call.
+      if [ "$moved" = 4 ] && grep -q "agreed at a CUDA graph capture" "$work/$name/log"; then
+        pass "$name: the 4 captured gathers moved on a plan agreed at the capture (trace, log)"
       else
-        fail "$name: the captured gathers stay on NCCL, and the log says why ($moved captured moved)"
+        fail "$name: the 4 captured gathers moved on a plan agreed at the capture ($moved moved)"
+        grep " MAGI " "$work/$name/log" | grep -v "options:" | tail -n 8
       fi
     elif [ "$name" = graphs-default-slots ]; then
       if [ "$moved" = 4 ] && grep -q "captured into a CUDA graph move with the plan, on its graph slots" \
@@ -119,11 +122,21 @@ graph_standin_runs() {
     "served off NCCL, .*; 12 of them captured into CUDA graphs"
   standin_log_check "$name" "no WARN" " MAGI WARN " absent
   grep -E "rank 0: step (16|17|29):" "$work/$name/log" | sed 's/^/  /'
-  # The default mode: the captured gathers stay on NCCL on every rank, so the stand-in records
-  # them into the graph and runs them at each of the 14 replays, every byte checked.
+  # The default mode without graph slots asked for: the capture ends the eager plan (it has
+  # none) and agrees one with them at the captured call, on every rank.
   name=mps-weights-graph-default
-  launch_ranks "$name" 3 "" MAGI_CE_FORCE=1 -- weights --device 1 --layers 6 --steps 30 \
-    --program swap --swap-step 100 --graph-step 16 --report-slowest 1
+  standin_run "$name" 3 MAGI_CE_FORCE=1 -- weights --device 1 --layers 6 --steps 30 \
+    --program swap --swap-step 100 --graph-step 16 --graph-rewrite 1
+  standin_log_check "$name" "the capture agrees a plan with graph slots" \
+    "agreed at a CUDA graph capture"
+  standin_log_check "$name" "the end line counts the 6 captured gathers apart" \
+    "served off NCCL, .*; 6 of them captured into CUDA graphs"
+  # MAGI_CAPTURE_WAIT_MS=0 (no rounds at a capture): the captured gathers stay on NCCL on every
+  # rank, so the stand-in records them into the graph and runs them at each of the 14 replays,
+  # every byte checked.
+  name=mps-weights-graph-no-capture-rounds
+  launch_ranks "$name" 3 "" MAGI_CE_FORCE=1 MAGI_CAPTURE_WAIT_MS=0 -- weights --device 1 \
+    --layers 6 --steps 30 --program swap --swap-step 100 --graph-step 16 --report-slowest 1
   graph_stayed_check "$name" 3 $?
   grep -E "rank 0: step (15|16|29):" "$work/$name/log" | sed 's/^/  /'
   # The stand-in alone, no library: its captured gathers replayed, at 2 and 4 ranks.
@@ -211,8 +224,10 @@ graph_real_nccl_runs() {
   done
   standin_log_check real-nccl-graph-static "the log says the captured gathers move" \
     "captured into a CUDA graph move with the plan"
-  standin_log_check real-nccl-graph-default "the captured gathers stay on NCCL, and the log says why" \
-    "captured into a CUDA graph stay on NCCL on every rank"
+  standin_log_check real-nccl-graph-default "the capture agrees a plan with graph slots" \
+    "agreed at a CUDA graph capture"
+  standin_log_check real-nccl-graph-default "the captured gathers move on graph slots" \
+    "captured into a CUDA graph move with the plan, on its graph slots"
   standin_log_check real-nccl-graph-slots "the captured gathers move on graph slots" \
     "captured into a CUDA graph move with the plan, on its graph slots"
 }

@@ -17,8 +17,11 @@ trap 'rm -rf "$work"' EXIT
 . "$here/graph_runs.sh"
 # shellcheck source=tests/gpu/torch_standin_runs.sh
 . "$here/torch_standin_runs.sh"
+# shellcheck source=tests/gpu/capture_runs.sh
+. "$here/capture_runs.sh"
 # GPU_ONLY=graphs: the CUDA-graph runs alone (graph_runs.sh), a few minutes; GPU_ONLY=graphs-mps:
-# only those of several ranks under MPS (graph_standin_runs); GPU_ONLY=torch-standin: only
+# only those of several ranks under MPS (graph_standin_runs, capture_round_runs);
+# GPU_ONLY=capture: the rounds at a capture alone (capture_runs.sh); GPU_ONLY=torch-standin: only
 # PyTorch at world 2, 4 and 8 over the stand-in under MPS (torch_standin_runs.sh). Any other
 # value selects nothing, and fails.
 if [ -n "${GPU_ONLY:-}" ]; then
@@ -28,14 +31,17 @@ if [ -n "${GPU_ONLY:-}" ]; then
     graphs)
       graph_torch_runs
       graph_real_nccl_runs
+      nccl_tests_capture_runs
       ;;
     graphs-mps | torch-standin) ;;
-    *) fail "GPU_ONLY=$GPU_ONLY selects nothing (graphs, graphs-mps or torch-standin)" ;;
+    capture) nccl_tests_capture_runs ;;
+    *) fail "GPU_ONLY=$GPU_ONLY selects nothing (graphs, graphs-mps, capture or torch-standin)" ;;
   esac
   case $GPU_ONLY in
-    graphs | graphs-mps)
+    graphs | graphs-mps | capture)
       if mps_start; then  # else it counted the skip
-        graph_standin_runs
+        [ "$GPU_ONLY" = capture ] || graph_standin_runs
+        capture_round_runs
         mps_stop
       fi
       ;;
@@ -227,6 +233,8 @@ echo "== CUDA graphs, PyTorch at world size 1"
 graph_torch_runs
 echo "== CUDA graphs, the weights program over the real NCCL at world size 1"
 graph_real_nccl_runs
+echo "== nccl-tests -G at world size 1: gathers agreed at the capture"
+nccl_tests_capture_runs
 
 # 2. Multi-process on one GPU with the stand-in. Real NCCL refuses two ranks on one GPU, so these
 # runs use the NCCL stand-in (tests/support/standin), which stages device memory through host

@@ -510,5 +510,6 @@ standin_mps_runs() {
     "exited 4|signal" "refused" MAGI_CE_FORCE=1 -- fsdp --device 1 --layers 6 --steps 24 --comms 2 \
     --stall-rank 1 --stall-step 16 --stall-s 40 --watchdog-s 5 --watchdog-grace-s 25
   graph_standin_runs
+  capture_round_runs
   mps_stop
 }

@@ -55,6 +55,11 @@ struct Fakes : fakes::TracedRounds {
   // A bucket whose first gather is read at this slot offset costs `slow_ns` instead.
   size_t slow_slot = SIZE_MAX;
   uint64_t slow_ns = 0;
+  // Rounds at a graph capture (the board): rank 0's contribution to each, in order, and whether
+  // the next ones are abandoned (why) rather than agreed.
+  std::vector<Contribution> board_contributed;
+  std::string board_abandons;
+  int boards_opened = 0;
 };
 Fakes* g_fakes = nullptr;
 
@@ -112,6 +117,31 @@ class FakeExchange : public ce::Exchange {
   std::vector<uint8_t> recv_;
 };
 
+// The board of rounds at a graph capture: rank 0's contribution, and every other rank's as the
+// test writes it (Fakes::peer), each of the size rank 0 gave.
+class FakeBoard : public ce::RoundBoard {
+ public:
+  ce::BoardRound exchange(std::span<const uint8_t> mine, std::chrono::milliseconds) override {
+    ce::BoardRound round;
+    Contribution own;
+    EXPECT_TRUE(Contribution::parse(mine, own));
+    g_fakes->board_contributed.push_back(own);
+    if (!g_fakes->board_abandons.empty()) {
+      round.why = g_fakes->board_abandons;
+      return round;
+    }
+    round.outcome = ce::BoardRound::Outcome::Agreed;
+    round.all.resize(mine.size() * kRanks);
+    for (int r = 0; r < kRanks; ++r) {
+      Contribution c = own;
+      c.header.rank = r;
+      if (r != 0 && g_fakes->peer) g_fakes->peer(r, c);
+      c.serialize(std::span<uint8_t>(round.all).subspan(r * mine.size(), mine.size()));
+    }
+    return round;
+  }
+};
+
 class FakeTimer : public ce::CompletionTimer {
  public:
   void start(void*) override { start_ = g_fakes->clock_ns; }
@@ -161,6 +191,10 @@ class Rank0 {
         },
         [](int rank) { return std::make_unique<FakeExchange>(rank); },
         [] { return std::make_unique<FakeTimer>(); });
+    make.board = [](const capture::CommInfo&) -> std::unique_ptr<ce::RoundBoard> {
+      ++g_fakes->boards_opened;
+      return std::make_unique<FakeBoard>();
+    };
     AgreementWorld world{options_,
                          {fake_all_gather, fake_group_start, fake_group_end},
                          std::move(make),
@@ -825,10 +859,12 @@ TEST(AgreementRounds, AThrowAtTheGroupsEndFailsTheMovedCallsNotYetServed) {
   EXPECT_EQ(rank.fakes.nccl_gathers, 0);
 }
 
-// A gather captured into a CUDA graph at an agreed position: with static weights it moves, and
-// the transport records it for the graph (Timing::Captured, never timed); in the default mode
-// it stays on NCCL. Either way the route is the plan's by position, as every rank sees it.
-TEST(AgreementRounds, CapturedGathersMoveWithStaticWeightsAndStayOnNcclInTheDefaultMode) {
+// A gather captured into a CUDA graph at an agreed position: with static weights it moves on the
+// plan in force, and the transport records it for the graph (Timing::Captured, never timed). In
+// the default mode the plan in force has no graph slots (nothing was captured when it was
+// agreed): that plan ends at the first captured gather, and one with graph slots is agreed there,
+// at the capture, through the board. Either way the route is the plan's by position.
+TEST(AgreementRounds, CapturedGathersMoveOnThePlanInForceOrOneAgreedAtTheCapture) {
   using Timing = ce::Transport::Timing;
   for (const bool static_weights : {true, false}) {
     SCOPED_TRACE(static_weights ? "static weights" : "default mode");
@@ -837,28 +873,28 @@ TEST(AgreementRounds, CapturedGathersMoveWithStaticWeightsAndStayOnNcclInTheDefa
     ASSERT_EQ(rank.next() % 3, 0u);
     EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
     const size_t eager = rank.fakes.timings.size();
+    const int launched = rank.fakes.rounds_launched;
     rank.capturing = true;
     const std::vector<Kind> captured = rank.steps(1);
     rank.capturing = false;
-    if (static_weights) {
-      EXPECT_EQ(captured, (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
-      EXPECT_EQ(rank.fakes.timings.size(), eager + 2);
-      for (size_t i = eager; i < rank.fakes.timings.size(); ++i)
-        EXPECT_EQ(rank.fakes.timings[i], Timing::Captured);
-    } else {
-      EXPECT_EQ(captured, (std::vector<Kind>{Kind::Nccl, Kind::Nccl, Kind::Nccl}));
-      EXPECT_EQ(rank.fakes.timings.size(), eager);  // left to NCCL (the shim forwards them)
-    }
-    // Eager again after the capture: the plan goes on as before.
+    EXPECT_EQ(captured, (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
+    EXPECT_EQ(rank.fakes.timings.size(), eager + 2);
+    for (size_t i = eager; i < rank.fakes.timings.size(); ++i)
+      EXPECT_EQ(rank.fakes.timings[i], Timing::Captured);
+    EXPECT_EQ(rank.fakes.rounds_launched, launched);  // no NCCL round at a capture
+    EXPECT_EQ(rank.fakes.board_contributed.size(), static_weights ? 0u : 3u);
+    ASSERT_EQ(rank.fakes.plans.size(), static_weights ? 1u : 2u);
+    EXPECT_EQ(rank.fakes.plans.back().graph_slots, !static_weights);
+    // Eager again after the capture: the plan goes on.
     EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
     EXPECT_NE(rank.fakes.timings.back(), Timing::Captured);
   }
 }
 
-// The default mode: a captured gather moves only on a plan with graph slots. auto: the capture
-// itself asks for them, so the graph captured on a plan without keeps NCCL and the next plan
-// (the next propose, MAGI_REAGREE_STEPS later) has them; always: from the first plan; never:
-// never. The log says which, once for each answer.
+// The default mode: a captured gather moves only on a plan with graph slots. always: the first
+// plan has them; auto: the capture itself ends the plan without them and agrees one with them,
+// at the captured call; never: never, and nothing is agreed at the capture. The log says which,
+// once for each answer.
 TEST(AgreementRounds, CapturedGathersInTheDefaultModeMoveOnAPlanWithGraphSlots) {
   using Timing = ce::Transport::Timing;
   for (const std::string setting : {"auto", "always", "never"}) {
@@ -882,22 +918,21 @@ TEST(AgreementRounds, CapturedGathersInTheDefaultModeMoveOnAPlanWithGraphSlots) 
     };
     const std::vector<Kind> moved{Kind::Nccl, Kind::Move, Kind::Move};
     const std::vector<Kind> stays{Kind::Nccl, Kind::Nccl, Kind::Nccl};
-    EXPECT_EQ(captured_step(), setting == "always" ? moved : stays);
-    // Eager steps until the next propose has been read and its plan committed.
-    rank.steps(12);
-    EXPECT_EQ(rank.steps(1), moved);
+    EXPECT_EQ(captured_step(), setting == "never" ? stays : moved);
     ASSERT_EQ(rank.fakes.plans.size(), setting == "auto" ? 2u : 1u);
     EXPECT_EQ(rank.fakes.plans.back().graph_slots, setting != "never");
+    EXPECT_EQ(rank.fakes.board_contributed.size(), setting == "auto" ? 3u : 0u);
+    // Eager steps, and a second graph on the same plan: no round at its capture.
+    rank.steps(12);
+    EXPECT_EQ(rank.steps(1), moved);
     EXPECT_EQ(captured_step(), setting == "never" ? stays : moved);
+    EXPECT_EQ(rank.fakes.board_contributed.size(), setting == "auto" ? 3u : 0u);
     const std::string log = testing::internal::GetCapturedStderr();
     EXPECT_EQ(test::count_lines(log, "; graph slots)"), setting == "never" ? 0u : 1u) << log;
+    EXPECT_EQ(test::count_lines(log, "agreed at a CUDA graph capture"), setting == "auto" ? 1u : 0u)
+        << log;
     EXPECT_EQ(test::count_lines(log, "move with the plan, on its graph slots"),
               setting == "never" ? 0u : 1u)
-        << log;
-    EXPECT_EQ(test::count_lines(log,
-                                "stay on NCCL on every rank: the plan has no graph slots; "
-                                "the next plan agreed has them"),
-              setting == "auto" ? 1u : 0u)
         << log;
     EXPECT_EQ(test::count_lines(log, "stay on NCCL on every rank: MAGI_GRAPH_SLOTS=never"),
               setting == "never" ? 1u : 0u)
@@ -909,7 +944,8 @@ TEST(AgreementRounds, CapturedGathersInTheDefaultModeMoveOnAPlanWithGraphSlots) 
 // is agreed later: the log says so once, with what to do about it.
 TEST(AgreementRounds, AGatherCapturedBeforeAnyPlanIsActiveIsSaidToStayOnNccl) {
   const test::InfoLogged info;
-  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_STATIC_WEIGHTS", "1"}});
+  Rank0 rank(
+      Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_CAPTURE_WAIT_MS", "0"}});
   rank.run_to(9);
   testing::internal::CaptureStderr();
   rank.capturing = true;
@@ -922,6 +958,166 @@ TEST(AgreementRounds, AGatherCapturedBeforeAnyPlanIsActiveIsSaidToStayOnNccl) {
             1u)
       << log;
   EXPECT_TRUE(rank.fakes.timings.empty());
+}
+
+// A graph captured before any plan was active: its first captured gather is agreed at the
+// capture, through the board (propose, publish, confirm, within that call), in both modes, and
+// the graph's gathers move from there; no NCCL round is issued during the capture. The plan stays
+// in force after it.
+TEST(AgreementRounds, AGatherCapturedBeforeAnyPlanIsAgreedAtTheCaptureAndMoves) {
+  using Timing = ce::Transport::Timing;
+  for (const bool static_weights : {true, false}) {
+    SCOPED_TRACE(static_weights ? "static weights" : "default mode");
+    const test::InfoLogged info;
+    Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_STATIC_WEIGHTS", static_weights ? "1" : "0"}});
+    rank.run_to(3);  // one eager step: the hello issued, no propose yet
+    const int launched = rank.fakes.rounds_launched;
+    testing::internal::CaptureStderr();
+    rank.capturing = true;
+    const std::vector<Kind> captured = rank.steps(2);
+    rank.capturing = false;
+    const std::string log = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(captured, (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move, Kind::Nccl,
+                                           Kind::Move, Kind::Move}));
+    EXPECT_EQ(rank.fakes.rounds_launched, launched);
+    ASSERT_EQ(rank.fakes.board_contributed.size(), 3u);
+    EXPECT_EQ(rank.fakes.board_contributed[0].header.kind,
+              static_cast<uint8_t>(RoundKind::Propose));
+    EXPECT_EQ(rank.fakes.board_contributed[1].header.kind,
+              static_cast<uint8_t>(RoundKind::Publish));
+    EXPECT_EQ(rank.fakes.board_contributed[2].header.kind,
+              static_cast<uint8_t>(RoundKind::Confirm));
+    for (const Contribution& c : rank.fakes.board_contributed)
+      EXPECT_EQ(c.header.flags & kIssuedInGroup, 0u);
+    // Captured positions are candidates at a capture (one look suffices).
+    for (const GatherEntry& e : rank.fakes.board_contributed[0].entries)
+      EXPECT_EQ(e.reason, 0) << "position " << e.position;
+    ASSERT_EQ(rank.fakes.plans.size(), 1u);
+    EXPECT_EQ(rank.fakes.plans[0].bound, static_weights);
+    EXPECT_EQ(rank.fakes.plans[0].graph_slots, !static_weights);
+    for (const Timing t : rank.fakes.timings) EXPECT_EQ(t, Timing::Captured);
+    EXPECT_EQ(rank.fakes.timings.size(), 4u);
+    const trace::AgreementRecord* activated =
+        rank.find(trace::RoundEvent::Activated, RoundKind::Confirm);
+    ASSERT_NE(activated, nullptr);
+    EXPECT_EQ(activated->seq, 4u);
+    EXPECT_EQ(test::count_lines(log,
+                                "round [0-9]+ agreed at a CUDA graph capture \\(collective "
+                                "#4\\): 2 of 2 gathers of the step leave NCCL from here, in "
+                                "this graph and after it; untimed, decided by MAGI_CE_FORCE=1"),
+              1u)
+        << log;
+    EXPECT_EQ(test::count_lines(log, "before any plan was active"), 0u) << log;
+    EXPECT_EQ(rank.agreement_->phase(), Phase::Active);
+    EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
+  }
+}
+
+// Untimed, a captured bucket moves by what eager cost rounds measured of its size, else by the
+// size rule (1 MiB a rank): these shards of 4 KB stay, on every rank, said with the reason.
+TEST(AgreementRounds, WithoutTimingSmallCapturedBucketsStayByTheSizeRule) {
+  const test::InfoLogged info;
+  Rank0 rank(Env{{"MAGI_STATIC_WEIGHTS", "1"}});
+  rank.run_to(3);
+  testing::internal::CaptureStderr();
+  rank.capturing = true;
+  EXPECT_EQ(rank.steps(1), std::vector<Kind>(3, Kind::Nccl));
+  rank.capturing = false;
+  const std::string log = testing::internal::GetCapturedStderr();
+  ASSERT_EQ(rank.fakes.board_contributed.size(), 1u);  // the propose only
+  EXPECT_TRUE(rank.fakes.plans.empty());
+  EXPECT_EQ(test::count_lines(log,
+                              "agreed at the capture, and stay on NCCL: every bucket is "
+                              "below the size rule"),
+            1u)
+      << log;
+  const trace::AgreementRecord* read = rank.find(trace::RoundEvent::Read, RoundKind::Propose);
+  ASSERT_NE(read, nullptr);
+  EXPECT_EQ(read->moved, 0u);
+}
+
+// Untimed, a captured bucket of a size the communicator's eager cost rounds judged keeps that
+// verdict: where the copy engine won it (50 ns against NCCL's 100 on the fake clock) the plan
+// agreed at the capture moves it, and says what decided; where NCCL won it, it stays, said so.
+TEST(AgreementRounds, WithoutTimingACapturedBucketKeepsItsSizesEagerVerdict) {
+  for (const uint64_t moved_ns : {50u, 500u}) {
+    SCOPED_TRACE(moved_ns);
+    const test::InfoLogged info;
+    Rank0 rank(Env{});
+    rank.fakes.moved_ns = moved_ns;
+    rank.steps(40);  // the eager plan, its trial and its cost round, read
+    const bool copy_engine_won = moved_ns < kNcclGatherNs;
+    ASSERT_EQ(rank.steps(1), copy_engine_won
+                                 ? (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move})
+                                 : std::vector<Kind>(3, Kind::Nccl));
+    testing::internal::CaptureStderr();
+    rank.capturing = true;
+    const std::vector<Kind> captured = rank.steps(1);
+    rank.capturing = false;
+    const std::string log = testing::internal::GetCapturedStderr();
+    if (copy_engine_won) {
+      EXPECT_EQ(captured, (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
+      EXPECT_EQ(test::count_lines(log,
+                                  "agreed at a CUDA graph capture .*untimed, decided by the "
+                                  "eager cost rounds' size verdicts"),
+                1u)
+          << log;
+    } else {
+      EXPECT_EQ(captured, std::vector<Kind>(3, Kind::Nccl));
+      EXPECT_EQ(test::count_lines(log,
+                                  "agreed at the capture, and stay on NCCL: NCCL was faster "
+                                  "for its bucket \\(timed both ways\\)"),
+                1u)
+          << log;
+    }
+  }
+}
+
+// A round at a capture that does not reach every rank (one did not capture, or is gone) is
+// abandoned on every rank that took part: the captured gathers stay on NCCL, said at WARN, and
+// the communicator takes no more rounds at capture; eager rounds go on.
+TEST(AgreementRounds, AnAbandonedRoundAtACaptureKeepsNcclAndEndsRoundsAtCapture) {
+  const test::InfoLogged info;
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_STATIC_WEIGHTS", "1"}});
+  rank.fakes.board_abandons = "rank 2 did not come within 20000 ms";
+  rank.run_to(9);
+  testing::internal::CaptureStderr();
+  rank.capturing = true;
+  EXPECT_EQ(rank.steps(3), std::vector<Kind>(9, Kind::Nccl));
+  rank.capturing = false;
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(rank.fakes.board_contributed.size(), 1u);
+  EXPECT_EQ(test::count_lines(log,
+                              "MAGI WARN .*a round at a CUDA graph capture \\(collective "
+                              "#10\\) was abandoned: rank 2 did not come within 20000 ms"),
+            1u)
+      << log;
+  ASSERT_NE(rank.find(trace::RoundEvent::Abandoned, RoundKind::Propose), nullptr);
+  // Eager rounds still agree a plan (the first eager propose finds the captured step's calls).
+  rank.steps(12);
+  EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
+}
+
+// A peer that cannot serve what it captured (its window failed) refuses the publish at the
+// capture: every rank reads it, and the graph keeps NCCL.
+TEST(AgreementRounds, APeerRefusingAtTheCaptureKeepsTheGraphOnNccl) {
+  const test::InfoLogged info;
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}});
+  rank.run_to(9);
+  rank.fakes.peer = [](int r, Contribution& c) {
+    if (r == 3 && c.header.kind == static_cast<uint8_t>(RoundKind::Publish)) {
+      c.header.flags &= ~kCanServe;
+      c.header.reason = static_cast<uint8_t>(Reason::TransportFailed);
+    }
+  };
+  testing::internal::CaptureStderr();
+  rank.capturing = true;
+  EXPECT_EQ(rank.steps(1), std::vector<Kind>(3, Kind::Nccl));
+  rank.capturing = false;
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(rank.fakes.board_contributed.size(), 2u);  // propose, publish
+  EXPECT_EQ(test::count_lines(log, "stay on NCCL: not every rank could serve the plan"), 1u) << log;
+  EXPECT_EQ(rank.agreement_->phase(), Phase::Watching);
 }
 
 // The hello: issued at the first collective not captured into a CUDA graph (the round's

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include <string>
 
 #include "tests/rewrite/round_fakes.h"
@@ -98,7 +100,7 @@ TEST(HelloGate, ARankOnNcclStillOwesTheHelloButTakesNoPart) {
 
 TEST(HelloGate, SettingsAlikeLetTheFirstRoundThroughOnceTheHelloIsRead) {
   Gate g;
-  ASSERT_TRUE(g.gate.issue(g.channel, g.stamp(), 0));
+  ASSERT_TRUE(g.gate.issue(g.channel, g.stamp(), 0, 42));
   EXPECT_FALSE(g.gate.owed());
   EXPECT_TRUE(g.gate.in_flight());
   EXPECT_EQ(g.state.launched, 1);
@@ -114,11 +116,36 @@ TEST(HelloGate, SettingsAlikeLetTheFirstRoundThroughOnceTheHelloIsRead) {
   EXPECT_EQ(g.state.results_read, 1);
 }
 
+// The hello carries where each rank runs: rounds at a graph capture go through shared memory,
+// so they need every rank on this host. A rank elsewhere changes no setting.
+TEST(HelloGate, TheHelloSaysWhetherEveryRankRunsOnThisHost) {
+  for (const bool elsewhere : {false, true}) {
+    Gate g;
+    if (elsewhere)
+      g.state.peer = [](int rank, Contribution& c) {
+        if (rank != 1) return;
+        ScheduleSettings s{};
+        std::memcpy(&s, c.table.data(), sizeof s);
+        s.host = 43;
+        c.table = hello_payload(s);
+      };
+    EXPECT_FALSE(g.gate.one_host());  // not before it is read
+    ASSERT_TRUE(g.gate.issue(g.channel, g.stamp(), 0, 42));
+    ScheduleSettings mine{};
+    ASSERT_EQ(g.state.staged[0].table.size(), sizeof mine);
+    std::memcpy(&mine, g.state.staged[0].table.data(), sizeof mine);
+    EXPECT_EQ(mine.host, 42u);
+    EXPECT_TRUE(g.gate.read(g.channel, g.stamp(), 9));
+    EXPECT_TRUE(g.gate.agreed());
+    EXPECT_EQ(g.gate.one_host(), !elsewhere);
+  }
+}
+
 TEST(HelloGate, SettingsThatDifferStopEveryRoundAndNameTheSetting) {
   test::InfoLogged logged;
   Gate g;
   g.state.peer = peer_warms_up_longer;
-  ASSERT_TRUE(g.gate.issue(g.channel, g.stamp(), 0));
+  ASSERT_TRUE(g.gate.issue(g.channel, g.stamp(), 0, 42));
   testing::internal::CaptureStderr();
   EXPECT_FALSE(g.gate.read(g.channel, g.stamp(), 9));
   const std::string err = testing::internal::GetCapturedStderr();
@@ -131,7 +158,7 @@ TEST(HelloGate, AHelloIssuedInAGroupHoldingSendRecvIsANoWithoutWaiting) {
   Gate g;
   g.state.group = {1, true, 1};
   testing::internal::CaptureStderr();
-  EXPECT_FALSE(g.gate.issue(g.channel, g.stamp(), 0));
+  EXPECT_FALSE(g.gate.issue(g.channel, g.stamp(), 0, 42));
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_TRUE(test::has_line(err, "settings check inside a group holding Send/Recv")) << err;
   EXPECT_FALSE(g.gate.in_flight());
@@ -143,7 +170,7 @@ TEST(HelloGate, AHelloThatCannotBeIssuedStopsTheRounds) {
   Gate g;
   g.state.nccl_answer = ncclInvalidUsage;
   testing::internal::CaptureStderr();
-  EXPECT_FALSE(g.gate.issue(g.channel, g.stamp(), 0));
+  EXPECT_FALSE(g.gate.issue(g.channel, g.stamp(), 0, 42));
   testing::internal::GetCapturedStderr();
   EXPECT_FALSE(g.gate.in_flight());
 }
@@ -152,7 +179,7 @@ TEST(HelloGate, ARankTakingNoPartOnlyLooksOnceCompleteAndSaysOnlyADifference) {
   for (const bool differ : {false, true}) {
     Gate g(fakes::round_options({{"MAGI_TRANSPORT", "nccl"}}));
     if (differ) g.state.peer = peer_warms_up_longer;
-    ASSERT_TRUE(g.gate.issue(g.channel, g.stamp(), 0));
+    ASSERT_TRUE(g.gate.issue(g.channel, g.stamp(), 0, 42));
     g.gate.at_collective(5);
     g.state.ready = false;
     g.gate.look(g.channel, g.stamp());

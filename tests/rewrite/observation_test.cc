@@ -387,21 +387,24 @@ TEST(StepObservation, EntriesSayWhyAGatherCannotMoveHere) {
   StepObservation seen;
   seen.reset(4);
   for (int i = 0; i < 3; ++i) observe_step(seen, step);
-  const Options options =
-      options_with({{"MAGI_SYMM_MIN_SHARD_MIB", "1"}, {"MAGI_WINDOW_MAX_MIB", "8"}});
+  // A captured position stays only where its graph could not move it: the default mode with
+  // graph slots refused (MAGI_GRAPH_SLOTS=never).
+  const Options options = options_with({{"MAGI_SYMM_MIN_SHARD_MIB", "1"},
+                                        {"MAGI_WINDOW_MAX_MIB", "8"},
+                                        {"MAGI_GRAPH_SLOTS", "never"}});
   EXPECT_EQ(reasons(seen.entries(options, ce::Backend::Host)),
             (std::vector<Reason>{Reason::ShardTooSmall, Reason::GraphCapture,
                                  Reason::WindowTooLarge, Reason::WindowTooLarge}));
-  // Stale bindings stay, whatever else holds.
+  // Stale bindings stay, whatever else holds; with graph slots a captured position is a candidate.
   const Options roomy = options_with({{"MAGI_WINDOW_MAX_MIB", "64"}});
   EXPECT_EQ(reasons(seen.entries(roomy, ce::Backend::Host, {0, 3})),
-            (std::vector<Reason>{Reason::BindingChanged, Reason::GraphCapture, Reason::None,
+            (std::vector<Reason>{Reason::BindingChanged, Reason::None, Reason::None,
                                  Reason::BindingChanged}));
   // Static weights: bindings past MAGI_BIND_MAX_MIB (in step order) stay.
   const Options bound = options_with(
       {{"MAGI_WINDOW_MAX_MIB", "64"}, {"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_BIND_MAX_MIB", "6"}});
   EXPECT_EQ(reasons(seen.entries(bound, ce::Backend::Host)),
-            (std::vector<Reason>{Reason::None, Reason::GraphCapture, Reason::None,
+            (std::vector<Reason>{Reason::None, Reason::None, Reason::BindTooLarge,
                                  Reason::BindTooLarge}));
 }
 

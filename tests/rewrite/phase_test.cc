@@ -10,9 +10,10 @@
 namespace magi::rewrite {
 namespace {
 
-constexpr Phase kAll[] = {Phase::Off,        Phase::Watching,   Phase::Proposing,
-                          Phase::Publishing, Phase::Confirming, Phase::SettingUp,
-                          Phase::Active,     Phase::Costing,    Phase::Reproposing};
+constexpr Phase kAll[] = {
+    Phase::Off,         Phase::Watching,         Phase::Proposing, Phase::Publishing,
+    Phase::Confirming,  Phase::SettingUp,        Phase::Active,    Phase::Costing,
+    Phase::Reproposing, Phase::AgreeingAtCapture};
 
 TEST(Phase, APlanIsInForceOnlyWhileActiveOrWhileItsCostOrNextProposeIsInFlight) {
   std::set<Phase> in_force;
@@ -28,6 +29,11 @@ TEST(Phase, ARoundIsInFlightInThePhasesNamedAfterOneAndNowhereElse) {
                                      p == Phase::Reproposing;
     EXPECT_EQ(round_in_flight(p), named_after_a_round) << phase_name(p);
   }
+  // The rounds at a capture are issued and read within one call: none is in flight after it, and
+  // no plan is in force while they run.
+  EXPECT_FALSE(round_in_flight(Phase::AgreeingAtCapture));
+  EXPECT_FALSE(plan_in_force(Phase::AgreeingAtCapture));
+  EXPECT_STREQ(phase_name(Phase::AgreeingAtCapture), "agreeing-at-capture");
   // Waiting to issue a publish or confirm again holds no round: the anchor issues it when due.
   EXPECT_FALSE(round_in_flight(Phase::SettingUp));
   EXPECT_TRUE(committing(Phase::SettingUp));

@@ -1,0 +1,72 @@
+# shellcheck shell=bash
+# Rounds at a graph capture (rewrite/capture_rounds.cc): programs that capture after one or two
+# eager steps, as real ones do, get their gathers moved inside the graph, agreed at the capture
+# itself on every rank, with every byte of every replay checked by the workload. Sourced by
+# run.sh after standin_runs.sh (standin_run, standin_log_check, launch_ranks) under MPS.
+
+# capture_round_runs: the weights program captures its gathers at step K (K eager steps before;
+# the step is found at the second step's eager all-reduce, so K = 2 is the earliest whose every
+# captured gather a plan can cover), static weights and the default mode's graph slots, and once
+# untimed without MAGI_CE_FORCE (shards of 1 MiB: the size rule moves them).
+capture_round_runs() {
+  local name mode
+  for k in 2 3; do
+    for mode in static slots; do
+      name=mps-capture-after-$k-$mode
+      if [ $mode = static ]; then
+        standin_run "$name" 3 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 \
+          --layers 6 --steps 12 --program swap --swap-step 100 --graph-step $k
+      else
+        standin_run "$name" 3 MAGI_CE_FORCE=1 -- weights --device 1 --layers 6 --steps 12 \
+          --program swap --swap-step 100 --graph-step $k --graph-rewrite 1
+      fi
+      standin_log_check "$name" "the plan is agreed at the capture, by MAGI_CE_FORCE" \
+        "agreed at a CUDA graph capture .*decided by MAGI_CE_FORCE=1"
+      standin_log_check "$name" "the end line counts the 6 captured gathers moved" \
+        "served off NCCL, .*; 6 of them captured into CUDA graphs"
+      standin_log_check "$name" "no WARN" " MAGI WARN " absent
+      grep -m 1 "agreed at a CUDA graph capture" "$work/$name/log" | sed 's/^/  /'
+    done
+  done
+  name=mps-capture-untimed-rule
+  standin_run "$name" 3 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --layers 4 --steps 8 \
+    --shard-elements 262144 --program swap --swap-step 100 --graph-step 2
+  standin_log_check "$name" "untimed, the size rule moves shards of 1 MiB" \
+    "agreed at a CUDA graph capture .*decided by the size rule"
+  standin_log_check "$name" "the end line counts the 4 captured gathers moved" \
+    "served off NCCL, .*; 4 of them captured into CUDA graphs"
+}
+
+# nccl_tests_capture_runs: nccl-tests' all_gather_perf with -G (one eager call per size, then
+# the timed calls captured into a graph and replayed) at world size 1 with MAGI_CE_FORCE=1: most
+# captured gathers move, none wrong (-c 1 checks every size), static and default mode. Skipped
+# where nccl-tests is not installed.
+nccl_tests_capture_runs() {
+  local perf
+  perf=$(command -v all_gather_perf 2>/dev/null || ls /opt/nccl-tests/build/all_gather_perf \
+    /usr/local/bin/all_gather_perf 2>/dev/null | head -n 1)
+  [ -n "$perf" ] || { skip "nccl-tests -G: all_gather_perf is not installed here"; return; }
+  local mode env name
+  for mode in default static; do
+    name=nccl-tests-G-$mode
+    env="MAGI_CE_FORCE=1"
+    [ $mode = static ] && env="$env MAGI_STATIC_WEIGHTS=1"
+    mkdir -p "$work/$name"
+    # shellcheck disable=SC2086
+    env $env MAGI_LOG=INFO LD_PRELOAD="$build/libmagice.so" timeout 300 "$perf" -b 1K -e 64M \
+      -f 4 -c 1 -n 50 -G 5 >"$work/$name/log" 2>&1
+    local status=$? moved total wrong
+    # size count type redop root | time algbw busbw #wrong (out of place) | the same in place
+    wrong=$(awk '$1 ~ /^[0-9]+$/ && NF == 13 {s += $9 + $13} END {print s + 0}' \
+      "$work/$name/log")
+    read -r moved total < <(grep -oE "[0-9]+ of [0-9]+ all-gathers" "$work/$name/log" |
+      awk '{m += $1; t += $3} END {print m + 0, t + 0}')
+    if [ $status -eq 0 ] && [ "$wrong" = 0 ] && [ "$total" -gt 0 ] &&
+      [ $((moved * 100)) -ge $((total * 90)) ]; then
+      pass "$name: $moved of $total gathers moved (>= 90 %), 0 wrong"
+    else
+      fail "$name: exit $status, $moved of $total gathers moved, wrong $wrong"
+      tail -n 15 "$work/$name/log" | sed 's/^/  /'
+    fi
+  done
+}
