@@ -60,7 +60,9 @@ std::string_view reason_name(Reason reason) {
        "captured into a CUDA graph, so untimed, and its bucket's shards are below the size where "
        "the copy engine wins (no verdict from eager calls of that size)",
        "a round at a CUDA graph capture did not reach every rank in time (MAGI_CAPTURE_WAIT_MS), "
-       "or a rank was gone"},
+       "or a rank was gone",
+       "static weights at a CUDA graph capture: its shard cannot be read where it lies (a copy "
+       "needs the program's work finished, which a capture cannot wait for)"},
       0, "reason#");
   return names[static_cast<uint8_t>(reason)];
 }

@@ -39,37 +39,38 @@ enum class RoundEvent : uint8_t {
 // Why a gather (or a whole communicator) stays on NCCL. Names: reason_name().
 enum class Reason : uint8_t {
   None = 0,
-  NotStable,          // count, call site or group changed within MAGI_WARMUP_STEPS steps (static
-                      // weights: or its send buffer)
-  HostMemory,         // a host buffer (the cuda backend needs device memory)
-  DeviceMemory,       // a device buffer (the host backend serves host memory only)
-  ManagedMemory,      // managed (unified) memory
-  UnknownMemory,      // the driver could not say what the buffer is
-  PeerOffNode,        // a rank of the communicator is on another host
-  PeerNotAccessible,  // a peer's GPU cannot be reached (cudaDeviceCanAccessPeer)
-  ShardTooSmall,      // below MAGI_SYMM_MIN_SHARD_MIB
-  GraphCapture,       // issued while its stream was capturing a CUDA graph
-  WindowTooLarge,     // its bucket needs more staging than MAGI_WINDOW_MAX_MIB
-  OtherRankRefused,   // another rank holds it ineligible
-  BucketPartial,      // another gather of its bucket (ncclGroupStart/End) stays
-  StepsDiffer,        // abort: the ranks' steps differ
-  GroupsDiffer,       // abort: the ranks group their calls differently
-  TooManyGathers,     // abort: more gathers in the step than a round can carry
-  AnchorInGroup,      // the round's call was inside an open ncclGroupStart on some rank
-  BackendDiffers,     // ranks run different MAGI_BACKEND values
-  TransportFailed,    // the transport could not prepare, attach or serve on some rank
-  CommitRefused,      // some rank did not confirm the commit
-  Deviated,           // the call deviated from the agreed step in a shared fact
-  CommNotAgreeable,   // made by ncclCommInitAll, non-blocking, or unknown to the shim
-  BindTooLarge,       // static weights: the bindings would pass MAGI_BIND_MAX_MIB
-  BindingChanged,     // static weights: the shard changed after it was bound (verification)
-  NcclFaster,         // timed both ways during the trial: NCCL completed its bucket sooner
-  SettingsDiffer,     // the ranks' schedule settings differ, or some rank cannot take part
-  StepRefined,        // every rank proposed the same longer step: rounds restart on it
-  SingleRank,         // a communicator of one rank: NCCL's one local copy cannot be beaten
-  SettingUp,          // a confirm: some rank is still mapping its peers' memory; asked again
-  CaptureRule,        // agreed at a graph capture, untimed: its bucket is below the size rule
-  CaptureAbandoned,   // a round at a graph capture did not reach every rank in time
+  NotStable,            // count, call site or group changed within MAGI_WARMUP_STEPS steps (static
+                        // weights: or its send buffer)
+  HostMemory,           // a host buffer (the cuda backend needs device memory)
+  DeviceMemory,         // a device buffer (the host backend serves host memory only)
+  ManagedMemory,        // managed (unified) memory
+  UnknownMemory,        // the driver could not say what the buffer is
+  PeerOffNode,          // a rank of the communicator is on another host
+  PeerNotAccessible,    // a peer's GPU cannot be reached (cudaDeviceCanAccessPeer)
+  ShardTooSmall,        // below MAGI_SYMM_MIN_SHARD_MIB
+  GraphCapture,         // issued while its stream was capturing a CUDA graph
+  WindowTooLarge,       // its bucket needs more staging than MAGI_WINDOW_MAX_MIB
+  OtherRankRefused,     // another rank holds it ineligible
+  BucketPartial,        // another gather of its bucket (ncclGroupStart/End) stays
+  StepsDiffer,          // abort: the ranks' steps differ
+  GroupsDiffer,         // abort: the ranks group their calls differently
+  TooManyGathers,       // abort: more gathers in the step than a round can carry
+  AnchorInGroup,        // the round's call was inside an open ncclGroupStart on some rank
+  BackendDiffers,       // ranks run different MAGI_BACKEND values
+  TransportFailed,      // the transport could not prepare, attach or serve on some rank
+  CommitRefused,        // some rank did not confirm the commit
+  Deviated,             // the call deviated from the agreed step in a shared fact
+  CommNotAgreeable,     // made by ncclCommInitAll, non-blocking, or unknown to the shim
+  BindTooLarge,         // static weights: the bindings would pass MAGI_BIND_MAX_MIB
+  BindingChanged,       // static weights: the shard changed after it was bound (verification)
+  NcclFaster,           // timed both ways during the trial: NCCL completed its bucket sooner
+  SettingsDiffer,       // the ranks' schedule settings differ, or some rank cannot take part
+  StepRefined,          // every rank proposed the same longer step: rounds restart on it
+  SingleRank,           // a communicator of one rank: NCCL's one local copy cannot be beaten
+  SettingUp,            // a confirm: some rank is still mapping its peers' memory; asked again
+  CaptureRule,          // agreed at a graph capture, untimed: its bucket is below the size rule
+  CaptureAbandoned,     // a round at a graph capture did not reach every rank in time
+  NotInPlaceAtCapture,  // static weights at a graph capture: its shard cannot be read in place
   Count
 };
 

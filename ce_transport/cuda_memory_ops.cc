@@ -149,6 +149,8 @@ class CudaMemoryOps final : public MemoryOps {
   }
   size_t window_bytes() const override { return base_ != nullptr ? bytes_ : 0; }
   void bind(std::span<const Copy> shards) override {
+    // Nothing to copy (every shard read in place): no wait, which a graph capture would refuse.
+    if (shards.empty()) return;
     // The shards must hold what the program last wrote: wait for all its work once, here, at
     // the plan's start, never on the call path.
     cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (binding)");

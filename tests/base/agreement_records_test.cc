@@ -26,7 +26,8 @@ TEST(TraceAgreementWords, KeepTheirValuesOnDisk) {
   EXPECT_EQ(static_cast<int>(Reason::SettingUp), 28);
   EXPECT_EQ(static_cast<int>(Reason::CaptureRule), 29);
   EXPECT_EQ(static_cast<int>(Reason::CaptureAbandoned), 30);
-  EXPECT_EQ(static_cast<int>(Reason::Count), 31);
+  EXPECT_EQ(static_cast<int>(Reason::NotInPlaceAtCapture), 31);
+  EXPECT_EQ(static_cast<int>(Reason::Count), 32);
 }
 
 TEST(TraceAgreementWords, RecordsKeepTheirLayout) {

@@ -4,6 +4,8 @@
 // counts calls, the transport and the timers run on a clock the fakes advance, the group state
 // and the trace are the test's.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <functional>
@@ -964,12 +966,40 @@ TEST(AgreementRounds, AGatherCapturedBeforeAnyPlanIsActiveIsSaidToStayOnNccl) {
 // capture, through the board (propose, publish, confirm, within that call), in both modes, and
 // the graph's gathers move from there; no NCCL round is issued during the capture. The plan stays
 // in force after it.
+// Shards a peer could map where they lie (a memfd shared mapping): at a capture a static plan
+// reads every shard in place, or leaves it on NCCL (StepObservation::entries).
+class SharedShards {
+ public:
+  SharedShards() {
+    fd_ = memfd_create("agreement-rounds-shards", 0);
+    EXPECT_GE(fd_, 0);
+    EXPECT_EQ(ftruncate(fd_, kBytes), 0);
+    base_ = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    EXPECT_NE(base_, MAP_FAILED);
+  }
+  ~SharedShards() {
+    munmap(base_, kBytes);
+    close(fd_);
+  }
+  // 1000 floats for the gather at `position` (1 or 2).
+  const void* shard(uint32_t position) const {
+    return static_cast<const char*>(base_) + (position - 1) * 4096;
+  }
+
+ private:
+  static constexpr size_t kBytes = 8192;
+  int fd_ = -1;
+  void* base_ = nullptr;
+};
+
 TEST(AgreementRounds, AGatherCapturedBeforeAnyPlanIsAgreedAtTheCaptureAndMoves) {
   using Timing = ce::Transport::Timing;
   for (const bool static_weights : {true, false}) {
     SCOPED_TRACE(static_weights ? "static weights" : "default mode");
     const test::InfoLogged info;
     Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_STATIC_WEIGHTS", static_weights ? "1" : "0"}});
+    const SharedShards shards;
+    for (uint32_t p : {1u, 2u}) rank.sends[p] = shards.shard(p);
     rank.run_to(3);  // one eager step: the hello issued, no propose yet
     const int launched = rank.fakes.rounds_launched;
     testing::internal::CaptureStderr();
@@ -1018,6 +1048,8 @@ TEST(AgreementRounds, AGatherCapturedBeforeAnyPlanIsAgreedAtTheCaptureAndMoves) 
 TEST(AgreementRounds, WithoutTimingSmallCapturedBucketsStayByTheSizeRule) {
   const test::InfoLogged info;
   Rank0 rank(Env{{"MAGI_STATIC_WEIGHTS", "1"}});
+  const SharedShards shards;
+  for (uint32_t p : {1u, 2u}) rank.sends[p] = shards.shard(p);
   rank.run_to(3);
   testing::internal::CaptureStderr();
   rank.capturing = true;
@@ -1071,6 +1103,29 @@ TEST(AgreementRounds, WithoutTimingACapturedBucketKeepsItsSizesEagerVerdict) {
           << log;
     }
   }
+}
+
+// Static weights at a capture: a shard that cannot be read where it lies (this process's own
+// memory) is not bound there (a binding's copy needs the program's work finished, a wait a
+// capture refuses and that would end it): it stays on NCCL on every rank, with the reason.
+TEST(AgreementRounds, StaticShardsThatCannotBeReadInPlaceStayAtACapture) {
+  const test::InfoLogged info;
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_STATIC_WEIGHTS", "1"}});
+  rank.run_to(3);
+  testing::internal::CaptureStderr();
+  rank.capturing = true;
+  EXPECT_EQ(rank.steps(1), std::vector<Kind>(3, Kind::Nccl));
+  rank.capturing = false;
+  const std::string log = testing::internal::GetCapturedStderr();
+  ASSERT_EQ(rank.fakes.board_contributed.size(), 1u);
+  for (const GatherEntry& e : rank.fakes.board_contributed[0].entries)
+    EXPECT_EQ(e.reason, static_cast<uint8_t>(Reason::NotInPlaceAtCapture)) << e.position;
+  EXPECT_TRUE(rank.fakes.plans.empty());
+  EXPECT_EQ(test::count_lines(log,
+                              "stay on NCCL: static weights at a CUDA graph capture: its "
+                              "shard cannot be read where it lies"),
+            1u)
+      << log;
 }
 
 // A round at a capture that does not reach every rank (one did not capture, or is gone) is
