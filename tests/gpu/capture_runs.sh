@@ -28,13 +28,16 @@ capture_round_runs() {
       grep -m 1 "agreed at a CUDA graph capture" "$work/$name/log" | sed 's/^/  /'
     done
   done
+  # Six layers, so that the step (7 calls) is found at the second step's all-reduce: a step
+  # shorter than 8 calls is found 8 calls into its second run (capture/skeleton.h), and the
+  # gathers captured before that stay on NCCL.
   name=mps-capture-untimed-rule
-  standin_run "$name" 3 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --layers 4 --steps 8 \
+  standin_run "$name" 3 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 --layers 6 --steps 8 \
     --shard-elements 262144 --program swap --swap-step 100 --graph-step 2
   standin_log_check "$name" "untimed, the size rule moves shards of 1 MiB" \
     "agreed at a CUDA graph capture .*decided by the size rule"
-  standin_log_check "$name" "the end line counts the 4 captured gathers moved" \
-    "served off NCCL, .*; 4 of them captured into CUDA graphs"
+  standin_log_check "$name" "the end line counts the 6 captured gathers moved" \
+    "served off NCCL, .*; 6 of them captured into CUDA graphs"
 }
 
 # nccl_tests_capture_runs: nccl-tests' all_gather_perf with -G (one eager call per size, then

@@ -107,6 +107,30 @@ torch_standin_moved() {
   grep -h -m 2 "captured into a CUDA graph" "${logs[@]}" 2>/dev/null | sed 's/^/  /'
 }
 
+# torch_standin_captured WORLD NAME...: of the all-gathers captured into CUDA graphs (flag C in
+# the traces of every rank of the jobs named), how many moved: every replay takes its capture's
+# route, so this is the share of replayed gathers moved. A SKIP where nothing was captured.
+torch_standin_captured() {
+  local world=$1
+  shift
+  local name t captured=0 moved=0 c m
+  for name in "$@"; do
+    for t in "$work/$name"/trace/*.trace; do
+      [ -e "$t" ] || continue
+      read -r c m < <("$build/magice-trace" dump "$t" 2>/dev/null |
+        awk 'length($1) == 12 && $2 ~ /^[0-9]+$/ && $3 == "AllGather" && $10 ~ /C/ {
+          c++; if ($NF == "moved") m++ } END { print c + 0, m + 0 }')
+      captured=$((captured + c))
+      moved=$((moved + m))
+    done
+  done
+  if [ "$captured" = 0 ]; then
+    skip "torch-standin-$world: no all-gather was captured into a CUDA graph (traces of $*)"
+    return
+  fi
+  pass "torch-standin-$world: $moved of $captured all-gathers captured into CUDA graphs moved ($((100 * moved / captured))%), at every replay"
+}
+
 torch_standin_runs() {
   torch_python=${PYTHON:-python3}
   local worlds=${TORCH_STANDIN_WORLDS:-2 4 8}
@@ -147,6 +171,7 @@ torch_standin_runs() {
       skip "torch-standin-$world compile: Inductor skipped its CUDA graphs, so no collective was captured: $(grep -m 1 -o "skipping cudagraphs due to.*" "$work/torch-standin-$world-plain-compile/log" || grep -m 1 -o "cudagraphs skipped.*" "$work/torch-standin-$world-plain-compile/log")"
     fi
     torch_standin_moved "$world" "torch-standin-$world-magi" "torch-standin-$world-magi-compile"
+    torch_standin_captured "$world" "torch-standin-$world-magi" "torch-standin-$world-magi-compile"
   done
   if [ -n "$saved_timeout" ]; then export STANDIN_TIMEOUT_S=$saved_timeout; else unset STANDIN_TIMEOUT_S; fi
   unset STANDIN_PINNED_STAGING TORCHINDUCTOR_CACHE_DIR TORCHINDUCTOR_COMPILE_THREADS
