@@ -15,10 +15,10 @@ capture_round_runs() {
       name=mps-capture-after-$k-$mode
       if [ $mode = static ]; then
         standin_run "$name" 3 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- weights --device 1 \
-          --layers 6 --steps 12 --program swap --swap-step 100 --graph-step $k
+          --layers 6 --steps 12 --program swap --swap-step 100 --graph-step $k --report-slowest 1
       else
         standin_run "$name" 3 MAGI_CE_FORCE=1 -- weights --device 1 --layers 6 --steps 12 \
-          --program swap --swap-step 100 --graph-step $k --graph-rewrite 1
+          --program swap --swap-step 100 --graph-step $k --graph-rewrite 1 --report-slowest 1
       fi
       standin_log_check "$name" "the plan is agreed at the capture, by MAGI_CE_FORCE" \
         "agreed at a CUDA graph capture .*decided by MAGI_CE_FORCE=1"
@@ -26,6 +26,8 @@ capture_round_runs() {
         "served off NCCL, .*; 6 of them captured into CUDA graphs"
       standin_log_check "$name" "no WARN" " MAGI WARN " absent
       grep -m 1 "agreed at a CUDA graph capture" "$work/$name/log" | sed 's/^/  /'
+      # The eager step before the capture, the captured one, a late replay: host time a gather.
+      grep -E "rank 0: step ($((k - 1))|$k|11):" "$work/$name/log" | sed 's/^/  /'
     done
   done
   # Six layers, so that the step (7 calls) is found at the second step's all-reduce: a step
