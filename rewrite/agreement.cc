@@ -83,7 +83,10 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   step_.seen.observe(position, facts, channel_.backend());
 
   const bool capturing = (record.flags & trace::kCallCapturing) != 0;  // asked for gathers
-  if (gather && capturing && capture_round_due()) agree_at_capture(seq);
+  if (gather && capturing && capture_round_due()) {
+    agree_at_capture(seq);
+    position = step_.refined.position_of(view);  // a refinement read there renumbers this call
+  }
   // A graph captured with no plan in force keeps its gathers on NCCL at every replay (said once).
   if (gather && capturing && !plan_in_force(phase_)) log_.early_capture(seq);
   const Routed routed =
@@ -156,7 +159,7 @@ void CommAgreement::restart(const capture::StepView& view) {
 }
 
 // Every rank read the same refinement at this call: rounds start over on the longer step.
-void CommAgreement::refine(const Decision& d, uint64_t seq) {
+void CommAgreement::refine(const Decision& d, uint64_t seq, bool then_propose) {
   deactivate(seq, Reason::StepRefined);
   serving_.drop();
   step_.refined.agree(d.refine_period, d.refine_phase);
@@ -172,7 +175,7 @@ void CommAgreement::refine(const Decision& d, uint64_t seq) {
   log_.refined(plan_.round, period, period / std::max<uint32_t>(step_.refined.shape_period(), 1));
   // Every rank read the refinement at this call, so a propose issued here too is issued alike;
   // the seeded warmup may already be complete, and the next anchor is a whole refined step away.
-  if (propose_due()) propose(seq);
+  if (then_propose && propose_due()) propose(seq);
 }
 
 void CommAgreement::on_lost(uint64_t seq) {

@@ -178,7 +178,9 @@ class CommAgreement {
  private:
   void set_phase(Phase to, uint64_t seq);
   void restart(const capture::StepView& view);
-  void refine(const Decision& decision, uint64_t seq);
+  // `then_propose`: issue the next propose here if due (never at a capture: capture_rounds.cc
+  // proposes again through the board).
+  void refine(const Decision& decision, uint64_t seq, bool then_propose = true);
   void on_lost(uint64_t seq);
   void abandon_pending(uint64_t seq);
   // Whether the anchor has anything to do now (a round to read or issue, buffers or timings to

@@ -98,16 +98,30 @@ void CommAgreement::agree_at_capture(uint64_t seq) {
   set_phase(Phase::AgreeingAtCapture, seq);
   channel_.saw_capture();
 
-  // Propose.
-  policy_.next_round();
-  Contribution c = propose_contribution(true);
-  std::vector<uint8_t> all;
-  if (!channel_.exchange_at_capture(RoundKind::Propose, c, seq, stamp(trace::RoundEvent::Issued),
-                                    kContributionBytes, all))
-    return end_capture_round(seq, nullptr);
-  Decision d = judged(decide(all, info_.nranks, info_.rank), policy_, step_.seen,
-                      world_.options.ce_force, step_.digest);
-  plan_.round = c.header.round;
+  // Propose; where every rank proposes the same longer step (layers of one shape told apart by
+  // their call sites or buffers), the step is refined here, as at an eager read, and proposed
+  // again at once on it.
+  Decision d;
+  for (int proposes = 1;; ++proposes) {
+    policy_.next_round();
+    Contribution c = propose_contribution(true);
+    std::vector<uint8_t> all;
+    if (!channel_.exchange_at_capture(RoundKind::Propose, c, seq, stamp(trace::RoundEvent::Issued),
+                                      kContributionBytes, all))
+      return end_capture_round(seq, nullptr);
+    d = judged(decide(all, info_.nranks, info_.rank), policy_, step_.seen, world_.options.ce_force,
+               step_.digest);
+    plan_.round = c.header.round;
+    if (d.refine_period == 0 || proposes == 2) break;
+    plan_.decision = d;
+    trace_round(RoundKind::Propose, trace::RoundEvent::Read, seq, d.mode, d.reason, d.moved);
+    record_decision(world_.trace, info_, step_.seen, d, plan_.round);
+    refine(d, seq, false);
+    set_phase(Phase::AgreeingAtCapture, seq);
+    if (step_.seen.complete_steps() < 1)
+      return end_capture_round(seq,
+                               "the step was refined here, and no whole refined step was seen");
+  }
   const bool could_move = d.moves_anything();
   const char* decided_by = choose_untimed(d);
   plan_.decision = d;
@@ -115,7 +129,7 @@ void CommAgreement::agree_at_capture(uint64_t seq) {
   record_decision(world_.trace, info_, step_.seen, d, plan_.round);
   if (d.refine_period != 0 || d.dry_run || !d.moves_anything())
     return end_capture_round(
-        seq, d.refine_period != 0 ? "the step is refined at an eager anchor"
+        seq, d.refine_period != 0 ? "the step was refined twice in a row"
              : d.dry_run          ? "MAGI_DRY_RUN=1"
              : could_move ? "every bucket is below the size rule (1 MiB a rank) or of a size NCCL "
                             "won in eager cost rounds; untimed at a capture"

@@ -225,6 +225,8 @@ class Rank0 {
     capture::CallRecord record{};
     if (capturing) record.flags |= trace::kCallCapturing;
     record.callsite = 1000 + position;
+    // Every other step from other call sites: this rank's own facts repeat every 2 steps.
+    if (alternating_callsites && ((index - base_) / kPeriod) % 2 == 1) record.callsite += 100;
     record.sendbuf = reinterpret_cast<uint64_t>(args.sendbuf);
     record.recvbuf = reinterpret_cast<uint64_t>(args.recvbuf);
     if (fakes.group.depth > 0) {
@@ -258,6 +260,7 @@ class Rank0 {
   Outcome last;             // of the last call()
   bool capturing = false;   // the next calls are captured into a CUDA graph
   bool same_sizes = false;  // both gathers send 1000 floats (the second's buffers have room)
+  bool alternating_callsites = false;  // the step's own facts repeat every 2 shape steps
   // The send buffer of the gather at each position, where not its own.
   const void* sends[kPeriod] = {};
   // A block of 1000 floats that is neither gather's own.
@@ -1041,6 +1044,36 @@ TEST(AgreementRounds, AGatherCapturedBeforeAnyPlanIsAgreedAtTheCaptureAndMoves) 
     EXPECT_EQ(rank.agreement_->phase(), Phase::Active);
     EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
   }
+}
+
+// A step whose own facts repeat over 2 shape steps (call sites alternating) is refined at the
+// capture itself, as an eager read would refine it, and proposed again at once on the longer
+// step: the graph's gathers move, each at its refined position. (A MAGI_WARMUP_STEPS no eager
+// step reaches: only the hello comes before the capture.)
+TEST(AgreementRounds, AStepRefinedAtACaptureIsProposedAgainThereAndMoves) {
+  const test::InfoLogged info;
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_WARMUP_STEPS", "1000"}});
+  rank.alternating_callsites = true;
+  rank.run_to(18);  // six eager steps: the own facts repeated twice
+  EXPECT_EQ(rank.issued(), (Issued{{0, RoundKind::Hello}}));
+  testing::internal::CaptureStderr();
+  rank.capturing = true;
+  const std::vector<Kind> captured = rank.steps(2);
+  rank.capturing = false;
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(captured, (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move, Kind::Nccl, Kind::Move,
+                                         Kind::Move}))
+      << log;
+  ASSERT_EQ(rank.fakes.board_contributed.size(), 4u) << log;
+  EXPECT_EQ(rank.fakes.board_contributed[0].header.kind, static_cast<uint8_t>(RoundKind::Propose));
+  EXPECT_EQ(rank.fakes.board_contributed[1].header.kind, static_cast<uint8_t>(RoundKind::Propose));
+  EXPECT_EQ(rank.fakes.board_contributed[1].header.period, 2 * kPeriod);
+  EXPECT_EQ(test::count_lines(log, "the step is 6 collectives"), 1u) << log;
+  EXPECT_EQ(test::count_lines(log,
+                              "agreed at a CUDA graph capture \\(collective #19\\): 4 of 4 "
+                              "gathers"),
+            1u)
+      << log;
 }
 
 // Untimed, a captured bucket moves by what eager cost rounds measured of its size, else by the
