@@ -471,6 +471,13 @@ constexpr OptionSpec kTable[] = {
                               "gathers always move. Also explores a communicator of one rank, "
                               "which otherwise stays on NCCL (its all-gather is one local "
                               "copy)."),
+    int_option<&O::inject_capture_from>(
+        "MAGI_INJECT_CAPTURE", "0", "an integer from 0 to 1000000000", 0, 1000000000,
+        OptionUnit::Count,
+        "For tests: every all-gather from this call of a communicator on (its index among the "
+        "communicator's calls, from 0) is taken as captured into a CUDA graph, as a program on a "
+        "machine without a GPU cannot capture; 0: off. The host backend serves such a gather at "
+        "once, as its replay."),
     fault_option<&O::inject_fault, kFaultPlaces>(
         "MAGI_INJECT_FAULT", "none",
         "none, or prepare:RANK, attach:RANK, gather:RANK, slow:RANK, slow-attach:RANK, "

@@ -82,6 +82,9 @@ struct Options {
   GraphSlots graph_slots{};
   // MAGI_CAPTURE_WAIT_MS: how long a round at a graph capture waits for the other ranks; 0: none.
   int64_t capture_wait_ms{};
+  // MAGI_INJECT_CAPTURE: for tests, all-gathers from this call of a communicator on are taken
+  // as captured into a CUDA graph (0: off).
+  int64_t inject_capture_from{};
   bool ce_force{};
   struct Fault {
     enum class Where : uint8_t {

@@ -376,6 +376,12 @@ bool stream_capturing(const CallArgs& args, CallRecord& record) {
       case StreamCapture::Unknown: record.flags |= trace::kCallCaptureUnknown; break;
       case StreamCapture::NotCapturing: break;
     }
+    // MAGI_INJECT_CAPTURE: the CPU tests' captures (a gather served at once, as its replay).
+    const int64_t injected = Options::get().inject_capture_from;
+    if (injected > 0 && args.op == trace::Op::AllGather &&
+        record.seq >= static_cast<uint64_t>(injected))
+      record.flags = static_cast<uint8_t>((record.flags & ~trace::kCallCaptureUnknown) |
+                                          trace::kCallCapturing);
   }
   return (record.flags & trace::kCallCapturing) != 0;
 }

@@ -150,6 +150,7 @@ Fields fields_of(const Options& o) {
                       : o.graph_slots == Options::GraphSlots::Never  ? "never"
                                                                      : "?"},
       {"capture_wait_ms", std::to_string(o.capture_wait_ms)},
+      {"inject_capture_from", std::to_string(o.inject_capture_from)},
       {"ce_force", o.ce_force ? "true" : "false"},
       {"inject_fault.where", number(static_cast<uint64_t>(o.inject_fault.where))},
       {"inject_fault.rank", number(int64_t{o.inject_fault.rank})},
@@ -183,6 +184,7 @@ const Fields kDocumentedDefaults = {
     {"static_weights", "false"},
     {"graph_slots", "auto"},
     {"capture_wait_ms", "20000"},
+    {"inject_capture_from", "0"},
     {"ce_force", "false"},
     {"inject_fault.where", "0"},  // None
     {"inject_fault.rank", "-1"},
@@ -224,6 +226,7 @@ const std::vector<Setting> kEveryOptionChanged = {
     {"MAGI_STATIC_WEIGHTS", "on", {{"static_weights", "true"}}},
     {"MAGI_GRAPH_SLOTS", "never", {{"graph_slots", "never"}}},
     {"MAGI_CAPTURE_WAIT_MS", "17", {{"capture_wait_ms", "17"}}},
+    {"MAGI_INJECT_CAPTURE", "31", {{"inject_capture_from", "31"}}},
     {"MAGI_VERIFY_EVERY", "13", {{"verify_every", "13"}}},
     {"MAGI_BIND_MAX_MIB", "3", {{"bind_max_bytes", "3145728"}}},
     {"MAGI_CE_FORCE", "yes", {{"ce_force", "true"}}},

@@ -1560,6 +1560,50 @@ TEST(Agreement, AnNcclTestsLikeLoopMovesMostTimedCallsOfEveryPhase) {
   }
 }
 
+// Gathers captured before any plan (MAGI_INJECT_CAPTURE: every all-gather from call 14 on, the
+// third step's gathers on (a step is 6 gathers and an all-reduce), taken as captured, as a program
+// capturing after one eager step would have them) are agreed at the capture itself, through the
+// board between the processes: every rank logs the same agreement at the same call, and every
+// gather from it on moves, static weights read in place (shards in a shared file) and the default
+// mode on graph slots, every byte checked by the program.
+TEST(Agreement, GathersCapturedBeforeAnyPlanAreAgreedAtTheCaptureOnEveryRank) {
+  for (const bool static_weights : {true, false}) {
+    SCOPED_TRACE(static_weights ? "static weights" : "default mode");
+    std::vector<std::string> args = {"weights",   "--layers", "6",           "--steps", "12",
+                                     "--program", "swap",     "--swap-step", "100"};
+    EnvList env = {{"MAGI_CE_FORCE", "1"}, {"MAGI_INJECT_CAPTURE", "14"}};
+    if (static_weights) {
+      args.insert(args.end(), {"--arena", "1"});
+      env.push_back({"MAGI_STATIC_WEIGHTS", "1"});
+    }
+    const AgreedRun r = run_agreed(3, args, env);
+    ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+    expect_ranks_agree(r);
+    EXPECT_EQ(count_lines(r.log,
+                          "round 1 agreed at a CUDA graph capture \\(collective #14\\): 6 "
+                          "of 6 gathers"),
+              3u)
+        << r.log;
+    EXPECT_FALSE(has_line(r.log, " MAGI WARN ")) << r.log;
+    ASSERT_EQ(r.comms.size(), 1u);
+    for (const auto& [rank, v] : r.comms.begin()->second) {
+      size_t gathers_from_capture = 0;
+      size_t moved_from_capture = 0;
+      for (const RankView::Collective& c : v.collectives) {
+        if (c.op != trace::Op::AllGather) continue;
+        if (c.seq < 14) {
+          EXPECT_FALSE(c.moved) << "rank " << rank << " call " << c.seq;
+          continue;
+        }
+        ++gathers_from_capture;
+        moved_from_capture += c.moved ? 1 : 0;
+      }
+      EXPECT_EQ(gathers_from_capture, 60u) << "rank " << rank;
+      EXPECT_EQ(moved_from_capture, gathers_from_capture) << "rank " << rank;
+    }
+  }
+}
+
 // When the first gather moves. With the defaults (a warmup of 3 steps, the cost trial on) a
 // stable step moves from its 5th step at the latest; with MAGI_WARMUP_STEPS=1 from its 3rd, or
 // its 4th when the cost trial runs. The propose comes at the call that completes the warmup (the

@@ -9,8 +9,10 @@
 namespace magi::test {
 
 struct InfoLogged {
+  // The options are read first: reading them (once per process, at the first Options::get())
+  // sets the level from MAGI_LOG, which would undo this if it came later, in the test.
   InfoLogged()
-      : level(log_detail::g_level.exchange(1)),
+      : level((static_cast<void>(Options::get()), log_detail::g_level.exchange(1))),
         subsystems(log_detail::g_subsystems.exchange(~0u)) {}
   ~InfoLogged() {
     log_detail::g_level.store(level);
