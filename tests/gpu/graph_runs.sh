@@ -9,7 +9,7 @@
 #  - graph_standin_runs (under MPS, from standin_mps_runs): ranks of the weights program over the
 #    stand-in, which records a captured collective into the graph (a copy to pinned staging, a
 #    host node that runs it with the peers at each replay, a copy back): gathers that move, and
-#    gathers that stay on NCCL (the default mode) or run with no library at all, replayed by the
+#    gathers that stay on NCCL (MAGI_CAPTURE_WAIT_MS=0) or run with no library at all, replayed by the
 #    stand-in. Every byte of every replay is checked by the program.
 #  - graph_real_nccl_runs: the same program at world size 1 over the real NCCL, as nccl-tests -G
 #    runs: N gathers captured once, the graph replayed, every byte of every replay checked; also
@@ -192,8 +192,9 @@ real_nccl_dir() {
 # runs: 16 eager steps of 6 gathers, then the step captured once and replayed 14 times, every
 # byte of every replay checked by the program (magi-workload finds the stand-in by its RUNPATH;
 # LD_LIBRARY_PATH puts the real library first). MAGI_CE_FORCE=1, as a communicator of one rank
-# never explores. Static weights: the captured gathers move; the default mode: they stay on
-# NCCL, whose own captured kernels serve every replay.
+# never explores. Static weights: the captured gathers move on the eager plan; the default mode:
+# the capture ends the eager plan (no graph slots) and agrees one with them at the captured call;
+# with MAGI_GRAPH_SLOTS=always the eager plan has them already.
 graph_real_nccl_runs() {
   local dir name settings
   if ! standin_programs_present; then
