@@ -210,16 +210,14 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
     for (uint32_t p : stale)
       if (e.position == p) e.reason = static_cast<uint8_t>(Reason::BindingChanged);
   }
-  // Static weights at a capture: a shard is read where it lies, or not at all. A binding's copy
-  // needs the program's work on it finished (a device-wide wait, which a capture refuses and
-  // would end), and a transient buffer is staged on the eager handshake, which a replay cannot
-  // repeat.
+  // Static weights at a capture: a shard is read where it lies, or not bound at all. A binding's
+  // copy needs the program's work on it finished (a device-wide wait, which a capture refuses and
+  // would end). A transient shard is neither: it makes the whole plan stage (decide()), on graph
+  // slots, as the default mode does, and binds nothing.
   if (options.static_weights && at_capture) {
     for (GatherEntry& e : out) {
-      if (e.reason != static_cast<uint8_t>(Reason::None)) continue;
-      const bool transient = (e.flags & (kEntryBufferReused | kEntryInPlace)) != 0;
-      if (transient ||
-          !ce::exportable(backend, reinterpret_cast<const void*>(at(e.position).sendbuf),
+      if (e.reason != static_cast<uint8_t>(Reason::None) || (e.flags & kEntryTransient)) continue;
+      if (!ce::exportable(backend, reinterpret_cast<const void*>(at(e.position).sendbuf),
                           e.count * datatype_bytes(e.dtype)))
         e.reason = static_cast<uint8_t>(Reason::NotInPlaceAtCapture);
     }

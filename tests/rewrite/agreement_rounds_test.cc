@@ -266,6 +266,8 @@ class Rank0 {
   // A block of 1000 floats that is neither gather's own.
   float* spare() { return spare_; }
   const void* own_send(uint32_t position) const { return position == 1 ? send1_ : send2_; }
+  // The gather's receive buffer: as its send buffer (rank 0), the gather is in place.
+  const void* own_recv(uint32_t position) const { return position == 1 ? recv1_ : recv2_; }
   // Whole steps; returns the routes of every call, by collective index.
   std::vector<Kind> steps(int n) {
     std::vector<Kind> kinds;
@@ -1159,6 +1161,25 @@ TEST(AgreementRounds, StaticShardsThatCannotBeReadInPlaceStayAtACapture) {
                               "shard cannot be read where it lies"),
             1u)
       << log;
+}
+
+// Static weights at a capture, gathers in place (FSDP's): a transient shard is neither read in
+// place nor bound, so the whole plan stages, on graph slots, and the captured gathers move.
+TEST(AgreementRounds, StaticGathersInPlaceAtACaptureStageOnGraphSlotsAndMove) {
+  Rank0 rank(Env{{"MAGI_CE_FORCE", "1"}, {"MAGI_STATIC_WEIGHTS", "1"}});
+  for (uint32_t p : {1u, 2u}) rank.sends[p] = rank.own_recv(p);
+  rank.run_to(3);
+  rank.capturing = true;
+  EXPECT_EQ(rank.steps(1), (std::vector<Kind>{Kind::Nccl, Kind::Move, Kind::Move}));
+  rank.capturing = false;
+  ASSERT_EQ(rank.fakes.board_contributed.size(), 3u);
+  for (const GatherEntry& e : rank.fakes.board_contributed[0].entries) {
+    EXPECT_EQ(e.reason, 0) << e.position;
+    EXPECT_TRUE(e.flags & kEntryInPlace) << e.position;
+  }
+  ASSERT_EQ(rank.fakes.plans.size(), 1u);
+  EXPECT_FALSE(rank.fakes.plans[0].bound);
+  EXPECT_TRUE(rank.fakes.plans[0].graph_slots);
 }
 
 // A round at a capture that does not reach every rank (one did not capture, or is gone) is
