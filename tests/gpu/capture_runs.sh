@@ -5,8 +5,8 @@
 # run.sh after standin_runs.sh (standin_run, standin_log_check, launch_ranks) under MPS.
 
 # capture_round_runs: the weights program captures its gathers at step K (K eager steps before;
-# the step is found at the second step's eager all-reduce, so K = 2 is the earliest whose every
-# captured gather a plan can cover), static weights and the default mode's graph slots, and once
+# its step of 7 calls is found at call 14, the third step's first, so K = 2 is the earliest whose
+# every captured gather a plan can cover), static weights and the default mode's graph slots, and once
 # untimed without MAGI_CE_FORCE (shards of 1 MiB: the size rule moves them).
 capture_round_runs() {
   local name mode
