@@ -192,7 +192,8 @@ $(GPU_FAULTS): $(BUILD)/obj/tests/gpu/cuda_transport_faults.o $(filter-out $(BUI
 # Unit tests link the library's objects directly (all but the exported entry points);
 # integration tests run real processes under LD_PRELOAD.
 $(TESTS): $(TEST_OBJS) $(filter-out $(BUILD)/obj/shim/exports.o,$(LIB_OBJS)) \
-          $(BUILD)/obj/capture/trace_reader.o $(BUILD)/obj/tests/support/launch.o
+          $(BUILD)/obj/capture/trace_reader.o $(BUILD)/obj/tests/support/launch.o \
+          $(BUILD)/obj/tests/support/forked_ranks.o
 	@mkdir -p $(dir $@)
 	$(CXX) -o $@ $(filter %.o,$^) -lgtest $(LIB_LDLIBS) -Wl,-rpath,'$$ORIGIN/..'
 

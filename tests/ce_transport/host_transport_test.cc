@@ -33,6 +33,8 @@
 #include "ce_transport/process.h"
 #include "ce_transport/sample_plan.h"
 
+#include "tests/support/forked_ranks.h"
+
 namespace magi::ce {
 namespace {
 
@@ -86,68 +88,21 @@ void barrier(Shared& shared, int nranks) {
   while (shared.generation.load(std::memory_order_acquire) == generation) sched_yield();
 }
 
-struct Outcome {
-  pid_t pid = 0;
-  int exit_code = -1;  // -1 when killed by a signal
-  int signal = 0;
-};
-struct RankRun {
-  bool timed_out = false;
-  std::vector<Outcome> ranks;
-};
+using Outcome = support::ForkedRank;
+using RankRun = support::ForkedRun;
 
 // Forks `nranks` children running `body(rank, shared)`; its return value is the exit status.
 // The rank `reap_last` (if >= 0) is reaped only after every other rank has exited, so while the
 // others run it stays a zombie once dead, as a child whose parent is busy elsewhere would.
 RankRun run_ranks(int nranks, Shared& shared, double timeout_s,
                   const std::function<int(int rank, Shared& shared)>& body, int reap_last = -1) {
-  RankRun run;
-  run.ranks.resize(static_cast<size_t>(nranks));
-  std::fflush(nullptr);
-  for (int r = 0; r < nranks; ++r) {
-    const pid_t pid = fork();
-    if (pid < 0) throw std::runtime_error("fork failed");
-    if (pid == 0) {
-      shared.pids[r].store(getpid(), std::memory_order_release);  // before any barrier
-      int status = 3;
-      try {
-        status = body(r, shared);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
-        status = 2;
-      }
-      std::fflush(nullptr);
-      _exit(status);
-    }
-    run.ranks[static_cast<size_t>(r)].pid = pid;
-  }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  std::vector<bool> reaped(static_cast<size_t>(nranks), false);
-  int left = nranks;
-  while (left > 0) {
-    for (int r = 0; r < nranks; ++r) {
-      if (reaped[static_cast<size_t>(r)] || (r == reap_last && left > 1)) continue;
-      Outcome& outcome = run.ranks[static_cast<size_t>(r)];
-      int status = 0;
-      if (waitpid(outcome.pid, &status, WNOHANG) != outcome.pid) continue;
-      if (WIFEXITED(status)) outcome.exit_code = WEXITSTATUS(status);
-      if (WIFSIGNALED(status)) outcome.signal = WTERMSIG(status);
-      reaped[static_cast<size_t>(r)] = true;
-      --left;
-    }
-    if (left == 0) break;
-    if (std::chrono::steady_clock::now() > deadline) {
-      run.timed_out = true;
-      for (int r = 0; r < nranks; ++r)
-        if (!reaped[static_cast<size_t>(r)]) kill(run.ranks[static_cast<size_t>(r)].pid, SIGKILL);
-      for (int r = 0; r < nranks; ++r)
-        if (!reaped[static_cast<size_t>(r)])
-          waitpid(run.ranks[static_cast<size_t>(r)].pid, nullptr, 0);
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  return run;
+  return support::run_forked_ranks(
+      nranks, timeout_s,
+      [&](int r) {
+        shared.pids[r].store(getpid(), std::memory_order_release);  // before any barrier
+        return body(r, shared);
+      },
+      reap_last);
 }
 
 // Window names in /dev/shm that belong to one of `pids` (each name ends in ".<owner pid>").

@@ -30,6 +30,8 @@
 
 #include "base/base.h"
 
+#include "tests/support/forked_ranks.h"
+
 namespace magi::ce {
 namespace {
 
@@ -67,15 +69,8 @@ class SharedArea {
   Shared* shared_;
 };
 
-struct Outcome {
-  pid_t pid = 0;
-  int exit_code = -1;  // -1 when killed by a signal
-  int signal = 0;
-};
-struct RankRun {
-  bool timed_out = false;
-  std::vector<Outcome> ranks;
-};
+using Outcome = support::ForkedRank;
+using RankRun = support::ForkedRun;
 
 // Forks `nranks` children running `body(rank)`, each with its pid in `shared` before it starts;
 // the body's return value is the exit status. The rank
@@ -83,53 +78,13 @@ struct RankRun {
 // run it stays a zombie once dead, as a child whose parent is busy elsewhere would.
 RankRun run_ranks(int nranks, Shared& shared, double timeout_s,
                   const std::function<int(int rank)>& body, int reap_last = -1) {
-  RankRun run;
-  run.ranks.resize(static_cast<size_t>(nranks));
-  std::fflush(nullptr);
-  for (int r = 0; r < nranks; ++r) {
-    const pid_t pid = fork();
-    if (pid < 0) throw std::runtime_error("fork failed");
-    if (pid == 0) {
-      shared.pids[r].store(getpid());
-      int status = 3;
-      try {
-        status = body(r);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
-        status = 2;
-      }
-      std::fflush(nullptr);
-      _exit(status);
-    }
-    run.ranks[static_cast<size_t>(r)].pid = pid;
-  }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  std::vector<bool> reaped(static_cast<size_t>(nranks), false);
-  int left = nranks;
-  while (left > 0) {
-    for (int r = 0; r < nranks; ++r) {
-      if (reaped[static_cast<size_t>(r)] || (r == reap_last && left > 1)) continue;
-      Outcome& outcome = run.ranks[static_cast<size_t>(r)];
-      int status = 0;
-      if (waitpid(outcome.pid, &status, WNOHANG) != outcome.pid) continue;
-      if (WIFEXITED(status)) outcome.exit_code = WEXITSTATUS(status);
-      if (WIFSIGNALED(status)) outcome.signal = WTERMSIG(status);
-      reaped[static_cast<size_t>(r)] = true;
-      --left;
-    }
-    if (left == 0) break;
-    if (std::chrono::steady_clock::now() > deadline) {
-      run.timed_out = true;
-      for (int r = 0; r < nranks; ++r)
-        if (!reaped[static_cast<size_t>(r)]) kill(run.ranks[static_cast<size_t>(r)].pid, SIGKILL);
-      for (int r = 0; r < nranks; ++r)
-        if (!reaped[static_cast<size_t>(r)])
-          waitpid(run.ranks[static_cast<size_t>(r)].pid, nullptr, 0);
-      break;
-    }
-    std::this_thread::sleep_for(milliseconds(2));
-  }
-  return run;
+  return support::run_forked_ranks(
+      nranks, timeout_s,
+      [&](int r) {
+        shared.pids[r].store(getpid());
+        return body(r);
+      },
+      reap_last);
 }
 
 void expect_every_rank_succeeded(const RankRun& run) {
