@@ -1,4 +1,4 @@
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2154  # build, work, pass, fail, skip: from run.sh
 # Rounds at a graph capture (rewrite/capture_rounds.cc): programs that capture after one or two
 # eager steps, as real ones do, get their gathers moved inside the graph, agreed at the capture
 # itself on every rank, with every byte of every replay checked by the workload. Sourced by
@@ -42,36 +42,87 @@ capture_round_runs() {
     "served off NCCL, .*; 6 of them captured into CUDA graphs"
 }
 
-# nccl_tests_capture_runs: nccl-tests' all_gather_perf with -G (one eager call per size, then
-# the timed calls captured into a graph and replayed) at world size 1 with MAGI_CE_FORCE=1: most
-# captured gathers move, none wrong (-c 1 checks every size), static and default mode. Skipped
-# where nccl-tests is not installed.
+# traced_captured NAME: "CAPTURED MOVED", the all-gathers captured into CUDA graphs (flag C in the
+# traces of every rank of the run) and how many of them moved; every replay takes its capture's
+# route, so MOVED / CAPTURED is the share of replayed gathers moved.
+traced_captured() {
+  local t c m captured=0 moved=0
+  for t in "$work/$1"/trace/*.trace; do
+    [ -e "$t" ] || continue
+    read -r c m < <("$build/magice-trace" dump "$t" 2>/dev/null |
+      awk 'length($1) == 12 && $2 ~ /^[0-9]+$/ && $3 == "AllGather" && $10 ~ /C/ {
+        c++; if ($NF == "moved") m++ } END { print c + 0, m + 0 }')
+    captured=$((captured + c))
+    moved=$((moved + m))
+  done
+  echo "$captured $moved"
+}
+
+# perf_graph_runs: the loop of all_gather_perf -G (tests/support/workload/perf.cc --graph), three
+# ranks under MPS: per size and placement one eager call, 50 calls captured into a graph launched
+# 5 times, each at one of 4 places inside its allocations in turn, and a check call captured alone,
+# every result checked. A size change loses the step (one call), found again 9 calls later, inside
+# the out-of-place capture, where the round at the capture agrees a plan that the in-place capture
+# and its check find in force: at least 90 % of the captured gathers move, default mode and static.
+perf_graph_runs() {
+  local mode name captured moved
+  for mode in slots static; do
+    name=mps-perf-graph-$mode
+    if [ $mode = static ]; then
+      standin_run "$name" 3 MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- perf --device 1 \
+        --sizes 4096,262144,4194304 --iters 50 --graph 5 --shift 4
+    else
+      standin_run "$name" 3 MAGI_CE_FORCE=1 -- perf --device 1 --sizes 4096,262144,4194304 \
+        --iters 50 --graph 5 --shift 4
+    fi
+    read -r captured moved < <(traced_captured "$name")
+    if [ "$captured" -gt 0 ] && [ $((moved * 100)) -ge $((captured * 90)) ]; then
+      pass "$name: $moved of $captured captured gathers moved (>= 90 %), every replay checked"
+    else
+      fail "$name: $moved of $captured captured gathers moved (>= 90 % wanted)"
+      grep -E "MAGI (WARN|INFO) .*(capture|served off)" "$work/$name/log" | head -n 8 |
+        sed 's/^/  /'
+    fi
+    grep -m 3 "agreed at a CUDA graph capture" "$work/$name/log" | sed 's/^/  /'
+  done
+}
+
+# nccl_tests_capture_runs: nccl-tests' all_gather_perf with -G (per size and placement one eager
+# call, then the timed calls captured into a graph and replayed, and the check call captured
+# alone) at world size 1 with MAGI_CE_FORCE=1: at least 90 % of the captured gathers move (flag C
+# in the trace), none wrong (-c 1 checks every size), static and default mode. NCCL_TESTS_PERF
+# names the binary; else it is looked for in PATH and the usual places, and the runs are skipped
+# where it is not installed.
 nccl_tests_capture_runs() {
-  local perf
-  perf=$(command -v all_gather_perf 2>/dev/null || ls /opt/nccl-tests/build/all_gather_perf \
-    /usr/local/bin/all_gather_perf 2>/dev/null | head -n 1)
+  local perf=${NCCL_TESTS_PERF:-}
+  [ -n "$perf" ] || perf=$(command -v all_gather_perf 2>/dev/null ||
+    find /opt/nccl-tests/build /usr/local/bin -maxdepth 1 -name all_gather_perf 2>/dev/null |
+    head -n 1)
   [ -n "$perf" ] || { skip "nccl-tests -G: all_gather_perf is not installed here"; return; }
   local mode env name
   for mode in default static; do
     name=nccl-tests-G-$mode
     env="MAGI_CE_FORCE=1"
     [ $mode = static ] && env="$env MAGI_STATIC_WEIGHTS=1"
-    mkdir -p "$work/$name"
+    mkdir -p "$work/$name/trace"
     # shellcheck disable=SC2086
-    env $env MAGI_LOG=INFO LD_PRELOAD="$build/libmagice.so" timeout 300 "$perf" -b 1K -e 64M \
-      -f 4 -c 1 -n 50 -G 5 >"$work/$name/log" 2>&1
-    local status=$? moved total wrong
+    env $env MAGI_LOG=INFO MAGI_TRACE_DIR="$work/$name/trace" LD_PRELOAD="$build/libmagice.so" \
+      timeout 300 "$perf" -b 1K -e 64M -f 4 -c 1 -n 50 -G 5 >"$work/$name/log" 2>&1
+    local status=$? moved total wrong captured captured_moved
     # size count type redop root | time algbw busbw #wrong (out of place) | the same in place
     wrong=$(awk '$1 ~ /^[0-9]+$/ && NF == 13 {s += $9 + $13} END {print s + 0}' \
       "$work/$name/log")
     read -r moved total < <(grep -oE "[0-9]+ of [0-9]+ all-gathers" "$work/$name/log" |
       awk '{m += $1; t += $3} END {print m + 0, t + 0}')
-    if [ $status -eq 0 ] && [ "$wrong" = 0 ] && [ "$total" -gt 0 ] &&
-      [ $((moved * 100)) -ge $((total * 90)) ]; then
-      pass "$name: $moved of $total gathers moved (>= 90 %), 0 wrong"
+    read -r captured captured_moved < <(traced_captured "$name")
+    if [ $status -eq 0 ] && [ "$wrong" = 0 ] && [ "$captured" -gt 0 ] &&
+      [ $((captured_moved * 100)) -ge $((captured * 90)) ]; then
+      pass "$name: $captured_moved of $captured captured gathers moved (>= 90 %; $moved of $total in all), 0 wrong"
     else
-      fail "$name: exit $status, $moved of $total gathers moved, wrong $wrong"
+      fail "$name: exit $status, $captured_moved of $captured captured gathers moved ($moved of $total in all), wrong $wrong"
       tail -n 15 "$work/$name/log" | sed 's/^/  /'
     fi
+    grep -m 3 -E "agreed at a CUDA graph capture|no round at|capture" "$work/$name/log" |
+      grep " MAGI " | sed 's/^/  /'
   done
 }

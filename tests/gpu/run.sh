@@ -21,7 +21,7 @@ trap 'rm -rf "$work"' EXIT
 . "$here/capture_runs.sh"
 # GPU_ONLY=graphs: the CUDA-graph runs alone (graph_runs.sh), a few minutes; GPU_ONLY=graphs-mps:
 # only those of several ranks under MPS (graph_standin_runs, capture_round_runs);
-# GPU_ONLY=capture: the rounds at a capture alone (capture_runs.sh); GPU_ONLY=torch-standin: only
+# GPU_ONLY=capture: the rounds at a capture alone (capture_runs.sh, perf_graph_runs too); GPU_ONLY=torch-standin: only
 # PyTorch at world 2, 4 and 8 over the stand-in under MPS (torch_standin_runs.sh). Any other
 # value selects nothing, and fails.
 if [ -n "${GPU_ONLY:-}" ]; then
@@ -42,6 +42,7 @@ if [ -n "${GPU_ONLY:-}" ]; then
       if mps_start; then  # else it counted the skip
         [ "$GPU_ONLY" = capture ] || graph_standin_runs
         capture_round_runs
+        perf_graph_runs
         mps_stop
       fi
       ;;

@@ -511,5 +511,6 @@ standin_mps_runs() {
     --stall-rank 1 --stall-step 16 --stall-s 40 --watchdog-s 5 --watchdog-grace-s 25
   graph_standin_runs
   capture_round_runs
+  perf_graph_runs
   mps_stop
 }

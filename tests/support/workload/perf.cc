@@ -1,4 +1,4 @@
-// perf [--sizes B1,B2,...] [--warmup W] [--iters N] [--device 1]
+// perf [--sizes B1,B2,...] [--warmup W] [--iters N] [--device 1 [--graph G] [--shift S]]
 //
 // The loop nccl-tests' all_gather_perf runs (-c 1), as a user first tries the library: for each
 // size B (bytes gathered in all, split evenly over the ranks), out of place and then in place,
@@ -6,6 +6,12 @@
 // third after the send buffer was rewritten. Every call of one size has one shape, so the step
 // is one call, found again after each change of size. Silent unless wrong: the result of the
 // last timed call and of the check call are checked element by element.
+// --graph G (with --device 1), as all_gather_perf -G G: the W calls stay eager, the N timed
+// calls are captured into one CUDA graph (global capture mode) launched G times, and the check
+// call is captured into a graph of its own, launched once: after a change of size only the W
+// calls are eager. --shift S: the timed calls take their buffers at S places in turn inside
+// allocations S times larger (call i at i mod S), as all_gather_perf moves each call's buffers
+// inside its allocation.
 #include <cstdint>
 #include <cstring>
 #include <sstream>
@@ -32,8 +38,18 @@ struct Phase {
   bool in_place;
   Buffer& own;
   Buffer& out;
+  int shifts = 1;  // places the timed calls take in turn (--shift)
 
   size_t shard() const { return count * sizeof(uint32_t); }
+  size_t gathered() const { return shard() * static_cast<size_t>(nranks); }
+  // Where call `i` takes its buffers: the out side moves by whole results, and so the send side
+  // (in place it is the rank's part of the result).
+  void* send_of(int i) const {
+    return static_cast<unsigned char*>(send()) + gathered() * static_cast<size_t>(i % shifts);
+  }
+  void* recv_of(int i) const {
+    return static_cast<unsigned char*>(out.nccl()) + gathered() * static_cast<size_t>(i % shifts);
+  }
   static uint32_t value(uint32_t seed, int rank, size_t i) {
     return seed * 2654435761u ^ static_cast<uint32_t>(rank * 40503 + i);
   }
@@ -49,13 +65,25 @@ struct Phase {
     }
     send_side().upload(send_at(), shard());
   }
-  void check(uint32_t seed, const char* what) const {
+  // Fills every place the timed calls take (--shift) with the same values.
+  void fill_places(uint32_t seed) const {
+    fill(seed);
+    const size_t at = send_at();
+    for (int place = 1; place < shifts; ++place) {
+      const size_t to = at + gathered() * static_cast<size_t>(place);
+      std::memcpy(send_side().host() + to, send_side().host() + at, shard());
+      send_side().upload(to, shard());
+    }
+  }
+  // Checks the result call `i` wrote (the place it took).
+  void check(uint32_t seed, const char* what, int call = 0) const {
     placement.synchronize();
-    out.download(0, shard() * static_cast<size_t>(nranks));
+    const size_t base = gathered() * static_cast<size_t>(call % shifts);
+    out.download(base, gathered());
     for (int r = 0; r < nranks; ++r) {
       for (size_t i = 0; i < count; ++i) {
         uint32_t got = 0;
-        std::memcpy(&got, out.host() + shard() * static_cast<size_t>(r) + i * sizeof got,
+        std::memcpy(&got, out.host() + base + shard() * static_cast<size_t>(r) + i * sizeof got,
                     sizeof got);
         if (got != value(seed, r, i))
           throw ScenarioFailure(
@@ -76,12 +104,45 @@ void warmup_calls(const Phase& p, int n) {
 }
 void timed_calls(const Phase& p, int n) {
   for (int i = 0; i < n; ++i)
-    WORKLOAD_CHECK(
-        ncclAllGather(p.send(), p.out.nccl(), p.count, ncclUint32, p.comm, p.placement.stream()));
+    WORKLOAD_CHECK(ncclAllGather(p.send_of(i), p.recv_of(i), p.count, ncclUint32, p.comm,
+                                 p.placement.stream()));
 }
 void check_call(const Phase& p) {
   WORKLOAD_CHECK(
       ncclAllGather(p.send(), p.out.nccl(), p.count, ncclUint32, p.comm, p.placement.stream()));
+}
+
+// Runs `calls` captured into a CUDA graph on the phase's stream, then launches it `launches`
+// times (--graph).
+template <typename Calls>
+void captured(const Phase& p, int launches, Calls calls) {
+  const cudaStream_t stream = p.placement.stream();
+  Placement::cuda_check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal),
+                        "cudaStreamBeginCapture");
+  std::string failed;
+  try {
+    calls();
+  } catch (const ScenarioFailure& e) {
+    failed = e.what();  // the capture still ends, so the stream is usable and the failure said
+  }
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+  if (!failed.empty()) {
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    throw ScenarioFailure(failed + " (captured into a CUDA graph)");
+  }
+  Placement::cuda_check(ended, "cudaStreamEndCapture");
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  Placement::cuda_check(made, "cudaGraphInstantiate");
+  cudaError_t launched = cudaSuccess;
+  for (int i = 0; i < launches && launched == cudaSuccess; ++i)
+    launched = cudaGraphLaunch(exec, stream);
+  const cudaError_t done = cudaStreamSynchronize(stream);
+  cudaGraphExecDestroy(exec);
+  Placement::cuda_check(launched, "cudaGraphLaunch");
+  Placement::cuda_check(done, "cudaStreamSynchronize");
 }
 
 }  // namespace
@@ -90,25 +151,40 @@ int run_perf(const ScenarioOptions& options) {
   const std::vector<size_t> sizes = sizes_of(options.text("sizes", "4096,65536,1048576"));
   const int warmup = static_cast<int>(options.number("warmup", 1));
   const int iters = static_cast<int>(options.number("iters", 40));
-  if (sizes.empty() || warmup < 0 || iters < 1)
-    throw ScenarioFailure("--sizes needs at least one size, --iters a positive count");
+  const int launches = static_cast<int>(options.number("graph", 0));
+  const int shifts = static_cast<int>(options.number("shift", 1));
+  if (sizes.empty() || warmup < 0 || iters < 1 || launches < 0 || shifts < 1)
+    throw ScenarioFailure(
+        "--sizes needs at least one size, --iters and --shift a positive count, --graph >= 0");
   const Placement placement(options);
+  if (launches > 0 && !placement.device())
+    throw ScenarioFailure("--graph needs --device 1 (CUDA graphs)");
   const Bootstrap boot = bootstrap_from_env();
   OwnedComm comm;
   WORKLOAD_CHECK(ncclCommInitRank(comm.out(), boot.nranks, boot.id, boot.rank));
   for (size_t s = 0; s < sizes.size(); ++s) {
     const size_t count = std::max<size_t>(sizes[s] / sizeof(uint32_t) / boot.nranks, 1);
-    Buffer own(placement, count * sizeof(uint32_t));
-    Buffer out(placement, count * sizeof(uint32_t) * static_cast<size_t>(boot.nranks));
+    const size_t gathered = count * sizeof(uint32_t) * static_cast<size_t>(boot.nranks);
+    Buffer own(placement, gathered * static_cast<size_t>(shifts));
+    Buffer out(placement, gathered * static_cast<size_t>(shifts));
     for (const bool in_place : {false, true}) {
-      const Phase p{placement, comm.get(), boot.rank, boot.nranks, count, in_place, own, out};
+      const Phase p{placement, comm.get(), boot.rank, boot.nranks, count,
+                    in_place,  own,        out,       shifts};
       const uint32_t seed = static_cast<uint32_t>(s * 4 + (in_place ? 2 : 0));
-      p.fill(seed);
+      p.fill_places(seed);
       warmup_calls(p, warmup);
-      timed_calls(p, iters);
-      p.check(seed, "after the timed calls");
+      if (launches > 0) {
+        captured(p, launches, [&] { timed_calls(p, iters); });
+      } else {
+        timed_calls(p, iters);
+      }
+      p.check(seed, "after the timed calls", iters - 1);
       p.fill(seed + 1);
-      check_call(p);
+      if (launches > 0) {
+        captured(p, 1, [&] { check_call(p); });
+      } else {
+        check_call(p);
+      }
       p.check(seed + 1, "the check call");
     }
   }
