@@ -2,11 +2,18 @@
 # make gpu-test: everything that needs a GPU. Prints one closing line, its only verdict:
 # "gpu-tests: N passed, M failed, K skipped" (tests/gpu/verdict.sh).
 # Usage: tests/gpu/run.sh BUILD_DIR
+# GPU_WORK=DIR keeps every run's log and traces in DIR (made if missing); else they go with a
+# temporary directory at the end.
 set -u
 build=$(cd "${1:-build}" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+if [ -n "${GPU_WORK:-}" ]; then
+  work=$GPU_WORK
+  mkdir -p "$work"
+else
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+fi
 # shellcheck source=tests/gpu/verdict.sh
 . "$here/verdict.sh"
 

@@ -272,12 +272,13 @@ def forward_inputs(ctx):
     input of call k."""
     torch = ctx.torch
     g = torch.Generator().manual_seed(77)
-    weights = [torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN ** 0.5 for _ in range(LAYERS)]
+    hidden = ctx.args.hidden
+    weights = [torch.randn(hidden, hidden, generator=g) / hidden ** 0.5 for _ in range(LAYERS)]
     shards = [w.chunk(ctx.world, 0)[ctx.rank].contiguous().to(ctx.dev) for w in weights]
 
     def input_of(k):
         gk = torch.Generator().manual_seed(1000 * ctx.rank + k)
-        return torch.randn(2 * ctx.world, HIDDEN, generator=gk).to(ctx.dev)
+        return torch.randn(2 * ctx.world, hidden, generator=gk).to(ctx.dev)
 
     return shards, input_of
 
@@ -396,6 +397,8 @@ def main() -> int:
     p.add_argument("--programs", default="fsdp2,dtensor,graph")
     p.add_argument("--steps", type=int, default=16, help="fsdp2 and dtensor steps")
     p.add_argument("--replays", type=int, default=5, help="graph replays")
+    p.add_argument("--hidden", type=int, default=HIDDEN,
+                   help="graph and compile: the layers' width (a shard is hidden^2 / world floats)")
     p.add_argument("--compiled-calls", type=int, default=6, help="calls of the compiled forward")
     p.add_argument("--timeout-s", type=int, default=180, help="the process group's timeout")
     args = p.parse_args()

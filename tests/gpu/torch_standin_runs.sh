@@ -6,29 +6,34 @@
 # libmagice.so in front of it; every program's saved results must be bitwise equal between the two,
 # rank by rank (compare_results.py), and each program checks its own results too. The share of
 # gathers the library moved is read from its end-of-communicator lines (MAGI_LOG=INFO: "A of B
-# all-gathers (...) served off NCCL"). A run that cannot start is a FAIL with the end of its log;
+# all-gathers (...) served off NCCL"), and of the gathers captured into graphs from the traces
+# (with MAGI_CE_FORCE=1 in TORCH_STANDIN_MAGI, torch.cuda.graph's must move, 90 % at least). Each
+# world also runs torch.cuda.graph with wide layers (shards of 1 MiB and more) under the library's
+# default settings: agreed at the capture by the size rule, 90 % moved. A run that cannot start is a FAIL with the end of its log;
 # a program this PyTorch cannot run ("unavailable") is a SKIP with the reason.
 # Environment (all optional):
 #   TORCH_STANDIN_WORLDS  the world sizes (default "2 4 8")
 #   TORCH_STANDIN_MAGI    more KEY=VALUE settings of the library for the runs with it
 #   PYTHON                the interpreter that holds PyTorch (default python3)
 
-# torch_standin_launch NAME WORLD SIDE PROGRAMS LIMIT_S: one job of WORLD ranks (torchrun, started
-# as "$python -m torch.distributed.run") running PROGRAMS; SIDE "plain" (the stand-in alone) or
-# "magi" (the library in front, logging at INFO, a trace per rank). Only the ranks get the
-# preloads (torchrun --no-python runs `env ... python3 SCRIPT`). Output in $work/NAME/log, the
-# exit status in $work/NAME/rc (124: past LIMIT_S), results in $work/NAME/out.
+# torch_standin_launch NAME WORLD SIDE PROGRAMS LIMIT_S [ARGS...]: one job of WORLD ranks
+# (torchrun, started as "$python -m torch.distributed.run") running PROGRAMS with the script's
+# ARGS; SIDE "plain" (the stand-in alone), "magi" (the library in front with TORCH_STANDIN_MAGI,
+# logging at INFO, a trace per rank) or "magi-defaults" (the same without TORCH_STANDIN_MAGI).
+# Only the ranks get the preloads (torchrun --no-python runs `env ... python3 SCRIPT`). Output in
+# $work/NAME/log, the exit status in $work/NAME/rc (124: past LIMIT_S), results in $work/NAME/out.
 torch_standin_launch() {
   local name=$1 world=$2 side=$3 programs=$4 limit=$5
+  shift 5
   local dir="$work/$name" standin="$build/tests/support/libnccl.so.2"
   mkdir -p "$dir/trace" "$dir/out"
   local envs=(TORCH_STANDIN_NCCL="$standin")
   # Inductor says why it skips its CUDA graphs only among its performance hints.
   [ "$programs" = compile ] && envs+=(TORCH_LOGS=perf_hints)
-  if [ "$side" = magi ]; then
+  if [ "$side" != plain ]; then
     envs+=(LD_PRELOAD="$build/libmagice.so $standin" MAGI_LOG=INFO MAGI_TRACE_DIR="$dir/trace")
     # shellcheck disable=SC2206  # the settings, word by word
-    [ -n "${TORCH_STANDIN_MAGI:-}" ] && envs+=($TORCH_STANDIN_MAGI)
+    [ "$side" = magi ] && [ -n "${TORCH_STANDIN_MAGI:-}" ] && envs+=($TORCH_STANDIN_MAGI)
   else
     envs+=(LD_PRELOAD="$standin")
   fi
@@ -37,7 +42,7 @@ torch_standin_launch() {
     cd "$here" || exit 2
     timeout -k 20 "$limit" "$torch_python" -m torch.distributed.run --standalone \
       --nproc_per_node "$world" --no_python env "${envs[@]}" "$torch_python" \
-      "$here/torch_standin.py" --out "$dir/out" --programs "$programs" >"$dir/log" 2>&1
+      "$here/torch_standin.py" --out "$dir/out" --programs "$programs" "$@" >"$dir/log" 2>&1
   )
   echo $? >"$dir/rc"
   echo $((SECONDS - began)) >"$dir/seconds"
@@ -107,28 +112,43 @@ torch_standin_moved() {
   grep -h -m 2 "captured into a CUDA graph" "${logs[@]}" 2>/dev/null | sed 's/^/  /'
 }
 
-# torch_standin_captured WORLD NAME...: of the all-gathers captured into CUDA graphs (flag C in
-# the traces of every rank of the jobs named), how many moved: every replay takes its capture's
-# route, so this is the share of replayed gathers moved. A SKIP where nothing was captured.
+# torch_standin_captured WORLD NAME [MIN_PERCENT]: of the all-gathers captured into CUDA graphs
+# (flag C in the traces of every rank of job NAME), how many moved: every replay takes its
+# capture's route, so this is the share of replayed gathers moved. A SKIP where nothing was
+# captured; a FAIL below MIN_PERCENT where one is given.
 torch_standin_captured() {
-  local world=$1
-  shift
-  local name t captured=0 moved=0 c m
-  for name in "$@"; do
-    for t in "$work/$name"/trace/*.trace; do
-      [ -e "$t" ] || continue
-      read -r c m < <("$build/magice-trace" dump "$t" 2>/dev/null |
-        awk 'length($1) == 12 && $2 ~ /^[0-9]+$/ && $3 == "AllGather" && $10 ~ /C/ {
-          c++; if ($NF == "moved") m++ } END { print c + 0, m + 0 }')
-      captured=$((captured + c))
-      moved=$((moved + m))
-    done
-  done
+  local world=$1 name=$2 least=${3:-0} captured moved
+  read -r captured moved < <(traced_captured "$name")
   if [ "$captured" = 0 ]; then
-    skip "torch-standin-$world: no all-gather was captured into a CUDA graph (traces of $*)"
+    skip "torch-standin-$world: no all-gather was captured into a CUDA graph (traces of $name)"
     return
   fi
-  pass "torch-standin-$world: $moved of $captured all-gathers captured into CUDA graphs moved ($((100 * moved / captured))%), at every replay"
+  local what="$name: $moved of $captured all-gathers captured into CUDA graphs moved ($((100 * moved / captured))%), at every replay"
+  if [ $((moved * 100)) -ge $((captured * least)) ]; then
+    pass "$what${3:+ (>= $least % wanted)}"
+  else
+    fail "$what (>= $least % wanted)"
+    grep -h -E " MAGI (INFO|WARN) .*(capture|served off)" "$work/$name/log" | head -n 6 |
+      sed 's/^/  /'
+  fi
+}
+
+# torch_standin_graph_defaults WORLD: torch.cuda.graph after three warm-ups with layers of
+# 2048 x 2048 floats (shards of 16 MiB / WORLD) and the library's default settings: the plan is
+# agreed at the capture, untimed (the size rule moves shards of 1 MiB and more), and at least 90 %
+# of the replayed gathers move, every replay bitwise equal to the stand-in's alone.
+torch_standin_graph_defaults() {
+  local world=$1 side
+  for side in plain magi-defaults; do
+    torch_standin_launch "torch-standin-$world-$side-wide" "$world" "$side" graph 240 --hidden 2048
+    torch_standin_ran "torch-standin-$world-$side-wide" \
+      "graph with 2048-wide layers ran, $world ranks on one GPU$([ $side != plain ] && echo ", the library in front with its defaults")"
+  done
+  torch_standin_compare "$world" graph "torch-standin-$world-plain-wide" \
+    "torch-standin-$world-magi-defaults-wide"
+  torch_standin_captured "$world" "torch-standin-$world-magi-defaults-wide" 90
+  grep -h -m 1 "agreed at a CUDA graph capture" "$work/torch-standin-$world-magi-defaults-wide/log" |
+    sed 's/^/  /'
 }
 
 torch_standin_runs() {
@@ -171,7 +191,12 @@ torch_standin_runs() {
       skip "torch-standin-$world compile: Inductor skipped its CUDA graphs, so no collective was captured: $(grep -m 1 -o "skipping cudagraphs due to.*" "$work/torch-standin-$world-plain-compile/log" || grep -m 1 -o "cudagraphs skipped.*" "$work/torch-standin-$world-plain-compile/log")"
     fi
     torch_standin_moved "$world" "torch-standin-$world-magi" "torch-standin-$world-magi-compile"
-    torch_standin_captured "$world" "torch-standin-$world-magi" "torch-standin-$world-magi-compile"
+    # With MAGI_CE_FORCE=1 every captured gather of torch.cuda.graph must move.
+    local least=""
+    [[ " ${TORCH_STANDIN_MAGI:-} " == *" MAGI_CE_FORCE=1 "* ]] && least=90
+    torch_standin_captured "$world" "torch-standin-$world-magi" $least
+    torch_standin_captured "$world" "torch-standin-$world-magi-compile"
+    torch_standin_graph_defaults "$world"
   done
   if [ -n "$saved_timeout" ]; then export STANDIN_TIMEOUT_S=$saved_timeout; else unset STANDIN_TIMEOUT_S; fi
   unset STANDIN_PINNED_STAGING TORCHINDUCTOR_CACHE_DIR TORCHINDUCTOR_COMPILE_THREADS
