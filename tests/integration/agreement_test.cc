@@ -1806,6 +1806,10 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
     }
     // Every third seed has the stand-in run each group's collectives largest first, as NCCL does.
     if (seed % 3 == 1) env.emplace_back("STANDIN_GROUP_ORDER", "size");
+    // Every seventh seed captures its gathers into a CUDA graph from a call on (the same on every
+    // rank, as NCCL requires): agreed at the capture through the board, or NCCL on every rank.
+    if (seed % 7 == 5)
+      env.emplace_back("MAGI_INJECT_CAPTURE", std::to_string(8 + (seed * 13) % 30));
     // Every eleventh seed sets one scheduling setting differently on one rank: nothing may move
     // anywhere, and nothing may hang.
     std::vector<EnvList> rank_env;
@@ -1827,7 +1831,7 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
   };
   constexpr int kScenariosAtOnce = 4;
   std::deque<Scenario> running;
-  int with_moves = 0, failures = 0;
+  int with_moves = 0, failures = 0, with_capture = 0, agreed_at_capture = 0;
   const int last = first + scenarios - 1;
   int started = first - 1;
   for (int seed = first; seed <= last && failures < 3; ++seed) {
@@ -1866,9 +1870,15 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
         ++with_moves;
         break;
       }
+    if (seed % 7 == 5) {
+      ++with_capture;
+      if (has_line(r.log, "agreed at a CUDA graph capture")) ++agreed_at_capture;
+    }
   }
-  std::printf("agreement: %d random scenarios, %d moved gathers, %d failed\n", scenarios,
-              with_moves, failures);
+  std::printf(
+      "agreement: %d random scenarios, %d moved gathers, %d failed; %d captured from a call on, "
+      "%d of them agreed at a capture\n",
+      scenarios, with_moves, failures, with_capture, agreed_at_capture);
   EXPECT_EQ(failures, 0);
   // The generator must exercise the moved path (a replay of a few seeds may not).
   if (scenarios >= 30) {
