@@ -11,6 +11,11 @@
 // captured gathers on NCCL from then on, on every rank, since every rank reads it abandoned,
 // a late one at once.
 //
+// Who comes to the board is decided by shared facts (the phase, the step, the capture) and two
+// settings, MAGI_GRAPH_SLOTS and MAGI_STATIC_WEIGHTS, which the hello carries: every rank reads
+// there whether they are alike before it goes to the board, so a rank set differently never
+// leaves its peers waiting MAGI_CAPTURE_WAIT_MS for it (no rank takes a round at a capture then).
+//
 // What is agreed is an ordinary plan (propose, publish, confirm; rewrite/agreement.h), issued and
 // read within the one call, at most once per step, and it stays in force after the capture like
 // any plan. Where a rank's set-up runs off the calls (rewrite/set_up.h), its publish or confirm
@@ -66,13 +71,9 @@ bool CommAgreement::capture_round_due() const {
     return false;
   if (!step_.seen.has_gathers() || step_.seen.complete_steps() < 1) return false;
   // A plan in force routes the call, unless a default-mode capture finds it without graph slots:
-  // that plan ends here, and one with them is agreed.
-  if (plan_in_force(phase_) && (plan_.bound() || plan_.dry() || plan_.graph_slots() ||
-                                world_.options.graph_slots == Options::GraphSlots::Never))
-    return false;
-  if (!plan_in_force(phase_) && !world_.options.static_weights &&
-      world_.options.graph_slots == Options::GraphSlots::Never)
-    return false;
+  // that plan ends here, and one with them is agreed (unless MAGI_GRAPH_SLOTS=never: the
+  // settings are looked at in agree_at_capture, once the hello said they are alike).
+  if (plan_in_force(phase_) && (plan_.bound() || plan_.dry() || plan_.graph_slots())) return false;
   // A plan starts at a bucket's first call: in a group, only at its first.
   const GroupView group = world_.group();
   return group.depth == 0 || (group.calls <= 1 && !group.holds_point_to_point);
@@ -93,6 +94,16 @@ void CommAgreement::agree_at_capture(uint64_t seq) {
                                    : "the communicator made no eager collective before it");
     return;
   }
+  // Whether this round may come depends on two settings besides shared facts; every rank reads
+  // here whether they are alike, so every rank comes to the board, or none.
+  if (!hello_.capture_alike()) return log_.no_capture_round(seq, hello_.capture_why().c_str());
+  if (world_.options.graph_slots == Options::GraphSlots::Never &&
+      (plan_in_force(phase_) || !world_.options.static_weights))
+    return log_.no_capture_round(seq, plan_in_force(phase_)
+                                          ? "MAGI_GRAPH_SLOTS=never: the plan in force has no "
+                                            "graph slots, and keeps its captured gathers on NCCL"
+                                          : "MAGI_GRAPH_SLOTS=never, without static weights: a "
+                                            "captured gather has nothing to move on");
   if (round_in_flight(phase_) || committing(phase_)) abandon_pending(seq);
   if (plan_in_force(phase_)) deactivate(seq, Reason::GraphCapture);
   set_phase(Phase::AgreeingAtCapture, seq);

@@ -15,6 +15,14 @@ std::string backend_text(int64_t v) {
   return v == static_cast<int64_t>(Options::Backend::Host) ? "host" : "cuda";
 }
 std::string count_text(int64_t v) { return std::to_string(v); }
+std::string graph_slots_text(int64_t v) {
+  switch (static_cast<Options::GraphSlots>(v)) {
+    case Options::GraphSlots::Auto: return "auto";
+    case Options::GraphSlots::Always: return "always";
+    case Options::GraphSlots::Never: return "never";
+  }
+  return std::to_string(v);
+}
 
 struct Setting {
   const char* name;
@@ -30,6 +38,13 @@ constexpr Setting kSettings[] = {
     {"MAGI_MAX_STEP_CALLS", [](const ScheduleSettings& s) { return s.max_step_calls; }, count_text},
     {"MAGI_CE_FORCE", [](const ScheduleSettings& s) -> int64_t { return s.ce_force; }, count_text},
     {"MAGI_CAPTURE_WAIT_MS", [](const ScheduleSettings& s) { return s.capture_wait_ms; },
+     count_text},
+};
+// Those that decide only whether a rank takes part in rounds at a graph capture.
+constexpr Setting kCaptureSettings[] = {
+    {"MAGI_GRAPH_SLOTS", [](const ScheduleSettings& s) -> int64_t { return s.graph_slots; },
+     graph_slots_text},
+    {"MAGI_STATIC_WEIGHTS", [](const ScheduleSettings& s) -> int64_t { return s.static_weights; },
      count_text},
 };
 
@@ -67,6 +82,21 @@ std::string values_text(const Setting& setting, const std::vector<ScheduleSettin
   return out;
 }
 
+// "MAGI_X differs between ranks (...)" for each setting of `table` that differs, joined by "; ".
+template <size_t N>
+std::string differences(const Setting (&table)[N], const std::vector<ScheduleSettings>& all) {
+  std::string out;
+  for (const Setting& setting : table) {
+    bool differs = false;
+    for (const ScheduleSettings& s : all)
+      differs = differs || setting.value(s) != setting.value(all[0]);
+    if (!differs) continue;
+    if (!out.empty()) out += "; ";
+    out += std::string(setting.name) + " differs between ranks (" + values_text(setting, all) + ")";
+  }
+  return out;
+}
+
 }  // namespace
 
 ScheduleSettings schedule_settings(const Options& options, bool backend_available) {
@@ -79,6 +109,8 @@ ScheduleSettings schedule_settings(const Options& options, bool backend_availabl
   s.backend = static_cast<uint8_t>(options.backend);
   s.ce_force = options.ce_force ? 1 : 0;
   s.backend_available = backend_available ? 1 : 0;
+  s.graph_slots = static_cast<uint8_t>(options.graph_slots);
+  s.static_weights = options.static_weights ? 1 : 0;
   return s;
 }
 
@@ -114,15 +146,7 @@ HelloOutcome read_hello(std::span<const uint8_t> all, int nranks) {
     settings.emplace_back();
     std::memcpy(&settings.back(), c.table.data(), sizeof(ScheduleSettings));
   }
-  for (const Setting& setting : kSettings) {
-    bool differs = false;
-    for (const ScheduleSettings& s : settings)
-      differs = differs || setting.value(s) != setting.value(settings[0]);
-    if (!differs) continue;
-    if (!out.why.empty()) out.why += "; ";
-    out.why += std::string(setting.name) + " differs between ranks (" +
-               values_text(setting, settings) + ")";
-  }
+  out.why = differences(kSettings, settings);
   std::vector<int> unable;
   for (size_t r = 0; r < settings.size(); ++r)
     if (settings[r].transport == static_cast<uint8_t>(Options::Transport::CopyEngine) &&
@@ -148,6 +172,8 @@ HelloOutcome read_hello(std::span<const uint8_t> all, int nranks) {
   // Alike everywhere; with MAGI_TRANSPORT=nccl everywhere nobody reads this.
   out.one_host = std::all_of(settings.begin(), settings.end(),
                              [&](const ScheduleSettings& s) { return s.host == settings[0].host; });
+  out.capture_why = differences(kCaptureSettings, settings);
+  out.capture_alike = out.capture_why.empty();
   out.agreed = takes_part(settings[0]);
   if (!out.agreed) {
     out.reason = Reason::CommNotAgreeable;

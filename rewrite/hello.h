@@ -14,7 +14,10 @@
 namespace magi::rewrite {
 
 // This rank's schedule settings, as the hello carries them (values, so a warning can name them).
-// MAGI_DRY_RUN and MAGI_STATIC_WEIGHTS are not here: decide() combines them across ranks.
+// MAGI_DRY_RUN and MAGI_STATIC_WEIGHTS do not keep a communicator on NCCL when they differ:
+// decide() combines them across ranks. MAGI_STATIC_WEIGHTS and MAGI_GRAPH_SLOTS decide whether a
+// rank takes part in a round at a graph capture, which only the ranks that come to it meet (no
+// decide() can combine a round a rank never joins), so where they differ no rank takes one.
 struct ScheduleSettings {
   int64_t warmup_steps;     // MAGI_WARMUP_STEPS: when the first propose comes; the cost trial
   int64_t reagree_steps;    // MAGI_REAGREE_STEPS: when the next propose comes
@@ -28,7 +31,9 @@ struct ScheduleSettings {
   uint8_t backend;            // Options::Backend
   uint8_t ce_force;           // MAGI_CE_FORCE: whether a cost round follows an activation
   uint8_t backend_available;  // the backend can run in this process
-  uint8_t reserved[4];
+  uint8_t graph_slots;     // Options::GraphSlots: rounds at a capture (rewrite/capture_rounds.cc)
+  uint8_t static_weights;  // MAGI_STATIC_WEIGHTS: the same
+  uint8_t reserved[2];
 };
 static_assert(sizeof(ScheduleSettings) == 48);
 
@@ -44,6 +49,10 @@ struct HelloOutcome {
   Reason reason = Reason::None;  // SettingsDiffer, AnchorInGroup, or StepsDiffer (unreadable)
   std::string why;               // one line for the log when not agreed
   bool one_host = false;         // every rank runs on the same host
+  // The settings rounds at a capture depend on are alike on every rank; else `capture_why` says
+  // which differ.
+  bool capture_alike = false;
+  std::string capture_why;
 };
 HelloOutcome read_hello(std::span<const uint8_t> all, int nranks);
 

@@ -52,9 +52,13 @@ bool HelloGate::issue(RoundChannel& channel, const RoundStamp& stamp, uint64_t s
   if (!round_->voted_no) return true;
   channel.retire(*round_);
   round_.reset();
-  return take({false, Reason::AnchorInGroup,
+  return take({false,
+               Reason::AnchorInGroup,
                "this rank made the settings check inside a group holding Send/Recv: this "
-               "communicator stays on NCCL on every rank"},
+               "communicator stays on NCCL on every rank",
+               false,
+               false,
+               {}},
               channel, stamp, seq);
 }
 
@@ -65,6 +69,7 @@ bool HelloGate::read(RoundChannel& channel, const RoundStamp& stamp, uint64_t se
   channel.keep(*round);
   agreed_ = take(hello, channel, stamp, seq);
   one_host_ = hello.one_host;
+  capture_why_ = hello.capture_why;
   return agreed_;
 }
 

@@ -51,6 +51,10 @@ class HelloGate {
   bool agreed() const { return agreed_; }
   // Read and agreed, and every rank runs on this host (rounds at a graph capture need it).
   bool one_host() const { return agreed_ && one_host_; }
+  // Whether the settings that decide who takes part in a round at a graph capture are alike on
+  // every rank (HelloOutcome::capture_alike); else why not.
+  bool capture_alike() const { return agreed_ && capture_why_.empty(); }
+  const std::string& capture_why() const { return capture_why_; }
   // The communicator ends: a hello still in flight is retired (RoundBuffers).
   void end(RoundChannel& channel);
 
@@ -69,6 +73,7 @@ class HelloGate {
   bool takes_part_ = false;
   bool agreed_ = false;
   bool one_host_ = false;
+  std::string capture_why_;
   uint64_t last_seq_ = 0;  // the latest collective's index
   std::unique_ptr<Round> round_;
 };

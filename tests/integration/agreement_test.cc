@@ -1536,6 +1536,34 @@ int64_t first_moved_step(const RankView& v, int per_step) {
 // fsdp --layers 5: gathers of layers 0, 1+2 (a group), 3 and 4, then the logits' all-reduce.
 constexpr int kFsdpCallsPerStep = 6;
 
+// The settings that decide whether a rank takes part in a round at a capture (MAGI_GRAPH_SLOTS,
+// MAGI_STATIC_WEIGHTS) set differently on one rank: every rank reads that in the hello before
+// its first round at a capture and none of them goes to the board, so the captured gathers stay
+// on NCCL on every rank at once, with no rank waiting MAGI_CAPTURE_WAIT_MS (20 s, past the run's
+// limit) for one that never comes.
+TEST(Agreement, CaptureSettingsThatDifferOnOneRankKeepCapturedGathersOnNcclWithoutWaiting) {
+  for (const auto& [name, value] :
+       {std::pair<const char*, const char*>{"MAGI_GRAPH_SLOTS", "never"},
+        {"MAGI_STATIC_WEIGHTS", "1"}}) {
+    SCOPED_TRACE(std::string(name) + "=" + value + " on rank 1");
+    std::vector<EnvList> rank_env(3);
+    rank_env[1].push_back({name, value});
+    const AgreedRun r = run_agreed(
+        3, {"weights", "--layers", "6", "--steps", "12", "--program", "swap", "--swap-step", "100"},
+        {{"MAGI_CE_FORCE", "1"}, {"MAGI_INJECT_CAPTURE", "14"}}, 15, rank_env);
+    ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+    expect_ranks_agree(r);
+    EXPECT_FALSE(has_line(r.log, "agreed at a CUDA graph capture")) << r.log;
+    ASSERT_EQ(r.comms.size(), 1u);
+    for (const auto& [rank, v] : r.comms.begin()->second) {
+      for (const RankView::Collective& c : v.collectives) {
+        if (c.seq < 14) continue;
+        EXPECT_FALSE(c.moved) << "rank " << rank << " call " << c.seq;
+      }
+    }
+  }
+}
+
 // The loop of nccl-tests' all_gather_perf (tests/support/workload/perf.cc): per size, out of
 // place then in place, 1 warmup call, 40 timed calls, 1 check call, each from a call site of its
 // own. Each size change loses the step, found again 9 calls later (a step of one call); the

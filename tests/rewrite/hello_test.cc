@@ -51,6 +51,22 @@ TEST(Hello, ADifferenceNamesTheVariableAndEveryRanksValue) {
             "3): this communicator stays on NCCL on every rank; set it alike on every rank");
 }
 
+// MAGI_GRAPH_SLOTS and MAGI_STATIC_WEIGHTS decide only who comes to a round at a graph capture:
+// a difference keeps every rank from those rounds, and nothing else.
+TEST(Hello, CaptureSettingsThatDifferKeepOnlyTheRoundsAtACapture) {
+  std::vector<ScheduleSettings> s(3, defaults());
+  EXPECT_TRUE(read_hello(hellos(s), 3).capture_alike);
+  s[2].graph_slots = static_cast<uint8_t>(Options::GraphSlots::Never);
+  s[1].static_weights = 1;
+  const HelloOutcome h = read_hello(hellos(s), 3);
+  EXPECT_TRUE(h.agreed);
+  EXPECT_TRUE(h.why.empty());
+  EXPECT_FALSE(h.capture_alike);
+  EXPECT_EQ(h.capture_why,
+            "MAGI_GRAPH_SLOTS differs between ranks (rank 0: auto, rank 1: auto, rank 2: never); "
+            "MAGI_STATIC_WEIGHTS differs between ranks (rank 0: 0, rank 1: 1, rank 2: 0)");
+}
+
 TEST(Hello, ManyRanksListEachValueWithItsRanks) {
   std::vector<ScheduleSettings> s(8, defaults());
   s[5].transport = static_cast<uint8_t>(Options::Transport::Nccl);
