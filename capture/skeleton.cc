@@ -167,9 +167,13 @@ void StepDetector::lock(uint32_t p) {
   origin_ = origin;
   position_ = static_cast<uint32_t>((last - origin) % q);
   repeats_ = (last - origin + 1) / q;
-  digest_ = XXH3_64bits(step_.data(), step_.size() * sizeof(uint64_t));
+  digest_ = digest_of(step_);
   candidate_ = 0;
   run_ = 0;
+}
+
+uint64_t StepDetector::digest_of(std::span<const uint64_t> keys) {
+  return XXH3_64bits(keys.data(), keys.size() * sizeof(uint64_t));
 }
 
 }  // namespace magi::capture

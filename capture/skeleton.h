@@ -79,6 +79,8 @@ class StepDetector {
   std::span<const uint64_t> step() const { return step_; }
   // XXH3 of step(); 0 when not found.
   uint64_t digest() const { return digest_; }
+  // What digest() says of a step of these keys (rewrite/ names a step of one call with it).
+  static uint64_t digest_of(std::span<const uint64_t> keys);
   // The period and digest of the step most recently lost (what period() and digest() said just
   // before the Lost push); 0 before any loss.
   uint32_t lost_period() const { return lost_period_; }

@@ -37,9 +37,9 @@ CommAgreement::~CommAgreement() {
 }
 
 Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallRecord& record,
-                                   const capture::StepView& view) {
-  if (!view.collective) return {};
-  const uint64_t seq = view.collective_index;
+                                   const capture::StepView& detected) {
+  if (!detected.collective) return {};
+  const uint64_t seq = detected.collective_index;
   // No NCCL round at a call captured into a CUDA graph (it would run at each replay, not now): a
   // captured gather no plan covers is agreed through the board (capture_rounds.cc). Capture is
   // the one input here that is not a shape: programs capture the same calls on every rank.
@@ -63,10 +63,15 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   if (gather && capture::stream_capturing(args, record)) channel_.saw_capture();
   const CallFacts facts = CallFacts::of(args, record);
   step_.recent.add(seq, facts);
-  if (view.event == capture::StepDetector::Event::Lost) on_lost(seq);
+  if (detected.event == capture::StepDetector::Event::Lost) on_lost(seq);
+  const capture::StepView view =
+      step_view(detected, record, gather && (record.flags & trace::kCallCapturing) != 0);
   if (!view.found) return {};
-  if (view.event == capture::StepDetector::Event::Found || view.digest != step_.digest)
+  if ((view.event == capture::StepDetector::Event::Found && one_call_.found_alike_at != seq) ||
+      view.digest != step_.digest)
     restart(view);
+  // A step of one call is whole once its call is seen: a round at this capture may come at once.
+  const bool one_call_starts = one_call_.holds && one_call_.origin == seq;
   if (step_.seen.has_gathers()) step_.refined.watch(record, view, step_.seen.keyed_on_buffers());
   uint32_t position = step_.refined.position_of(view);
   if (position == 0) step_.seen.begin_step();
@@ -81,6 +86,7 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
     position = step_.refined.position_of(view);
   }
   step_.seen.observe(position, facts, channel_.backend());
+  if (one_call_starts) step_.seen.begin_step();
 
   const bool capturing = (record.flags & trace::kCallCapturing) != 0;  // asked for gathers
   if (gather && capturing && capture_round_due()) {
@@ -154,6 +160,7 @@ void CommAgreement::restart(const capture::StepView& view) {
   serving_.forget_stale();
   step_.digest = view.digest;
   policy_.restart(view.digest, view.position, step_.seen.complete_steps());
+  capture_.attempted_at_step = UINT64_MAX;  // steps are counted afresh: a round may come at once
   // A new shape step: rounds follow it, and this rank's own facts are watched afresh from here.
   step_.refined.follow_shape_step(view);
 }

@@ -210,6 +210,12 @@ class CommAgreement {
   void after_cost(std::span<const uint8_t> all, uint64_t seq);
   void deactivate(uint64_t seq, Reason why);
   // Rounds at a CUDA graph capture (rewrite/capture_rounds.cc).
+  // The step the call is placed in: capture's, or a step of one call taken at a capture where
+  // capture found none yet (capture_rounds.cc says when and why). `captured_gather`: the call
+  // is an all-gather on a capturing stream.
+  capture::StepView step_view(const capture::StepView& detected, const capture::CallRecord& record,
+                              bool captured_gather);
+  bool one_call_step_may_start() const;
   bool capture_round_due() const;
   void agree_at_capture(uint64_t seq);
   bool commit_at_capture(RoundKind kind, Contribution& c, uint64_t seq, CommitOutcome& outcome);
@@ -236,7 +242,19 @@ class CommAgreement {
   Coverage coverage_;
   struct CaptureRounds {
     uint64_t attempted_at_step = UINT64_MAX;  // at most one attempt a step (policy_.steps())
+    uint64_t nothing_moved_digest = 0;  // the step whose last round at a capture moved nothing
   } capture_;
+  // A step of one call taken at a capture (capture_rounds.cc): the call's shape and the step's
+  // digest while it holds, how many were taken (at most kOneCallSteps a communicator), and the
+  // call where capture's detector found the same step, which then goes on as it.
+  struct OneCallStep {
+    bool holds = false;
+    uint64_t key = 0;
+    uint64_t digest = 0;
+    uint64_t origin = 0;
+    uint32_t taken = 0;
+    uint64_t found_alike_at = UINT64_MAX;
+  } one_call_;
 };
 
 // The agreement of a communicator that joined, in the process's world (production_world).

@@ -24,6 +24,19 @@
 // here enters the graph: the board is host memory, and the transport's own CUDA calls run outside
 // the capture (ce::OutsideCapture).
 //
+// Before any step is found. A program may capture its gathers before capture's detector found a
+// step: one warm-up and then the capture (nccl-tests' one eager call per size; Inductor's graphs
+// recorded at the second call), or a step shorter than 8 calls, found 8 calls into its second run
+// (capture/skeleton.h). A captured all-gather that finds no step found is then taken as a step of
+// its own, one call long, named as the detector would name it (its shape's digest), at once on
+// every rank (shapes and capture are alike): the round at the capture agrees a plan on it, and it
+// holds for every call of that shape that follows, captured or not, until a call of another shape
+// (lost there, as any step) or until the detector finds a step: the same step goes on as it, any
+// other replaces it (restart). Only in the default mode, on graph slots (static weights read each
+// call's own send buffer in place, which a step of one call cannot bind); at most kOneCallSteps
+// a communicator, and never again for a shape whose round moved nothing, so a program of many
+// shapes pays a bounded number of rounds.
+//
 // No timing, still a choice: a captured call cannot be timed both ways before it is recorded. A
 // bucket whose size the communicator's eager cost rounds already judged keeps that verdict; any
 // other moves only from kCaptureRuleBytes on (BENCHMARKS.md, "Gathers agreed at capture");
@@ -41,6 +54,9 @@ namespace {
 // A bucket agreed at a capture with no verdict of its size moves from this many bytes a rank:
 // below it a gather's fixed cost (the handshake, a copy per peer) weighs more than NCCL's ring.
 constexpr uint64_t kCaptureRuleBytes = uint64_t{1} << 20;
+
+// Steps of one call a communicator may take at captures: each costs a round and a window.
+constexpr uint32_t kOneCallSteps = 64;
 
 // Between two exchanges of a publish or confirm some rank said "still setting up".
 std::chrono::milliseconds pause_before(int attempt) {
@@ -64,9 +80,61 @@ const char* why_nothing_moves(const Decision& d) {
 
 }  // namespace
 
+capture::StepView CommAgreement::step_view(const capture::StepView& detected,
+                                           const capture::CallRecord& record,
+                                           bool captured_gather) {
+  const uint64_t seq = detected.collective_index;
+  if (detected.found) {
+    // The detector's own step from here; the one-call step goes on as it where it is the same.
+    if (one_call_.holds && detected.period == 1 && detected.digest == one_call_.digest)
+      one_call_.found_alike_at = seq;
+    one_call_.holds = false;
+    return detected;
+  }
+  capture::StepView view = detected;
+  if (one_call_.holds && record.shape == one_call_.key) {
+    view.found = true;
+    view.period = 1;
+    view.position = 0;
+    view.digest = one_call_.digest;
+    view.origin = one_call_.origin;
+    view.repeats = seq - one_call_.origin;
+    return view;
+  }
+  if (one_call_.holds) {  // a call of another shape: lost, as a step is
+    one_call_.holds = false;
+    on_lost(seq);
+  }
+  if (!captured_gather || !one_call_step_may_start()) return detected;
+  one_call_.holds = true;
+  one_call_.key = record.shape;
+  one_call_.digest = capture::StepDetector::digest_of(std::span<const uint64_t>(&record.shape, 1));
+  one_call_.origin = seq;
+  ++one_call_.taken;
+  view.found = true;
+  view.event = capture::StepDetector::Event::Found;
+  view.period = 1;
+  view.position = 0;
+  view.digest = one_call_.digest;
+  view.origin = seq;
+  view.repeats = 0;
+  return view;
+}
+
+// Shared facts only (the settings are read in agree_at_capture, once the hello said they are
+// alike), so every rank takes the step at the same call.
+bool CommAgreement::one_call_step_may_start() const {
+  if (phase_ == Phase::Off || policy_.stopped() || one_call_.taken >= kOneCallSteps) return false;
+  if (world_.options.capture_wait_ms == 0 || !world_.make.board || !channel_.board_gone().empty())
+    return false;
+  const GroupView group = world_.group();
+  return group.depth == 0 || (group.calls <= 1 && !group.holds_point_to_point);
+}
+
 bool CommAgreement::capture_round_due() const {
   if (phase_ == Phase::Off || policy_.stopped() || capture_.attempted_at_step == policy_.steps())
     return false;
+  if (step_.digest == capture_.nothing_moved_digest) return false;
   if (world_.options.capture_wait_ms == 0 || !world_.make.board || !channel_.board_gone().empty())
     return false;
   if (!step_.seen.has_gathers() || step_.seen.complete_steps() < 1) return false;
@@ -89,6 +157,7 @@ void CommAgreement::agree_at_capture(uint64_t seq) {
     return;
   }
   if (!hello_.one_host()) {
+    one_call_.taken = kOneCallSteps;
     log_.no_capture_round(seq, hello_.agreed()
                                    ? "its ranks are not all on this host"
                                    : "the communicator made no eager collective before it");
@@ -96,14 +165,26 @@ void CommAgreement::agree_at_capture(uint64_t seq) {
   }
   // Whether this round may come depends on two settings besides shared facts; every rank reads
   // here whether they are alike, so every rank comes to the board, or none.
-  if (!hello_.capture_alike()) return log_.no_capture_round(seq, hello_.capture_why().c_str());
+  if (!hello_.capture_alike()) {
+    one_call_.taken = kOneCallSteps;
+    return log_.no_capture_round(seq, hello_.capture_why().c_str());
+  }
+  if (one_call_.holds && world_.options.static_weights) {
+    one_call_.taken = kOneCallSteps;  // alike on every rank: none takes one again
+    return log_.no_capture_round(
+        seq,
+        "captured before any step was found, with static weights: its send buffers are "
+        "read in place, which a step of one call cannot bind");
+  }
   if (world_.options.graph_slots == Options::GraphSlots::Never &&
-      (plan_in_force(phase_) || !world_.options.static_weights))
+      (plan_in_force(phase_) || !world_.options.static_weights)) {
+    one_call_.taken = kOneCallSteps;
     return log_.no_capture_round(seq, plan_in_force(phase_)
                                           ? "MAGI_GRAPH_SLOTS=never: the plan in force has no "
                                             "graph slots, and keeps its captured gathers on NCCL"
                                           : "MAGI_GRAPH_SLOTS=never, without static weights: a "
                                             "captured gather has nothing to move on");
+  }
   if (round_in_flight(phase_) || committing(phase_)) abandon_pending(seq);
   if (plan_in_force(phase_)) deactivate(seq, Reason::GraphCapture);
   set_phase(Phase::AgreeingAtCapture, seq);
@@ -138,13 +219,16 @@ void CommAgreement::agree_at_capture(uint64_t seq) {
   plan_.decision = d;
   trace_round(RoundKind::Propose, trace::RoundEvent::Read, seq, d.mode, d.reason, d.moved);
   record_decision(world_.trace, info_, step_.seen, d, plan_.round);
-  if (d.refine_period != 0 || d.dry_run || !d.moves_anything())
+  if (d.refine_period != 0 || d.dry_run || !d.moves_anything()) {
+    // The same decision would come at every step of this one: none is taken again for it.
+    if (d.refine_period == 0) capture_.nothing_moved_digest = step_.digest;
     return end_capture_round(
         seq, d.refine_period != 0 ? "the step was refined twice in a row"
              : d.dry_run          ? "MAGI_DRY_RUN=1"
              : could_move ? "every bucket is below the size rule (1 MiB a rank) or of a size NCCL "
                             "won in eager cost rounds; untimed at a capture"
                           : why_nothing_moves(d));
+  }
   plan_.layout = lay_out_slots(step_.seen, d.gathers, d.bound);
   trial_.begin(false, plan_.buckets());
 

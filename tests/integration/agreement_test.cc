@@ -1536,6 +1536,84 @@ int64_t first_moved_step(const RankView& v, int per_step) {
 // fsdp --layers 5: gathers of layers 0, 1+2 (a group), 3 and 4, then the logits' all-reduce.
 constexpr int kFsdpCallsPerStep = 6;
 
+// all_gather_perf -G's loop with every gather from the second call on captured
+// (MAGI_INJECT_CAPTURE=1): each size's gathers are captured before the detector finds their step
+// (one call, found 8 calls in), so each first captured gather is taken as a step of one call and
+// agreed at the capture itself, on every rank at the same call; that plan goes on as the step the
+// detector finds. Every gather but the first eager one moves, every byte checked. Untimed and
+// below the size rule, nothing moves and each size takes one round, not one a call.
+TEST(Agreement, GathersCapturedBeforeAnyStepIsFoundMoveOnAStepOfOneCall) {
+  const std::vector<std::string> perf = {"perf",    "--sizes", "4096,65536,262144", "--iters", "40",
+                                         "--shift", "3"};
+  constexpr size_t kCalls = 3 * 2 * 42;
+  {
+    const AgreedRun r = run_agreed(3, perf, {{"MAGI_CE_FORCE", "1"}, {"MAGI_INJECT_CAPTURE", "1"}});
+    ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+    expect_ranks_agree(r);
+    // Sizes change at calls 84 and 168; each time the first gather is captured.
+    for (const char* at : {R"(#1\))", R"(#84\))", R"(#168\))"})
+      EXPECT_EQ(
+          count_lines(r.log, std::string(R"(agreed at a CUDA graph capture \(collective )") + at),
+          3u)
+          << at << "\n"
+          << r.log;
+    EXPECT_FALSE(has_line(r.log, " MAGI WARN ")) << r.log;
+    ASSERT_EQ(r.comms.size(), 1u);
+    for (const auto& [rank, v] : r.comms.begin()->second) {
+      ASSERT_EQ(v.collectives.size(), kCalls) << "rank " << rank;
+      EXPECT_EQ(v.moved.size(), kCalls - 1) << "rank " << rank;
+      EXPECT_FALSE(v.collectives.front().moved) << "rank " << rank;
+    }
+  }
+  {
+    const AgreedRun r = run_agreed(3, perf, {{"MAGI_CE_FORCE", "0"}, {"MAGI_INJECT_CAPTURE", "1"}});
+    ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+    expect_ranks_agree(r);
+    ASSERT_EQ(r.comms.size(), 1u);
+    for (const auto& [rank, v] : r.comms.begin()->second) {
+      EXPECT_TRUE(v.moved.empty()) << "rank " << rank;
+      EXPECT_EQ(v.decisions.size(), 3u) << "rank " << rank << ": one round at a capture a size";
+    }
+  }
+}
+
+// A step of seven calls captured from its second run's fourth call, before the detector finds it
+// (8 calls into the second run): the captured gathers before that move on a step of one call
+// (the layers share a shape), and the step found replaces it, agreed at the capture again; with
+// static weights no step of one call is taken (each send buffer would need binding) and the
+// gathers before the step is found stay on NCCL, said once. No rank waits, every byte checked.
+TEST(Agreement, AStepFoundInsideACaptureReplacesTheStepOfOneCall) {
+  for (const bool static_weights : {false, true}) {
+    SCOPED_TRACE(static_weights ? "static weights" : "default mode");
+    std::vector<std::string> args = {"weights",   "--layers", "6",           "--steps", "12",
+                                     "--program", "swap",     "--swap-step", "100"};
+    EnvList env = {{"MAGI_CE_FORCE", "1"}, {"MAGI_INJECT_CAPTURE", "10"}};
+    if (static_weights) {
+      args.insert(args.end(), {"--arena", "1"});
+      env.push_back({"MAGI_STATIC_WEIGHTS", "1"});
+    }
+    const AgreedRun r = run_agreed(3, args, env, 30);
+    ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+    expect_ranks_agree(r);
+    EXPECT_FALSE(has_line(r.log, " MAGI WARN ")) << r.log;
+    EXPECT_EQ(count_lines(r.log, R"(agreed at a CUDA graph capture \(collective #14\))"), 3u)
+        << r.log;
+    ASSERT_EQ(r.comms.size(), 1u);
+    for (const auto& [rank, v] : r.comms.begin()->second) {
+      for (const RankView::Collective& c : v.collectives) {
+        if (c.op != trace::Op::AllGather || c.seq < 10) continue;
+        // Calls 10-12 are gathers, 13 the step's all-reduce; the step is found at 14.
+        const bool before_found = c.seq < 14;
+        EXPECT_EQ(c.moved, !(static_weights && before_found))
+            << "rank " << rank << " call " << c.seq;
+      }
+    }
+    if (static_weights) {
+      EXPECT_EQ(count_lines(r.log, "a step of one call cannot bind"), 3u) << r.log;
+    }
+  }
+}
+
 // The settings that decide whether a rank takes part in a round at a capture (MAGI_GRAPH_SLOTS,
 // MAGI_STATIC_WEIGHTS) set differently on one rank: every rank reads that in the hello before
 // its first round at a capture and none of them goes to the board, so the captured gathers stay
