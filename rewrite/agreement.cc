@@ -310,8 +310,8 @@ void CommAgreement::propose(uint64_t seq) {
 Contribution CommAgreement::propose_contribution(bool at_capture) {
   Contribution c = channel_.header(RoundKind::Propose, stamp(trace::RoundEvent::Issued));
   const StepObservation& seen = step_.seen;
-  c.entries =
-      seen.entries(world_.options, channel_.backend(), serving_.stale_positions(), at_capture);
+  c.entries = seen.entries(world_.options, channel_.backend(), serving_.stale_positions(),
+                           at_capture, one_call_.holds);
   if (serving_.failed()) {
     for (GatherEntry& e : c.entries) e.reason = static_cast<uint8_t>(Reason::TransportFailed);
   }

@@ -32,9 +32,10 @@
 // every rank (shapes and capture are alike): the round at the capture agrees a plan on it, and it
 // holds for every call of that shape that follows, captured or not, until a call of another shape
 // (lost there, as any step) or until the detector finds a step: the same step goes on as it, any
-// other replaces it (restart). Only in the default mode, on graph slots (static weights read each
-// call's own send buffer in place, which a step of one call cannot bind); at most kOneCallSteps
-// a communicator, and never again for a shape whose round moved nothing, so a program of many
+// other replaces it (restart). It is staged on graph slots in either mode: its one position may
+// name another send buffer at every call (nccl-tests moves them), so with static weights its
+// entries are transient and the plan stages, binding nothing (decide()). At most kOneCallSteps a
+// communicator, and never again for a shape whose round moved nothing, so a program of many
 // shapes pays a bounded number of rounds.
 //
 // No timing, still a choice: a captured call cannot be timed both ways before it is recorded. A
@@ -168,13 +169,6 @@ void CommAgreement::agree_at_capture(uint64_t seq) {
   if (!hello_.capture_alike()) {
     one_call_.taken = kOneCallSteps;
     return log_.no_capture_round(seq, hello_.capture_why().c_str());
-  }
-  if (one_call_.holds && world_.options.static_weights) {
-    one_call_.taken = kOneCallSteps;  // alike on every rank: none takes one again
-    return log_.no_capture_round(
-        seq,
-        "captured before any step was found, with static weights: its send buffers are "
-        "read in place, which a step of one call cannot bind");
   }
   if (world_.options.graph_slots == Options::GraphSlots::Never &&
       (plan_in_force(phase_) || !world_.options.static_weights)) {

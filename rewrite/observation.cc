@@ -157,7 +157,7 @@ ce::BufferIdentity StepObservation::identity(const ce::BufferIdentity& seen, uin
 
 std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Backend backend,
                                                   const std::vector<uint32_t>& stale,
-                                                  bool at_capture) const {
+                                                  bool at_capture, bool transient) const {
   std::vector<GatherEntry> out;
   // Buckets: the gathers of one group share one; an ungrouped gather is a bucket of its own.
   std::map<uint32_t, uint16_t> bucket_of_key;
@@ -178,7 +178,8 @@ std::vector<GatherEntry> StepObservation::entries(const Options& options, ce::Ba
     e.position = pos;
     e.bucket = it->second;
     e.dtype = p.dtype;
-    e.flags = (overlaps[pos] ? kEntryBufferReused : 0u) | (p.in_place ? kEntryInPlace : 0u);
+    e.flags =
+        (overlaps[pos] || transient ? kEntryBufferReused : 0u) | (p.in_place ? kEntryInPlace : 0u);
     Reason why = Reason::None;
     const uint64_t min_bytes = options.symm_min_shard_bytes;
     if (p.stable_steps < stable_needed)

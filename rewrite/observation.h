@@ -97,9 +97,11 @@ class StepObservation {
   // a static plan or on graph slots), but where this rank refuses graph slots in the default
   // mode. `at_capture`: a propose made while the program captures (rewrite/capture_rounds.cc):
   // a captured call's facts are what every replay repeats, so one look at a position suffices.
+  // `transient`: every entry is flagged transient (a step of one call, whose one position may
+  // name another send buffer at every call), so a static plan stages.
   std::vector<GatherEntry> entries(const Options& options, ce::Backend backend,
-                                   const std::vector<uint32_t>& stale = {},
-                                   bool at_capture = false) const;
+                                   const std::vector<uint32_t>& stale = {}, bool at_capture = false,
+                                   bool transient = false) const;
 
  private:
   // A position's buffer as entries() judges it: identified at its call when keyed on buffers,

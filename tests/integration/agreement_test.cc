@@ -1579,9 +1579,10 @@ TEST(Agreement, GathersCapturedBeforeAnyStepIsFoundMoveOnAStepOfOneCall) {
 
 // A step of seven calls captured from its second run's fourth call, before the detector finds it
 // (8 calls into the second run): the captured gathers before that move on a step of one call
-// (the layers share a shape), and the step found replaces it, agreed at the capture again; with
-// static weights no step of one call is taken (each send buffer would need binding) and the
-// gathers before the step is found stay on NCCL, said once. No rank waits, every byte checked.
+// (the layers share a shape), and the step found replaces it, agreed at the capture again. With
+// static weights too: the step of one call stages on graph slots (its send buffer is another
+// layer's at each call, which no binding could follow), the step found reads in place. No rank
+// waits, every byte checked.
 TEST(Agreement, AStepFoundInsideACaptureReplacesTheStepOfOneCall) {
   for (const bool static_weights : {false, true}) {
     SCOPED_TRACE(static_weights ? "static weights" : "default mode");
@@ -1603,14 +1604,16 @@ TEST(Agreement, AStepFoundInsideACaptureReplacesTheStepOfOneCall) {
       for (const RankView::Collective& c : v.collectives) {
         if (c.op != trace::Op::AllGather || c.seq < 10) continue;
         // Calls 10-12 are gathers, 13 the step's all-reduce; the step is found at 14.
-        const bool before_found = c.seq < 14;
-        EXPECT_EQ(c.moved, !(static_weights && before_found))
-            << "rank " << rank << " call " << c.seq;
+        EXPECT_TRUE(c.moved) << "rank " << rank << " call " << c.seq;
       }
     }
-    if (static_weights) {
-      EXPECT_EQ(count_lines(r.log, "a step of one call cannot bind"), 3u) << r.log;
-    }
+    EXPECT_EQ(count_lines(r.log, R"(agreed at a CUDA graph capture \(collective #10\))"), 3u)
+        << r.log;
+    // Staged on graph slots in both modes.
+    EXPECT_EQ(count_lines(r.log, R"(moving 1 of 1 gathers per step from collective #10 )"
+                                 R"(\(identical; graph slots\))"),
+              3u)
+        << r.log;
   }
 }
 
