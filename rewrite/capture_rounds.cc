@@ -158,7 +158,7 @@ void CommAgreement::agree_at_capture(uint64_t seq) {
     return;
   }
   if (!hello_.one_host()) {
-    one_call_.taken = kOneCallSteps;
+    if (hello_.agreed()) one_call_.taken = kOneCallSteps;  // where its ranks run never changes
     log_.no_capture_round(seq, hello_.agreed()
                                    ? "its ranks are not all on this host"
                                    : "the communicator made no eager collective before it");
