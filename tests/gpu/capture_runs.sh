@@ -85,6 +85,17 @@ perf_graph_runs() {
     fi
     grep -m 3 "agreed at a CUDA graph capture" "$work/$name/log" | sed 's/^/  /'
   done
+  # What a capture of 100 gathers takes with the library (agreed at the capture itself) and
+  # without it: figures for BENCHMARKS.md, not a check.
+  name=mps-perf-graph-100
+  standin_run "$name" 3 MAGI_CE_FORCE=1 -- perf --device 1 --sizes 4194304 --iters 100 --graph 1 \
+    --report-capture 1
+  mkdir -p "$work/$name-plain"
+  "$launch" -n 3 --timeout 120 -- "$workload" perf --device 1 --sizes 4194304 --iters 100 \
+    --graph 1 --report-capture 1 >"$work/$name-plain/log" 2>&1
+  echo "  a capture of 100 gathers, with the library (MAGI_CE_FORCE=1) and without:"
+  grep -h "a capture of" "$work/$name/log" | sed 's/^/    with:    /'
+  grep -h "a capture of" "$work/$name-plain/log" | sed 's/^/    without: /'
 }
 
 # nccl_tests_capture_runs: nccl-tests' all_gather_perf with -G (per size and placement one eager

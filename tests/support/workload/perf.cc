@@ -1,4 +1,5 @@
-// perf [--sizes B1,B2,...] [--warmup W] [--iters N] [--device 1 [--graph G] [--shift S]]
+// perf [--sizes B1,B2,...] [--warmup W] [--iters N] [--device 1 [--graph G] [--shift S]
+//      [--report-capture 1]]
 //
 // The loop nccl-tests' all_gather_perf runs (-c 1), as a user first tries the library: for each
 // size B (bytes gathered in all, split evenly over the ranks), out of place and then in place,
@@ -11,8 +12,11 @@
 // call is captured into a graph of its own, launched once: after a change of size only the W
 // calls are eager. --shift S: the timed calls take their buffers at S places in turn inside
 // allocations S times larger (call i at i mod S), as all_gather_perf moves each call's buffers
-// inside its allocation.
+// inside its allocation. --report-capture 1: each capture of the timed calls says how long it
+// took, on stderr.
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 #include <vector>
@@ -113,10 +117,11 @@ void check_call(const Phase& p) {
 }
 
 // Runs `calls` captured into a CUDA graph on the phase's stream, then launches it `launches`
-// times (--graph).
+// times (--graph). Returns how long the capture took (begin to end), in milliseconds.
 template <typename Calls>
-void captured(const Phase& p, int launches, Calls calls) {
+double captured(const Phase& p, int launches, Calls calls) {
   const cudaStream_t stream = p.placement.stream();
+  const auto began = std::chrono::steady_clock::now();
   Placement::cuda_check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal),
                         "cudaStreamBeginCapture");
   std::string failed;
@@ -132,6 +137,8 @@ void captured(const Phase& p, int launches, Calls calls) {
     throw ScenarioFailure(failed + " (captured into a CUDA graph)");
   }
   Placement::cuda_check(ended, "cudaStreamEndCapture");
+  const double took =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
   cudaGraphExec_t exec = nullptr;
   const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);
@@ -143,6 +150,7 @@ void captured(const Phase& p, int launches, Calls calls) {
   cudaGraphExecDestroy(exec);
   Placement::cuda_check(launched, "cudaGraphLaunch");
   Placement::cuda_check(done, "cudaStreamSynchronize");
+  return took;
 }
 
 }  // namespace
@@ -153,6 +161,7 @@ int run_perf(const ScenarioOptions& options) {
   const int iters = static_cast<int>(options.number("iters", 40));
   const int launches = static_cast<int>(options.number("graph", 0));
   const int shifts = static_cast<int>(options.number("shift", 1));
+  const bool report_capture = options.number("report-capture", 0) != 0;
   if (sizes.empty() || warmup < 0 || iters < 1 || launches < 0 || shifts < 1)
     throw ScenarioFailure(
         "--sizes needs at least one size, --iters and --shift a positive count, --graph >= 0");
@@ -174,7 +183,11 @@ int run_perf(const ScenarioOptions& options) {
       p.fill_places(seed);
       warmup_calls(p, warmup);
       if (launches > 0) {
-        captured(p, launches, [&] { timed_calls(p, iters); });
+        const double ms = captured(p, launches, [&] { timed_calls(p, iters); });
+        if (report_capture)
+          std::fprintf(stderr,
+                       "perf: rank %d: %zu bytes %s: a capture of %d gathers took %.2f ms\n",
+                       boot.rank, sizes[s], in_place ? "in place" : "out of place", iters, ms);
       } else {
         timed_calls(p, iters);
       }
