@@ -160,7 +160,10 @@ void CommAgreement::restart(const capture::StepView& view) {
   serving_.forget_stale();
   step_.digest = view.digest;
   policy_.restart(view.digest, view.position, step_.seen.complete_steps());
-  capture_.attempted_at_step = UINT64_MAX;  // steps are counted afresh: a round may come at once
+  // Steps are counted afresh: a round at a capture may come at once, and may move what one
+  // before this restart could not.
+  capture_.attempted_at_step = UINT64_MAX;
+  capture_.nothing_moved_digest = 0;
   // A new shape step: rounds follow it, and this rank's own facts are watched afresh from here.
   step_.refined.follow_shape_step(view);
 }
@@ -329,6 +332,7 @@ Contribution CommAgreement::propose_contribution(bool at_capture) {
 }
 
 void CommAgreement::take_decision(const Decision& d, uint32_t round, uint64_t seq) {
+  capture_.nothing_moved_digest = 0;  // eager rounds may have judged sizes since
   plan_.decision = d;
   plan_.round = round;
   trace_round(RoundKind::Propose, trace::RoundEvent::Read, seq, d.mode, d.reason, d.moved);

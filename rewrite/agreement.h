@@ -242,7 +242,9 @@ class CommAgreement {
   Coverage coverage_;
   struct CaptureRounds {
     uint64_t attempted_at_step = UINT64_MAX;  // at most one attempt a step (policy_.steps())
-    uint64_t nothing_moved_digest = 0;  // the step whose last round at a capture moved nothing
+    // The step whose last round at a capture moved nothing: none again for it until the step
+    // restarts or an eager propose is read (what decided may have changed).
+    uint64_t nothing_moved_digest = 0;
   } capture_;
   // A step of one call taken at a capture (capture_rounds.cc): the call's shape and the step's
   // digest while it holds, how many were taken (at most kOneCallSteps a communicator), and the
