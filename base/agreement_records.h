@@ -71,6 +71,9 @@ enum class Reason : uint8_t {
   CaptureRule,          // agreed at a graph capture, untimed: its bucket is below the size rule
   CaptureAbandoned,     // a round at a graph capture did not reach every rank in time
   NotInPlaceAtCapture,  // static weights at a graph capture: its shard cannot be read in place
+  MachinesUneven,       // the ranks span machines holding different numbers of them (3 + 1)
+  OneRankPerMachine,    // the ranks span machines of one rank each: nothing is local to read
+  MachinesOnDevice,     // the ranks span machines on the CUDA backend (two levels: host only)
   Count
 };
 

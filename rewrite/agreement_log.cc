@@ -146,6 +146,20 @@ void AgreementLog::transient(uint32_t round, const Decision& d) const {
             d.transient_flags & kEntryBufferReused ? "buffer reused" : "in place");
 }
 
+void AgreementLog::two_levels(uint32_t round, const Decision& d, int rank) const {
+  const Machines& m = d.machines;
+  const size_t r = static_cast<size_t>(rank);
+  MAGI_INFO(Rewrite,
+            "comm %012llx round %u: the ranks span %d machines of %d: each moved gather runs "
+            "in two levels, NCCL between machines on the sub-communicator of local index %d "
+            "(this rank is machine %d), then the transport inside the machine%s",
+            short_id(comm_), round, m.count, m.per_machine, m.local_of[r], m.machine_of[r],
+            d.static_across_machines
+                ? "; MAGI_STATIC_WEIGHTS=1 across machines: the plan stages (the other machines' "
+                  "shards arrive at every call)"
+                : "");
+}
+
 void AgreementLog::not_timed_again(uint32_t round) const {
   MAGI_INFO(Rewrite,
             "comm %012llx round %u: every moving bucket is as large as one the copy engine "

@@ -1123,6 +1123,181 @@ TEST(Agreement, AFallenBackGroupedBucketIsNotTracedAsMoved) {
   }
 }
 
+// ---- communicators that span machines (MAGI_INJECT_HOST: ranks of one host made to look like
+// ranks of several) ----
+
+// Per rank, the machine it says it runs on.
+std::vector<EnvList> on_machines(const std::vector<std::string>& machine_of_rank) {
+  std::vector<EnvList> env;
+  for (const std::string& m : machine_of_rank) env.push_back({{"MAGI_INJECT_HOST", m}});
+  return env;
+}
+
+// The two-level path: every rank moves the same calls (every byte checked by the workload at
+// every call, grouped layers included), each says it runs in two levels on the sub-communicator
+// of its local index, and each sub-communicator formed off the program's calls.
+void expect_two_levels(const AgreedRun& r, int nranks, int machines) {
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  ASSERT_EQ(r.comms.size(), 1u) << transcript(r);
+  expect_ranks_agree(r);
+  const uint64_t comm = r.comm_ids()[0];
+  for (int rank = 0; rank < nranks; ++rank) {
+    const RankView& v = r.view(comm, rank);
+    EXPECT_EQ(rounds_with(v, RoundKind::Confirm, RoundEvent::Activated).size(), 1u)
+        << "rank " << rank << "\n"
+        << transcript(r);
+    EXPECT_GE(v.moved.size(), 5u * 4) << "rank " << rank;  // at least four steps moved
+    EXPECT_FALSE(v.in_group_moved.empty()) << "rank " << rank;
+    EXPECT_TRUE(v.fell_back.empty()) << "rank " << rank;
+    EXPECT_TRUE(has_line(
+        r.log, "\\[" + std::to_string(rank) +
+                   R"(\] MAGI INFO REWRITE comm [0-9a-f]+ round [0-9]+: the ranks )"
+                   R"(span )" +
+                   std::to_string(machines) + " machines of " + std::to_string(nranks / machines) +
+                   ": each moved gather runs in two levels"))
+        << "rank " << rank << "\n"
+        << r.log;
+    EXPECT_TRUE(
+        has_line(r.log, "\\[" + std::to_string(rank) +
+                            R"(\] MAGI INFO TRANSPORT comm [0-9a-f]+: the sub-communicator )"
+                            R"(of local index [0-9]+ formed \(rank [0-9]+ of )" +
+                            std::to_string(machines) +
+                            R"(\) in [0-9.]+ ms, off the )"
+                            R"(program's calls)"))
+        << "rank " << rank << "\n"
+        << r.log;
+  }
+}
+
+// Nothing moves, on every rank, for `why`, said in the trace.
+void expect_nccl_for(const AgreedRun& r, Reason why) {
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  const uint64_t comm = r.comm_ids()[0];
+  for (const auto& [rank, v] : r.comms.at(comm)) {
+    EXPECT_TRUE(v.moved.empty()) << "rank " << rank;
+    const auto read = rounds_with(v, RoundKind::Propose, RoundEvent::Read);
+    ASSERT_FALSE(read.empty()) << "rank " << rank << "\n" << transcript(r);
+    EXPECT_EQ(read[0].reason, static_cast<uint8_t>(why)) << "rank " << rank;
+  }
+}
+
+// The sub-communicators form off the program's calls, so the confirm is asked again 1, 2, 4 ...
+// steps apart until every rank's is done: 128 steps hold that wait and many moved steps.
+TEST(Machines, TwoMachinesOfTwoRanksGatherInTwoLevels) {
+  expect_two_levels(run_agreed(4, fsdp({}, 128), {}, 60, on_machines({"a", "a", "b", "b"})), 4, 2);
+}
+
+TEST(Machines, TwoMachinesOfFourRanksGatherInTwoLevels) {
+  expect_two_levels(
+      run_agreed(8, fsdp({}, 128), {}, 90, on_machines({"a", "a", "a", "a", "b", "b", "b", "b"})),
+      8, 2);
+}
+
+TEST(Machines, FourMachinesOfTwoRanksGatherInTwoLevels) {
+  expect_two_levels(
+      run_agreed(8, fsdp({}, 128), {}, 90, on_machines({"a", "a", "b", "b", "c", "c", "d", "d"})),
+      8, 4);
+}
+
+// Ranks of one machine need not be consecutive: rank r's shard lands at r wherever its machine
+// and local index put it (machines ordered by their lowest rank: b's ranks 1 and 3 are machine
+// 1; c, with ranks 2 and 5, machine 2).
+TEST(Machines, RanksNumberedAcrossMachinesGatherInTwoLevels) {
+  expect_two_levels(run_agreed(4, fsdp({}, 128), {}, 60, on_machines({"a", "b", "a", "b"})), 4, 2);
+  expect_two_levels(
+      run_agreed(6, fsdp({}, 128), {}, 90, on_machines({"a", "b", "c", "b", "a", "c"})), 6, 3);
+}
+
+// MAGI_STATIC_WEIGHTS=1 across machines: the other machines' shards arrive at every call, so the
+// plan stages (the default mode, exact for any buffer) and says so; nothing is bound.
+TEST(Machines, StaticWeightsAcrossMachinesStageInTwoLevels) {
+  const AgreedRun r = run_agreed(4, fsdp({}, 128), {{"MAGI_STATIC_WEIGHTS", "1"}}, 60,
+                                 on_machines({"a", "a", "b", "b"}));
+  expect_two_levels(r, 4, 2);
+  EXPECT_EQ(count_lines(r.log, "MAGI_STATIC_WEIGHTS=1 across machines: the plan stages"), 4u)
+      << r.log;
+  EXPECT_FALSE(has_line(r.log, "bound shards|static window")) << r.log;
+}
+
+// The cost trial times the two levels against NCCL's own gather like any bucket: every rank
+// keeps the same routes (whichever won), and every byte is right either way.
+TEST(Machines, TheCostTrialTimesTheTwoLevelsAgainstNccl) {
+  const AgreedRun r =
+      run_agreed(4, fsdp({}, 160), {{"MAGI_CE_FORCE", "0"}}, 90, on_machines({"a", "a", "b", "b"}));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  const uint64_t comm = r.comm_ids()[0];
+  for (const auto& [rank, v] : r.comms.at(comm)) {
+    EXPECT_EQ(rounds_with(v, RoundKind::Confirm, RoundEvent::Activated).size(), 1u)
+        << "rank " << rank << "\n"
+        << transcript(r);
+    EXPECT_FALSE(rounds_with(v, RoundKind::Cost, RoundEvent::Read).empty()) << "rank " << rank;
+  }
+}
+
+// The sub-communicator fails to form on one rank: its confirm refuses, every rank reads that
+// alike and stays on NCCL, and no rank waits for ever (the failing rank joins before it gives
+// up, so its peers' formation completes).
+TEST(Machines, ASubCommunicatorThatFailsToFormKeepsEveryRankOnNccl) {
+  for (const char* fault : {"subcomm:1", "subcomm:2"}) {
+    // The confirm is asked again 1, 2, 4 ... 64 steps apart while some rank is still setting up:
+    // 160 steps read the refusal however slowly the set-up threads run.
+    const AgreedRun r = run_agreed(4, fsdp({}, 160), {{"MAGI_INJECT_FAULT", fault}}, 60,
+                                   on_machines({"a", "a", "b", "b"}));
+    ASSERT_TRUE(r.result.all_ok()) << fault << "\n" << transcript(r);
+    expect_ranks_agree(r);
+    for (const auto& [rank, v] : r.comms.begin()->second) {
+      EXPECT_TRUE(v.moved.empty()) << fault << " rank " << rank;
+      EXPECT_TRUE(rounds_with(v, RoundKind::Confirm, RoundEvent::Activated).empty()) << fault;
+      const auto confirm = rounds_with(v, RoundKind::Confirm, RoundEvent::Read);
+      EXPECT_TRUE(std::any_of(
+          confirm.begin(), confirm.end(),
+          [](const auto& a) { return a.reason == static_cast<uint8_t>(Reason::TransportFailed); }))
+          << fault << " rank " << rank << "\n"
+          << transcript(r);
+    }
+    EXPECT_TRUE(has_line(r.log, "sub-communicator: injected by MAGI_INJECT_FAULT")) << r.log;
+  }
+}
+
+// A machine's transport failing in a bucket (gather:1 names local index 1 of every machine):
+// only that machine's ranks learn of it within the bucket (the other machines moved their part),
+// so they end the call in an error rather than in an NCCL gather the other machines would never
+// join. Here every machine's fails alike: every rank's call is an error (the program exits on
+// it), and none hangs.
+TEST(Machines, AMachinesTransportFailingInABucketIsAnErrorNeverAHang) {
+  const AgreedRun r = run_agreed(4, fsdp({}, 128), {{"MAGI_INJECT_FAULT", "gather:1"}}, 60,
+                                 on_machines({"a", "a", "b", "b"}));
+  ASSERT_FALSE(r.result.timed_out) << transcript(r);
+  for (size_t rank = 0; rank < r.result.ranks.size(); ++rank)
+    EXPECT_NE(r.result.ranks[rank].exit_code, 0) << "rank " << rank << "\n" << transcript(r);
+  EXPECT_EQ(count_lines(r.log,
+                        "MAGI WARN TRANSPORT comm [0-9a-f]+: a moved gather failed: a "
+                        "machine's part of a two-level gather failed"),
+            4u)
+      << r.log;
+}
+
+// Three ranks on one machine and one on another: no sub-communicator per local index could hold
+// every machine, so the communicator stays whole on NCCL on every rank, said once, and its rounds
+// stop (where the ranks run never changes).
+TEST(Machines, AnUnevenSplitStaysOnNcclOnEveryRankAndSaysWhy) {
+  const AgreedRun r = run_agreed(4, fsdp({}), {}, 60, on_machines({"a", "a", "a", "b"}));
+  expect_nccl_for(r, Reason::MachinesUneven);
+  EXPECT_EQ(count_lines(r.log,
+                        "MAGI INFO REWRITE comm [0-9a-f]+ round [0-9]+: the ranks span "
+                        "machines holding different numbers of them"),
+            4u)
+      << r.log;
+}
+
+// One rank a machine: the gather would be NCCL's alone, so it stays there, said.
+TEST(Machines, OneRankAMachineStaysOnNcclOnEveryRankAndSaysWhy) {
+  expect_nccl_for(run_agreed(2, fsdp({}), {}, 60, on_machines({"a", "b"})),
+                  Reason::OneRankPerMachine);
+}
+
 // Opening the peers' memory can take seconds (a CUDA IPC mapping per peer allocation): it runs
 // off the program's calls. Rank 2's takes 100 ms longer here: its confirm says "still setting
 // up", every rank reads that alike and asks again a few steps later (1, 2, 4, ... steps apart),
