@@ -1182,38 +1182,45 @@ void expect_nccl_for(const AgreedRun& r, Reason why) {
   }
 }
 
-// The sub-communicators form off the program's calls, so the confirm is asked again 1, 2, 4 ...
-// steps apart until every rank's is done: 128 steps hold that wait and many moved steps.
+// The sub-communicators form off the program's calls (the stand-in's formation may take 100 ms),
+// so the confirm is asked again 1, 2, 4 ... 64 steps apart until every rank's is done: 160 steps
+// of at least 2 ms hold that wait and many moved steps however fast the machine runs them.
 TEST(Machines, TwoMachinesOfTwoRanksGatherInTwoLevels) {
-  expect_two_levels(run_agreed(4, fsdp({}, 128), {}, 60, on_machines({"a", "a", "b", "b"})), 4, 2);
+  expect_two_levels(
+      run_agreed(4, fsdp({"--step-pause-ms", "2"}, 160), {}, 60, on_machines({"a", "a", "b", "b"})),
+      4, 2);
 }
 
 TEST(Machines, TwoMachinesOfFourRanksGatherInTwoLevels) {
-  expect_two_levels(
-      run_agreed(8, fsdp({}, 128), {}, 90, on_machines({"a", "a", "a", "a", "b", "b", "b", "b"})),
-      8, 2);
+  expect_two_levels(run_agreed(8, fsdp({"--step-pause-ms", "2"}, 160), {}, 90,
+                               on_machines({"a", "a", "a", "a", "b", "b", "b", "b"})),
+                    8, 2);
 }
 
 TEST(Machines, FourMachinesOfTwoRanksGatherInTwoLevels) {
-  expect_two_levels(
-      run_agreed(8, fsdp({}, 128), {}, 90, on_machines({"a", "a", "b", "b", "c", "c", "d", "d"})),
-      8, 4);
+  expect_two_levels(run_agreed(8, fsdp({"--step-pause-ms", "2"}, 160), {}, 90,
+                               on_machines({"a", "a", "b", "b", "c", "c", "d", "d"})),
+                    8, 4);
 }
 
 // Ranks of one machine need not be consecutive: rank r's shard lands at r wherever its machine
 // and local index put it (machines ordered by their lowest rank: b's ranks 1 and 3 are machine
 // 1; c, with ranks 2 and 5, machine 2).
 TEST(Machines, RanksNumberedAcrossMachinesGatherInTwoLevels) {
-  expect_two_levels(run_agreed(4, fsdp({}, 128), {}, 60, on_machines({"a", "b", "a", "b"})), 4, 2);
   expect_two_levels(
-      run_agreed(6, fsdp({}, 128), {}, 90, on_machines({"a", "b", "c", "b", "a", "c"})), 6, 3);
+      run_agreed(4, fsdp({"--step-pause-ms", "2"}, 160), {}, 60, on_machines({"a", "b", "a", "b"})),
+      4, 2);
+  expect_two_levels(run_agreed(6, fsdp({"--step-pause-ms", "2"}, 160), {}, 90,
+                               on_machines({"a", "b", "c", "b", "a", "c"})),
+                    6, 3);
 }
 
 // MAGI_STATIC_WEIGHTS=1 across machines: the other machines' shards arrive at every call, so the
 // plan stages (the default mode, exact for any buffer) and says so; nothing is bound.
 TEST(Machines, StaticWeightsAcrossMachinesStageInTwoLevels) {
-  const AgreedRun r = run_agreed(4, fsdp({}, 128), {{"MAGI_STATIC_WEIGHTS", "1"}}, 60,
-                                 on_machines({"a", "a", "b", "b"}));
+  const AgreedRun r =
+      run_agreed(4, fsdp({"--step-pause-ms", "2"}, 160), {{"MAGI_STATIC_WEIGHTS", "1"}}, 60,
+                 on_machines({"a", "a", "b", "b"}));
   expect_two_levels(r, 4, 2);
   EXPECT_EQ(count_lines(r.log, "MAGI_STATIC_WEIGHTS=1 across machines: the plan stages"), 4u)
       << r.log;
@@ -1223,8 +1230,8 @@ TEST(Machines, StaticWeightsAcrossMachinesStageInTwoLevels) {
 // The cost trial times the two levels against NCCL's own gather like any bucket: every rank
 // keeps the same routes (whichever won), and every byte is right either way.
 TEST(Machines, TheCostTrialTimesTheTwoLevelsAgainstNccl) {
-  const AgreedRun r =
-      run_agreed(4, fsdp({}, 160), {{"MAGI_CE_FORCE", "0"}}, 90, on_machines({"a", "a", "b", "b"}));
+  const AgreedRun r = run_agreed(4, fsdp({"--step-pause-ms", "2"}, 200), {{"MAGI_CE_FORCE", "0"}},
+                                 90, on_machines({"a", "a", "b", "b"}));
   ASSERT_TRUE(r.result.all_ok()) << transcript(r);
   expect_ranks_agree(r);
   const uint64_t comm = r.comm_ids()[0];
@@ -1243,8 +1250,9 @@ TEST(Machines, ASubCommunicatorThatFailsToFormKeepsEveryRankOnNccl) {
   for (const char* fault : {"subcomm:1", "subcomm:2"}) {
     // The confirm is asked again 1, 2, 4 ... 64 steps apart while some rank is still setting up:
     // 160 steps read the refusal however slowly the set-up threads run.
-    const AgreedRun r = run_agreed(4, fsdp({}, 160), {{"MAGI_INJECT_FAULT", fault}}, 60,
-                                   on_machines({"a", "a", "b", "b"}));
+    const AgreedRun r =
+        run_agreed(4, fsdp({"--step-pause-ms", "2"}, 160), {{"MAGI_INJECT_FAULT", fault}}, 60,
+                   on_machines({"a", "a", "b", "b"}));
     ASSERT_TRUE(r.result.all_ok()) << fault << "\n" << transcript(r);
     expect_ranks_agree(r);
     for (const auto& [rank, v] : r.comms.begin()->second) {
@@ -1267,8 +1275,9 @@ TEST(Machines, ASubCommunicatorThatFailsToFormKeepsEveryRankOnNccl) {
 // join. Here every machine's fails alike: every rank's call is an error (the program exits on
 // it), and none hangs.
 TEST(Machines, AMachinesTransportFailingInABucketIsAnErrorNeverAHang) {
-  const AgreedRun r = run_agreed(4, fsdp({}, 128), {{"MAGI_INJECT_FAULT", "gather:1"}}, 60,
-                                 on_machines({"a", "a", "b", "b"}));
+  const AgreedRun r =
+      run_agreed(4, fsdp({"--step-pause-ms", "2"}, 160), {{"MAGI_INJECT_FAULT", "gather:1"}}, 60,
+                 on_machines({"a", "a", "b", "b"}));
   ASSERT_FALSE(r.result.timed_out) << transcript(r);
   for (size_t rank = 0; rank < r.result.ranks.size(); ++rank)
     EXPECT_NE(r.result.ranks[rank].exit_code, 0) << "rank " << rank << "\n" << transcript(r);
@@ -1598,6 +1607,72 @@ TEST(Agreement, AnAbortFromAWatchdogThreadFreesCallsBlockedOnAHungPeer) {
     }
   }
   EXPECT_TRUE(windows_left_by(runs).empty());
+}
+
+// Across machines (a, a, b, b): a rank of machine b killed before any round (step 2), while the
+// plan's set-up forms the sub-communicators (steps 5-8), or with the gathers moving in two levels
+// (step 140): its peer of the same local index on machine a learns it in the inter-machine part
+// (NCCL's error), its local peer in the handshake (the dead pid); every survivor ends in an
+// error, none hangs.
+TEST(Machines, APeerKilledOnAnotherMachineHangsNoOne) {
+  std::vector<support::LaunchResult> runs;
+  for (const int step : {2, 5, 6, 7, 8, 140}) {
+    const AgreedRun r = run_agreed(
+        4,
+        fsdp({"--die-rank", "2", "--die-step", std::to_string(step), "--step-pause-ms", "2"}, 160),
+        {}, 60, on_machines({"a", "a", "b", "b"}));
+    runs.push_back(r.result);
+    ASSERT_FALSE(r.result.timed_out) << "killed at step " << step << ": " << transcript(r);
+    EXPECT_EQ(r.result.ranks[2].signal, SIGKILL);
+    for (int rank : {0, 1, 3}) {
+      const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
+      EXPECT_EQ(rr.signal, 0) << "step " << step << " rank " << rank << " crashed:\n"
+                              << rr.stderr_text;
+      EXPECT_NE(rr.exit_code, 0) << "step " << step << " rank " << rank;  // it saw the error
+    }
+  }
+  const std::set<std::string> left = windows_left_by(runs);
+  for (const std::string& name : left) ::shm_unlink(("/" + name).c_str());
+  EXPECT_LE(left.size(), 1u);
+}
+
+// Across machines (a, a, b, b), rank 1 hangs alive at step 140, the gathers moving in two levels
+// by then (the plan is confirmed within 64 steps of its set-up's end): its peer of the same local
+// index (rank 3) blocks in the inter-machine NCCL gather, its local peer (rank 0) in the
+// handshake, and rank 2 in its own handshake with rank 3. The program's watchdog
+// aborts the communicator: the abort aborts the sub-communicator too, and every blocked thread
+// is freed (exit 3), none hangs or crashes.
+TEST(Machines, AnAbortFromAWatchdogFreesCallsBlockedInEitherLevel) {
+  const auto others_ended = [](const support::LaunchResult& so_far) {
+    for (const int rank : {0, 2, 3}) {
+      const auto& rr = so_far.ranks[static_cast<size_t>(rank)];
+      if (rr.exit_code == -1 && rr.signal == 0) return false;
+    }
+    return true;
+  };
+  const AgreedRun r =
+      run_agreed_or_hung(4,
+                         fsdp({"--stall-rank", "1", "--stall-step", "100", "--stall-s", "600",
+                               "--watchdog-s", "3", "--watchdog-grace-s", "8"},
+                              128),
+                         {}, 90, on_machines({"a", "a", "b", "b"}), others_ended);
+  ASSERT_TRUE(r.result.hung) << transcript(r);
+  EXPECT_EQ(r.result.ranks[1].signal, SIGKILL) << transcript(r);
+  for (const int rank : {0, 2, 3}) {
+    const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
+    EXPECT_EQ(rr.signal, 0) << "rank " << rank << " crashed:\n" << rr.stderr_text;
+    EXPECT_EQ(rr.exit_code, 3) << "rank " << rank << ":\n" << rr.stderr_text;
+    EXPECT_NE(rr.stderr_text.find("the main thread is free again"), std::string::npos)
+        << rr.stderr_text;
+  }
+  EXPECT_TRUE(has_line(r.log, "each moved gather runs in two levels")) << r.log;
+  EXPECT_TRUE(windows_left_by({r.result}).empty());
+  // Rank 3 waited in the inter-machine part (rank 1 is its peer there): the sub-communicator's
+  // abort freed it, and its machine's part then refused the aborted communicator.
+  EXPECT_TRUE(has_line(r.result.ranks[3].stderr_text,
+                       "a moved gather failed: gather after the communicator was "
+                       "aborted"))
+      << r.log;
 }
 
 // tests/gpu/multi/allgather_check.py's grouping skew without PyTorch: even ranks issue each
