@@ -109,7 +109,11 @@ struct DecisionRecord {
   uint8_t verdict;  // Verdict
   uint8_t reason;   // Reason (Stays)
   uint8_t mode;     // AgreementMode of the round
-  uint8_t reserved[2];
+  // The machines the plan spans (0 or 1: one; at most 255 said): a gather that moves runs in two
+  // levels, NCCL between machines on the sub-communicator of this rank's local index `sub_comm`.
+  // Zero in files written before: one machine.
+  uint8_t machines;
+  uint8_t sub_comm;
 };
 static_assert(sizeof(DecisionRecord) == 48);
 
