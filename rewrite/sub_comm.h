@@ -7,8 +7,8 @@
 // call. Instead the plan's rounds carry it: the first member (machine 0) makes a unique id at the
 // publish, the publish takes it to every rank, and every member forms the communicator
 // (ncclCommInitRankConfig) in the plan's set-up, on the set-up's thread, off the program's calls
-// (rewrite/set_up.h). Its refusal travels in the confirm like any other set-up's: a sub-communicator
-// that fails to form on one rank leaves every rank on NCCL.
+// (rewrite/set_up.h). Its refusal travels in the confirm like any other set-up's: a
+// sub-communicator that fails to form on one rank leaves every rank on NCCL.
 //
 // Never a hang: a rank that fails still joins (only then gives up), so its members' formation
 // completes; the formation is non-blocking and polled, and gives up once the plan is dropped or
