@@ -1269,6 +1269,33 @@ TEST(Machines, ASubCommunicatorThatFailsToFormKeepsEveryRankOnNccl) {
   }
 }
 
+// Gathers captured into CUDA graphs under a plan spanning machines (MAGI_INJECT_CAPTURE: every
+// all-gather from collective 900 on, as the host backend stands in for a capture): the plan has
+// no graph slots and its ranks are on no one host (no rounds at a capture), so every captured
+// gather stays on NCCL on every rank, and the plan goes on moving nothing captured.
+TEST(Machines, GathersCapturedUnderATwoLevelPlanStayOnNcclOnEveryRank) {
+  constexpr uint64_t kCapturedFrom = 900;
+  const AgreedRun r = run_agreed(4, fsdp({"--step-pause-ms", "2"}, 240),
+                                 {{"MAGI_INJECT_CAPTURE", std::to_string(kCapturedFrom)}}, 90,
+                                 on_machines({"a", "a", "b", "b"}));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    size_t moved_before = 0, captured = 0;
+    for (const RankView::Collective& c : v.collectives) {
+      if (c.op != trace::Op::AllGather) continue;
+      if (c.seq < kCapturedFrom) {
+        moved_before += c.moved ? 1 : 0;
+        continue;
+      }
+      ++captured;
+      EXPECT_FALSE(c.moved) << "rank " << rank << " call " << c.seq;
+    }
+    EXPECT_GT(moved_before, 0u) << "rank " << rank << ": the plan never moved before the capture";
+    EXPECT_GT(captured, 0u) << "rank " << rank;
+  }
+}
+
 // A machine's transport failing in a bucket (gather:1 names local index 1 of every machine):
 // only that machine's ranks learn of it within the bucket (the other machines moved their part),
 // so they end the call in an error rather than in an NCCL gather the other machines would never
@@ -1634,6 +1661,29 @@ TEST(Machines, APeerKilledOnAnotherMachineHangsNoOne) {
   const std::set<std::string> left = windows_left_by(runs);
   for (const std::string& name : left) ::shm_unlink(("/" + name).c_str());
   EXPECT_LE(left.size(), 1u);
+}
+
+// A rank dies after the publish, before it joins its sub-communicator (its set-up waits 100 ms
+// first: MAGI_INJECT_FAULT=slow-attach): its peer of the same local index (rank 0) is left
+// forming a sub-communicator nobody completes. The survivors see the death in NCCL, end in an
+// error, and exit: the formation gives up with the plan (non-blocking, polled), so no exit waits
+// for it.
+TEST(Machines, ARankThatDiesBeforeJoiningItsSubCommunicatorHangsNoExit) {
+  const AgreedRun r =
+      run_agreed(4, fsdp({"--die-rank", "2", "--die-step", "10", "--step-pause-ms", "2"}, 160),
+                 {{"MAGI_INJECT_FAULT", "slow-attach:2"}}, 60, on_machines({"a", "a", "b", "b"}));
+  ASSERT_FALSE(r.result.timed_out) << transcript(r);
+  EXPECT_EQ(r.result.ranks[2].signal, SIGKILL);
+  for (int rank : {0, 1, 3}) {
+    const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
+    EXPECT_EQ(rr.signal, 0) << "rank " << rank << " crashed:\n" << rr.stderr_text;
+    EXPECT_NE(rr.exit_code, 0) << "rank " << rank;  // it saw the error
+  }
+  // Rank 2 never joined: rank 0's sub-communicator never formed.
+  EXPECT_FALSE(has_line(r.result.ranks[0].stderr_text, "sub-communicator of local index 0 formed"))
+      << r.log;
+  EXPECT_TRUE(has_line(r.result.ranks[0].stderr_text, "each moved gather runs in two levels"))
+      << r.log;
 }
 
 // Across machines (a, a, b, b), rank 1 hangs alive at step 140, the gathers moving in two levels
