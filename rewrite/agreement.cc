@@ -318,6 +318,7 @@ Contribution CommAgreement::propose_contribution(bool at_capture) {
   h.host = here.host;
   h.device = here.device;
   h.peer_access_mask = here.peer_access_mask;
+  h.hold_max_bytes = world_.options.bind_max_bytes;
   return c;
 }
 

@@ -31,7 +31,7 @@ void Commit::prepare(Contribution& c, ActivePlan& plan, const StepObservation& s
   // A two-level window is one machine's staging window, made at the call like any other.
   prepare_in_background_ = expected_ns > kSetUpAtTheCallNs && !plan.decision.machines.spans();
   log_.new_plan();
-  serving_.span_machines(plan.decision.machines, plan.decision.gathers.size());
+  serving_.span_machines(plan.decision, plan.layout, seen);
   try {
     const ce::WindowPlan window = window_plan(plan.decision, seen, plan.layout, world_.options);
     plan.sources.reset(plan.decision, seen, plan.layout);

@@ -1,6 +1,7 @@
 #include "rewrite/contribution.h"
 
 #include "base/base.h"
+#include "base/sizes.h"
 
 #include <algorithm>
 #include <cstring>
@@ -270,6 +271,20 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
     d.bound = false;
     d.graph_slots = false;
   }
+  // Static weights across machines: the other machines' shards of every moved gather are held
+  // once they came, where every rank may hold them all (the least MAGI_BIND_MAX_MIB of any rank,
+  // so alike everywhere; past it, they cross at every call as in the default mode).
+  if (d.static_across_machines) {
+    uint64_t held = 0;
+    for (size_t g = 0; g < n; ++g)
+      if (d.gathers[g].moves)
+        held += (mine.entries[g].count * datatype_bytes(mine.entries[g].dtype) + 255) / 256 * 256;
+    held *= static_cast<uint64_t>(d.machines.count);
+    uint64_t room = UINT64_MAX;
+    for (const Contribution& x : c) room = std::min(room, x.header.hold_max_bytes);
+    d.network_once = held != 0 && held <= room;
+    d.held_bytes = d.network_once ? held : 0;
+  }
   if (d.bound) d.graph_slots = false;  // a bound window's captured gathers need none
 
   recount(d, mine.header.step_digest);
@@ -284,6 +299,7 @@ void recount(Decision& d, uint64_t step_digest) {
   XXH3_64bits_update(&state, &d.bound, sizeof(d.bound));
   XXH3_64bits_update(&state, &d.graph_slots, sizeof(d.graph_slots));
   if (d.machines.spans()) {  // the topology served by: the same on every rank
+    XXH3_64bits_update(&state, &d.network_once, sizeof(d.network_once));
     XXH3_64bits_update(&state, &d.machines.per_machine, sizeof(d.machines.per_machine));
     XXH3_64bits_update(&state, d.machines.rank_at.data(),
                        d.machines.rank_at.size() * sizeof(int32_t));

@@ -72,6 +72,9 @@ struct ContributionHeader {
   // multiple of the shape step, and the collective index of its position 0 modulo it; 0: none.
   uint32_t refine_period;
   uint32_t refine_phase;
+  // Propose: the most bytes this rank may hold of other ranks' static shards (MAGI_BIND_MAX_MIB),
+  // for a plan spanning machines that crosses the network once.
+  uint64_t hold_max_bytes;
 };
 // The header grows only into the padding of the entry area (kContributionBytes stays).
 static_assert(sizeof(ContributionHeader) <= 320);
@@ -166,6 +169,12 @@ struct Decision {
   Machines machines;
   // Static weights asserted by every rank, but the plan spans machines: it stages instead.
   bool static_across_machines = false;
+  // ... and the other machines' shards cross the network once: each rank holds every moved
+  // gather's shards of its peers of the same local index (`held_bytes`, its machines' shards of
+  // every gather), within every rank's MAGI_BIND_MAX_MIB; later calls read only inside the
+  // machine.
+  bool network_once = false;
+  uint64_t held_bytes = 0;
 
   bool moves_anything() const { return moved != 0; }
 };

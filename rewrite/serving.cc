@@ -3,6 +3,7 @@
 #include "base/clock.h"
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <string>
@@ -263,9 +264,50 @@ ncclResult_t Serving::forward_to_nccl(std::span<const NcclGather> calls, cudaStr
   return result;
 }
 
-void Serving::span_machines(const Machines& machines, size_t gathers) {
-  machines_ = machines;
-  plan_gathers_ = gathers;
+void Serving::span_machines(const Decision& decision, const SlotLayout& layout,
+                            const StepObservation& seen) {
+  say_two_levels();  // the plan before, if it moved in two levels
+  machines_ = decision.machines;
+  plan_gathers_ = decision.gathers.size();
+  network_once_ = machines_.spans() && decision.network_once;
+  held_.clear();
+  held_bytes_ = 0;
+  if (!network_once_) return;
+  size_t at = 0;
+  for (const GatherDecision& g : decision.gathers) {
+    if (!g.moves || g.position >= layout.offset_by_position.size()) continue;
+    const PositionSeen& p = seen.at(g.position);
+    held_.push_back({g.bucket, layout.offset_by_position[g.position], at, g.position});
+    at += (p.count * datatype_bytes(p.dtype) + ce::kSlotAlignment - 1) / ce::kSlotAlignment *
+          ce::kSlotAlignment * static_cast<size_t>(machines_.count);
+  }
+  held_bytes_ = at;
+  std::sort(held_.begin(), held_.end(), [](const Held& a, const Held& b) {
+    return std::tie(a.bucket, a.slot_offset) < std::tie(b.bucket, b.slot_offset);
+  });
+}
+
+Serving::Held* Serving::held_of(const ce::GatherOp& op) {
+  const auto it =
+      std::lower_bound(held_.begin(), held_.end(), std::make_pair(op.bucket, op.slot_offset),
+                       [](const Held& h, const std::pair<uint16_t, size_t>& k) {
+                         return std::tie(h.bucket, h.slot_offset) < std::tie(k.first, k.second);
+                       });
+  return it != held_.end() && it->bucket == op.bucket && it->slot_offset == op.slot_offset
+             ? &*it
+             : nullptr;
+}
+
+void Serving::say_two_levels() noexcept {
+  if (two_level_calls_ != 0)
+    MAGI_INFO(Transport,
+              "comm %012llx: two levels: %llu gathers moved, %llu of them crossed machines (%llu "
+              "bytes of this rank's shards sent to the other machines)%s",
+              short_id(info_.identity), static_cast<unsigned long long>(two_level_calls_),
+              static_cast<unsigned long long>(crossed_calls_),
+              static_cast<unsigned long long>(crossed_bytes_),
+              network_once_ ? "; static weights: the network crossed once a gather" : "");
+  two_level_calls_ = crossed_calls_ = crossed_bytes_ = 0;
 }
 
 std::unique_ptr<ce::Transport> Serving::make_transport() const {
@@ -309,7 +351,8 @@ void Serving::open_window(const ce::WindowPlan& plan, ce::HandleBlob& handle) {
   const ce::WindowPlan local = machine_plan(plan);
   transport_->prepare(local, handle);
   handle_ = handle;
-  scratch_.assign(local.slot_bytes, 0);
+  // Network once: every moved gather's machines' shards, kept; else one slot's, reused.
+  scratch_.assign(network_once_ ? held_bytes_ : local.slot_bytes, 0);
   const auto machines = static_cast<size_t>(machines_.count);
   const auto per_machine = static_cast<size_t>(machines_.per_machine);
   places_.assign(per_machine * machines, -1);
@@ -338,34 +381,73 @@ ce::Transport::Served Serving::gather_in_two_levels(std::span<const ce::GatherOp
   const ncclComm_t sub = sub_comm_ ? sub_comm_->comm() : nullptr;
   if (sub == nullptr) throw Error(ErrorKind::Internal, "a two-level gather without its sub-comm");
   const auto machines = static_cast<size_t>(machines_.count);
+  const auto machine = static_cast<size_t>(machines_.machine_of[static_cast<size_t>(info_.rank)]);
+  // Where each gather's machines' shards lie: its held place (network once), else the slot's.
+  two_level_ops_.clear();
+  crossing_.clear();
+  bool refused = false;
+  for (size_t i = 0; i < bucket.size(); ++i) {
+    const ce::GatherOp& op = bucket[i];
+    Held* held = network_once_ ? held_of(op) : nullptr;
+    uint8_t* shards = scratch_.data() + (held ? held->at : op.slot_offset * machines);
+    if (held == nullptr || !held->came) {
+      crossing_.push_back(i);
+      if (held != nullptr) held->came = true;  // at its first moved call, on every rank alike
+    } else if (held->failed) {
+      refused = true;  // its held shards never came: the machine falls back, an error
+    } else if (op.bytes != 0) {
+      // Held: the other machines' shards are as they came; this rank's own is the call's, and a
+      // change of it breaks the promise (the other machines read the held one): said, and the
+      // gather goes back to NCCL at the next round on every rank.
+      uint8_t* own = shards + machine * op.bytes;
+      if (std::memcmp(own, op.sendbuf, op.bytes) != 0) {
+        std::memcpy(own, op.sendbuf, op.bytes);
+        shard_changed(held->position);
+      }
+    }
+    ce::GatherOp two = op;
+    two.sendbuf = shards;
+    two.slot_offset = op.slot_offset * machines;
+    two.pieces = static_cast<uint32_t>(machines);
+    two.places = places_.data();
+    two_level_ops_.push_back(two);
+  }
   // (a) Between machines: this rank's shard to its peers of the same local index, theirs here,
-  // in machine order, each gather's at machines × its slot offset.
-  const bool grouped = calls.size() > 1;
+  // in machine order.
+  const bool grouped = crossing_.size() > 1;
   if (grouped) real.group_start();
-  for (size_t i = 0; i < calls.size(); ++i) {
+  for (const size_t i : crossing_) {
     const NcclGather& g = calls[i];
-    const ncclResult_t r =
-        real.all_gather(g.sendbuf, scratch_.data() + bucket[i].slot_offset * machines, g.count,
-                        g.dtype, sub, stream);
+    const ncclResult_t r = real.all_gather(g.sendbuf, const_cast<void*>(two_level_ops_[i].sendbuf),
+                                           g.count, g.dtype, sub, stream);
     if (nccl == ncclSuccess && r != ncclSuccess && r != ncclInProgress) nccl = r;
+    crossed_bytes_ += bucket[i].bytes * (machines - 1);
   }
   if (grouped) {
     const ncclResult_t r = real.group_end();
     if (nccl == ncclSuccess && r != ncclSuccess && r != ncclInProgress) nccl = r;
   }
+  crossed_calls_ += crossing_.size();
+  two_level_calls_ += bucket.size();
+  if (nccl != ncclSuccess && network_once_)
+    for (const size_t i : crossing_)
+      if (Held* held = held_of(bucket[i])) held->failed = true;
   // (b) Inside the machine: every local rank's machines' shards, each to its global rank's place.
   // A failed NCCL part is said in the handshake, so this machine's ranks fall back together.
-  two_level_ops_.clear();
-  for (const ce::GatherOp& op : bucket) {
-    ce::GatherOp two = op;
-    two.sendbuf = scratch_.data() + op.slot_offset * machines;
-    two.slot_offset = op.slot_offset * machines;
-    two.pieces = static_cast<uint32_t>(machines);
-    two.places = places_.data();
-    two.refuse = nccl != ncclSuccess;
-    two_level_ops_.push_back(two);
-  }
+  for (ce::GatherOp& two : two_level_ops_) two.refuse = refused || nccl != ncclSuccess;
   return transport_->gather(two_level_ops_, stream, timing);
+}
+
+void Serving::shard_changed(uint32_t position) {
+  if (std::find(stale_positions_.begin(), stale_positions_.end(), position) !=
+      stale_positions_.end())
+    return;
+  MAGI_WARN(Transport,
+            "comm %012llx: MAGI_STATIC_WEIGHTS=1, but the shard of the gather at position %u "
+            "changed after the other machines took it; they read its old bytes. It goes back to "
+            "NCCL at the next agreement round",
+            short_id(info_.identity), position);
+  stale_positions_.push_back(position);
 }
 
 void Serving::begin_prepare(const ce::WindowPlan& plan, std::chrono::milliseconds delay) {
@@ -446,6 +528,7 @@ Serving::SetUp Serving::poll_set_up(std::string& error) {
 }
 
 void Serving::drop() {
+  say_two_levels();
   std::lock_guard<std::mutex> lock(transport_mutex_);
   // A set-up still running finishes, and releases its transport, on its own thread; a
   // sub-communicator still forming gives up, a formed one is destroyed with its last holder.

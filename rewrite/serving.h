@@ -123,9 +123,12 @@ class Serving {
 
   // The machines the next plan spans (Decision::machines), before its window: one spanning
   // several is served in two levels (rewrite/machines.h): its window is this machine's, among its
-  // ranks, and it forms an inter-machine sub-communicator in its set-up. `gathers`: the plan's
-  // (a bucket holds at most as many), so that its calls allocate nothing.
-  void span_machines(const Machines& machines, size_t gathers);
+  // ranks, and it forms an inter-machine sub-communicator in its set-up. Made here from the plan
+  // (its layout, the step it was read on), so that its calls allocate nothing: where the
+  // network is crossed once (Decision::network_once), where each moved gather's machines' shards
+  // are held.
+  void span_machines(const Decision& decision, const SlotLayout& layout,
+                     const StepObservation& seen);
   bool two_levels() const { return machines_.spans(); }
   // A window for a new plan, replacing any other; fills `handle` for the peers. Throws Error.
   void open_window(const ce::WindowPlan& plan, ce::HandleBlob& handle);
@@ -201,7 +204,30 @@ class Serving {
   std::vector<uint8_t> scratch_;
   std::vector<int32_t> places_;
   std::vector<ce::GatherOp> two_level_ops_;
+  std::vector<size_t> crossing_;  // a bucket's gathers that cross machines now, by index
   size_t plan_gathers_ = 0;
+  // Network once: every moved gather's place in scratch_ (its machines' shards, kept), by bucket
+  // and slot offset; whether they came (the first moved call of it, alike on every rank, since
+  // routes are); its position, for a shard found changed.
+  struct Held {
+    uint16_t bucket;
+    size_t slot_offset;
+    size_t at;
+    uint32_t position;
+    bool came = false;
+    bool failed = false;  // its NCCL part failed: never read from here (the call refuses)
+  };
+  bool network_once_ = false;
+  std::vector<Held> held_;  // by (bucket, slot offset)
+  size_t held_bytes_ = 0;
+  Held* held_of(const ce::GatherOp& op);
+  // What the two levels did with the plan, said when it ends.
+  uint64_t two_level_calls_ = 0;
+  uint64_t crossed_calls_ = 0;
+  uint64_t crossed_bytes_ = 0;  // this rank's shards sent to the other machines (ring: M - 1 each)
+  void say_two_levels() noexcept;
+  // Network once: this rank's shard of `position` changed after the other machines took it.
+  void shard_changed(uint32_t position);
   std::unique_ptr<SetUpJob> set_up_;  // while it runs, it holds the transport
   ce::HandleBlob handle_{};           // the window's, once prepared
   uint64_t set_up_ns_ = 0;

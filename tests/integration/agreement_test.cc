@@ -1215,16 +1215,64 @@ TEST(Machines, RanksNumberedAcrossMachinesGatherInTwoLevels) {
                     6, 3);
 }
 
-// MAGI_STATIC_WEIGHTS=1 across machines: the other machines' shards arrive at every call, so the
-// plan stages (the default mode, exact for any buffer) and says so; nothing is bound.
-TEST(Machines, StaticWeightsAcrossMachinesStageInTwoLevels) {
+// MAGI_STATIC_WEIGHTS=1 across machines: the other machines' shards cross the network once, at
+// each gather's first moved call, and are held (every byte still checked at every call); nothing
+// is bound in the windows. The rank says what crossed: 5 gathers, once each.
+TEST(Machines, StaticWeightsAcrossMachinesCrossTheNetworkOnce) {
+  // Weights that never change (no --rewrite): the promise holds.
   const AgreedRun r =
-      run_agreed(4, fsdp({"--step-pause-ms", "2"}, 160), {{"MAGI_STATIC_WEIGHTS", "1"}}, 60,
-                 on_machines({"a", "a", "b", "b"}));
+      run_agreed(4, {"fsdp", "--layers", "5", "--steps", "160", "--step-pause-ms", "2"},
+                 {{"MAGI_STATIC_WEIGHTS", "1"}}, 60, on_machines({"a", "a", "b", "b"}));
   expect_two_levels(r, 4, 2);
-  EXPECT_EQ(count_lines(r.log, "MAGI_STATIC_WEIGHTS=1 across machines: the plan stages"), 4u)
+  EXPECT_EQ(count_lines(r.log, "the other machines' shards cross the network once, then are held"),
+            4u)
       << r.log;
-  EXPECT_FALSE(has_line(r.log, "bound shards|static window")) << r.log;
+  EXPECT_EQ(count_lines(r.log,
+                        "MAGI INFO TRANSPORT comm [0-9a-f]+: two levels: [0-9]+ gathers "
+                        "moved, 5 of them crossed machines \\([0-9]+ bytes of this rank's "
+                        "shards sent to the other machines\\); static weights"),
+            4u)
+      << r.log;
+  EXPECT_FALSE(has_line(r.log, "bound shards|static window|MAGI WARN")) << r.log;
+}
+
+// Without static weights every moved gather crosses machines at every call.
+TEST(Machines, DefaultModeCrossesMachinesAtEveryMovedCall) {
+  const AgreedRun r =
+      run_agreed(4, fsdp({"--step-pause-ms", "2"}, 160), {}, 60, on_machines({"a", "a", "b", "b"}));
+  expect_two_levels(r, 4, 2);
+  for (int rank = 0; rank < 4; ++rank) {
+    const size_t moved = r.view(r.comm_ids()[0], rank).moved.size();
+    EXPECT_TRUE(has_line(r.result.ranks[static_cast<size_t>(rank)].stderr_text,
+                         "two levels: " + std::to_string(moved) + " gathers moved, " +
+                             std::to_string(moved) + " of them crossed machines"))
+        << r.log;
+  }
+}
+
+// A static shard changed in place on rank 2 after the other machines took it (the promise
+// broken): rank 2 says so at once, the other machines read the held bytes until the next round
+// (the program accepts stale reads until its last step), and that round takes the gather back to
+// NCCL on every rank: the last steps are right.
+TEST(Machines, AStaticShardChangedAfterItCrossedIsSaidAndGoesBackToNccl) {
+  const AgreedRun r = run_agreed(4,
+                                 {"fsdp", "--layers", "5", "--steps", "200", "--static-change-rank",
+                                  "2", "--static-change-step", "120", "--step-pause-ms", "2"},
+                                 {{"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_REAGREE_STEPS", "2"}}, 60,
+                                 on_machines({"a", "a", "b", "b"}));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  EXPECT_EQ(count_lines(r.result.ranks[2].stderr_text,
+                        "MAGI WARN TRANSPORT comm [0-9a-f]+: MAGI_STATIC_WEIGHTS=1, but the shard "
+                        "of the gather at position 0 changed after the other machines took it"),
+            1u)
+      << r.log;
+  const uint64_t comm = r.comm_ids()[0];
+  bool caught = false;
+  for (const auto& d : r.view(comm, 2).decisions)
+    caught =
+        caught || (d.position == 0 && d.reason == static_cast<uint8_t>(Reason::BindingChanged));
+  EXPECT_TRUE(caught) << transcript(r);
 }
 
 // The cost trial times the two levels against NCCL's own gather like any bucket: every rank

@@ -231,17 +231,31 @@ TEST(Ladder, RanksOnMachinesOfUnequalSizeOrOnTheCudaBackendStayOnNccl) {
   EXPECT_EQ(decide_everywhere(all).reason, Reason::MachinesOnDevice);
 }
 
-// Static weights across machines stage (nothing is bound: the other machines' shards arrive at
-// every call), and ask for no graph slots (captured gathers stay on NCCL).
-TEST(Ladder, StaticWeightsAndGraphSlotsAcrossMachinesStageWithoutSlots) {
-  auto all = ranks(4, 2);
+// Static weights across machines bind nothing in the window (each rank stages its machines'
+// shards), cross the network once where every rank may hold its machines' shards of every moved
+// gather (the least MAGI_BIND_MAX_MIB of any rank), and ask for no graph slots (captured gathers
+// stay on NCCL).
+TEST(Ladder, StaticWeightsAcrossMachinesCrossTheNetworkOnceWhereEveryRankMayHoldThem) {
+  auto all = ranks(4, 2);  // 2 gathers of 256 float32 (1 KiB) a rank
   all[2].header.host = all[3].header.host = 43;
-  for (auto& c : all) c.header.flags |= kStaticWeights | kWantsGraphSlots;
+  for (auto& c : all) {
+    c.header.flags |= kStaticWeights | kWantsGraphSlots;
+    c.header.hold_max_bytes = 1 << 20;
+  }
   const Decision d = decide_everywhere(all);
   EXPECT_EQ(d.moved, 2u);
   EXPECT_FALSE(d.bound);
   EXPECT_TRUE(d.static_across_machines);
   EXPECT_FALSE(d.graph_slots);
+  EXPECT_TRUE(d.network_once);
+  EXPECT_EQ(d.held_bytes, 2u * 2 * 1024);  // 2 machines' shards of 2 gathers
+
+  all[3].header.hold_max_bytes = 4095;  // one rank may hold less: every rank stages
+  const Decision staged = decide_everywhere(all);
+  EXPECT_EQ(staged.moved, 2u);
+  EXPECT_TRUE(staged.static_across_machines);
+  EXPECT_FALSE(staged.network_once);
+  EXPECT_NE(staged.hash, d.hash);
 }
 
 TEST(Ladder, DifferentBackendsMoveNothing) {
