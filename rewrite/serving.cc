@@ -362,6 +362,8 @@ void Serving::open_window(const ce::WindowPlan& plan, ce::HandleBlob& handle) {
           machines_.rank_of(static_cast<int32_t>(m), static_cast<int32_t>(l));
   two_level_ops_.clear();
   two_level_ops_.reserve(plan_gathers_);
+  crossing_.clear();
+  crossing_.reserve(plan_gathers_);
 }
 
 const std::vector<uint8_t>& Serving::sub_comm_id() {
