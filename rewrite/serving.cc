@@ -391,6 +391,8 @@ ce::Transport::Served Serving::gather_in_two_levels(std::span<const ce::GatherOp
   for (size_t i = 0; i < bucket.size(); ++i) {
     const ce::GatherOp& op = bucket[i];
     Held* held = network_once_ ? held_of(op) : nullptr;
+    if (network_once_ && held == nullptr)
+      throw Error(ErrorKind::Internal, "a gather the plan holds no place for");
     uint8_t* shards = scratch_.data() + (held ? held->at : op.slot_offset * machines);
     if (held == nullptr || !held->came) {
       crossing_.push_back(i);

@@ -66,8 +66,8 @@ RealNcclCalls fake_nccl() {
   g_fake.polls = 0;
   g_fake.inits = g_fake.destroys = g_fake.aborts = 0;
   g_fake.init_nranks = g_fake.init_rank = g_fake.blocking = -1;
-  return RealNcclCalls{no_all_gather,  no_group,         no_group,     fake_unique_id,
-                       fake_init,      fake_async_error, fake_destroy, fake_abort};
+  return RealNcclCalls{no_all_gather, no_group,         no_group,     fake_unique_id,
+                       fake_init,     fake_async_error, fake_destroy, fake_abort};
 }
 
 TEST(SubComm, FormsNonBlockingFromItsFirstMembersIdAndIsDestroyedWithThePlan) {
