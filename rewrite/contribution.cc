@@ -263,9 +263,9 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
     }
     if (d.transient_rank >= 0) d.bound = false;
   }
-  // Across machines the peers' shards arrive anew at every call (NCCL between machines), so
-  // static weights stage as the default mode does, exact for any buffer; and no graph slots: the
-  // inter-machine part is not recorded into graphs, so captured gathers stay on NCCL.
+  // Across machines nothing is bound in a window: each rank stages its machines' shards (which
+  // static weights hold once they came, below); and no graph slots: the inter-machine part is not
+  // recorded into graphs, so captured gathers stay on NCCL.
   if (d.machines.spans()) {
     d.static_across_machines = d.bound;
     d.bound = false;
@@ -278,7 +278,9 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
     uint64_t held = 0;
     for (size_t g = 0; g < n; ++g)
       if (d.gathers[g].moves)
-        held += (mine.entries[g].count * datatype_bytes(mine.entries[g].dtype) + 255) / 256 * 256;
+        held += (mine.entries[g].count * datatype_bytes(mine.entries[g].dtype) +
+                 ce::kSlotAlignment - 1) /
+                ce::kSlotAlignment * ce::kSlotAlignment;
     held *= static_cast<uint64_t>(d.machines.count);
     uint64_t room = UINT64_MAX;
     for (const Contribution& x : c) room = std::min(room, x.header.hold_max_bytes);

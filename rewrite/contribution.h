@@ -167,7 +167,8 @@ struct Decision {
   // levels; it stages (never bound) and has no graph slots: gathers captured into CUDA graphs
   // stay on NCCL, on every rank.
   Machines machines;
-  // Static weights asserted by every rank, but the plan spans machines: it stages instead.
+  // Static weights asserted by every rank, but the plan spans machines: nothing is bound in a
+  // window, each rank stages its machines' shards.
   bool static_across_machines = false;
   // ... and the other machines' shards cross the network once: each rank holds every moved
   // gather's shards of its peers of the same local index (`held_bytes`, its machines' shards of
