@@ -598,6 +598,10 @@ TEST_F(MagiceTraceDecisions, NameTheTwoLevelsAndEachRanksSubCommunicator) {
                                       "ranks span machines holding different numbers of them"))
         << run.out;
   }
+  const ToolRun json = tool(with({"decisions", "--json"}, files));
+  EXPECT_EQ(json.status, 0) << json.out << json.err;
+  EXPECT_TRUE(contains(json.out, "\"refused_by\":null,\"machines\":2,\"sub_comm\":1}")) << json.out;
+  EXPECT_FALSE(contains(json.out, "\"machines\":0")) << json.out;  // said only where it spans
 }
 
 TEST_F(MagiceTraceDecisions, AllPrintsEveryRoundWithItsRouteChanges) {
