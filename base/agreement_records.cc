@@ -62,7 +62,12 @@ std::string_view reason_name(Reason reason) {
        "a round at a CUDA graph capture did not reach every rank in time (MAGI_CAPTURE_WAIT_MS), "
        "or a rank was gone",
        "static weights at a CUDA graph capture: its shard cannot be read where it lies (a copy "
-       "needs the program's work finished, which a capture cannot wait for)"},
+       "needs the program's work finished, which a capture cannot wait for)",
+       "the ranks span machines holding different numbers of them: no sub-communicator per "
+       "local index",
+       "the ranks span machines of one rank each: a two-level gather would be NCCL's alone",
+       "the ranks span machines on the CUDA backend: the two-level gather runs on the host "
+       "backend only"},
       0, "reason#");
   return names[static_cast<uint8_t>(reason)];
 }

@@ -71,6 +71,9 @@ enum class Reason : uint8_t {
   CaptureRule,          // agreed at a graph capture, untimed: its bucket is below the size rule
   CaptureAbandoned,     // a round at a graph capture did not reach every rank in time
   NotInPlaceAtCapture,  // static weights at a graph capture: its shard cannot be read in place
+  MachinesUneven,       // the ranks span machines holding different numbers of them (3 + 1)
+  OneRankPerMachine,    // the ranks span machines of one rank each: nothing is local to read
+  MachinesOnDevice,     // the ranks span machines on the CUDA backend (two levels: host only)
   Count
 };
 
@@ -106,7 +109,11 @@ struct DecisionRecord {
   uint8_t verdict;  // Verdict
   uint8_t reason;   // Reason (Stays)
   uint8_t mode;     // AgreementMode of the round
-  uint8_t reserved[2];
+  // The machines the plan spans (0 or 1: one; at most 255 said): a gather that moves runs in two
+  // levels, NCCL between machines on the sub-communicator of this rank's local index `sub_comm`.
+  // Zero in files written before: one machine.
+  uint8_t machines;
+  uint8_t sub_comm;
 };
 static_assert(sizeof(DecisionRecord) == 48);
 

@@ -5,6 +5,8 @@
 
 #include <cstring>
 
+#include "base/options.h"
+
 namespace magi {
 namespace {
 
@@ -27,5 +29,10 @@ const HostNames& host_names() {
 
 const char* host_name() noexcept { return host_names().full; }
 const char* short_host_name() noexcept { return host_names().short_name; }
+
+const char* machine_name() noexcept {
+  const std::string& injected = Options::get().inject_host;
+  return injected.empty() ? host_name() : injected.c_str();
+}
 
 }  // namespace magi

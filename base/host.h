@@ -10,5 +10,9 @@ namespace magi {
 const char* host_name() noexcept;
 // The same up to its first dot ("node7" for "node7.cluster.example"): what names files and lines.
 const char* short_host_name() noexcept;
+// What tells processes on one machine from those on another: MAGI_INJECT_HOST where a test set
+// it (ranks on one host then act as ranks of several machines), else host_name(). Reads the
+// options: never from the options' own parsing or logging.
+const char* machine_name() noexcept;
 
 }  // namespace magi

@@ -362,7 +362,8 @@ constexpr ValueName<Options::Fault::Where> kFaultPlaces[] = {
     {"slow", Options::Fault::Where::Slow},
     {"slow-attach", Options::Fault::Where::SlowAttach},
     {"slow-prepare", Options::Fault::Where::SlowPrepare},
-    {"refuse-descriptors", Options::Fault::Where::RefuseDescriptors}};
+    {"refuse-descriptors", Options::Fault::Where::RefuseDescriptors},
+    {"subcomm", Options::Fault::Where::SubComm}};
 
 constexpr ValueName<Options::DumpSignal> kDumpSignals[] = {{"none", Options::DumpSignal::None},
                                                            {"USR1", Options::DumpSignal::Usr1},
@@ -481,16 +482,25 @@ constexpr OptionSpec kTable[] = {
     fault_option<&O::inject_fault, kFaultPlaces>(
         "MAGI_INJECT_FAULT", "none",
         "none, or prepare:RANK, attach:RANK, gather:RANK, slow:RANK, slow-attach:RANK, "
-        "slow-prepare:RANK or refuse-descriptors:RANK",
+        "slow-prepare:RANK, refuse-descriptors:RANK or subcomm:RANK",
         "For tests: the transport of that rank of every communicator fails there, as a CUDA "
         "error would (slow: each bucket it serves takes 20 ms longer; slow-attach: opening the "
         "peers' memory takes 100 ms longer, as thousands of CUDA IPC mappings do; slow-prepare: "
         "exporting its own shards and making its window does; refuse-descriptors: its "
         "descriptor channel refuses every peer, so the peers cannot read its static weights "
-        "exported by descriptor; gather: on the "
-        "host "
-        "backend every rank falls back to NCCL in that bucket, on the CUDA backend that rank's "
-        "call fails and its peers wait for it until the communicator is aborted)."),
+        "exported by descriptor; gather: on the host backend every rank falls back to NCCL in "
+        "that bucket, on the CUDA backend that rank's call fails and its peers wait for it until "
+        "the communicator is aborted; subcomm: on a communicator spanning machines, that rank's "
+        "inter-machine sub-communicator fails to form). On a communicator spanning machines, "
+        "the transport is each machine's own, and RANK of prepare, attach, gather and slow "
+        "names a local index: that rank of every machine."),
+    path_option<&O::inject_host>(
+        "MAGI_INJECT_HOST", "a machine name", "(the host name)",
+        "For tests: the machine this process says it runs on, in place of its host name, "
+        "wherever ranks on one machine are told from ranks on others; set per process (by the "
+        "launcher, per rank), so that ranks on one host act as ranks on several. Ranks with "
+        "different names never read each other's memory: a communicator spanning them gathers "
+        "in two levels (NCCL between machines, the transport inside each)."),
     int_option<&O::flight_recorder_calls>(
         "MAGI_FLIGHT_RECORDER", "0", "an integer from 0 to 65536", 0, 65536, OptionUnit::Count,
         "Keep each communicator's last N calls (rounded up to a power of two, at least 16) in a "

@@ -95,12 +95,15 @@ struct Options {
       Slow,
       SlowAttach,
       SlowPrepare,
-      RefuseDescriptors
+      RefuseDescriptors,
+      SubComm
     };
     Where where = Where::None;
     int rank = -1;
   };
   Fault inject_fault{};
+  // MAGI_INJECT_HOST: for tests, the machine this process says it runs on ("": the host name).
+  std::string inject_host;
   int64_t verify_every{};
   uint64_t bind_max_bytes{};        // MAGI_BIND_MAX_MIB
   int64_t flight_recorder_calls{};  // MAGI_FLIGHT_RECORDER: calls kept per communicator, 0: off

@@ -200,6 +200,15 @@ struct WindowMemory {
 // graph slots): the bucket is served with Timing::Captured. `bucket`: the plan's index of the
 // gather's bucket, the same on every rank: which graph slot a captured bucket of a staged window
 // takes (bucket % 2).
+//
+// Two levels (a communicator spanning machines, default mode, eager buckets only): the transport
+// is one machine's, its ranks the machine's local indices, and each rank's part is `pieces`
+// shards of `bytes` (its sendbuf: the shards of its peers of the same local index on every
+// machine, which NCCL gathered between machines), staged and read whole; piece m of local rank
+// r lands at recvbuf + places[r × pieces + m] × bytes (the global rank of machine m, local index
+// r), so the receive buffer is NCCL's all-gather of the whole communicator. `refuse`: this rank
+// cannot serve the bucket (its NCCL part failed): on synchronous memory it says so as a failing
+// rank does, and every local peer falls back within the bucket.
 struct GatherOp {
   static constexpr size_t kOwn = ~size_t{0};
   const void* sendbuf;
@@ -210,6 +219,9 @@ struct GatherOp {
   size_t own_offset = kOwn;
   bool captured = false;
   uint16_t bucket = 0;
+  uint32_t pieces = 1;
+  const int32_t* places = nullptr;  // pieces > 1 only
+  bool refuse = false;
 };
 
 // A transport for one communicator. Every method may throw magi::Error; the caller (rewrite/)

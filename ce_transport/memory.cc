@@ -53,9 +53,9 @@ BufferIdentity identify_cuda_buffer(const void* ptr) {
 }
 
 // Equal for processes that share a machine and its current boot, so shared memory between them
-// is real.
+// is real. The machine is machine_name(): a test may make ranks of one host differ here.
 uint64_t host_fingerprint() {
-  std::string key(host_name());
+  std::string key(machine_name());
   key.push_back('\n');
   std::ifstream boot("/proc/sys/kernel/random/boot_id");
   key.append(std::istreambuf_iterator<char>(boot), std::istreambuf_iterator<char>());

@@ -180,12 +180,16 @@ class WindowTransport final : public Transport {
       throw Error(ErrorKind::Usage, "gather after the communicator was aborted");
     faults_.at_bucket_start();
     memory_->use();
-    for (const GatherOp& op : bucket)
-      if (op.bytes > slot_bytes_ || op.slot_offset > slot_bytes_ - op.bytes)
-        throw Error(ErrorKind::Usage, "gather of " + std::to_string(op.bytes) +
-                                          " bytes at slot offset " +
+    for (const GatherOp& op : bucket) {
+      const size_t part = op.bytes * op.pieces;  // what the rank stages of it
+      if (part > slot_bytes_ || op.slot_offset > slot_bytes_ - part)
+        throw Error(ErrorKind::Usage, "gather of " + std::to_string(op.bytes) + " bytes (" +
+                                          std::to_string(op.pieces) + " pieces) at slot offset " +
                                           std::to_string(op.slot_offset) + " overflows a slot of " +
                                           std::to_string(slot_bytes_));
+      if (op.pieces > 1 && (bound_ || timing == Timing::Captured))
+        throw Error(ErrorKind::Usage, "a gather of pieces is staged and eager only");
+    }
     if (timing == Timing::Captured && !bound_ && !graph_slots_)
       throw Error(ErrorKind::Usage,
                   "a captured bucket on a staged window without graph slots (its handshake "
@@ -298,7 +302,10 @@ class WindowTransport final : public Transport {
   // rank throws, before queuing anything, and its peers' streams wait for it (ce_transport.h).
   Served gather_staged(std::span<const GatherOp> bucket, uint64_t n, void* stream) {
     const bool synchronous = memory_->synchronous();
-    if (faults_.fails_bucket() && !synchronous)
+    const bool refuses =
+        faults_.fails_bucket() ||
+        std::any_of(bucket.begin(), bucket.end(), [](const GatherOp& op) { return op.refuse; });
+    if (refuses && !synchronous)
       throw Error(ErrorKind::Cuda,
                   "bucket " + std::to_string(n) + ": injected by MAGI_INJECT_FAULT");
     // Until this bucket completes: a throw below leaves the ranks out of step. Known only where
@@ -313,7 +320,7 @@ class WindowTransport final : public Transport {
     // A rank that cannot serve waited above like a serving rank: running ahead, its next failure
     // could overwrite this one before a peer read it. Done is still published, so the slots stay
     // in step for the buckets after.
-    if (faults_.fails_bucket()) {
+    if (refuses) {
       flag_ops_.clear();
       add_writes(flags_.failed(rank_, n), n);
       add_writes(flags_.ready(rank_), n);
@@ -463,7 +470,8 @@ class WindowTransport final : public Transport {
     copies_.clear();
     for (const GatherOp& op : bucket)
       if (op.bytes != 0)
-        copies_.push_back({own_.region + slot_at + op.slot_offset, op.sendbuf, op.bytes});
+        copies_.push_back(
+            {own_.region + slot_at + op.slot_offset, op.sendbuf, op.bytes * op.pieces});
   }
 
   // A bucket's reads: every peer's part of each gather from `peer_part(r, op)`, this rank's own
@@ -473,6 +481,10 @@ class WindowTransport final : public Transport {
     for (const GatherOp& op : bucket) {
       if (op.bytes == 0) continue;
       auto* recv = static_cast<uint8_t*>(op.recvbuf);
+      if (op.pieces > 1) {
+        add_pieces(op, peer_part);
+        continue;
+      }
       for (int r = 0; r < nranks_; ++r) {
         uint8_t* into = recv + static_cast<size_t>(r) * op.bytes;
         if (r == rank_) {
@@ -480,6 +492,23 @@ class WindowTransport final : public Transport {
           continue;
         }
         copies_.push_back({into, peer_part(r, op), op.bytes});
+      }
+    }
+  }
+
+  // Two levels (GatherOp): every local rank's part is its pieces, each read to its global
+  // rank's place; this rank's own from its send buffer.
+  template <class PeerPart>
+  void add_pieces(const GatherOp& op, PeerPart peer_part) {
+    if (op.places == nullptr) throw Error(ErrorKind::Usage, "a gather of pieces without places");
+    auto* recv = static_cast<uint8_t*>(op.recvbuf);
+    for (int r = 0; r < nranks_; ++r) {
+      const auto* part = static_cast<const uint8_t*>(r == rank_ ? op.sendbuf : peer_part(r, op));
+      for (uint32_t m = 0; m < op.pieces; ++m) {
+        const int32_t place = op.places[static_cast<size_t>(r) * op.pieces + m];
+        uint8_t* into = recv + static_cast<size_t>(place) * op.bytes;
+        const uint8_t* from = part + static_cast<size_t>(m) * op.bytes;
+        if (into != from) copies_.push_back({into, from, op.bytes});
       }
     }
   }

@@ -328,6 +328,7 @@ Contribution CommAgreement::propose_contribution(bool at_capture) {
   h.host = here.host;
   h.device = here.device;
   h.peer_access_mask = here.peer_access_mask;
+  h.hold_max_bytes = world_.options.bind_max_bytes;
   return c;
 }
 
@@ -358,7 +359,9 @@ void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
   const bool stands = plan_in_force(phase_) && plan_.stands(d);
   if (!d.moves_anything() || d.dry_run || stands) schedule_after(d.retry_soon);
   if (d.reason == Reason::AnchorInGroup && seen.period() > 1) policy_.move_anchor(seen.period());
-  if (d.reason == Reason::PeerOffNode || d.reason == Reason::PeerNotAccessible) {
+  if (d.reason == Reason::PeerOffNode || d.reason == Reason::PeerNotAccessible ||
+      d.reason == Reason::MachinesUneven || d.reason == Reason::OneRankPerMachine ||
+      d.reason == Reason::MachinesOnDevice) {
     // Where the ranks run never changes for a communicator: no round will ever move anything.
     policy_.stop(d.reason);
     log_.stopped(plan_.round, d.reason);
@@ -373,6 +376,7 @@ void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
   deactivate(seq, Reason::None);
   plan_.layout = lay_out_slots(seen, d.gathers, d.bound);
   if (d.transient_rank >= 0) log_.transient(plan_.round, d);
+  if (d.machines.spans()) log_.two_levels(plan_.round, d, info_.rank);
   const size_t buckets = plan_.buckets();
   if (d.dry_run) {
     trial_.begin(false, buckets);

@@ -146,6 +146,28 @@ void AgreementLog::transient(uint32_t round, const Decision& d) const {
             d.transient_flags & kEntryBufferReused ? "buffer reused" : "in place");
 }
 
+void AgreementLog::two_levels(uint32_t round, const Decision& d, int rank) const {
+  const Machines& m = d.machines;
+  const size_t r = static_cast<size_t>(rank);
+  MAGI_INFO(Rewrite,
+            "comm %012llx round %u: the ranks span %d machines of %d: each moved gather runs "
+            "in two levels, NCCL between machines on the sub-communicator of local index %d "
+            "(this rank is machine %d), then the transport inside the machine%s",
+            short_id(comm_), round, m.count, m.per_machine, m.local_of[r], m.machine_of[r],
+            d.network_once ? "; MAGI_STATIC_WEIGHTS=1: the other machines' shards cross the "
+                             "network once, then are held"
+            : d.static_across_machines
+                ? "; MAGI_STATIC_WEIGHTS=1 across machines: the plan stages (the other machines' "
+                  "shards arrive at every call: holding them all would pass some rank's "
+                  "MAGI_BIND_MAX_MIB)"
+                : "");
+  if (d.network_once)
+    MAGI_INFO(Transport,
+              "comm %012llx round %u: holds %.1f KiB of its machines' static shards (its own "
+              "included), within MAGI_BIND_MAX_MIB",
+              short_id(comm_), round, static_cast<double>(d.held_bytes) / 1024);
+}
+
 void AgreementLog::not_timed_again(uint32_t round) const {
   MAGI_INFO(Rewrite,
             "comm %012llx round %u: every moving bucket is as large as one the copy engine "

@@ -50,6 +50,8 @@ class AgreementLog {
   void refined(uint32_t round, uint32_t period, uint32_t shape_steps) const;
   void stopped(uint32_t round, Reason why) const;
   void transient(uint32_t round, const Decision& d) const;
+  // A plan spanning machines: its two levels, this rank's sub-communicator (`rank`: this rank).
+  void two_levels(uint32_t round, const Decision& d, int rank) const;
   void not_timed_again(uint32_t round) const;
 
   // ---- commit and set-up ----

@@ -28,8 +28,10 @@ void Commit::prepare(Contribution& c, ActivePlan& plan, const StepObservation& s
       injected_delay(world_.options, info_.rank, Options::Fault::Where::SlowPrepare);
   const uint64_t expected_ns = plan.bound_shards() * world_.make.export_ns + ns_of(delay);
   wait_ = SetUpWait{};
-  prepare_in_background_ = expected_ns > kSetUpAtTheCallNs;
+  // A two-level window is one machine's staging window, made at the call like any other.
+  prepare_in_background_ = expected_ns > kSetUpAtTheCallNs && !plan.decision.machines.spans();
   log_.new_plan();
+  serving_.span_machines(plan.decision, plan.layout, seen);
   try {
     const ce::WindowPlan window = window_plan(plan.decision, seen, plan.layout, world_.options);
     plan.sources.reset(plan.decision, seen, plan.layout);
@@ -64,8 +66,17 @@ void Commit::prepare_again(Contribution& c, const ActivePlan& plan) {
 }
 
 void Commit::fill_publish(Contribution& c, const ActivePlan& plan) {
-  c.header.flags |= kCanServe;
   const size_t window = serving_.window_bytes();
+  if (serving_.two_levels()) {
+    // The first member of each sub-communicator (machine 0) hands its id to the others.
+    const std::vector<uint8_t>& id = serving_.sub_comm_id();
+    if (!id.empty()) {
+      c.table = id;
+      c.header.table_bytes = static_cast<uint32_t>(c.table.size());
+      c.header.flags |= kSubCommId;
+    }
+  }
+  c.header.flags |= kCanServe;
   if (!plan.decision.bound) {  // the default mode's staging window
     log_.staging_window(window, plan.layout.slot_bytes, plan.decision.moved);
     return;
@@ -102,9 +113,11 @@ void Commit::attach(const CommitOutcome& publish) {
   set_up_failed_.clear();
   log_.attach_begins();
   try {
-    set_up_in_background_ = by_descriptor || expected_ns > kSetUpAtTheCallNs;
+    // Two levels: forming the sub-communicator waits for its members, never at a program call.
+    set_up_in_background_ =
+        by_descriptor || expected_ns > kSetUpAtTheCallNs || serving_.two_levels();
     if (set_up_in_background_)
-      serving_.begin_attach(publish.handles, publish.tables, delay);
+      serving_.begin_attach(publish.handles, publish.tables, delay, publish.sub_comm_ids);
     else
       serving_.attach_now(publish.handles, publish.tables);
   } catch (const Error& e) {

@@ -1,6 +1,7 @@
 #include "rewrite/contribution.h"
 
 #include "base/base.h"
+#include "base/sizes.h"
 
 #include <algorithm>
 #include <cstring>
@@ -79,11 +80,17 @@ std::vector<Contribution> parse_all(std::span<const uint8_t> all, int nranks) {
   return out;
 }
 
-// Every rank's memory reachable from every other's: same host, and for GPUs either the same
-// device (processes sharing one GPU) or peer access both ways.
-Reason locality_refusal(const std::vector<Contribution>& c) {
-  for (const Contribution& a : c)
-    if (a.header.host != c[0].header.host) return Reason::PeerOffNode;
+// Every rank's memory reachable from every other rank's of its machine: for GPUs either the same
+// device (processes sharing one GPU) or peer access both ways. A communicator spanning machines
+// gathers in two levels where its machines are even (rewrite/machines.h), on the host backend:
+// the CUDA backend's second level is not built, so it stays on NCCL there.
+Reason locality_refusal(const std::vector<Contribution>& c, const Machines& machines) {
+  if (machines.spans()) {
+    if (const Reason r = machines.refusal(); r != Reason::None) return r;
+    if (static_cast<ce::Backend>(c[0].header.backend) != ce::Backend::Host)
+      return Reason::MachinesOnDevice;
+    return Reason::None;
+  }
   if (static_cast<ce::Backend>(c[0].header.backend) != ce::Backend::Cuda) return Reason::None;
   for (const Contribution& a : c) {
     for (const Contribution& b : c) {
@@ -195,7 +202,13 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
     if (x.header.backend != mine.header.backend)
       return nothing_moves(d, Reason::BackendDiffers, mine);
   }
-  if (const Reason r = locality_refusal(c); r != Reason::None) return nothing_moves(d, r, mine);
+  {
+    std::vector<uint64_t> hosts;
+    for (const Contribution& x : c) hosts.push_back(x.header.host);
+    d.machines = machines_of(hosts);
+  }
+  if (const Reason r = locality_refusal(c, d.machines); r != Reason::None)
+    return nothing_moves(d, r, mine);
 
   // AND across ranks, gather by gather (matched by position: in identical mode the call-site
   // keys were checked to line up with it).
@@ -250,6 +263,30 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
     }
     if (d.transient_rank >= 0) d.bound = false;
   }
+  // Across machines nothing is bound in a window: each rank stages its machines' shards (which
+  // static weights hold once they came, below); and no graph slots: the inter-machine part is not
+  // recorded into graphs, so captured gathers stay on NCCL.
+  if (d.machines.spans()) {
+    d.static_across_machines = d.bound;
+    d.bound = false;
+    d.graph_slots = false;
+  }
+  // Static weights across machines: the other machines' shards of every moved gather are held
+  // once they came, where every rank may hold them all (the least MAGI_BIND_MAX_MIB of any rank,
+  // so alike everywhere; past it, they cross at every call as in the default mode).
+  if (d.static_across_machines) {
+    uint64_t held = 0;
+    for (size_t g = 0; g < n; ++g)
+      if (d.gathers[g].moves)
+        held += (mine.entries[g].count * datatype_bytes(mine.entries[g].dtype) +
+                 ce::kSlotAlignment - 1) /
+                ce::kSlotAlignment * ce::kSlotAlignment;
+    held *= static_cast<uint64_t>(d.machines.count);
+    uint64_t room = UINT64_MAX;
+    for (const Contribution& x : c) room = std::min(room, x.header.hold_max_bytes);
+    d.network_once = held != 0 && held <= room;
+    d.held_bytes = d.network_once ? held : 0;
+  }
   if (d.bound) d.graph_slots = false;  // a bound window's captured gathers need none
 
   recount(d, mine.header.step_digest);
@@ -263,6 +300,12 @@ void recount(Decision& d, uint64_t step_digest) {
   XXH3_64bits_update(&state, &d.mode, sizeof(d.mode));
   XXH3_64bits_update(&state, &d.bound, sizeof(d.bound));
   XXH3_64bits_update(&state, &d.graph_slots, sizeof(d.graph_slots));
+  if (d.machines.spans()) {  // the topology served by: the same on every rank
+    XXH3_64bits_update(&state, &d.network_once, sizeof(d.network_once));
+    XXH3_64bits_update(&state, &d.machines.per_machine, sizeof(d.machines.per_machine));
+    XXH3_64bits_update(&state, d.machines.rank_at.data(),
+                       d.machines.rank_at.size() * sizeof(int32_t));
+  }
   d.moved = 0;
   for (const GatherDecision& g : d.gathers) {
     if (!g.moves) continue;
@@ -337,6 +380,11 @@ CommitOutcome decide_commit(std::span<const uint8_t> all, int nranks, RoundKind 
     for (const Contribution& x : c) {
       out.handles.push_back(x.header.handle);
       out.tables.emplace_back();
+      out.sub_comm_ids.emplace_back();
+      if (x.header.flags & kSubCommId) {
+        out.sub_comm_ids.back() = x.table;
+        continue;
+      }
       if (x.table.empty()) continue;
       try {
         out.tables.back() = ce::SourceTable::parse(x.table);

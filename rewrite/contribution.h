@@ -16,6 +16,7 @@
 
 #include "base/agreement_records.h"
 #include "ce_transport/ce_transport.h"
+#include "rewrite/machines.h"
 
 namespace magi::rewrite {
 
@@ -41,6 +42,9 @@ inline constexpr uint32_t kSettingUp = 1u << 5;
 // captured into a CUDA graph), or refuses them (never).
 inline constexpr uint32_t kWantsGraphSlots = 1u << 6;
 inline constexpr uint32_t kRefusesGraphSlots = 1u << 7;
+// Publish of a plan spanning machines: the table holds the ncclUniqueId of this rank's
+// inter-machine sub-communicator, which this rank, its first member (machine 0), made.
+inline constexpr uint32_t kSubCommId = 1u << 8;
 
 struct ContributionHeader {
   uint32_t magic;
@@ -68,6 +72,9 @@ struct ContributionHeader {
   // multiple of the shape step, and the collective index of its position 0 modulo it; 0: none.
   uint32_t refine_period;
   uint32_t refine_phase;
+  // Propose: the most bytes this rank may hold of other ranks' static shards (MAGI_BIND_MAX_MIB),
+  // for a plan spanning machines that crosses the network once.
+  uint64_t hold_max_bytes;
 };
 // The header grows only into the padding of the entry area (kContributionBytes stays).
 static_assert(sizeof(ContributionHeader) <= 320);
@@ -156,6 +163,19 @@ struct Decision {
   // restarts its rounds on a step of refine_period collectives from here. 0: none.
   uint32_t refine_period = 0;
   uint32_t refine_phase = 0;
+  // The machines the ranks run on (rewrite/machines.h). A plan spanning several gathers in two
+  // levels; it stages (never bound) and has no graph slots: gathers captured into CUDA graphs
+  // stay on NCCL, on every rank.
+  Machines machines;
+  // Static weights asserted by every rank, but the plan spans machines: nothing is bound in a
+  // window, each rank stages its machines' shards.
+  bool static_across_machines = false;
+  // ... and the other machines' shards cross the network once: each rank holds every moved
+  // gather's shards of its peers of the same local index (`held_bytes`, its machines' shards of
+  // every gather), within every rank's MAGI_BIND_MAX_MIB; later calls read only inside the
+  // machine.
+  bool network_once = false;
+  uint64_t held_bytes = 0;
 
   bool moves_anything() const { return moved != 0; }
 };
@@ -178,6 +198,9 @@ struct CommitOutcome {
   Reason reason = Reason::None;
   std::vector<ce::HandleBlob> handles;  // publish: by rank
   std::vector<ce::SourceTable> tables;  // publish: by rank (empty tables but for zero-copy)
+  // Publish of a plan spanning machines: by rank, the sub-communicator id that rank made (empty
+  // but for the first member of each sub-communicator).
+  std::vector<std::vector<uint8_t>> sub_comm_ids;
 };
 // Cost rounds: for each bucket, whether it keeps moving. A bucket moves on when the slowest rank's
 // moved time is no worse than the slowest rank's NCCL time (every rank waits for the slowest), or

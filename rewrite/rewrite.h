@@ -26,6 +26,15 @@ struct RealNcclCalls {
                              ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream);
   ncclResult_t (*group_start)();
   ncclResult_t (*group_end)();
+  // The inter-machine sub-communicators of plans spanning machines (rewrite/sub_comm.h); made,
+  // used and ended only through these, never through our own entry points. Null where the real
+  // NCCL lacks one: such a plan's set-up then fails alike on its ranks' confirm.
+  ncclResult_t (*get_unique_id)(ncclUniqueId* id) = nullptr;
+  ncclResult_t (*comm_init_rank_config)(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank,
+                                        ncclConfig_t* config) = nullptr;
+  ncclResult_t (*comm_get_async_error)(ncclComm_t comm, ncclResult_t* error) = nullptr;
+  ncclResult_t (*comm_destroy)(ncclComm_t comm) = nullptr;
+  ncclResult_t (*comm_abort)(ncclComm_t comm) = nullptr;
 };
 void install(const RealNcclCalls& calls);
 

@@ -47,6 +47,11 @@ void record_decision(const TraceSink& trace, const capture::CommInfo& info,
                                                  : trace::Verdict::Moved);
     r.reason = static_cast<uint8_t>(g.reason);
     r.mode = static_cast<uint8_t>(d.mode);
+    if (d.machines.spans()) {
+      r.machines = static_cast<uint8_t>(std::min(d.machines.count, 255));
+      r.sub_comm =
+          static_cast<uint8_t>(std::min(d.machines.local_of[static_cast<size_t>(info.rank)], 255));
+    }
     trace(trace::RecordType::Decision, &r, sizeof(r));
     if (!g.moves) ++stays[g.reason];
     MAGI_TRACE(Rewrite, "comm %012llx round %u gather at position %u: %s%s%s",

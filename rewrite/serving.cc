@@ -3,7 +3,9 @@
 #include "base/clock.h"
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
+#include <functional>
 #include <string>
 #include <system_error>
 #include <tuple>
@@ -148,7 +150,18 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<cons
     const auto timing = captured      ? ce::Transport::Timing::Captured
                         : timed.timer ? ce::Transport::Timing::Timed
                                       : ce::Transport::Timing::Untimed;
-    if (transport_->gather(bucket, stream, timing) == ce::Transport::Served::FallBack) {
+    ncclResult_t inter = ncclSuccess;
+    const ce::Transport::Served served =
+        two_levels() ? gather_in_two_levels(bucket, calls, stream, timing, inter)
+                     : transport_->gather(bucket, stream, timing);
+    if (served == ce::Transport::Served::FallBack && two_levels()) {
+      // Only this machine's ranks learned of it: the others moved their part, so NCCL on the
+      // whole communicator would wait for them. An error here, NCCL everywhere from the next
+      // round on.
+      fail("a machine's part of a two-level gather failed");
+      return inter != ncclSuccess ? inter : ncclInternalError;
+    }
+    if (served == ce::Transport::Served::FallBack) {
       // Every rank learned of the failure in this bucket: all of them hand it to NCCL now, and
       // refuse its gathers at the next round.
       if (!failed_)
@@ -251,41 +264,247 @@ ncclResult_t Serving::forward_to_nccl(std::span<const NcclGather> calls, cudaStr
   return result;
 }
 
+void Serving::span_machines(const Decision& decision, const SlotLayout& layout,
+                            const StepObservation& seen) {
+  say_two_levels();  // the plan before, if it moved in two levels
+  machines_ = decision.machines;
+  plan_gathers_ = decision.gathers.size();
+  network_once_ = machines_.spans() && decision.network_once;
+  held_.clear();
+  held_bytes_ = 0;
+  if (!network_once_) return;
+  size_t at = 0;
+  for (const GatherDecision& g : decision.gathers) {
+    if (!g.moves || g.position >= layout.offset_by_position.size()) continue;
+    const PositionSeen& p = seen.at(g.position);
+    held_.push_back({g.bucket, layout.offset_by_position[g.position], at, g.position});
+    at += (p.count * datatype_bytes(p.dtype) + ce::kSlotAlignment - 1) / ce::kSlotAlignment *
+          ce::kSlotAlignment * static_cast<size_t>(machines_.count);
+  }
+  held_bytes_ = at;
+  std::sort(held_.begin(), held_.end(), [](const Held& a, const Held& b) {
+    return std::tie(a.bucket, a.slot_offset) < std::tie(b.bucket, b.slot_offset);
+  });
+}
+
+Serving::Held* Serving::held_of(const ce::GatherOp& op) {
+  const auto it =
+      std::lower_bound(held_.begin(), held_.end(), std::make_pair(op.bucket, op.slot_offset),
+                       [](const Held& h, const std::pair<uint16_t, size_t>& k) {
+                         return std::tie(h.bucket, h.slot_offset) < std::tie(k.first, k.second);
+                       });
+  return it != held_.end() && it->bucket == op.bucket && it->slot_offset == op.slot_offset
+             ? &*it
+             : nullptr;
+}
+
+void Serving::say_two_levels() noexcept {
+  if (two_level_calls_ != 0)
+    MAGI_INFO(Transport,
+              "comm %012llx: two levels: %llu gathers moved, %llu of them crossed machines (%llu "
+              "bytes of this rank's shards sent to the other machines)%s",
+              short_id(info_.identity), static_cast<unsigned long long>(two_level_calls_),
+              static_cast<unsigned long long>(crossed_calls_),
+              static_cast<unsigned long long>(crossed_bytes_),
+              network_once_ ? "; static weights: the network crossed once a gather" : "");
+  two_level_calls_ = crossed_calls_ = crossed_bytes_ = 0;
+}
+
+std::unique_ptr<ce::Transport> Serving::make_transport() const {
+  if (!two_levels()) return world_.make.transport(info_);
+  // This machine's ranks, by local index, with an identity of their own: the machines may share
+  // one host (MAGI_INJECT_HOST), and their windows' names must not meet.
+  const size_t r = static_cast<size_t>(info_.rank);
+  capture::CommInfo local = info_;
+  local.rank = machines_.local_of[r];
+  local.nranks = machines_.per_machine;
+  local.identity =
+      info_.identity ^ (0x9e3779b97f4a7c15ull * static_cast<uint64_t>(machines_.machine_of[r] + 1));
+  return world_.make.transport(local);
+}
+
+ce::WindowPlan Serving::machine_plan(const ce::WindowPlan& plan) const {
+  ce::WindowPlan local = plan;
+  // Offsets scale with the slot: gather g's M shards lie at M × its offset, past gather g - 1's.
+  local.slot_bytes = plan.slot_bytes * static_cast<size_t>(machines_.count);
+  local.bound = false;
+  local.zero_copy = false;
+  local.graph_slots = false;
+  local.bind.clear();
+  return local;
+}
+
 void Serving::open_window(const ce::WindowPlan& plan, ce::HandleBlob& handle) {
   drop();
   failed_ = false;
   {
     std::lock_guard<std::mutex> lock(transport_mutex_);
     if (aborted_) throw Error(ErrorKind::Usage, "the communicator is being aborted");
-    transport_ = world_.make.transport(info_);
+    transport_ = make_transport();
+    if (two_levels()) sub_comm_ = std::make_shared<SubComm>(world_.nccl);
   }
-  transport_->prepare(plan, handle);
+  if (!two_levels()) {
+    transport_->prepare(plan, handle);
+    handle_ = handle;
+    return;
+  }
+  const ce::WindowPlan local = machine_plan(plan);
+  transport_->prepare(local, handle);
   handle_ = handle;
+  // Network once: every moved gather's machines' shards, kept; else one slot's, reused.
+  scratch_.assign(network_once_ ? held_bytes_ : local.slot_bytes, 0);
+  const auto machines = static_cast<size_t>(machines_.count);
+  const auto per_machine = static_cast<size_t>(machines_.per_machine);
+  places_.assign(per_machine * machines, -1);
+  for (size_t l = 0; l < per_machine; ++l)
+    for (size_t m = 0; m < machines; ++m)
+      places_[l * machines + m] =
+          machines_.rank_of(static_cast<int32_t>(m), static_cast<int32_t>(l));
+  two_level_ops_.clear();
+  two_level_ops_.reserve(plan_gathers_);
+  crossing_.clear();
+  crossing_.reserve(plan_gathers_);
+}
+
+const std::vector<uint8_t>& Serving::sub_comm_id() {
+  const bool first_member =
+      two_levels() && machines_.machine_of[static_cast<size_t>(info_.rank)] == 0;
+  if (first_member && sub_comm_id_.empty() && sub_comm_) sub_comm_id_ = sub_comm_->make_id();
+  if (!first_member) sub_comm_id_.clear();
+  return sub_comm_id_;
+}
+
+ce::Transport::Served Serving::gather_in_two_levels(std::span<const ce::GatherOp> bucket,
+                                                    std::span<const NcclGather> calls,
+                                                    cudaStream_t stream,
+                                                    ce::Transport::Timing timing,
+                                                    ncclResult_t& nccl) {
+  const RealNcclCalls& real = world_.nccl;
+  const ncclComm_t sub = sub_comm_ ? sub_comm_->comm() : nullptr;
+  if (sub == nullptr) throw Error(ErrorKind::Internal, "a two-level gather without its sub-comm");
+  const auto machines = static_cast<size_t>(machines_.count);
+  const auto machine = static_cast<size_t>(machines_.machine_of[static_cast<size_t>(info_.rank)]);
+  // Where each gather's machines' shards lie: its held place (network once), else the slot's.
+  two_level_ops_.clear();
+  crossing_.clear();
+  bool refused = false;
+  for (size_t i = 0; i < bucket.size(); ++i) {
+    const ce::GatherOp& op = bucket[i];
+    Held* held = network_once_ ? held_of(op) : nullptr;
+    if (network_once_ && held == nullptr)
+      throw Error(ErrorKind::Internal, "a gather the plan holds no place for");
+    uint8_t* shards = scratch_.data() + (held ? held->at : op.slot_offset * machines);
+    if (held == nullptr || !held->came) {
+      crossing_.push_back(i);
+      if (held != nullptr) held->came = true;  // at its first moved call, on every rank alike
+    } else if (held->failed) {
+      refused = true;  // its held shards never came: the machine falls back, an error
+    } else if (op.bytes != 0) {
+      // Held: the other machines' shards are as they came; this rank's own is the call's, and a
+      // change of it breaks the promise (the other machines read the held one): said, and the
+      // gather goes back to NCCL at the next round on every rank.
+      uint8_t* own = shards + machine * op.bytes;
+      if (std::memcmp(own, op.sendbuf, op.bytes) != 0) {
+        std::memcpy(own, op.sendbuf, op.bytes);
+        shard_changed(held->position);
+      }
+    }
+    ce::GatherOp two = op;
+    two.sendbuf = shards;
+    two.slot_offset = op.slot_offset * machines;
+    two.pieces = static_cast<uint32_t>(machines);
+    two.places = places_.data();
+    two_level_ops_.push_back(two);
+  }
+  // (a) Between machines: this rank's shard to its peers of the same local index, theirs here,
+  // in machine order.
+  const bool grouped = crossing_.size() > 1;
+  if (grouped) real.group_start();
+  for (const size_t i : crossing_) {
+    const NcclGather& g = calls[i];
+    const ncclResult_t r = real.all_gather(g.sendbuf, const_cast<void*>(two_level_ops_[i].sendbuf),
+                                           g.count, g.dtype, sub, stream);
+    if (nccl == ncclSuccess && r != ncclSuccess && r != ncclInProgress) nccl = r;
+    crossed_bytes_ += bucket[i].bytes * (machines - 1);
+  }
+  if (grouped) {
+    const ncclResult_t r = real.group_end();
+    if (nccl == ncclSuccess && r != ncclSuccess && r != ncclInProgress) nccl = r;
+  }
+  crossed_calls_ += crossing_.size();
+  two_level_calls_ += bucket.size();
+  if (nccl != ncclSuccess && network_once_)
+    for (const size_t i : crossing_)
+      if (Held* held = held_of(bucket[i])) held->failed = true;
+  // (b) Inside the machine: every local rank's machines' shards, each to its global rank's place.
+  // A failed NCCL part is said in the handshake, so this machine's ranks fall back together.
+  for (ce::GatherOp& two : two_level_ops_) two.refuse = refused || nccl != ncclSuccess;
+  return transport_->gather(two_level_ops_, stream, timing);
+}
+
+void Serving::shard_changed(uint32_t position) {
+  if (std::find(stale_positions_.begin(), stale_positions_.end(), position) !=
+      stale_positions_.end())
+    return;
+  MAGI_WARN(Transport,
+            "comm %012llx: MAGI_STATIC_WEIGHTS=1, but the shard of the gather at position %u "
+            "changed after the other machines took it; they read its old bytes. It goes back to "
+            "NCCL at the next agreement round",
+            short_id(info_.identity), position);
+  stale_positions_.push_back(position);
 }
 
 void Serving::begin_prepare(const ce::WindowPlan& plan, std::chrono::milliseconds delay) {
+  if (two_levels()) throw Error(ErrorKind::Internal, "a two-level window is prepared at the call");
   drop();
   failed_ = false;
   handle_ = {};
   std::lock_guard<std::mutex> lock(transport_mutex_);
   if (aborted_) throw Error(ErrorKind::Usage, "the communicator is being aborted");
   try {
-    set_up_ = SetUpJob::prepare(world_.make.transport(info_), plan, delay);
+    set_up_ = SetUpJob::prepare(make_transport(), plan, delay);
   } catch (const std::system_error& e) {  // no thread to be had: the plan is not served
     throw Error(ErrorKind::System, std::string("starting the set-up thread: ") + e.what());
   }
 }
 
 void Serving::begin_attach(std::span<const ce::HandleBlob> handles,
-                           std::span<const ce::SourceTable> tables,
-                           std::chrono::milliseconds delay) {
+                           std::span<const ce::SourceTable> tables, std::chrono::milliseconds delay,
+                           std::span<const std::vector<uint8_t>> sub_comm_ids) {
   std::lock_guard<std::mutex> lock(transport_mutex_);
   if (aborted_) throw Error(ErrorKind::Usage, "the communicator is being aborted");
   if (!transport_) throw Error(ErrorKind::Internal, "no window to attach");
+  std::vector<ce::HandleBlob> blobs(handles.begin(), handles.end());
+  std::function<void()> first;
+  if (two_levels()) {
+    // This machine's windows, by local index; the sub-communicator of this rank's local index,
+    // from the id its first member (machine 0) published.
+    const size_t r = static_cast<size_t>(info_.rank);
+    const int32_t machine = machines_.machine_of[r];
+    const int32_t local = machines_.local_of[r];
+    blobs.clear();
+    for (int32_t l = 0; l < machines_.per_machine; ++l)
+      blobs.push_back(handles[static_cast<size_t>(machines_.rank_of(machine, l))]);
+    const auto founder = static_cast<size_t>(machines_.rank_of(0, local));
+    if (!sub_comm_ || founder >= sub_comm_ids.size())
+      throw Error(ErrorKind::Internal, "no sub-communicator to form");
+    const bool fail = world_.options.inject_fault.where == Options::Fault::Where::SubComm &&
+                      world_.options.inject_fault.rank == info_.rank;
+    first = [sub = sub_comm_, id = sub_comm_ids[founder], count = machines_.count, machine, local,
+             identity = info_.identity, fail] {
+      const uint64_t began = clock_ns();
+      sub->form(id, count, machine, fail);
+      MAGI_INFO(Transport,
+                "comm %012llx: the sub-communicator of local index %d formed (rank %d of %d) in "
+                "%.2f ms, off the program's calls",
+                short_id(identity), local, machine, count,
+                static_cast<double>(clock_ns() - began) / 1e6);
+    };
+  }
   try {
-    set_up_ = SetUpJob::attach(std::move(transport_),
-                               std::vector<ce::HandleBlob>(handles.begin(), handles.end()),
-                               std::vector<ce::SourceTable>(tables.begin(), tables.end()), delay);
+    set_up_ = SetUpJob::attach(std::move(transport_), std::move(blobs),
+                               std::vector<ce::SourceTable>(tables.begin(), tables.end()), delay,
+                               std::move(first));
   } catch (const std::system_error& e) {  // no thread to be had: the plan is not served
     throw Error(ErrorKind::System, std::string("starting the set-up thread: ") + e.what());
   }
@@ -293,6 +512,7 @@ void Serving::begin_attach(std::span<const ce::HandleBlob> handles,
 
 void Serving::attach_now(std::span<const ce::HandleBlob> handles,
                          std::span<const ce::SourceTable> tables) {
+  if (two_levels()) throw Error(ErrorKind::Internal, "a two-level window is attached off the call");
   const uint64_t began = clock_ns();
   transport_->attach(handles, tables);
   set_up_ns_ = clock_ns() - began;
@@ -312,8 +532,13 @@ Serving::SetUp Serving::poll_set_up(std::string& error) {
 }
 
 void Serving::drop() {
+  say_two_levels();
   std::lock_guard<std::mutex> lock(transport_mutex_);
-  // A set-up still running finishes, and releases its transport, on its own thread.
+  // A set-up still running finishes, and releases its transport, on its own thread; a
+  // sub-communicator still forming gives up, a formed one is destroyed with its last holder.
+  if (sub_comm_) sub_comm_->cancel(false);
+  sub_comm_.reset();
+  sub_comm_id_.clear();
   orphan(std::move(set_up_));
   reap_orphans();
   if (!transport_) return;
@@ -329,6 +554,9 @@ void Serving::drop() {
 void Serving::abandon() {
   std::lock_guard<std::mutex> lock(transport_mutex_);
   aborted_ = true;
+  // The inter-machine part of a call blocked on another thread returns once its own
+  // communicator is aborted too.
+  if (sub_comm_) sub_comm_->cancel(true);
   orphan(std::move(set_up_));          // no gather waits on a window being set up
   ce::abandon_graphs(info_.identity);  // windows of earlier plans that graphs still replay
   if (!transport_) return;

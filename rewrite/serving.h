@@ -16,6 +16,7 @@
 #include "rewrite/cost_trial.h"
 #include "rewrite/observation.h"
 #include "rewrite/set_up.h"
+#include "rewrite/sub_comm.h"
 #include "rewrite/world.h"
 
 namespace magi::rewrite {
@@ -120,8 +121,20 @@ class Serving {
   // The gathers as NCCL takes them: one NCCL group when there are several.
   ncclResult_t forward_to_nccl(std::span<const NcclGather> calls, cudaStream_t stream);
 
+  // The machines the next plan spans (Decision::machines), before its window: one spanning
+  // several is served in two levels (rewrite/machines.h): its window is this machine's, among its
+  // ranks, and it forms an inter-machine sub-communicator in its set-up. Made here from the plan
+  // (its layout, the step it was read on), so that its calls allocate nothing: where the
+  // network is crossed once (Decision::network_once), where each moved gather's machines' shards
+  // are held.
+  void span_machines(const Decision& decision, const SlotLayout& layout,
+                     const StepObservation& seen);
+  bool two_levels() const { return machines_.spans(); }
   // A window for a new plan, replacing any other; fills `handle` for the peers. Throws Error.
   void open_window(const ce::WindowPlan& plan, ce::HandleBlob& handle);
+  // Two levels, this rank the first member of its sub-communicator (machine 0): the id the
+  // publish carries to the others, made once per plan; else empty. Throws Error.
+  const std::vector<uint8_t>& sub_comm_id();
   // The same off the program's calls (set_up.h), after `delay`: poll_set_up() says when it is
   // done, and handle() then holds what open_window() fills. Throws Error when it cannot start.
   void begin_prepare(const ce::WindowPlan& plan, std::chrono::milliseconds delay);
@@ -132,8 +145,11 @@ class Serving {
   // Starts opening the peers' windows and exported allocations (indexed by rank) off the
   // program's calls (set_up.h), after `delay`; the transport is the set-up's until it ends.
   // Throws Error when it cannot start.
+  // Two levels: `handles` are still by global rank (this machine's are taken), and the set-up
+  // also forms the sub-communicator from its first member's id (`sub_comm_ids`, by rank).
   void begin_attach(std::span<const ce::HandleBlob> handles,
-                    std::span<const ce::SourceTable> tables, std::chrono::milliseconds delay);
+                    std::span<const ce::SourceTable> tables, std::chrono::milliseconds delay,
+                    std::span<const std::vector<uint8_t>> sub_comm_ids = {});
   // The same, at once, on the calling thread (a set-up cheaper than kSetUpAtTheCallNs).
   void attach_now(std::span<const ce::HandleBlob> handles, std::span<const ce::SourceTable> tables);
   enum class SetUp : uint8_t { Running, Done, Failed };
@@ -163,10 +179,55 @@ class Serving {
   void forget_stale() { stale_positions_.clear(); }
 
  private:
+  // The transport of a plan: the whole communicator's, or for two levels this machine's.
+  std::unique_ptr<ce::Transport> make_transport() const;
+  // Two levels: the window plan of this machine's transport (each rank stages its machines'
+  // shards of every gather, so the slots grow by the machine count).
+  ce::WindowPlan machine_plan(const ce::WindowPlan& plan) const;
+  // A bucket in two levels (two_levels()): NCCL between machines on the sub-communicator into
+  // this rank's scratch, then this machine's transport. `nccl`: the first NCCL error, if any.
+  ce::Transport::Served gather_in_two_levels(std::span<const ce::GatherOp> bucket,
+                                             std::span<const NcclGather> calls, cudaStream_t stream,
+                                             ce::Transport::Timing timing, ncclResult_t& nccl);
+
   const AgreementWorld& world_;
   const capture::CommInfo& info_;
   const ncclComm_t comm_;
   std::unique_ptr<ce::Transport> transport_;
+  // Two levels: the plan's machines, its sub-communicator (shared with the set-up that forms
+  // it), the id this rank made for it, the machines' shards NCCL brings (a window's slot of them),
+  // where each local rank's pieces land, and a bucket's ops (reserved: the call allocates
+  // nothing).
+  Machines machines_;
+  std::shared_ptr<SubComm> sub_comm_;
+  std::vector<uint8_t> sub_comm_id_;
+  std::vector<uint8_t> scratch_;
+  std::vector<int32_t> places_;
+  std::vector<ce::GatherOp> two_level_ops_;
+  std::vector<size_t> crossing_;  // a bucket's gathers that cross machines now, by index
+  size_t plan_gathers_ = 0;
+  // Network once: every moved gather's place in scratch_ (its machines' shards, kept), by bucket
+  // and slot offset; whether they came (the first moved call of it, alike on every rank, since
+  // routes are); its position, for a shard found changed.
+  struct Held {
+    uint16_t bucket;
+    size_t slot_offset;
+    size_t at;
+    uint32_t position;
+    bool came = false;
+    bool failed = false;  // its NCCL part failed: never read from here (the call refuses)
+  };
+  bool network_once_ = false;
+  std::vector<Held> held_;  // by (bucket, slot offset)
+  size_t held_bytes_ = 0;
+  Held* held_of(const ce::GatherOp& op);
+  // What the two levels did with the plan, said when it ends.
+  uint64_t two_level_calls_ = 0;
+  uint64_t crossed_calls_ = 0;
+  uint64_t crossed_bytes_ = 0;  // this rank's shards sent to the other machines (ring: M - 1 each)
+  void say_two_levels() noexcept;
+  // Network once: this rank's shard of `position` changed after the other machines took it.
+  void shard_changed(uint32_t position);
   std::unique_ptr<SetUpJob> set_up_;  // while it runs, it holds the transport
   ce::HandleBlob handle_{};           // the window's, once prepared
   uint64_t set_up_ns_ = 0;

@@ -50,11 +50,23 @@ std::unique_ptr<SetUpJob> SetUpJob::prepare(std::unique_ptr<ce::Transport> trans
 std::unique_ptr<SetUpJob> SetUpJob::attach(std::unique_ptr<ce::Transport> transport,
                                            std::vector<ce::HandleBlob> handles,
                                            std::vector<ce::SourceTable> tables,
-                                           std::chrono::milliseconds delay) {
+                                           std::chrono::milliseconds delay,
+                                           std::function<void()> first) {
   return start(
       std::move(transport),
-      [handles = std::move(handles), tables = std::move(tables)](
-          ce::Transport& t, ce::HandleBlob&) { t.attach(handles, tables); },
+      [handles = std::move(handles), tables = std::move(tables), first = std::move(first)](
+          ce::Transport& t, ce::HandleBlob&) {
+        std::exception_ptr failed;
+        if (first) {
+          try {
+            first();
+          } catch (...) {
+            failed = std::current_exception();
+          }
+        }
+        t.attach(handles, tables);
+        if (failed) std::rethrow_exception(failed);
+      },
       delay);
 }
 

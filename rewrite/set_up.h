@@ -40,11 +40,14 @@ class SetUpJob {
   // Prepares `transport`'s window for `plan` (Transport::prepare); handle() once Done.
   static std::unique_ptr<SetUpJob> prepare(std::unique_ptr<ce::Transport> transport,
                                            ce::WindowPlan plan, std::chrono::milliseconds delay);
-  // Attaches `transport` to the peers (`handles`, `tables` by rank).
+  // Attaches `transport` to the peers (`handles`, `tables` by rank). `first`, if any, runs
+  // before (a plan spanning machines forms its sub-communicator); the attach runs even when it
+  // fails, and its failure is the job's.
   static std::unique_ptr<SetUpJob> attach(std::unique_ptr<ce::Transport> transport,
                                           std::vector<ce::HandleBlob> handles,
                                           std::vector<ce::SourceTable> tables,
-                                          std::chrono::milliseconds delay);
+                                          std::chrono::milliseconds delay,
+                                          std::function<void()> first = {});
   ~SetUpJob();  // joins the thread: only once it is done (or from orphan handling)
   SetUpJob(const SetUpJob&) = delete;
   SetUpJob& operator=(const SetUpJob&) = delete;

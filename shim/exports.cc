@@ -77,6 +77,18 @@ ncclResult_t agreement_all_gather(const void* sendbuff, void* recvbuff, size_t s
 }
 ncclResult_t agreement_group_start() { return MAGI_FORWARD(GroupStart); }
 ncclResult_t agreement_group_end() { return MAGI_FORWARD(GroupEnd); }
+// The inter-machine sub-communicators of plans spanning machines: the real NCCL's own, never
+// ours, so none of them is a communicator the program knows.
+ncclResult_t agreement_unique_id(ncclUniqueId* id) { return MAGI_FORWARD(GetUniqueId, id); }
+ncclResult_t agreement_comm_init(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank,
+                                 ncclConfig_t* config) {
+  return MAGI_FORWARD(CommInitRankConfig, comm, nranks, id, rank, config);
+}
+ncclResult_t agreement_async_error(ncclComm_t comm, ncclResult_t* error) {
+  return MAGI_FORWARD(CommGetAsyncError, comm, error);
+}
+ncclResult_t agreement_comm_destroy(ncclComm_t comm) { return MAGI_FORWARD(CommDestroy, comm); }
+ncclResult_t agreement_comm_abort(ncclComm_t comm) { return MAGI_FORWARD(CommAbort, comm); }
 
 int query(ncclResult_t (*const fn)(const ncclComm_t, int*), ncclComm_t comm) {
   int value = -1;
@@ -112,7 +124,9 @@ void joined(ncclResult_t result, ncclComm_t comm, uint64_t identity, uint64_t pa
   info.nonblocking = is_nonblocking;
   static std::once_flag installed;
   std::call_once(installed, [] {
-    rewrite::install({&agreement_all_gather, &agreement_group_start, &agreement_group_end});
+    rewrite::install({&agreement_all_gather, &agreement_group_start, &agreement_group_end,
+                      &agreement_unique_id, &agreement_comm_init, &agreement_async_error,
+                      &agreement_comm_destroy, &agreement_comm_abort});
   });
   add_comm(comm, info, rewrite::join(comm, info));
 }

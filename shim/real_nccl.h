@@ -19,6 +19,7 @@ namespace magi::shim {
 // Every function the shim forwards: return type, name without the "nccl" prefix, parameters.
 #define MAGI_NCCL_FUNCTIONS(X)                                                                    \
   X(ncclResult_t, GetVersion, (int* version))                                                     \
+  X(ncclResult_t, GetUniqueId, (ncclUniqueId * id))                                               \
   X(ncclResult_t, CommInitRank, (ncclComm_t * comm, int nranks, ncclUniqueId id, int rank))       \
   X(ncclResult_t, CommInitRankConfig,                                                             \
     (ncclComm_t * comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t* config))             \

@@ -27,7 +27,10 @@ TEST(TraceAgreementWords, KeepTheirValuesOnDisk) {
   EXPECT_EQ(static_cast<int>(Reason::CaptureRule), 29);
   EXPECT_EQ(static_cast<int>(Reason::CaptureAbandoned), 30);
   EXPECT_EQ(static_cast<int>(Reason::NotInPlaceAtCapture), 31);
-  EXPECT_EQ(static_cast<int>(Reason::Count), 32);
+  EXPECT_EQ(static_cast<int>(Reason::MachinesUneven), 32);
+  EXPECT_EQ(static_cast<int>(Reason::OneRankPerMachine), 33);
+  EXPECT_EQ(static_cast<int>(Reason::MachinesOnDevice), 34);
+  EXPECT_EQ(static_cast<int>(Reason::Count), 35);
 }
 
 TEST(TraceAgreementWords, RecordsKeepTheirLayout) {

@@ -154,6 +154,7 @@ Fields fields_of(const Options& o) {
       {"ce_force", o.ce_force ? "true" : "false"},
       {"inject_fault.where", number(static_cast<uint64_t>(o.inject_fault.where))},
       {"inject_fault.rank", number(int64_t{o.inject_fault.rank})},
+      {"inject_host", o.inject_host},
       {"verify_every", number(o.verify_every)},
       {"bind_max_bytes", number(o.bind_max_bytes)},
       {"flight_recorder_calls", number(o.flight_recorder_calls)},
@@ -188,6 +189,7 @@ const Fields kDocumentedDefaults = {
     {"ce_force", "false"},
     {"inject_fault.where", "0"},  // None
     {"inject_fault.rank", "-1"},
+    {"inject_host", ""},
     {"verify_every", "64"},
     {"bind_max_bytes", "17179869184"},  // 16384 MiB
     {"flight_recorder_calls", "0"},
@@ -231,6 +233,7 @@ const std::vector<Setting> kEveryOptionChanged = {
     {"MAGI_BIND_MAX_MIB", "3", {{"bind_max_bytes", "3145728"}}},
     {"MAGI_CE_FORCE", "yes", {{"ce_force", "true"}}},
     {"MAGI_INJECT_FAULT", "Attach:5", {{"inject_fault.where", "2"}, {"inject_fault.rank", "5"}}},
+    {"MAGI_INJECT_HOST", "node-b", {{"inject_host", "node-b"}}},
     {"MAGI_FLIGHT_RECORDER", "1024", {{"flight_recorder_calls", "1024"}}},
     {"MAGI_FLIGHT_RECORDER_DIR", "/var/tmp/fr", {{"flight_recorder_dir", "/var/tmp/fr"}}},
     {"MAGI_FLIGHT_RECORDER_COMPLETION", "1", {{"flight_recorder_completion", "true"}}},

@@ -858,6 +858,65 @@ TEST(HostTransportFaults, GatherFaultMakesEveryRankFallBackInTheSameBucketAndMov
   }
 }
 
+// Two levels (ce_transport.h, GatherOp::pieces): one machine's three ranks, each holding the
+// shards of its peers of the same local index on two machines (what NCCL gathered between them);
+// every rank reads every local rank's pieces to the places of their global ranks, numbered across
+// machines (machine 0: ranks 4, 0, 2; machine 1: ranks 5, 1, 3), in place or not: the receive
+// buffer is the whole communicator's all-gather. A rank refusing a bucket (its NCCL part failed)
+// makes every local rank fall back in that bucket, moving nothing.
+TEST(HostTransport, GathersOfPiecesPlaceEveryShardAtItsGlobalRank) {
+  constexpr int kLocal = 3;
+  constexpr uint32_t kMachines = 2;
+  constexpr size_t kShard = 37;
+  constexpr int kBuckets = 4;
+  const int32_t places[kLocal * kMachines] = {4, 5, 0, 1, 2, 3};  // [local][machine]
+  const Options::Fault none{};
+  std::unique_ptr<Transport> transports[kLocal];
+  HandleBlob blobs[kLocal];
+  for (int r = 0; r < kLocal; ++r) {
+    transports[r] = make_host_transport(r, kLocal, kCommIdentity, none);
+    transports[r]->prepare(staging_plan(kShard * kMachines), blobs[r]);
+  }
+  for (int r = 0; r < kLocal; ++r) transports[r]->attach(blobs);
+  int wrong[kLocal] = {};
+  int fell_back[kLocal] = {};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kLocal; ++r)
+    threads.emplace_back([&, r] {
+      constexpr size_t kAll = kShard * kLocal * kMachines;
+      std::vector<uint8_t> pieces(kShard * kMachines);
+      std::vector<uint8_t> recv(kAll);
+      for (int b = 0; b < kBuckets; ++b) {
+        for (uint32_t m = 0; m < kMachines; ++m)
+          for (size_t i = 0; i < kShard; ++i)
+            pieces[m * kShard + i] = value(b, places[r * kMachines + m], 0, 0, i);
+        std::fill(recv.begin(), recv.end(), uint8_t{0xee});
+        // Rank r's own shard (machine 0's piece) already in place at its global rank, as an
+        // in-place gather's send buffer is.
+        std::copy_n(pieces.begin(), kShard,
+                    recv.begin() + static_cast<ptrdiff_t>(places[r * kMachines]) * kShard);
+        GatherOp op{pieces.data(), recv.data(), kShard, 0};
+        op.pieces = kMachines;
+        op.places = places;
+        op.refuse = b == 2 && r == 1;
+        if (transports[r]->gather(std::span<const GatherOp>(&op, 1), nullptr) ==
+            Transport::Served::FallBack) {
+          ++fell_back[r];
+          continue;
+        }
+        for (int32_t g = 0; g < kLocal * static_cast<int32_t>(kMachines); ++g)
+          for (size_t i = 0; i < kShard; ++i)
+            wrong[r] += recv[static_cast<size_t>(g) * kShard + i] != value(b, g, 0, 0, i);
+      }
+    });
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < kLocal; ++r) {
+    EXPECT_EQ(wrong[r], 0) << "rank " << r << ": bytes not at their global rank's place";
+    EXPECT_EQ(fell_back[r], 1) << "rank " << r << ": the refused bucket, and it alone";
+    transports[r]->release();
+  }
+}
+
 // A bound window's call has no handshake to fail (protocol.h): gather:RANK leaves it moving.
 TEST(HostTransportFaults, GatherFaultLeavesABoundWindowsReadsAlone) {
   auto transport = make_host_transport(0, 1, kCommIdentity, {Where::Gather, 0});

@@ -1123,6 +1123,265 @@ TEST(Agreement, AFallenBackGroupedBucketIsNotTracedAsMoved) {
   }
 }
 
+// ---- communicators that span machines (MAGI_INJECT_HOST: ranks of one host made to look like
+// ranks of several) ----
+
+// Per rank, the machine it says it runs on.
+std::vector<EnvList> on_machines(const std::vector<std::string>& machine_of_rank) {
+  std::vector<EnvList> env;
+  for (const std::string& m : machine_of_rank) env.push_back({{"MAGI_INJECT_HOST", m}});
+  return env;
+}
+
+// The two-level path: every rank moves the same calls (every byte checked by the workload at
+// every call, grouped layers included), each says it runs in two levels on the sub-communicator
+// of its local index, and each sub-communicator formed off the program's calls.
+void expect_two_levels(const AgreedRun& r, int nranks, int machines) {
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  ASSERT_EQ(r.comms.size(), 1u) << transcript(r);
+  expect_ranks_agree(r);
+  const uint64_t comm = r.comm_ids()[0];
+  for (int rank = 0; rank < nranks; ++rank) {
+    const RankView& v = r.view(comm, rank);
+    EXPECT_EQ(rounds_with(v, RoundKind::Confirm, RoundEvent::Activated).size(), 1u)
+        << "rank " << rank << "\n"
+        << transcript(r);
+    EXPECT_GE(v.moved.size(), 5u * 4) << "rank " << rank;  // at least four steps moved
+    EXPECT_FALSE(v.in_group_moved.empty()) << "rank " << rank;
+    EXPECT_TRUE(v.fell_back.empty()) << "rank " << rank;
+    EXPECT_TRUE(has_line(
+        r.log, "\\[" + std::to_string(rank) +
+                   R"(\] MAGI INFO REWRITE comm [0-9a-f]+ round [0-9]+: the ranks )"
+                   R"(span )" +
+                   std::to_string(machines) + " machines of " + std::to_string(nranks / machines) +
+                   ": each moved gather runs in two levels"))
+        << "rank " << rank << "\n"
+        << r.log;
+    EXPECT_TRUE(
+        has_line(r.log, "\\[" + std::to_string(rank) +
+                            R"(\] MAGI INFO TRANSPORT comm [0-9a-f]+: the sub-communicator )"
+                            R"(of local index [0-9]+ formed \(rank [0-9]+ of )" +
+                            std::to_string(machines) +
+                            R"(\) in [0-9.]+ ms, off the )"
+                            R"(program's calls)"))
+        << "rank " << rank << "\n"
+        << r.log;
+  }
+}
+
+// Nothing moves, on every rank, for `why`, said in the trace.
+void expect_nccl_for(const AgreedRun& r, Reason why) {
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  const uint64_t comm = r.comm_ids()[0];
+  for (const auto& [rank, v] : r.comms.at(comm)) {
+    EXPECT_TRUE(v.moved.empty()) << "rank " << rank;
+    const auto read = rounds_with(v, RoundKind::Propose, RoundEvent::Read);
+    ASSERT_FALSE(read.empty()) << "rank " << rank << "\n" << transcript(r);
+    EXPECT_EQ(read[0].reason, static_cast<uint8_t>(why)) << "rank " << rank;
+  }
+}
+
+// The sub-communicators form off the program's calls (the stand-in's formation may take 100 ms),
+// so the confirm is asked again 1, 2, 4 ... 64 steps apart until every rank's is done: 160 steps
+// of at least 2 ms hold that wait and many moved steps however fast the machine runs them.
+TEST(Machines, TwoMachinesOfTwoRanksGatherInTwoLevels) {
+  expect_two_levels(
+      run_agreed(4, fsdp({"--step-pause-ms", "2"}, 160), {}, 60, on_machines({"a", "a", "b", "b"})),
+      4, 2);
+}
+
+TEST(Machines, TwoMachinesOfFourRanksGatherInTwoLevels) {
+  expect_two_levels(run_agreed(8, fsdp({"--step-pause-ms", "2"}, 160), {}, 90,
+                               on_machines({"a", "a", "a", "a", "b", "b", "b", "b"})),
+                    8, 2);
+}
+
+TEST(Machines, FourMachinesOfTwoRanksGatherInTwoLevels) {
+  expect_two_levels(run_agreed(8, fsdp({"--step-pause-ms", "2"}, 160), {}, 90,
+                               on_machines({"a", "a", "b", "b", "c", "c", "d", "d"})),
+                    8, 4);
+}
+
+// Ranks of one machine need not be consecutive: rank r's shard lands at r wherever its machine
+// and local index put it (machines ordered by their lowest rank: b's ranks 1 and 3 are machine
+// 1; c, with ranks 2 and 5, machine 2).
+TEST(Machines, RanksNumberedAcrossMachinesGatherInTwoLevels) {
+  expect_two_levels(
+      run_agreed(4, fsdp({"--step-pause-ms", "2"}, 160), {}, 60, on_machines({"a", "b", "a", "b"})),
+      4, 2);
+  expect_two_levels(run_agreed(6, fsdp({"--step-pause-ms", "2"}, 160), {}, 90,
+                               on_machines({"a", "b", "c", "b", "a", "c"})),
+                    6, 3);
+}
+
+// MAGI_STATIC_WEIGHTS=1 across machines: the other machines' shards cross the network once, at
+// each gather's first moved call, and are held (every byte still checked at every call); nothing
+// is bound in the windows. The rank says what crossed: 5 gathers, once each.
+TEST(Machines, StaticWeightsAcrossMachinesCrossTheNetworkOnce) {
+  // Weights that never change (no --rewrite): the promise holds.
+  const AgreedRun r =
+      run_agreed(4, {"fsdp", "--layers", "5", "--steps", "160", "--step-pause-ms", "2"},
+                 {{"MAGI_STATIC_WEIGHTS", "1"}}, 60, on_machines({"a", "a", "b", "b"}));
+  expect_two_levels(r, 4, 2);
+  EXPECT_EQ(count_lines(r.log, "the other machines' shards cross the network once, then are held"),
+            4u)
+      << r.log;
+  EXPECT_EQ(count_lines(r.log,
+                        "MAGI INFO TRANSPORT comm [0-9a-f]+: two levels: [0-9]+ gathers "
+                        "moved, 5 of them crossed machines \\([0-9]+ bytes of this rank's "
+                        "shards sent to the other machines\\); static weights"),
+            4u)
+      << r.log;
+  EXPECT_FALSE(has_line(r.log, "bound shards|static window|MAGI WARN")) << r.log;
+}
+
+// Without static weights every moved gather crosses machines at every call.
+TEST(Machines, DefaultModeCrossesMachinesAtEveryMovedCall) {
+  const AgreedRun r =
+      run_agreed(4, fsdp({"--step-pause-ms", "2"}, 160), {}, 60, on_machines({"a", "a", "b", "b"}));
+  expect_two_levels(r, 4, 2);
+  for (int rank = 0; rank < 4; ++rank) {
+    const size_t moved = r.view(r.comm_ids()[0], rank).moved.size();
+    EXPECT_TRUE(has_line(r.result.ranks[static_cast<size_t>(rank)].stderr_text,
+                         "two levels: " + std::to_string(moved) + " gathers moved, " +
+                             std::to_string(moved) + " of them crossed machines"))
+        << r.log;
+  }
+}
+
+// A static shard changed in place on rank 2 after the other machines took it (the promise
+// broken): rank 2 says so at once, the other machines read the held bytes until the next round
+// (the program accepts stale reads until its last step), and that round takes the gather back to
+// NCCL on every rank: the last steps are right.
+TEST(Machines, AStaticShardChangedAfterItCrossedIsSaidAndGoesBackToNccl) {
+  const AgreedRun r = run_agreed(4,
+                                 {"fsdp", "--layers", "5", "--steps", "200", "--static-change-rank",
+                                  "2", "--static-change-step", "120", "--step-pause-ms", "2"},
+                                 {{"MAGI_STATIC_WEIGHTS", "1"}, {"MAGI_REAGREE_STEPS", "2"}}, 60,
+                                 on_machines({"a", "a", "b", "b"}));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  EXPECT_EQ(count_lines(r.result.ranks[2].stderr_text,
+                        "MAGI WARN TRANSPORT comm [0-9a-f]+: MAGI_STATIC_WEIGHTS=1, but the shard "
+                        "of the gather at position 0 changed after the other machines took it"),
+            1u)
+      << r.log;
+  const uint64_t comm = r.comm_ids()[0];
+  bool caught = false;
+  for (const auto& d : r.view(comm, 2).decisions)
+    caught =
+        caught || (d.position == 0 && d.reason == static_cast<uint8_t>(Reason::BindingChanged));
+  EXPECT_TRUE(caught) << transcript(r);
+}
+
+// The cost trial times the two levels against NCCL's own gather like any bucket: every rank
+// keeps the same routes (whichever won), and every byte is right either way.
+TEST(Machines, TheCostTrialTimesTheTwoLevelsAgainstNccl) {
+  const AgreedRun r = run_agreed(4, fsdp({"--step-pause-ms", "2"}, 200), {{"MAGI_CE_FORCE", "0"}},
+                                 90, on_machines({"a", "a", "b", "b"}));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  const uint64_t comm = r.comm_ids()[0];
+  for (const auto& [rank, v] : r.comms.at(comm)) {
+    EXPECT_EQ(rounds_with(v, RoundKind::Confirm, RoundEvent::Activated).size(), 1u)
+        << "rank " << rank << "\n"
+        << transcript(r);
+    EXPECT_FALSE(rounds_with(v, RoundKind::Cost, RoundEvent::Read).empty()) << "rank " << rank;
+  }
+}
+
+// The sub-communicator fails to form on one rank: its confirm refuses, every rank reads that
+// alike and stays on NCCL, and no rank waits for ever (the failing rank joins before it gives
+// up, so its peers' formation completes).
+TEST(Machines, ASubCommunicatorThatFailsToFormKeepsEveryRankOnNccl) {
+  for (const char* fault : {"subcomm:1", "subcomm:2"}) {
+    // The confirm is asked again 1, 2, 4 ... 64 steps apart while some rank is still setting up:
+    // 160 steps read the refusal however slowly the set-up threads run.
+    const AgreedRun r =
+        run_agreed(4, fsdp({"--step-pause-ms", "2"}, 160), {{"MAGI_INJECT_FAULT", fault}}, 60,
+                   on_machines({"a", "a", "b", "b"}));
+    ASSERT_TRUE(r.result.all_ok()) << fault << "\n" << transcript(r);
+    expect_ranks_agree(r);
+    for (const auto& [rank, v] : r.comms.begin()->second) {
+      EXPECT_TRUE(v.moved.empty()) << fault << " rank " << rank;
+      EXPECT_TRUE(rounds_with(v, RoundKind::Confirm, RoundEvent::Activated).empty()) << fault;
+      const auto confirm = rounds_with(v, RoundKind::Confirm, RoundEvent::Read);
+      EXPECT_TRUE(std::any_of(
+          confirm.begin(), confirm.end(),
+          [](const auto& a) { return a.reason == static_cast<uint8_t>(Reason::TransportFailed); }))
+          << fault << " rank " << rank << "\n"
+          << transcript(r);
+    }
+    EXPECT_TRUE(has_line(r.log, "sub-communicator: injected by MAGI_INJECT_FAULT")) << r.log;
+  }
+}
+
+// Gathers captured into CUDA graphs under a plan spanning machines (MAGI_INJECT_CAPTURE: every
+// all-gather from collective 900 on, as the host backend stands in for a capture): the plan has
+// no graph slots and its ranks are on no one host (no rounds at a capture), so every captured
+// gather stays on NCCL on every rank, and the plan goes on moving nothing captured.
+TEST(Machines, GathersCapturedUnderATwoLevelPlanStayOnNcclOnEveryRank) {
+  constexpr uint64_t kCapturedFrom = 900;
+  const AgreedRun r = run_agreed(4, fsdp({"--step-pause-ms", "2"}, 240),
+                                 {{"MAGI_INJECT_CAPTURE", std::to_string(kCapturedFrom)}}, 90,
+                                 on_machines({"a", "a", "b", "b"}));
+  ASSERT_TRUE(r.result.all_ok()) << transcript(r);
+  expect_ranks_agree(r);
+  for (const auto& [rank, v] : r.comms.begin()->second) {
+    size_t moved_before = 0, captured = 0;
+    for (const RankView::Collective& c : v.collectives) {
+      if (c.op != trace::Op::AllGather) continue;
+      if (c.seq < kCapturedFrom) {
+        moved_before += c.moved ? 1 : 0;
+        continue;
+      }
+      ++captured;
+      EXPECT_FALSE(c.moved) << "rank " << rank << " call " << c.seq;
+    }
+    EXPECT_GT(moved_before, 0u) << "rank " << rank << ": the plan never moved before the capture";
+    EXPECT_GT(captured, 0u) << "rank " << rank;
+  }
+}
+
+// A machine's transport failing in a bucket (gather:1 names local index 1 of every machine):
+// only that machine's ranks learn of it within the bucket (the other machines moved their part),
+// so they end the call in an error rather than in an NCCL gather the other machines would never
+// join. Here every machine's fails alike: every rank's call is an error (the program exits on
+// it), and none hangs.
+TEST(Machines, AMachinesTransportFailingInABucketIsAnErrorNeverAHang) {
+  const AgreedRun r =
+      run_agreed(4, fsdp({"--step-pause-ms", "2"}, 160), {{"MAGI_INJECT_FAULT", "gather:1"}}, 60,
+                 on_machines({"a", "a", "b", "b"}));
+  ASSERT_FALSE(r.result.timed_out) << transcript(r);
+  for (size_t rank = 0; rank < r.result.ranks.size(); ++rank)
+    EXPECT_NE(r.result.ranks[rank].exit_code, 0) << "rank " << rank << "\n" << transcript(r);
+  EXPECT_EQ(count_lines(r.log,
+                        "MAGI WARN TRANSPORT comm [0-9a-f]+: a moved gather failed: a "
+                        "machine's part of a two-level gather failed"),
+            4u)
+      << r.log;
+}
+
+// Three ranks on one machine and one on another: no sub-communicator per local index could hold
+// every machine, so the communicator stays whole on NCCL on every rank, said once, and its rounds
+// stop (where the ranks run never changes).
+TEST(Machines, AnUnevenSplitStaysOnNcclOnEveryRankAndSaysWhy) {
+  const AgreedRun r = run_agreed(4, fsdp({}), {}, 60, on_machines({"a", "a", "a", "b"}));
+  expect_nccl_for(r, Reason::MachinesUneven);
+  EXPECT_EQ(count_lines(r.log,
+                        "MAGI INFO REWRITE comm [0-9a-f]+ round [0-9]+: the ranks span "
+                        "machines holding different numbers of them"),
+            4u)
+      << r.log;
+}
+
+// One rank a machine: the gather would be NCCL's alone, so it stays there, said.
+TEST(Machines, OneRankAMachineStaysOnNcclOnEveryRankAndSaysWhy) {
+  expect_nccl_for(run_agreed(2, fsdp({}), {}, 60, on_machines({"a", "b"})),
+                  Reason::OneRankPerMachine);
+}
+
 // Opening the peers' memory can take seconds (a CUDA IPC mapping per peer allocation): it runs
 // off the program's calls. Rank 2's takes 100 ms longer here: its confirm says "still setting
 // up", every rank reads that alike and asks again a few steps later (1, 2, 4, ... steps apart),
@@ -1423,6 +1682,95 @@ TEST(Agreement, AnAbortFromAWatchdogThreadFreesCallsBlockedOnAHungPeer) {
     }
   }
   EXPECT_TRUE(windows_left_by(runs).empty());
+}
+
+// Across machines (a, a, b, b): a rank of machine b killed before any round (step 2), while the
+// plan's set-up forms the sub-communicators (steps 5-8), or with the gathers moving in two levels
+// (step 140): its peer of the same local index on machine a learns it in the inter-machine part
+// (NCCL's error), its local peer in the handshake (the dead pid); every survivor ends in an
+// error, none hangs.
+TEST(Machines, APeerKilledOnAnotherMachineHangsNoOne) {
+  std::vector<support::LaunchResult> runs;
+  for (const int step : {2, 5, 6, 7, 8, 140}) {
+    const AgreedRun r = run_agreed(
+        4,
+        fsdp({"--die-rank", "2", "--die-step", std::to_string(step), "--step-pause-ms", "2"}, 160),
+        {}, 60, on_machines({"a", "a", "b", "b"}));
+    runs.push_back(r.result);
+    ASSERT_FALSE(r.result.timed_out) << "killed at step " << step << ": " << transcript(r);
+    EXPECT_EQ(r.result.ranks[2].signal, SIGKILL);
+    for (int rank : {0, 1, 3}) {
+      const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
+      EXPECT_EQ(rr.signal, 0) << "step " << step << " rank " << rank << " crashed:\n"
+                              << rr.stderr_text;
+      EXPECT_NE(rr.exit_code, 0) << "step " << step << " rank " << rank;  // it saw the error
+    }
+  }
+  const std::set<std::string> left = windows_left_by(runs);
+  for (const std::string& name : left) ::shm_unlink(("/" + name).c_str());
+  EXPECT_LE(left.size(), 1u);
+}
+
+// A rank dies after the publish, before it joins its sub-communicator (its set-up waits 100 ms
+// first: MAGI_INJECT_FAULT=slow-attach): its peer of the same local index (rank 0) is left
+// forming a sub-communicator nobody completes. The survivors see the death in NCCL, end in an
+// error, and exit: the formation gives up with the plan (non-blocking, polled), so no exit waits
+// for it.
+TEST(Machines, ARankThatDiesBeforeJoiningItsSubCommunicatorHangsNoExit) {
+  const AgreedRun r =
+      run_agreed(4, fsdp({"--die-rank", "2", "--die-step", "10", "--step-pause-ms", "2"}, 160),
+                 {{"MAGI_INJECT_FAULT", "slow-attach:2"}}, 60, on_machines({"a", "a", "b", "b"}));
+  ASSERT_FALSE(r.result.timed_out) << transcript(r);
+  EXPECT_EQ(r.result.ranks[2].signal, SIGKILL);
+  for (int rank : {0, 1, 3}) {
+    const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
+    EXPECT_EQ(rr.signal, 0) << "rank " << rank << " crashed:\n" << rr.stderr_text;
+    EXPECT_NE(rr.exit_code, 0) << "rank " << rank;  // it saw the error
+  }
+  // Rank 2 never joined: rank 0's sub-communicator never formed.
+  EXPECT_FALSE(has_line(r.result.ranks[0].stderr_text, "sub-communicator of local index 0 formed"))
+      << r.log;
+  EXPECT_TRUE(has_line(r.result.ranks[0].stderr_text, "each moved gather runs in two levels"))
+      << r.log;
+}
+
+// Across machines (a, a, b, b), rank 1 hangs alive at step 140, the gathers moving in two levels
+// by then (the plan is confirmed within 64 steps of its set-up's end): its peer of the same local
+// index (rank 3) blocks in the inter-machine NCCL gather, its local peer (rank 0) in the
+// handshake, and rank 2 in its own handshake with rank 3. The program's watchdog
+// aborts the communicator: the abort aborts the sub-communicator too, and every blocked thread
+// is freed (exit 3), none hangs or crashes.
+TEST(Machines, AnAbortFromAWatchdogFreesCallsBlockedInEitherLevel) {
+  const auto others_ended = [](const support::LaunchResult& so_far) {
+    for (const int rank : {0, 2, 3}) {
+      const auto& rr = so_far.ranks[static_cast<size_t>(rank)];
+      if (rr.exit_code == -1 && rr.signal == 0) return false;
+    }
+    return true;
+  };
+  const AgreedRun r =
+      run_agreed_or_hung(4,
+                         fsdp({"--stall-rank", "1", "--stall-step", "100", "--stall-s", "600",
+                               "--watchdog-s", "3", "--watchdog-grace-s", "8"},
+                              128),
+                         {}, 90, on_machines({"a", "a", "b", "b"}), others_ended);
+  ASSERT_TRUE(r.result.hung) << transcript(r);
+  EXPECT_EQ(r.result.ranks[1].signal, SIGKILL) << transcript(r);
+  for (const int rank : {0, 2, 3}) {
+    const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
+    EXPECT_EQ(rr.signal, 0) << "rank " << rank << " crashed:\n" << rr.stderr_text;
+    EXPECT_EQ(rr.exit_code, 3) << "rank " << rank << ":\n" << rr.stderr_text;
+    EXPECT_NE(rr.stderr_text.find("the main thread is free again"), std::string::npos)
+        << rr.stderr_text;
+  }
+  EXPECT_TRUE(has_line(r.log, "each moved gather runs in two levels")) << r.log;
+  EXPECT_TRUE(windows_left_by({r.result}).empty());
+  // Rank 3 waited in the inter-machine part (rank 1 is its peer there): the sub-communicator's
+  // abort freed it, and its machine's part then refused the aborted communicator.
+  EXPECT_TRUE(has_line(r.result.ranks[3].stderr_text,
+                       "a moved gather failed: gather after the communicator was "
+                       "aborted"))
+      << r.log;
 }
 
 // tests/gpu/multi/allgather_check.py's grouping skew without PyTorch: even ranks issue each

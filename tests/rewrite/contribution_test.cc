@@ -171,9 +171,11 @@ TEST(Ladder, NothingMovesWhenARoundWasIssuedInsideAGroup) {
 }
 
 TEST(Ladder, PeersMustShareTheHostAndReachEachOthersGpus) {
+  // Two ranks on two hosts: machines of one rank each, where a two-level gather would be NCCL's
+  // alone (the machines' own rules: Ladder.RanksOnSeveralMachines...).
   auto all = ranks(2, 2);
   all[1].header.host = 43;
-  EXPECT_EQ(decide_everywhere(all).reason, Reason::PeerOffNode);
+  EXPECT_EQ(decide_everywhere(all).reason, Reason::OneRankPerMachine);
 
   all = ranks(3, 2);
   for (auto& c : all) {
@@ -186,6 +188,74 @@ TEST(Ladder, PeersMustShareTheHostAndReachEachOthersGpus) {
   EXPECT_EQ(decide_everywhere(all).reason, Reason::PeerNotAccessible);
   for (auto& c : all) c.header.device = 0;  // processes sharing one GPU reach each other
   EXPECT_EQ(decide_everywhere(all).moved, 2u);
+}
+
+// Ranks on several machines: the topology comes from the propose's bytes, so every rank reads
+// the same machines, and the plan (its hash included) is served in two levels.
+TEST(Ladder, RanksOnSeveralMachinesOfEqualSizeMoveInTwoLevels) {
+  auto all = ranks(4, 3);
+  const uint64_t hosts[] = {7, 9, 7, 9};
+  for (size_t r = 0; r < all.size(); ++r) all[r].header.host = hosts[r];
+  const Decision d = decide_everywhere(all);
+  EXPECT_EQ(d.reason, Reason::None);
+  EXPECT_EQ(d.moved, 3u);
+  ASSERT_TRUE(d.machines.spans());
+  EXPECT_EQ(d.machines.count, 2);
+  EXPECT_EQ(d.machines.per_machine, 2);
+  EXPECT_EQ(d.machines.machine_of, (std::vector<int32_t>{0, 1, 0, 1}));
+  EXPECT_EQ(d.machines.local_of, (std::vector<int32_t>{0, 0, 1, 1}));
+  EXPECT_FALSE(d.graph_slots);
+
+  // Another topology is another plan: its hash differs.
+  const uint64_t consecutive[] = {7, 7, 9, 9};
+  for (size_t r = 0; r < all.size(); ++r) all[r].header.host = consecutive[r];
+  const Decision other = decide_everywhere(all);
+  EXPECT_EQ(other.moved, 3u);
+  EXPECT_NE(other.hash, d.hash);
+  EXPECT_NE(other.hash, decide_everywhere(ranks(4, 3)).hash);
+}
+
+TEST(Ladder, RanksOnMachinesOfUnequalSizeOrOnTheCudaBackendStayOnNccl) {
+  auto all = ranks(4, 2);
+  all[3].header.host = 43;  // 3 + 1
+  EXPECT_EQ(decide_everywhere(all).reason, Reason::MachinesUneven);
+  EXPECT_EQ(decide_everywhere(all).moved, 0u);
+
+  all = ranks(4, 2);
+  all[2].header.host = all[3].header.host = 43;
+  for (auto& c : all) {
+    c.header.backend = static_cast<uint8_t>(ce::Backend::Cuda);
+    c.header.device = c.header.rank % 2;
+    c.header.peer_access_mask = 0b11;
+  }
+  EXPECT_EQ(decide_everywhere(all).reason, Reason::MachinesOnDevice);
+}
+
+// Static weights across machines bind nothing in the window (each rank stages its machines'
+// shards), cross the network once where every rank may hold its machines' shards of every moved
+// gather (the least MAGI_BIND_MAX_MIB of any rank), and ask for no graph slots (captured gathers
+// stay on NCCL).
+TEST(Ladder, StaticWeightsAcrossMachinesCrossTheNetworkOnceWhereEveryRankMayHoldThem) {
+  auto all = ranks(4, 2);  // 2 gathers of 256 float32 (1 KiB) a rank
+  all[2].header.host = all[3].header.host = 43;
+  for (auto& c : all) {
+    c.header.flags |= kStaticWeights | kWantsGraphSlots;
+    c.header.hold_max_bytes = 1 << 20;
+  }
+  const Decision d = decide_everywhere(all);
+  EXPECT_EQ(d.moved, 2u);
+  EXPECT_FALSE(d.bound);
+  EXPECT_TRUE(d.static_across_machines);
+  EXPECT_FALSE(d.graph_slots);
+  EXPECT_TRUE(d.network_once);
+  EXPECT_EQ(d.held_bytes, 2u * 2 * 1024);  // 2 machines' shards of 2 gathers
+
+  all[3].header.hold_max_bytes = 4095;  // one rank may hold less: every rank stages
+  const Decision staged = decide_everywhere(all);
+  EXPECT_EQ(staged.moved, 2u);
+  EXPECT_TRUE(staged.static_across_machines);
+  EXPECT_FALSE(staged.network_once);
+  EXPECT_NE(staged.hash, d.hash);
 }
 
 TEST(Ladder, DifferentBackendsMoveNothing) {
@@ -386,6 +456,25 @@ TEST(Commit, AgreedOnlyWhenEveryRankCanServeTheSamePlan) {
 
   all[1] = commit(1, 3, RoundKind::Confirm, 77, true);  // another round
   EXPECT_FALSE(decide_commit(gather_all(all), 3, RoundKind::Publish, 77).agreed);
+}
+
+// A plan spanning machines: the first member of each sub-communicator publishes its id, which
+// every rank reads back by rank; the others' tables stay empty.
+TEST(Commit, APublishCarriesTheSubCommunicatorsIdsByRank) {
+  std::vector<Contribution> all;
+  for (int r = 0; r < 4; ++r) all.push_back(commit(r, 4, RoundKind::Publish, 77, true));
+  for (int r = 0; r < 2; ++r) {
+    all[static_cast<size_t>(r)].table.assign(128, static_cast<uint8_t>(0x40 + r));
+    all[static_cast<size_t>(r)].header.table_bytes = 128;
+    all[static_cast<size_t>(r)].header.flags |= kSubCommId;
+  }
+  const CommitOutcome c = decide_commit(gather_all(all), 4, RoundKind::Publish, 77);
+  ASSERT_TRUE(c.agreed);
+  ASSERT_EQ(c.sub_comm_ids.size(), 4u);
+  EXPECT_EQ(c.sub_comm_ids[0], std::vector<uint8_t>(128, 0x40));
+  EXPECT_EQ(c.sub_comm_ids[1], std::vector<uint8_t>(128, 0x41));
+  EXPECT_TRUE(c.sub_comm_ids[2].empty());
+  EXPECT_TRUE(c.tables[0].exports.empty());  // an id is no source table
 }
 
 // A static plan's publish is sized by its shard count, the same on every rank: a table that

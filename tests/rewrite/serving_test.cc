@@ -5,6 +5,8 @@
 // that calls NCCL serves keep up to date.
 #include "rewrite/serving.h"
 
+#include "rewrite/machines.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -45,6 +47,12 @@ struct Ledger {
   bool attach_throws = false;
   size_t attached_blobs = 0;
   std::thread::id attached_on;
+  // Two levels: whom the transport was made for, its plan's slot, the ops of its last bucket; the
+  // sub-communicator's real calls ("id", "init R/N", "destroy", "abort").
+  capture::CommInfo made_for{};
+  size_t prepared_slot_bytes = 0;
+  std::vector<ce::GatherOp> last_ops;
+  std::vector<std::string> sub_calls;
 };
 Ledger* g_ledger = nullptr;
 
@@ -70,6 +78,7 @@ class ScriptedTransport : public ce::Transport {
       : ledger_(std::move(ledger)), id_(ledger_->transports_made++) {}
   void prepare(const ce::WindowPlan& plan, ce::HandleBlob& out) override {
     bytes_ = 2 * plan.slot_bytes;
+    ledger_->prepared_slot_bytes = plan.slot_bytes;
     out.bytes[0] = static_cast<uint8_t>(0xa0 + id_);
   }
   const ce::SourceTable& sources() const override { return sources_; }
@@ -78,8 +87,9 @@ class ScriptedTransport : public ce::Transport {
     ledger_->attached_blobs = blobs.size();
     ledger_->attached_on = std::this_thread::get_id();
   }
-  Served gather(std::span<const ce::GatherOp>, void*, Timing timing) override {
+  Served gather(std::span<const ce::GatherOp> ops, void*, Timing timing) override {
     ledger_->timings.push_back(timing);
+    ledger_->last_ops.assign(ops.begin(), ops.end());
     switch (ledger_->then) {
       case Ledger::Then::FallBack: return Served::FallBack;
       case Ledger::Then::ThrowOurs: throw Error(ErrorKind::System, "a peer's flag cannot be read");
@@ -120,9 +130,36 @@ class LedgerTimer : public ce::CompletionTimer {
   uint64_t start_ = 0, stop_ = 0;
 };
 
+ncclResult_t fake_unique_id(ncclUniqueId* id) {
+  g_ledger->sub_calls.push_back("id");
+  *id = ncclUniqueId{};
+  id->internal[0] = 'S';
+  return ncclSuccess;
+}
+ncclResult_t fake_comm_init(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank,
+                            ncclConfig_t*) {
+  g_ledger->sub_calls.push_back("init " + std::string(1, id.internal[0]) + " " +
+                                std::to_string(rank) + "/" + std::to_string(nranks));
+  *comm = reinterpret_cast<ncclComm_t>(uintptr_t{0x2000});
+  return ncclSuccess;
+}
+ncclResult_t fake_async_error(ncclComm_t, ncclResult_t* error) {
+  *error = ncclSuccess;
+  return ncclSuccess;
+}
+ncclResult_t fake_comm_destroy(ncclComm_t) {
+  g_ledger->sub_calls.push_back("destroy");
+  return ncclSuccess;
+}
+ncclResult_t fake_comm_abort(ncclComm_t) {
+  g_ledger->sub_calls.push_back("abort");
+  return ncclSuccess;
+}
+
 AgreementWorld world_of(const Options& options, const std::shared_ptr<Ledger>& ledger) {
   TransportFactory make;
-  make.transport = [ledger](const capture::CommInfo&) {
+  make.transport = [ledger](const capture::CommInfo& info) {
+    ledger->made_for = info;
     return std::make_unique<ScriptedTransport>(ledger);
   };
   make.timer = [ledger] {
@@ -130,7 +167,8 @@ AgreementWorld world_of(const Options& options, const std::shared_ptr<Ledger>& l
     return std::make_unique<LedgerTimer>();
   };
   return AgreementWorld{options,
-                        {fake_all_gather, fake_group_start, fake_group_end},
+                        {fake_all_gather, fake_group_start, fake_group_end, fake_unique_id,
+                         fake_comm_init, fake_async_error, fake_comm_destroy, fake_comm_abort},
                         std::move(make),
                         [] { return GroupView{}; },
                         [](trace::RecordType, const void*, uint32_t) {}};
@@ -540,6 +578,91 @@ TEST(WindowPlan, ABoundPlanBindsEachMovingGatherFromItsLastSendBufferAndReadsItI
   }
   EXPECT_NE(plan.bind[0].slot_offset, plan.bind[1].slot_offset);
   EXPECT_EQ(plan.table_room, publish_round_bytes(2) - sizeof(ContributionHeader));
+}
+
+// Rank 1 of 4 on machines (a, a, b, b): machine 0, local index 1; static weights across machines
+// (network once). Its window is its machine's (2 ranks, the slot twice as large), its
+// sub-communicator's first member is itself (machine 0), formed in the set-up as rank 0 of 2.
+// The first moved call of position 1 crosses machines (NCCL on the sub-communicator), the next
+// reads only inside the machine; a change of its own shard is a stale position; the plan's end
+// destroys the sub-communicator, an abort aborts it.
+struct TwoLevels {
+  TwoLevels() {
+    const uint64_t hosts[] = {7, 7, 9, 9};
+    plan.decision.machines = machines_of(hosts);
+    plan.decision.network_once = true;
+    plan.decision.graph_slots = false;
+    f.serving.span_machines(plan.decision, plan.layout, plan.seen);
+    ce::HandleBlob handle;
+    f.serving.open_window(window_plan(plan.decision, plan.seen, plan.layout, f.options), handle);
+    std::vector<std::vector<uint8_t>> ids(4);
+    ids[1] = f.serving.sub_comm_id();
+    std::vector<ce::HandleBlob> handles(4);
+    f.serving.begin_attach(handles, {}, std::chrono::milliseconds(0), ids);
+    std::string error;
+    while (f.serving.poll_set_up(error) == Serving::SetUp::Running)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    EXPECT_TRUE(error.empty()) << error;
+  }
+  ncclResult_t serve_position(uint32_t position, bool& moved) {
+    const size_t bytes = 4000;
+    const ce::GatherOp op{
+        shard.data(), full.data(),        bytes, plan.layout.offset_by_position[position],
+        false,        ce::GatherOp::kOwn, false, plan.layout.bucket_by_position[position]};
+    const NcclGather call{shard.data(), full.data(), 1000, ncclFloat};
+    return f.serving.serve({&op, 1}, {&call, 1}, nullptr, op.bucket, false, false, f.trial,
+                           plan.layout, moved);
+  }
+  Fixture f;
+  Plan plan{false};
+  std::vector<uint8_t> shard = std::vector<uint8_t>(4000);
+  std::vector<uint8_t> full = std::vector<uint8_t>(16000);
+};
+
+TEST(Serving, TwoLevelsCrossMachinesOnceAGatherWithStaticWeightsAndEndWithThePlan) {
+  TwoLevels t;
+  EXPECT_EQ(t.f.ledger->made_for.rank, 1);  // local index 1 of its machine's 2
+  EXPECT_EQ(t.f.ledger->made_for.nranks, 2);
+  EXPECT_NE(t.f.ledger->made_for.identity, t.f.info.identity);
+  EXPECT_EQ(t.f.ledger->prepared_slot_bytes, 2 * t.plan.layout.slot_bytes);
+  EXPECT_EQ(t.f.ledger->attached_blobs, 2u);
+  EXPECT_EQ(t.f.ledger->sub_calls, (Strings{"id", "init S 0/2"}));
+
+  bool moved = false;
+  EXPECT_EQ(t.serve_position(1, moved), ncclSuccess);
+  EXPECT_TRUE(moved);
+  EXPECT_EQ(t.f.ledger->nccl_calls, (Strings{"gather"}));  // between machines, once
+  ASSERT_EQ(t.f.ledger->last_ops.size(), 1u);
+  const ce::GatherOp& op = t.f.ledger->last_ops[0];
+  EXPECT_EQ(op.pieces, 2u);
+  EXPECT_EQ(op.bytes, 4000u);
+  EXPECT_EQ(op.slot_offset, 2 * t.plan.layout.offset_by_position[1]);
+  ASSERT_NE(op.places, nullptr);
+  // Local index 0's pieces land at ranks 0 and 2, local index 1's (this rank's) at 1 and 3.
+  EXPECT_EQ(std::vector<int32_t>(op.places, op.places + 4), (std::vector<int32_t>{0, 2, 1, 3}));
+
+  EXPECT_EQ(t.serve_position(1, moved), ncclSuccess);
+  EXPECT_TRUE(moved);
+  EXPECT_EQ(t.f.ledger->nccl_calls, (Strings{"gather"})) << "held: no second crossing";
+  EXPECT_TRUE(t.f.serving.stale_positions().empty());
+  EXPECT_EQ(t.serve_position(3, moved), ncclSuccess);
+  EXPECT_EQ(t.f.ledger->nccl_calls, (Strings{"gather", "gather"}));  // position 3's first
+
+  t.shard[7] ^= 1;  // the promise broken
+  EXPECT_EQ(t.serve_position(1, moved), ncclSuccess);
+  EXPECT_EQ(t.f.serving.stale_positions(), (std::vector<uint32_t>{1}));
+  EXPECT_EQ(t.f.ledger->nccl_calls.size(), 2u);
+
+  t.f.serving.drop();
+  EXPECT_EQ(t.f.ledger->sub_calls, (Strings{"id", "init S 0/2", "destroy"}));
+}
+
+TEST(Serving, TwoLevelsAbortTheSubCommunicatorWithTheParent) {
+  TwoLevels t;
+  t.f.serving.abandon();
+  EXPECT_EQ(t.f.ledger->sub_calls, (Strings{"id", "init S 0/2", "abort"}));
+  t.f.serving.drop();
+  EXPECT_EQ(t.f.ledger->sub_calls.size(), 3u) << "an aborted sub-communicator is not destroyed";
 }
 
 TEST(BoundSources, ACheckOwedByACallNcclServedIsDueAtThePositionsNextMovedCall) {

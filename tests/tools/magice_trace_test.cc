@@ -563,6 +563,47 @@ TEST_F(MagiceTraceDecisions, PrintsTheLastRoundOfEveryRankGatherByGather) {
   EXPECT_TRUE(run.err.empty()) << run.err;
 }
 
+// A plan spanning machines: each rank's moved gather names the two levels and its
+// sub-communicator (its local index); a communicator whose machines are uneven says why it stays.
+TEST_F(MagiceTraceDecisions, NameTheTwoLevelsAndEachRanksSubCommunicator) {
+  std::vector<std::string> files;
+  for (int32_t rank = 0; rank < 4; ++rank) {
+    TraceBuilder b(make_file_header(2000 + rank, rank < 2 ? "node0" : "node1", "train"));
+    b.comm(make_comm(kWorld, rank, 4));
+    b.call(make_call(kWorld, rank, 0, CallSpec{}));
+    b.agreement(make_agreement(
+        kWorld, rank,
+        {1, RoundKind::Propose, RoundEvent::Read, 10, AgreementMode::Identical, 2, 1}));
+    DecisionRecord moved =
+        make_decision(kWorld, rank, 1, AgreementMode::Identical, {1, Verdict::Moved});
+    moved.machines = 2;
+    moved.sub_comm = static_cast<uint8_t>(rank % 2);
+    b.decision(moved);
+    b.decision(make_decision(kWorld, rank, 1, AgreementMode::Identical,
+                             {3, Verdict::Stays, Reason::MachinesUneven, -1, 1}));
+    files.push_back(dir_ + "/machines" + std::to_string(rank) + ".trace");
+    b.write(files.back());
+  }
+  const ToolRun run = tool(with({"decisions"}, files));
+  EXPECT_EQ(run.status, 0) << run.out << run.err;
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_TRUE(contains(run.out, "rank " + std::to_string(rank) +
+                                      " gather #0 (pos 1, float32 x 1024, bucket 0): moved in two "
+                                      "levels (NCCL between 2 machines on the sub-communicator of "
+                                      "local index " +
+                                      std::to_string(rank % 2) + ", the transport inside)\n"))
+        << run.out;
+    EXPECT_TRUE(contains(run.out, "rank " + std::to_string(rank) +
+                                      " gather #1 (pos 3, float32 x 1024, bucket 1): stays: the "
+                                      "ranks span machines holding different numbers of them"))
+        << run.out;
+  }
+  const ToolRun json = tool(with({"decisions", "--json"}, files));
+  EXPECT_EQ(json.status, 0) << json.out << json.err;
+  EXPECT_TRUE(contains(json.out, "\"refused_by\":null,\"machines\":2,\"sub_comm\":1}")) << json.out;
+  EXPECT_FALSE(contains(json.out, "\"machines\":0")) << json.out;  // said only where it spans
+}
+
 TEST_F(MagiceTraceDecisions, AllPrintsEveryRoundWithItsRouteChanges) {
   const ToolRun run = tool(with({"decisions", "--all"}, write_agreeing_ranks(2)));
   EXPECT_EQ(run.status, 0) << run.out << run.err;

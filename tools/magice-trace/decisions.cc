@@ -208,7 +208,13 @@ std::string route_change_text(const AgreementRecord& change, const AgreementReco
 std::string verdict_text(const DecisionRecord& d) {
   const auto verdict = static_cast<trace::Verdict>(d.verdict);
   std::string text(trace::verdict_name(verdict));
-  if (verdict != trace::Verdict::Stays) return text;
+  if (verdict != trace::Verdict::Stays) {
+    if (d.machines > 1)
+      text += " in two levels (NCCL between " + std::to_string(d.machines) +
+              " machines on the sub-communicator of local index " + std::to_string(d.sub_comm) +
+              ", the transport inside)";
+    return text;
+  }
   const auto reason = static_cast<trace::Reason>(d.reason);
   if (reason != trace::Reason::None) text += ": " + std::string(trace::reason_name(reason));
   if (d.refused_by >= 0) text += " (rank " + std::to_string(d.refused_by) + ")";
@@ -448,7 +454,11 @@ void append_round(std::string& out, int32_t rank, const ReadRound& round) {
            ",\"callsite\":" + json_string(hex16(d.callsite)) + ",\"verdict\":" +
            json_string(trace::verdict_name(static_cast<trace::Verdict>(d.verdict))) +
            ",\"reason\":" + json_reason(d.reason) +
-           ",\"refused_by\":" + (d.refused_by < 0 ? "null" : std::to_string(d.refused_by)) + "}";
+           ",\"refused_by\":" + (d.refused_by < 0 ? "null" : std::to_string(d.refused_by)) +
+           (d.machines > 1 ? ",\"machines\":" + std::to_string(d.machines) +
+                                 ",\"sub_comm\":" + std::to_string(d.sub_comm)
+                           : std::string()) +
+           "}";
   }
   out += "]}";
 }

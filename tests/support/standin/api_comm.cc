@@ -17,17 +17,20 @@ using standin::format;
 
 namespace {
 
-void check_config(const ncclConfig_t* config) {
-  // NCCL refuses a config not made with NCCL_CONFIG_INITIALIZER; so do we. A non-blocking
-  // config (blocking == 0) is accepted and run blocking: every call completes before it
-  // returns, which a non-blocking program must also accept (ncclSuccess instead of
-  // ncclInProgress).
+// NCCL refuses a config not made with NCCL_CONFIG_INITIALIZER; so do we. A non-blocking config
+// (blocking == 0) makes ncclCommInitRank* outside a group return ncclInProgress until every rank
+// joined, as NCCL does, so that a waiting rank can give up (ncclCommAbort); every other call
+// completes before it returns, which a non-blocking program must also accept (ncclSuccess
+// instead of ncclInProgress). Returns whether the config is non-blocking.
+bool check_config(const ncclConfig_t* config) {
   if (config != nullptr && config->magic != 0xcafebeef) {
     throw Failure(ncclInvalidArgument, "config was not initialized with NCCL_CONFIG_INITIALIZER");
   }
+  return config != nullptr && config->blocking == 0;
 }
 
-ncclResult_t init_rank(ncclComm_t* comm, int nranks, const ncclUniqueId& id, int rank) {
+ncclResult_t init_rank(ncclComm_t* comm, int nranks, const ncclUniqueId& id, int rank,
+                       bool nonblocking = false) {
   if (comm == nullptr) throw Failure(ncclInvalidArgument, "comm is NULL");
   if (nranks < 1) throw Failure(ncclInvalidArgument, format("nranks %d is not positive", nranks));
   if (rank < 0 || rank >= nranks) {
@@ -38,6 +41,11 @@ ncclResult_t init_rank(ncclComm_t* comm, int nranks, const ncclUniqueId& id, int
   ncclComm* joined = standin::join_communicator(standin::segment_name_of(id), nranks, rank,
                                                 standin::current_cuda_device(0));
   *comm = joined;
+  if (nonblocking && !standin::group_open()) {
+    joined->joining = standin::make_join_wait(joined);
+    joined->joining->launch();
+    return standin::advance_join(joined);
+  }
   // Inside a group the wait for the other ranks happens at ncclGroupEnd, so one thread can
   // create several communicators of one clique.
   return standin::submit(standin::make_join_wait(joined));
@@ -54,8 +62,8 @@ STANDIN_ALIAS(ncclCommInitRank)
 STANDIN_API ncclResult_t pncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId,
                                                  int rank, ncclConfig_t* config) {
   return api_edge("ncclCommInitRankConfig", [&] {
-    check_config(config);
-    return init_rank(comm, nranks, commId, rank);
+    const bool nonblocking = check_config(config);
+    return init_rank(comm, nranks, commId, rank, nonblocking);
   });
 }
 STANDIN_ALIAS(ncclCommInitRankConfig)
@@ -172,6 +180,7 @@ STANDIN_API ncclResult_t pncclCommAbort(ncclComm_t comm) {
   static std::mutex aborted_mutex;
   static auto* aborted = new std::vector<ncclComm_t>();
   comm->aborted.store(true);
+  (void)standin::advance_join(comm);  // a join in progress gives up (its name goes)
   if (comm->segment) comm->segment->abort_here();
   std::lock_guard<std::mutex> lock(aborted_mutex);
   aborted->push_back(comm);
@@ -207,9 +216,14 @@ STANDIN_API ncclResult_t pncclCommCuDevice(const ncclComm_t comm, int* device) {
 }
 STANDIN_ALIAS(ncclCommCuDevice)
 
-// Nothing runs asynchronously; a communicator broken by a timeout reports it here too.
+// Nothing runs asynchronously but a non-blocking initialisation, advanced here; a communicator
+// broken by a timeout reports it here too.
 STANDIN_API ncclResult_t pncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
   if (comm == nullptr || asyncError == nullptr) return ncclInvalidArgument;
+  if (comm->joining) {
+    *asyncError = standin::advance_join(comm);
+    if (*asyncError != ncclSuccess) return ncclSuccess;
+  }
   *asyncError = comm->broken.empty() ? ncclSuccess : ncclSystemError;
   return ncclSuccess;
 }

@@ -1,5 +1,7 @@
 #include "tests/support/standin/comm.h"
 
+#include "tests/support/standin/operation.h"
+
 #include <sys/random.h>
 
 #include <cerrno>
@@ -93,10 +95,26 @@ std::string child_segment_name(const std::string& parent, const std::string& der
 
 void check_usable(const ncclComm* comm) {
   if (comm == nullptr) throw Failure(ncclInvalidArgument, "communicator is NULL");
+  if (comm->joining)
+    throw Failure(ncclInvalidUsage,
+                  "communicator is still being initialised (non-blocking: poll "
+                  "ncclCommGetAsyncError until it is no longer ncclInProgress)");
   if (comm->aborted.load()) throw Failure(ncclInvalidUsage, "communicator was aborted");
   if (!comm->broken.empty()) throw Failure(ncclSystemError, comm->broken);
   if (comm->revoked) throw Failure(ncclInvalidUsage, "communicator was revoked");
   if (comm->finalized) throw Failure(ncclInvalidUsage, "communicator was finalized");
+}
+
+ncclResult_t advance_join(ncclComm* comm) {
+  if (!comm->joining) return ncclSuccess;
+  Operation& join = *comm->joining;
+  if (comm->aborted.load() && !join.done())
+    join.give_up(ncclSystemError, "the communicator was aborted while it was being initialised");
+  if (!join.done()) join.progress();
+  if (!join.done()) return ncclInProgress;
+  const ncclResult_t result = join.result();
+  comm->joining.reset();
+  return result;
 }
 
 }  // namespace standin

@@ -15,6 +15,10 @@
 
 #include "tests/support/standin/segment.h"
 
+namespace standin {
+class Operation;
+}
+
 struct ncclComm {
   std::shared_ptr<standin::Segment> segment;
   int rank = 0;
@@ -36,7 +40,11 @@ struct ncclComm {
   bool finalized = false;
   bool revoked = false;
   std::atomic<bool> aborted{false};  // set by ncclCommAbort, from any thread
-  std::string broken;       // why this communicator refuses work (a timeout); empty if healthy
+  std::string broken;  // why this communicator refuses work (a timeout); empty if healthy
+  // A non-blocking ncclCommInitRank* (config.blocking = 0) outside a group: the wait for every
+  // rank to join, advanced by ncclCommGetAsyncError (ncclInProgress until it is done), as NCCL's
+  // own non-blocking initialisation is; empty once joined.
+  std::shared_ptr<standin::Operation> joining;
   std::mutex replay_mutex;  // one CUDA graph's replay of this communicator's operations at a time
 };
 
@@ -56,5 +64,8 @@ std::string child_segment_name(const std::string& parent, const std::string& der
 
 // Throws unless `comm` can take new work.
 void check_usable(const ncclComm* comm);
+// A non-blocking join in progress advanced once, never waiting: ncclInProgress until every rank
+// joined, then its result (ncclSuccess once there is none, or no longer one).
+ncclResult_t advance_join(ncclComm* comm);
 
 }  // namespace standin

@@ -144,6 +144,7 @@ ncclResult_t run(std::vector<std::unique_ptr<Operation>>& ops) {
 }  // namespace
 
 void group_start() { ++t_group.depth; }
+bool group_open() { return t_group.depth > 0; }
 
 ncclResult_t group_end() {
   if (t_group.depth == 0) throw Failure(ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");

@@ -13,6 +13,7 @@
 namespace standin {
 
 void group_start();
+bool group_open();  // the calling thread is inside ncclGroupStart/End
 ncclResult_t group_end();
 // Ends the group like group_end but runs nothing: the queued operations are dropped.
 ncclResult_t group_simulate_end();
