@@ -220,7 +220,10 @@ bool CommAgreement::anchor_has_work() const {
 bool CommAgreement::round_due(uint64_t seq) const {
   if (!channel_.due(seq)) return false;
   const uint64_t step = std::min<uint64_t>(seq, step_.seen.period());
-  return phase_ != Phase::Confirming || trial_.nccl_side_routed() || channel_.due(seq - step);
+  // With one warmup step the confirm does not wait for the NCCL side: the trial alternates
+  // instead, and the first gather moves a step sooner.
+  return phase_ != Phase::Confirming || trial_.nccl_side_routed() ||
+         world_.options.warmup_steps <= 1 || channel_.due(seq - step);
 }
 
 bool CommAgreement::propose_due() const {

@@ -18,7 +18,8 @@
 //                       its cost trial's NCCL side, rewrite/cost_trial.h; a step at most)
 // (ExplorationPolicy::read_distance: a quarter of the step's calls, at least one), so a plan is
 // agreed inside the step that completes the warmup: with the default W = 3 its gathers move
-// from the 5th step at the latest (the 4th untimed), W = 1 from the 4th (the 3rd untimed),
+// from the 5th step at the latest (the 4th untimed), W = 1 from the 3rd (timed or not: with
+// W = 1 a timed confirm does not wait for the trial's NCCL side, rewrite/cost_trial.h),
 // where the detector found the step by its 3rd.
 // A cost round is read a step after its issue, at the next anchor, and so is every round of a
 // step whose in-step publish or confirm failed (one issued inside a group holding Send/Recv, where

@@ -48,8 +48,10 @@ void CostTrial::start(uint64_t steps, uint64_t warmup_steps) {
   collect();
   started_ = true;
   start_ = steps;
-  alternating_ = std::any_of(nccl_ns_.begin(), nccl_ns_.end(),
-                             [](const std::vector<uint64_t>& ns) { return ns.empty(); });
+  // By routes, which every rank shares, not by timings: a rank whose timer could not start has
+  // no NCCL timing where its peers have one, and alternating on it alone would send its calls to
+  // NCCL while theirs move. Its bucket is unmeasured there, which the cost round reads alike.
+  alternating_ = unrouted_ != 0;
   end_ = steps + (alternating_ ? 2 : 1) * warmup_steps;
 }
 

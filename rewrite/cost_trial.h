@@ -4,11 +4,12 @@
 // Its NCCL side is timed first, on calls that go to NCCL anyway: those of the plan's gathers
 // between the propose read and the activation. The publish and confirm are read inside the step
 // (ExplorationPolicy::read_distance), so the confirm of a timed plan waits until every moving
-// bucket has gone to NCCL once since the propose read (nccl_side_routed), at most a step.
+// bucket has gone to NCCL once since the propose read (nccl_side_routed), at most a step; with
+// MAGI_WARMUP_STEPS=1 it does not wait (the plan moves inside the step the propose is read in).
 // Its copy-engine side is the first MAGI_WARMUP_STEPS steps after activation. So no call runs the
 // slower way on purpose, but for the copy-engine calls of a bucket NCCL then wins. Where a bucket
-// has no NCCL timing by the activation (a timer that could not start, a step lost and found), the
-// trial falls back to alternating, step by step, for 2 × MAGI_WARMUP_STEPS steps. Which steps go
+// was not routed to NCCL by the activation (a confirm that did not wait), the trial alternates,
+// step by step, for 2 × MAGI_WARMUP_STEPS steps, starting with the copy engine. Which steps go
 // where is a function of the anchor count and of what every rank read: shared by every rank.
 #pragma once
 
@@ -51,8 +52,10 @@ class CostTrial {
   bool due(uint64_t steps) const { return running_ && started_ && steps >= end_; }
   // Alternating (no NCCL timing by the activation): every other step's moved buckets go to NCCL
   // (TrialNccl), timed.
+  // The step of the activation moves (it is timed the copy-engine way), the next goes to NCCL,
+  // and so on.
   bool sends_to_nccl(uint64_t steps) const {
-    return running_ && started_ && alternating_ && (steps - start_) % 2 == 0;
+    return running_ && started_ && alternating_ && (steps - start_) % 2 == 1;
   }
   size_t buckets() const { return moved_ns_.size(); }
 

@@ -102,19 +102,45 @@ TEST(CostTrial, TimesNcclBeforeTheActivationAndTheCopyEngineForTheWarmupAfterIt)
   EXPECT_EQ(trial.launches_timed(), 4u);
 }
 
-TEST(CostTrial, ABucketWithoutANcclTimingAtTheActivationAlternatesForTwiceTheWarmup) {
+// A bucket not routed to NCCL by the activation (a confirm that did not wait, with one warmup
+// step) makes the trial alternate for twice the warmup, by routes (shared by every rank), the
+// activation's step moving first.
+TEST(CostTrial, ABucketNotRoutedToNcclByTheActivationAlternatesForTwiceTheWarmup) {
   Clock clock;
   const TransportFactory make = timers_on(clock);
+  SlotLayout layout;
+  layout.offset_by_position = {0, 0};
+  layout.bucket_by_position = {0, 1};
   CostTrial trial;
   trial.begin(true, 2);
+  trial.await_nccl_routes(layout);
+  trial.routed_to_nccl(0, 0);
   serve(trial, make, clock, 0, true, 100);  // bucket 1 never reached NCCL before the activation
+  EXPECT_FALSE(trial.nccl_side_routed());
   trial.start(10, 3);
-  EXPECT_TRUE(trial.sends_to_nccl(10));
-  EXPECT_FALSE(trial.sends_to_nccl(11));
-  EXPECT_TRUE(trial.sends_to_nccl(12));
-  EXPECT_FALSE(trial.sends_to_nccl(13));
+  EXPECT_FALSE(trial.sends_to_nccl(10));
+  EXPECT_TRUE(trial.sends_to_nccl(11));
+  EXPECT_FALSE(trial.sends_to_nccl(12));
+  EXPECT_TRUE(trial.sends_to_nccl(13));
   EXPECT_FALSE(trial.due(15));
   EXPECT_TRUE(trial.due(16));
+}
+
+// Every bucket routed to NCCL, but this rank's timer measured nothing (it could not start): no
+// alternation, as on its peers, whose timers worked; the bucket is unmeasured here.
+TEST(CostTrial, AnUnmeasuredBucketThatWasRoutedDoesNotAlternate) {
+  SlotLayout layout;
+  layout.offset_by_position = {0};
+  layout.bucket_by_position = {0};
+  CostTrial trial;
+  trial.begin(true, 1);
+  trial.await_nccl_routes(layout);
+  trial.routed_to_nccl(0, 0);
+  ASSERT_TRUE(trial.nccl_side_routed());
+  trial.start(10, 1);
+  for (uint64_t step = 10; step < 14; ++step) EXPECT_FALSE(trial.sends_to_nccl(step));
+  EXPECT_TRUE(trial.due(11));
+  EXPECT_EQ(pairs(trial.medians()), (Pairs{{0, 0}}));
 }
 
 // The NCCL side of a timed plan is routed once every bucket had all its calls of one step, first
@@ -216,14 +242,18 @@ TEST(CostTrial, FinishEndsTheTrialOnceTheCostRoundIsIssued) {
   Clock clock;
   const TransportFactory make = timers_on(clock);
   CostTrial trial;
-  trial.begin(true, 1);  // no NCCL timing: alternating
+  SlotLayout layout;
+  layout.offset_by_position = {0};
+  layout.bucket_by_position = {0};
+  trial.begin(true, 1);
+  trial.await_nccl_routes(layout);  // never routed to NCCL: alternating
   trial.start(10, 1);
   ASSERT_TRUE(trial.due(12));
-  ASSERT_TRUE(trial.sends_to_nccl(12));
+  ASSERT_TRUE(trial.sends_to_nccl(11));
   trial.finish();
   EXPECT_FALSE(trial.running());
   EXPECT_FALSE(trial.due(12));
-  EXPECT_FALSE(trial.sends_to_nccl(12));
+  EXPECT_FALSE(trial.sends_to_nccl(11));
 }
 
 TEST(CostTrial, ANewPlanStartsAFreshTrial) {
