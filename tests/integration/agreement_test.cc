@@ -2072,9 +2072,10 @@ TEST(Agreement, GathersCapturedBeforeAnyPlanAreAgreedAtTheCaptureOnEveryRank) {
 // before the step was found count), and it, the publish and the confirm are each read a quarter
 // step after their issue, inside that step; a timed plan's confirm also waits until every bucket
 // went to NCCL once since the propose read (the trial's NCCL side, so that no call goes there on
-// purpose), a step at most, but with one warmup step, where the trial alternates instead. Shapes the detector finds by their 3rd step: layers of
-// distinct shapes with a group, many layers, layers of one shape that need refining (the refined
-// propose then comes at the read that refines), static weights of distinct and of one shape.
+// purpose), a step at most, but with one warmup step, where the trial alternates instead. Shapes
+// the detector finds by their 3rd step: layers of distinct shapes with a group, many layers, layers
+// of one shape that need refining (the refined propose then comes at the read that refines), static
+// weights of distinct and of one shape.
 TEST(Agreement, TheFirstGatherMovesByTheFifthStepOrTheThirdWithOneWarmupStep) {
   struct Shape {
     std::string name;
