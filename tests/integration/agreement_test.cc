@@ -1727,9 +1727,13 @@ TEST(Machines, ARankThatDiesBeforeJoiningItsSubCommunicatorHangsNoExit) {
     EXPECT_EQ(rr.signal, 0) << "rank " << rank << " crashed:\n" << rr.stderr_text;
     EXPECT_NE(rr.exit_code, 0) << "rank " << rank;  // it saw the error
   }
-  // Rank 2 never joined: rank 0's sub-communicator never formed.
+  // Rank 2 never joined: rank 0's sub-communicator never formed. Under ThreadSanitizer ten steps
+  // can outlast the 100 ms rank 2's set-up waits, and it may join before it dies: what must hold
+  // then is the rest (no hang, every survivor ends in an error).
+#if !defined(__SANITIZE_THREAD__)
   EXPECT_FALSE(has_line(r.result.ranks[0].stderr_text, "sub-communicator of local index 0 formed"))
       << r.log;
+#endif
   EXPECT_TRUE(has_line(r.result.ranks[0].stderr_text, "each moved gather runs in two levels"))
       << r.log;
 }
