@@ -1588,6 +1588,25 @@ TEST(Agreement, AForkedChildLeavesTheParentsWindowsAlone) {
   EXPECT_TRUE(windows_left_by({r.result}).empty());
 }
 
+// Rank 2 of 4 was killed (`when` says at which step, for the messages): it ended by SIGKILL, and
+// every survivor noticed and ended in an error of its own, none crashed.
+void expect_survivors_saw_rank_2_die(const AgreedRun& r, const std::string& when) {
+  EXPECT_EQ(r.result.ranks[2].signal, SIGKILL) << when;
+  for (int rank : {0, 1, 3}) {
+    const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
+    EXPECT_EQ(rr.signal, 0) << when << " rank " << rank << " crashed:\n" << rr.stderr_text;
+    EXPECT_NE(rr.exit_code, 0) << when << " rank " << rank;  // it saw the error
+  }
+}
+
+// Survivors release their windows at exit; a window the killed rank made before every peer
+// opened it keeps its name (only its owner could know nobody else would come). Removes it.
+void expect_at_most_the_killed_ranks_window_left(const std::vector<support::LaunchResult>& runs) {
+  const std::set<std::string> left = windows_left_by(runs);
+  for (const std::string& name : left) ::shm_unlink(("/" + name).c_str());
+  EXPECT_LE(left.size(), 1u);
+}
+
 // A rank killed before, during and after the agreement: the others must notice (through the
 // stand-in, as through NCCL, or through the transport's watch on its peers) and end, not hang.
 TEST(Agreement, APeerKilledBeforeDuringOrAfterAgreementHangsNoOne) {
@@ -1598,19 +1617,9 @@ TEST(Agreement, APeerKilledBeforeDuringOrAfterAgreementHangsNoOne) {
         run_agreed(4, fsdp({"--die-rank", "2", "--die-step", std::to_string(step)}, 20), {}, 30);
     runs.push_back(r.result);
     ASSERT_FALSE(r.result.timed_out) << "killed at step " << step << ": " << transcript(r);
-    EXPECT_EQ(r.result.ranks[2].signal, SIGKILL);
-    for (int rank : {0, 1, 3}) {
-      const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
-      EXPECT_EQ(rr.signal, 0) << "step " << step << " rank " << rank << " crashed:\n"
-                              << rr.stderr_text;
-      EXPECT_NE(rr.exit_code, 0) << "step " << step << " rank " << rank;  // it saw the error
-    }
+    expect_survivors_saw_rank_2_die(r, "step " + std::to_string(step));
   }
-  // Survivors release their windows at exit; a window the killed rank made before every peer
-  // opened it keeps its name (only its owner could know nobody else would come).
-  const std::set<std::string> left = windows_left_by(runs);
-  for (const std::string& name : left) ::shm_unlink(("/" + name).c_str());
-  EXPECT_LE(left.size(), 1u);
+  expect_at_most_the_killed_ranks_window_left(runs);
 }
 
 // A rank that dies with the communicator in use, its gathers moving, is reported to its peers by
@@ -1698,17 +1707,9 @@ TEST(Machines, APeerKilledOnAnotherMachineHangsNoOne) {
         {}, 60, on_machines({"a", "a", "b", "b"}));
     runs.push_back(r.result);
     ASSERT_FALSE(r.result.timed_out) << "killed at step " << step << ": " << transcript(r);
-    EXPECT_EQ(r.result.ranks[2].signal, SIGKILL);
-    for (int rank : {0, 1, 3}) {
-      const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
-      EXPECT_EQ(rr.signal, 0) << "step " << step << " rank " << rank << " crashed:\n"
-                              << rr.stderr_text;
-      EXPECT_NE(rr.exit_code, 0) << "step " << step << " rank " << rank;  // it saw the error
-    }
+    expect_survivors_saw_rank_2_die(r, "step " + std::to_string(step));
   }
-  const std::set<std::string> left = windows_left_by(runs);
-  for (const std::string& name : left) ::shm_unlink(("/" + name).c_str());
-  EXPECT_LE(left.size(), 1u);
+  expect_at_most_the_killed_ranks_window_left(runs);
 }
 
 // A rank dies after the publish, before it joins its sub-communicator (its set-up waits 100 ms
@@ -1721,12 +1722,7 @@ TEST(Machines, ARankThatDiesBeforeJoiningItsSubCommunicatorHangsNoExit) {
       run_agreed(4, fsdp({"--die-rank", "2", "--die-step", "10", "--step-pause-ms", "2"}, 160),
                  {{"MAGI_INJECT_FAULT", "slow-attach:2"}}, 60, on_machines({"a", "a", "b", "b"}));
   ASSERT_FALSE(r.result.timed_out) << transcript(r);
-  EXPECT_EQ(r.result.ranks[2].signal, SIGKILL);
-  for (int rank : {0, 1, 3}) {
-    const auto& rr = r.result.ranks[static_cast<size_t>(rank)];
-    EXPECT_EQ(rr.signal, 0) << "rank " << rank << " crashed:\n" << rr.stderr_text;
-    EXPECT_NE(rr.exit_code, 0) << "rank " << rank;  // it saw the error
-  }
+  expect_survivors_saw_rank_2_die(r, "step 10");
   // Rank 2 never joined: rank 0's sub-communicator never formed. Under ThreadSanitizer ten steps
   // can outlast the 100 ms rank 2's set-up waits, and it may join before it dies: what must hold
   // then is the rest (no hang, every survivor ends in an error).
