@@ -711,7 +711,8 @@ TEST_P(StaticWeightsPrograms, InOneSharedFileAreReadInPlaceByteExactAndLeaveNoFi
 // wait for the owner's attach), so a plan moves some steps after its publish, as many as the
 // set-up's time holds (a step takes microseconds): runs long enough for that under a loaded
 // machine (100 steps, the swap at 50, once lost a plan to the swap while 8 test processes and a
-// compiler shared 2 cores).
+// compiler shared 2 cores; 400 steps of microseconds, 0.13 s, once ended before any plan moved
+// under such load: each step now pauses a millisecond).
 TEST_P(StaticWeightsPrograms, InAMemfdAreReadInPlaceByDescriptorByteExact) {
   const int n = GetParam();
   const std::vector<WeightsCase> cases = {
@@ -721,7 +722,7 @@ TEST_P(StaticWeightsPrograms, InAMemfdAreReadInPlaceByDescriptorByteExact) {
   };
   for (const WeightsCase& c : cases) {
     SCOPED_TRACE(c.program[1] + " (static, memfd) on " + std::to_string(n) + " ranks");
-    const AgreedRun r = run_weights(n, c, true, false, {"--memfd", "1"});
+    const AgreedRun r = run_weights(n, c, true, false, {"--memfd", "1", "--step-pause-ms", "1"});
     ASSERT_TRUE(r.result.all_ok()) << transcript(r);
     expect_ranks_agree(r);
     ASSERT_EQ(r.comms.size(), 1u);

@@ -3,7 +3,7 @@
 //         [--move-step K [--move-rank R] [--move-order forward|reverse]] [--device 1]
 //         [--arena 1 [--arenas N]] [--vmm 1|2] [--memfd 1] [--report-memory 1] [--shard-elements N]
 //         [--swap-rank R] [--errors-expected 1] [--report-slowest 1] [--mixed 1]
-//         [--check-every K] [--recv-buffers N]
+//         [--check-every K] [--recv-buffers N] [--step-pause-ms T]
 //         [--graph-step K [--graph-rewrite 1] [--graph-streams 2]]
 //
 // Weights that never change after load, gathered every step in the ways a program may hold
@@ -75,6 +75,8 @@
 // --errors-expected 1: a gather may return an error and receive wrong bytes, as long as the
 // rank learns of it: at the end, every rank with a wrong byte must have had an error from a
 // gather or from ncclCommGetAsyncError, else the run fails ("silent").
+// --step-pause-ms T: after each step every rank sleeps T ms (host work between steps), so that a
+// run of many steps lasts long enough for a set-up the library makes off the calls.
 // --report-slowest 1 prints the longest time one ncclAllGather call took on this rank, host
 // time, and its step ("rank R: slowest gather call: <us> us (step S)"): whether any call waited
 // for the library's set-up. Rank 0 also prints, each step, its gather calls' mean host time and
@@ -92,6 +94,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -207,6 +210,8 @@ int run_weights(const ScenarioOptions& options) {
   const bool rehome_reuse = options.number("rehome-reuse", 0) != 0;
   const bool report_memory = options.number("report-memory", 0) != 0;
   const bool report_slowest = options.number("report-slowest", 0) != 0;
+  const auto step_pause =
+      std::chrono::duration<double, std::milli>(options.number("step-pause-ms", 0));
   mixed_sizes = options.number("mixed", 0) != 0;
   if (mixed_sizes && program != "swap") throw ScenarioFailure("--mixed 1 takes --program swap");
   const int check_every = static_cast<int>(options.number("check-every", 1));
@@ -524,6 +529,7 @@ int run_weights(const ScenarioOptions& options) {
           std::chrono::duration<double, std::micro>(step_calls).count() / layers,
           std::chrono::duration<double>(std::chrono::steady_clock::now() - step_began).count());
     count_ranks(step);
+    if (step_pause.count() > 0) std::this_thread::sleep_for(step_pause);
   }
   if (report_slowest)
     std::fprintf(stderr, "rank %d: slowest gather call: %.1f us (step %d)\n", me,
