@@ -440,7 +440,8 @@ constexpr OptionSpec kTable[] = {
                                     "You assert weights do not change after warmup: peers read "
                                     "each shard where the program keeps it (or a copy bound once "
                                     "where that memory cannot be shared), calls are pure peer "
-                                    "reads."),
+                                    "reads. Rounds at a capture are taken only where it is alike "
+                                    "on every rank."),
     enum_option<&O::graph_slots, kGraphSlots>(
         "MAGI_GRAPH_SLOTS", "auto", "auto|always|never",
         "Default mode (weights not asserted static): gathers captured into CUDA graphs move "
@@ -448,7 +449,8 @@ constexpr OptionSpec kTable[] = {
         "from the first plan after a gather was captured on the communicator (a capture ends a "
         "plan without them and agrees one with them at the captured call); always: from the "
         "first plan; never: captured gathers stay on NCCL. "
-        "Combined across ranks: never on any rank wins, then always or a capture on any."),
+        "Combined across ranks: never on any rank wins, then always or a capture on any; rounds "
+        "at a capture are taken only where it is alike on every rank."),
     int_option<&O::capture_wait_ms>(
         "MAGI_CAPTURE_WAIT_MS", "20000", "an integer from 0 to 600000", 0, 600000,
         OptionUnit::Count,

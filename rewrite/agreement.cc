@@ -67,9 +67,9 @@ Route CommAgreement::on_collective(const capture::CallArgs& args, capture::CallR
   const capture::StepView view =
       step_view(detected, record, gather && (record.flags & trace::kCallCapturing) != 0);
   if (!view.found) return {};
-  if ((view.event == capture::StepDetector::Event::Found && one_call_.found_alike_at != seq) ||
-      view.digest != step_.digest)
-    restart(view);
+  // A step found that the agreement already follows (a step of one call the detector now finds:
+  // nothing else is found with the digest it follows, which a loss clears) goes on, plan and all.
+  if (view.digest != step_.digest) restart(view);
   // A step of one call is whole once its call is seen: a round at this capture may come at once.
   const bool one_call_starts = one_call_.holds && one_call_.origin == seq;
   if (step_.seen.has_gathers()) step_.refined.watch(record, view, step_.seen.keyed_on_buffers());
@@ -220,10 +220,9 @@ bool CommAgreement::anchor_has_work() const {
 bool CommAgreement::round_due(uint64_t seq) const {
   if (!channel_.due(seq)) return false;
   const uint64_t step = std::min<uint64_t>(seq, step_.seen.period());
-  // With one warmup step the confirm does not wait for the NCCL side: the trial alternates
-  // instead, and the first gather moves a step sooner.
-  return phase_ != Phase::Confirming || trial_.nccl_side_routed() ||
-         world_.options.warmup_steps <= 1 || channel_.due(seq - step);
+  return phase_ != Phase::Confirming ||
+         trial_.confirm_may_come(static_cast<uint64_t>(world_.options.warmup_steps)) ||
+         channel_.due(seq - step);
 }
 
 bool CommAgreement::propose_due() const {

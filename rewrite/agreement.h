@@ -247,16 +247,16 @@ class CommAgreement {
     // restarts or an eager propose is read (what decided may have changed).
     uint64_t nothing_moved_digest = 0;
   } capture_;
-  // A step of one call taken at a capture (capture_rounds.cc): the call's shape and the step's
-  // digest while it holds, how many were taken (at most kOneCallSteps a communicator), and the
-  // call where capture's detector found the same step, which then goes on as it.
+  // A step of one call taken at a capture (capture_rounds.cc): the call's shape while it holds
+  // (its digest is step_.digest then), the collective it began at, and how many were taken (at
+  // most kMost a communicator: each costs a round and a window).
   struct OneCallStep {
+    static constexpr uint32_t kMost = 64;
     bool holds = false;
     uint64_t key = 0;
-    uint64_t digest = 0;
     uint64_t origin = 0;
     uint32_t taken = 0;
-    uint64_t found_alike_at = UINT64_MAX;
+    void stop() { taken = kMost; }  // none again on this communicator
   } one_call_;
 };
 

@@ -34,8 +34,8 @@
 // (lost there, as any step) or until the detector finds a step: the same step goes on as it, any
 // other replaces it (restart). It is staged on graph slots in either mode: its one position may
 // name another send buffer at every call (nccl-tests moves them), so with static weights its
-// entries are transient and the plan stages, binding nothing (decide()). At most kOneCallSteps a
-// communicator, and never again for a shape whose round moved nothing, so a program of many
+// entries are transient and the plan stages, binding nothing (decide()). At most OneCallStep::kMost
+// a communicator, and never again for a shape whose round moved nothing, so a program of many
 // shapes pays a bounded number of rounds.
 //
 // No timing, still a choice: a captured call cannot be timed both ways before it is recorded. A
@@ -55,9 +55,6 @@ namespace {
 // A bucket agreed at a capture with no verdict of its size moves from this many bytes a rank:
 // below it a gather's fixed cost (the handshake, a copy per peer) weighs more than NCCL's ring.
 constexpr uint64_t kCaptureRuleBytes = uint64_t{1} << 20;
-
-// Steps of one call a communicator may take at captures: each costs a round and a window.
-constexpr uint32_t kOneCallSteps = 64;
 
 // Between two exchanges of a publish or confirm some rank said "still setting up".
 std::chrono::milliseconds pause_before(int attempt) {
@@ -84,48 +81,42 @@ const char* why_nothing_moves(const Decision& d) {
 capture::StepView CommAgreement::step_view(const capture::StepView& detected,
                                            const capture::CallRecord& record,
                                            bool captured_gather) {
-  const uint64_t seq = detected.collective_index;
+  // The detector's own step from here: where it is the step of one call being followed (the same
+  // digest), on_collective goes on with it, plan and all.
   if (detected.found) {
-    // The detector's own step from here; the one-call step goes on as it where it is the same.
-    if (one_call_.holds && detected.period == 1 && detected.digest == one_call_.digest)
-      one_call_.found_alike_at = seq;
     one_call_.holds = false;
     return detected;
   }
-  capture::StepView view = detected;
-  if (one_call_.holds && record.shape == one_call_.key) {
-    view.found = true;
-    view.period = 1;
-    view.position = 0;
-    view.digest = one_call_.digest;
-    view.origin = one_call_.origin;
-    view.repeats = seq - one_call_.origin;
-    return view;
-  }
-  if (one_call_.holds) {  // a call of another shape: lost, as a step is
+  const uint64_t seq = detected.collective_index;
+  if (one_call_.holds && record.shape != one_call_.key) {  // another shape: lost, as a step is
     one_call_.holds = false;
     on_lost(seq);
   }
-  if (!captured_gather || !one_call_step_may_start()) return detected;
-  one_call_.holds = true;
-  one_call_.key = record.shape;
-  one_call_.digest = capture::StepDetector::digest_of(std::span<const uint64_t>(&record.shape, 1));
-  one_call_.origin = seq;
-  ++one_call_.taken;
+  capture::StepView view = detected;
+  if (!one_call_.holds) {
+    if (!captured_gather || !one_call_step_may_start()) return detected;
+    one_call_.holds = true;
+    one_call_.key = record.shape;
+    one_call_.origin = seq;
+    ++one_call_.taken;
+    view.event = capture::StepDetector::Event::Found;
+    view.digest = capture::StepDetector::digest_of(std::span<const uint64_t>(&record.shape, 1));
+  } else {
+    view.digest = step_.digest;  // set from the view that started it (restart)
+  }
   view.found = true;
-  view.event = capture::StepDetector::Event::Found;
   view.period = 1;
   view.position = 0;
-  view.digest = one_call_.digest;
-  view.origin = seq;
-  view.repeats = 0;
+  view.origin = one_call_.origin;
+  view.repeats = seq - one_call_.origin;
   return view;
 }
 
 // Shared facts only (the settings are read in agree_at_capture, once the hello said they are
 // alike), so every rank takes the step at the same call.
 bool CommAgreement::one_call_step_may_start() const {
-  if (phase_ == Phase::Off || policy_.stopped() || one_call_.taken >= kOneCallSteps) return false;
+  if (phase_ == Phase::Off || policy_.stopped() || one_call_.taken >= OneCallStep::kMost)
+    return false;
   if (world_.options.capture_wait_ms == 0 || !world_.make.board || !channel_.board_gone().empty())
     return false;
   const GroupView group = world_.group();
@@ -158,7 +149,7 @@ void CommAgreement::agree_at_capture(uint64_t seq) {
     return;
   }
   if (!hello_.one_host()) {
-    if (hello_.agreed()) one_call_.taken = kOneCallSteps;  // where its ranks run never changes
+    if (hello_.agreed()) one_call_.stop();  // where its ranks run never changes
     log_.no_capture_round(seq, hello_.agreed()
                                    ? "its ranks are not all on this host"
                                    : "the communicator made no eager collective before it");
@@ -167,12 +158,12 @@ void CommAgreement::agree_at_capture(uint64_t seq) {
   // Whether this round may come depends on two settings besides shared facts; every rank reads
   // here whether they are alike, so every rank comes to the board, or none.
   if (!hello_.capture_alike()) {
-    one_call_.taken = kOneCallSteps;
+    one_call_.stop();  // alike on every rank
     return log_.no_capture_round(seq, hello_.capture_why().c_str());
   }
   if (world_.options.graph_slots == Options::GraphSlots::Never &&
       (plan_in_force(phase_) || !world_.options.static_weights)) {
-    one_call_.taken = kOneCallSteps;
+    one_call_.stop();  // alike on every rank
     return log_.no_capture_round(seq, plan_in_force(phase_)
                                           ? "MAGI_GRAPH_SLOTS=never: the plan in force has no "
                                             "graph slots, and keeps its captured gathers on NCCL"

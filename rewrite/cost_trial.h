@@ -38,6 +38,12 @@ class CostTrial {
   // Every awaited bucket went to NCCL (or the trial does not run): its confirm may be read, and
   // the plan activated with no call sent to NCCL on purpose.
   bool nccl_side_routed() const { return !running_ || unrouted_ == 0; }
+  // Whether a timed plan's confirm may be read now, before a step has passed: once the NCCL side
+  // is routed, or at once with one warmup step, where alternating (2 steps) costs no more NCCL
+  // calls than waiting would, and the first gather moves a step sooner.
+  bool confirm_may_come(uint64_t warmup_steps) const {
+    return nccl_side_routed() || warmup_steps <= 1;
+  }
   // The plan was activated at anchor count `steps`: the copy-engine side is timed from here.
   void start(uint64_t steps, uint64_t warmup_steps);
   // The plan ended: nothing more is timed, measurements waiting to be read are dropped.

@@ -117,6 +117,8 @@ TEST(CostTrial, ABucketNotRoutedToNcclByTheActivationAlternatesForTwiceTheWarmup
   trial.routed_to_nccl(0, 0);
   serve(trial, make, clock, 0, true, 100);  // bucket 1 never reached NCCL before the activation
   EXPECT_FALSE(trial.nccl_side_routed());
+  EXPECT_FALSE(trial.confirm_may_come(3));  // the confirm waits for the NCCL side
+  EXPECT_TRUE(trial.confirm_may_come(1));   // with one warmup step it does not
   trial.start(10, 3);
   EXPECT_FALSE(trial.sends_to_nccl(10));
   EXPECT_TRUE(trial.sends_to_nccl(11));
