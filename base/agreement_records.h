@@ -73,7 +73,7 @@ enum class Reason : uint8_t {
   NotInPlaceAtCapture,  // static weights at a graph capture: its shard cannot be read in place
   MachinesUneven,       // the ranks span machines holding different numbers of them (3 + 1)
   OneRankPerMachine,    // the ranks span machines of one rank each: nothing is local to read
-  MachinesOnDevice,     // the ranks span machines on the CUDA backend (two levels: host only)
+  MachinesOnDevice,     // not given any more (the CUDA backend gathers in two levels): older traces
   Count
 };
 

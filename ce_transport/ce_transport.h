@@ -201,14 +201,16 @@ struct WindowMemory {
 // gather's bucket, the same on every rank: which graph slot a captured bucket of a staged window
 // takes (bucket % 2).
 //
-// Two levels (a communicator spanning machines, default mode, eager buckets only): the transport
-// is one machine's, its ranks the machine's local indices, and each rank's part is `pieces`
-// shards of `bytes` (its sendbuf: the shards of its peers of the same local index on every
-// machine, which NCCL gathered between machines), staged and read whole; piece m of local rank
-// r lands at recvbuf + places[r × pieces + m] × bytes (the global rank of machine m, local index
-// r), so the receive buffer is NCCL's all-gather of the whole communicator. `refuse`: this rank
-// cannot serve the bucket (its NCCL part failed): on synchronous memory it says so as a failing
-// rank does, and every local peer falls back within the bucket.
+// Two levels (a communicator spanning machines; staged windows, eager or on graph slots): the
+// transport is one machine's, its ranks the machine's local indices, and each rank's part is
+// `pieces` shards of `bytes` (the shards of its peers of the same local index on every machine,
+// which NCCL gathers between machines), staged and read whole; piece m of local rank r lands at
+// recvbuf + places[r × pieces + m] × bytes (the global rank of machine m, local index r), so the
+// receive buffer is NCCL's all-gather of the whole communicator. The part is copied from
+// `sendbuf`, or, where `sendbuf` is null, written into the staging slot by the bucket's
+// PartWriter (NCCL between machines writing straight into the slot: no copy). `refuse`: this
+// rank cannot serve the bucket (its NCCL part failed): on synchronous memory it says so as a
+// failing rank does, and every local peer falls back within the bucket.
 struct GatherOp {
   static constexpr size_t kOwn = ~size_t{0};
   const void* sendbuf;
@@ -222,6 +224,20 @@ struct GatherOp {
   uint32_t pieces = 1;
   const int32_t* places = nullptr;  // pieces > 1 only
   bool refuse = false;
+};
+
+// Two levels: writes the parts of a bucket's gathers whose `sendbuf` is null into this rank's
+// staging slot, at the point of the bucket where no local peer reads that slot any more and none
+// has been told it is staged (after the wait for the slot, before this rank's ready), on the
+// bucket's stream (host memory: done when it returns). False: this rank cannot serve the bucket
+// (GatherOp::refuse).
+class PartWriter {
+ public:
+  // Each such op's part (pieces × bytes) goes to `slot + op.slot_offset`.
+  virtual bool write_parts(std::span<const GatherOp> bucket, uint8_t* slot, void* stream) = 0;
+
+ protected:
+  ~PartWriter() = default;
 };
 
 // A transport for one communicator. Every method may throw magi::Error; the caller (rewrite/)
@@ -262,8 +278,9 @@ class Transport {
   // instances are destroyed).
   enum class Served : uint8_t { Moved, FallBack };
   enum class Timing : uint8_t { Untimed, Timed, Captured };
+  // `writer`: the parts of gathers without a send buffer (two levels), written in the bucket.
   virtual Served gather(std::span<const GatherOp> bucket, void* stream,
-                        Timing timing = Timing::Untimed) = 0;
+                        Timing timing = Timing::Untimed, PartWriter* writer = nullptr) = 0;
   // Frees the window and unmaps the peers', once every peer has finished reading it and this
   // rank's own copies have run. If that cannot be known (a peer died, or did not finish in
   // time, or abandon() came first), the rank stops waiting and leaves the window allocated, and

@@ -171,8 +171,8 @@ class WindowTransport final : public Transport {
     attached_ = true;
   }
 
-  Served gather(std::span<const GatherOp> bucket, void* stream,
-                Timing timing = Timing::Untimed) override {
+  Served gather(std::span<const GatherOp> bucket, void* stream, Timing timing = Timing::Untimed,
+                PartWriter* writer = nullptr) override {
     if (!attached_) throw Error(ErrorKind::Usage, "gather before attach");
     if (broken_)
       throw Error(ErrorKind::System, "an earlier bucket failed; this window is unusable");
@@ -187,8 +187,10 @@ class WindowTransport final : public Transport {
                                           std::to_string(op.pieces) + " pieces) at slot offset " +
                                           std::to_string(op.slot_offset) + " overflows a slot of " +
                                           std::to_string(slot_bytes_));
-      if (op.pieces > 1 && (bound_ || timing == Timing::Captured))
-        throw Error(ErrorKind::Usage, "a gather of pieces is staged and eager only");
+      if (op.pieces > 1 && bound_) throw Error(ErrorKind::Usage, "a gather of pieces is staged");
+      if (op.sendbuf == nullptr && (op.pieces == 1 || writer == nullptr) && op.bytes != 0)
+        throw Error(ErrorKind::Usage, "a gather without a send buffer is two levels' (pieces), "
+                                      "written by the bucket's PartWriter");
     }
     if (timing == Timing::Captured && !bound_ && !graph_slots_)
       throw Error(ErrorKind::Usage,
@@ -203,7 +205,7 @@ class WindowTransport final : public Transport {
       if (bound_)
         gather_captured(bucket, n, stream);
       else
-        gather_captured_staged(bucket, stream);
+        gather_captured_staged(bucket, stream, writer);
       return Served::Moved;
     }
     const uint64_t eager = eager_.load() + 1;
@@ -212,7 +214,7 @@ class WindowTransport final : public Transport {
       gather_bound(bucket, n, eager, stream, timing);
       return Served::Moved;
     }
-    return gather_staged(bucket, eager, stream);
+    return gather_staged(bucket, eager, stream, writer);
   }
 
   // Synchronous memory: the waits running on threads give up. On a stream: a healthy abort (the
@@ -300,7 +302,8 @@ class WindowTransport final : public Transport {
   // rank that cannot serve says so before its ready, and every peer sees it once its wait for
   // ready is over. On a stream nothing of the bucket has run when gather() returns, so a failing
   // rank throws, before queuing anything, and its peers' streams wait for it (ce_transport.h).
-  Served gather_staged(std::span<const GatherOp> bucket, uint64_t n, void* stream) {
+  Served gather_staged(std::span<const GatherOp> bucket, uint64_t n, void* stream,
+                       PartWriter* writer) {
     const bool synchronous = memory_->synchronous();
     const bool refuses =
         faults_.fails_bucket() ||
@@ -320,7 +323,7 @@ class WindowTransport final : public Transport {
     // A rank that cannot serve waited above like a serving rank: running ahead, its next failure
     // could overwrite this one before a peer read it. Done is still published, so the slots stay
     // in step for the buckets after.
-    if (refuses) {
+    const auto refuse = [&] {
       flag_ops_.clear();
       add_writes(flags_.failed(rank_, n), n);
       add_writes(flags_.ready(rank_), n);
@@ -328,10 +331,16 @@ class WindowTransport final : public Transport {
       finish_staged(n, stream);
       broken_ = false;
       return Served::FallBack;
-    }
-    // 2. Stage this rank's shards.
+    };
+    if (refuses) return refuse();
+    // 2. Stage this rank's shards; two levels: the writer's parts, now that the slot is free.
     add_stages(bucket, slot);
     memory_->copy_batch(copies_, stream);
+    if (writer != nullptr && !writer->write_parts(bucket, own_.region + slot, stream)) {
+      if (synchronous) return refuse();
+      throw Error(ErrorKind::System,
+                  "bucket " + std::to_string(n) + ": this rank's part between machines failed");
+    }
     // 3. Staged: say so in every peer's window, and wait until every peer has said so in ours.
     flag_ops_.clear();
     add_writes(flags_.ready(rank_), n);
@@ -346,9 +355,12 @@ class WindowTransport final : public Transport {
         }
     // 4. Read every peer's slot, and this rank's shard from its send buffer.
     copies_.clear();
-    add_reads(bucket, [&](int r, const GatherOp& op) {
-      return peers_[static_cast<size_t>(r)].region + slot + op.slot_offset;
-    });
+    add_reads(
+        bucket,
+        [&](int r, const GatherOp& op) {
+          return peers_[static_cast<size_t>(r)].region + slot + op.slot_offset;
+        },
+        own_.region + slot);
     memory_->copy_batch(copies_, stream);
     // 5. Done reading: peers may reuse their slot n % 2 (in bucket n + 2).
     finish_staged(n, stream);
@@ -418,7 +430,8 @@ class WindowTransport final : public Transport {
   // again only after its lowering: a peer raises its staged latch here for its next use only
   // after its wait on this rank's read latch, which this rank raises after lowering the staged
   // one (stream order, and the barrier before every stream write).
-  void gather_captured_staged(std::span<const GatherOp> bucket, void* stream) {
+  // Two levels: the writer's parts are written in step 2, after the copies.
+  void gather_captured_staged(std::span<const GatherOp> bucket, void* stream, PartWriter* writer) {
     if (bucket.empty()) return;
     const int slot = bucket.front().bucket % 2;
     for (const GatherOp& op : bucket)
@@ -432,14 +445,19 @@ class WindowTransport final : public Transport {
     memory_->run_flags(flag_ops_, stream);
     add_stages(bucket, at);
     memory_->copy_captured(copies_, stream);
+    if (writer != nullptr && !writer->write_parts(bucket, own_.region + at, stream))
+      throw Error(ErrorKind::System, "a captured bucket: this rank's part between machines failed");
     flag_ops_.clear();
     add_latch_sets(flags_.staged(slot, rank_));
     add_latch_waits([&](int r) { return flags_.staged(slot, r); });
     memory_->run_flags(flag_ops_, stream);
     copies_.clear();
-    add_reads(bucket, [&](int r, const GatherOp& op) {
-      return peers_[static_cast<size_t>(r)].region + at + op.slot_offset;
-    });
+    add_reads(
+        bucket,
+        [&](int r, const GatherOp& op) {
+          return peers_[static_cast<size_t>(r)].region + at + op.slot_offset;
+        },
+        own_.region + at);
     memory_->copy_captured(copies_, stream);
     flag_ops_.clear();
     add_latch_sets(flags_.read(slot, rank_));
@@ -465,24 +483,27 @@ class WindowTransport final : public Transport {
             {FlagOp::Kind::Latch, r, peers_[static_cast<size_t>(r)].flags + word, 1});
   }
 
-  // A bucket's staging: this rank's shards into its own slot at `slot_at`.
+  // A bucket's staging: this rank's shards into its own slot at `slot_at` (not the parts a
+  // PartWriter writes there).
   void add_stages(std::span<const GatherOp> bucket, size_t slot_at) {
     copies_.clear();
     for (const GatherOp& op : bucket)
-      if (op.bytes != 0)
+      if (op.bytes != 0 && op.sendbuf != nullptr)
         copies_.push_back(
             {own_.region + slot_at + op.slot_offset, op.sendbuf, op.bytes * op.pieces});
   }
 
   // A bucket's reads: every peer's part of each gather from `peer_part(r, op)`, this rank's own
-  // from its send buffer (none in place).
+  // from its send buffer (none in place); two levels, a part a PartWriter wrote from this rank's
+  // slot, at `own_slot` (staged buckets).
   template <class PeerPart>
-  void add_reads(std::span<const GatherOp> bucket, PeerPart peer_part) {
+  void add_reads(std::span<const GatherOp> bucket, PeerPart peer_part,
+                 const uint8_t* own_slot = nullptr) {
     for (const GatherOp& op : bucket) {
       if (op.bytes == 0) continue;
       auto* recv = static_cast<uint8_t*>(op.recvbuf);
       if (op.pieces > 1) {
-        add_pieces(op, peer_part);
+        add_pieces(op, peer_part, own_slot);
         continue;
       }
       for (int r = 0; r < nranks_; ++r) {
@@ -497,13 +518,17 @@ class WindowTransport final : public Transport {
   }
 
   // Two levels (GatherOp): every local rank's part is its pieces, each read to its global
-  // rank's place; this rank's own from its send buffer.
+  // rank's place; this rank's own from its send buffer, or from its slot where written there.
   template <class PeerPart>
-  void add_pieces(const GatherOp& op, PeerPart peer_part) {
+  void add_pieces(const GatherOp& op, PeerPart peer_part, const uint8_t* own_slot) {
     if (op.places == nullptr) throw Error(ErrorKind::Usage, "a gather of pieces without places");
+    if (op.sendbuf == nullptr && own_slot == nullptr)
+      throw Error(ErrorKind::Internal, "a written part read outside a staged bucket");
+    const uint8_t* own = op.sendbuf != nullptr ? static_cast<const uint8_t*>(op.sendbuf)
+                                               : own_slot + op.slot_offset;
     auto* recv = static_cast<uint8_t*>(op.recvbuf);
     for (int r = 0; r < nranks_; ++r) {
-      const auto* part = static_cast<const uint8_t*>(r == rank_ ? op.sendbuf : peer_part(r, op));
+      const auto* part = r == rank_ ? own : static_cast<const uint8_t*>(peer_part(r, op));
       for (uint32_t m = 0; m < op.pieces; ++m) {
         const int32_t place = op.places[static_cast<size_t>(r) * op.pieces + m];
         uint8_t* into = recv + static_cast<size_t>(place) * op.bytes;

@@ -362,8 +362,7 @@ void CommAgreement::after_propose(const Decision& d, uint64_t seq) {
   if (!d.moves_anything() || d.dry_run || stands) schedule_after(d.retry_soon);
   if (d.reason == Reason::AnchorInGroup && seen.period() > 1) policy_.move_anchor(seen.period());
   if (d.reason == Reason::PeerOffNode || d.reason == Reason::PeerNotAccessible ||
-      d.reason == Reason::MachinesUneven || d.reason == Reason::OneRankPerMachine ||
-      d.reason == Reason::MachinesOnDevice) {
+      d.reason == Reason::MachinesUneven || d.reason == Reason::OneRankPerMachine) {
     // Where the ranks run never changes for a communicator: no round will ever move anything.
     policy_.stop(d.reason);
     log_.stopped(plan_.round, d.reason);

@@ -82,18 +82,16 @@ std::vector<Contribution> parse_all(std::span<const uint8_t> all, int nranks) {
 
 // Every rank's memory reachable from every other rank's of its machine: for GPUs either the same
 // device (processes sharing one GPU) or peer access both ways. A communicator spanning machines
-// gathers in two levels where its machines are even (rewrite/machines.h), on the host backend:
-// the CUDA backend's second level is not built, so it stays on NCCL there.
+// gathers in two levels where its machines are even (rewrite/machines.h).
 Reason locality_refusal(const std::vector<Contribution>& c, const Machines& machines) {
-  if (machines.spans()) {
+  if (machines.spans())
     if (const Reason r = machines.refusal(); r != Reason::None) return r;
-    if (static_cast<ce::Backend>(c[0].header.backend) != ce::Backend::Host)
-      return Reason::MachinesOnDevice;
-    return Reason::None;
-  }
   if (static_cast<ce::Backend>(c[0].header.backend) != ce::Backend::Cuda) return Reason::None;
-  for (const Contribution& a : c) {
-    for (const Contribution& b : c) {
+  for (size_t i = 0; i < c.size(); ++i) {
+    const Contribution& a = c[i];
+    for (size_t j = 0; j < c.size(); ++j) {
+      if (machines.spans() && machines.machine_of[i] != machines.machine_of[j]) continue;
+      const Contribution& b = c[j];
       const int32_t d = b.header.device;
       if (a.header.device == d) continue;
       if (d < 0 || d >= 64 || a.header.device < 0 || !(a.header.peer_access_mask >> d & 1u))
@@ -160,6 +158,7 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
     graph_slots_refused = graph_slots_refused || (x.header.flags & kRefusesGraphSlots) != 0;
   }
   d.graph_slots = d.graph_slots && !graph_slots_refused;
+  const bool graph_slots_allowed = !graph_slots_refused;
 
   // A round issued inside an open group on some rank is void, whatever else it says: that rank
   // decided so without reading it, and every rank must reach the same decision.
@@ -264,17 +263,24 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
     if (d.transient_rank >= 0) d.bound = false;
   }
   // Across machines nothing is bound in a window: each rank stages its machines' shards (which
-  // static weights hold once they came, below); and no graph slots: the inter-machine part is not
-  // recorded into graphs, so captured gathers stay on NCCL.
+  // static weights hold once they came, below). Graph slots unless some rank refuses them
+  // (MAGI_GRAPH_SLOTS=never): a spanning communicator has no rounds at a capture (they need one
+  // host: rewrite/capture_rounds.cc), so only a plan agreed on eager calls can move its captured
+  // gathers, NCCL's part between machines recorded into the graph with the copies.
   if (d.machines.spans()) {
     d.static_across_machines = d.bound;
     d.bound = false;
-    d.graph_slots = false;
+    d.graph_slots = graph_slots_allowed;
   }
   // Static weights across machines: the other machines' shards of every moved gather are held
   // once they came, where every rank may hold them all (the least MAGI_BIND_MAX_MIB of any rank,
-  // so alike everywhere; past it, they cross at every call as in the default mode).
-  if (d.static_across_machines) {
+  // so alike everywhere; past it, they cross at every call as in the default mode). On host
+  // memory only: a held shard's owner compares its send buffer with what it sent at every call,
+  // which device memory cannot do on the host without waiting for the stream; there they cross
+  // at every call.
+  d.static_crosses_on_device =
+      d.static_across_machines && static_cast<ce::Backend>(c[0].header.backend) != ce::Backend::Host;
+  if (d.static_across_machines && !d.static_crosses_on_device) {
     uint64_t held = 0;
     for (size_t g = 0; g < n; ++g)
       if (d.gathers[g].moves)

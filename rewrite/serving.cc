@@ -158,7 +158,11 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<cons
       // Only this machine's ranks learned of it: the others moved their part, so NCCL on the
       // whole communicator would wait for them. An error here, NCCL everywhere from the next
       // round on.
-      fail("a machine's part of a two-level gather failed");
+      fail(inter != ncclSuccess
+               ? ("this rank's NCCL part between machines failed (ncclResult_t " +
+                  std::to_string(static_cast<int>(inter)) + "), so its machine fell back")
+                     .c_str()
+               : "a machine's part of a two-level gather failed on a local peer");
       return inter != ncclSuccess ? inter : ncclInternalError;
     }
     if (served == ce::Transport::Served::FallBack) {
@@ -329,7 +333,6 @@ ce::WindowPlan Serving::machine_plan(const ce::WindowPlan& plan) const {
   local.slot_bytes = plan.slot_bytes * static_cast<size_t>(machines_.count);
   local.bound = false;
   local.zero_copy = false;
-  local.graph_slots = false;
   local.bind.clear();
   return local;
 }
@@ -351,8 +354,8 @@ void Serving::open_window(const ce::WindowPlan& plan, ce::HandleBlob& handle) {
   const ce::WindowPlan local = machine_plan(plan);
   transport_->prepare(local, handle);
   handle_ = handle;
-  // Network once: every moved gather's machines' shards, kept; else one slot's, reused.
-  scratch_.assign(network_once_ ? held_bytes_ : local.slot_bytes, 0);
+  // Network once: every moved gather's machines' shards, kept (else NCCL writes into the slot).
+  scratch_.assign(network_once_ ? held_bytes_ : 0, 0);
   const auto machines = static_cast<size_t>(machines_.count);
   const auto per_machine = static_cast<size_t>(machines_.per_machine);
   places_.assign(per_machine * machines, -1);
@@ -364,6 +367,8 @@ void Serving::open_window(const ce::WindowPlan& plan, ce::HandleBlob& handle) {
   two_level_ops_.reserve(plan_gathers_);
   crossing_.clear();
   crossing_.reserve(plan_gathers_);
+  writes_.clear();
+  writes_.reserve(plan_gathers_);
 }
 
 const std::vector<uint8_t>& Serving::sub_comm_id() {
@@ -379,24 +384,39 @@ ce::Transport::Served Serving::gather_in_two_levels(std::span<const ce::GatherOp
                                                     cudaStream_t stream,
                                                     ce::Transport::Timing timing,
                                                     ncclResult_t& nccl) {
-  const RealNcclCalls& real = world_.nccl;
   const ncclComm_t sub = sub_comm_ ? sub_comm_->comm() : nullptr;
   if (sub == nullptr) throw Error(ErrorKind::Internal, "a two-level gather without its sub-comm");
   const auto machines = static_cast<size_t>(machines_.count);
   const auto machine = static_cast<size_t>(machines_.machine_of[static_cast<size_t>(info_.rank)]);
-  // Where each gather's machines' shards lie: its held place (network once), else the slot's.
+  // A captured call crosses at every replay, into the slot, whatever is held: it runs only when
+  // replayed, so it can neither bring held shards before an eager call reads them nor be
+  // compared with them at its capture.
+  const bool holds = network_once_ && timing != ce::Transport::Timing::Captured;
   two_level_ops_.clear();
   crossing_.clear();
+  writes_.clear();
   bool refused = false;
   for (size_t i = 0; i < bucket.size(); ++i) {
     const ce::GatherOp& op = bucket[i];
-    Held* held = network_once_ ? held_of(op) : nullptr;
-    if (network_once_ && held == nullptr)
-      throw Error(ErrorKind::Internal, "a gather the plan holds no place for");
-    uint8_t* shards = scratch_.data() + (held ? held->at : op.slot_offset * machines);
-    if (held == nullptr || !held->came) {
+    ce::GatherOp two = op;
+    two.slot_offset = op.slot_offset * machines;
+    two.pieces = static_cast<uint32_t>(machines);
+    two.places = places_.data();
+    Held* held = holds ? held_of(op) : nullptr;
+    if (holds && held == nullptr) throw Error(ErrorKind::Internal, "a gather the plan holds no place for");
+    if (held == nullptr) {
+      // NCCL between machines writes this rank's part straight into its staging slot.
+      two.sendbuf = nullptr;
+      writes_.push_back(i);
+      two_level_ops_.push_back(two);
+      continue;
+    }
+    // Network once (host memory: rewrite/contribution.cc): the machines' shards are kept in
+    // scratch_, brought there at the gather's first moved call, on every rank alike (routes are).
+    uint8_t* shards = scratch_.data() + held->at;
+    if (!held->came) {
       crossing_.push_back(i);
-      if (held != nullptr) held->came = true;  // at its first moved call, on every rank alike
+      held->came = true;
     } else if (held->failed) {
       refused = true;  // its held shards never came: the machine falls back, an error
     } else if (op.bytes != 0) {
@@ -409,37 +429,60 @@ ce::Transport::Served Serving::gather_in_two_levels(std::span<const ce::GatherOp
         shard_changed(held->position);
       }
     }
-    ce::GatherOp two = op;
     two.sendbuf = shards;
-    two.slot_offset = op.slot_offset * machines;
-    two.pieces = static_cast<uint32_t>(machines);
-    two.places = places_.data();
     two_level_ops_.push_back(two);
   }
-  // (a) Between machines: this rank's shard to its peers of the same local index, theirs here,
-  // in machine order.
-  const bool grouped = crossing_.size() > 1;
-  if (grouped) real.group_start();
-  for (const size_t i : crossing_) {
-    const NcclGather& g = calls[i];
-    const ncclResult_t r = real.all_gather(g.sendbuf, const_cast<void*>(two_level_ops_[i].sendbuf),
-                                           g.count, g.dtype, sub, stream);
-    if (nccl == ncclSuccess && r != ncclSuccess && r != ncclInProgress) nccl = r;
-    crossed_bytes_ += bucket[i].bytes * (machines - 1);
+  // (a) Network once, a first call: the machines' shards into their held place.
+  if (!crossing_.empty()) {
+    nccl = cross_machines(crossing_, calls, stream, [&](size_t i) {
+      return const_cast<void*>(two_level_ops_[i].sendbuf);
+    });
+    if (nccl != ncclSuccess)
+      for (const size_t i : crossing_)
+        if (Held* held = held_of(bucket[i])) held->failed = true;
   }
-  if (grouped) {
-    const ncclResult_t r = real.group_end();
-    if (nccl == ncclSuccess && r != ncclSuccess && r != ncclInProgress) nccl = r;
-  }
-  crossed_calls_ += crossing_.size();
   two_level_calls_ += bucket.size();
-  if (nccl != ncclSuccess && network_once_)
-    for (const size_t i : crossing_)
-      if (Held* held = held_of(bucket[i])) held->failed = true;
-  // (b) Inside the machine: every local rank's machines' shards, each to its global rank's place.
+  // (b) Inside the machine: every local rank's machines' shards, each to its global rank's place,
+  // NCCL writing the rest between machines into the slot once no local peer reads it (write_parts).
   // A failed NCCL part is said in the handshake, so this machine's ranks fall back together.
   for (ce::GatherOp& two : two_level_ops_) two.refuse = refused || nccl != ncclSuccess;
-  return transport_->gather(two_level_ops_, stream, timing);
+  writer_.calls = calls;
+  writer_.nccl = ncclSuccess;
+  const ce::Transport::Served served =
+      transport_->gather(two_level_ops_, stream, timing, writes_.empty() ? nullptr : &writer_);
+  if (nccl == ncclSuccess) nccl = writer_.nccl;
+  return served;
+}
+
+template <class Into>
+ncclResult_t Serving::cross_machines(std::span<const size_t> gathers,
+                                     std::span<const NcclGather> calls, cudaStream_t stream,
+                                     Into into) {
+  const RealNcclCalls& real = world_.nccl;
+  const ncclComm_t sub = sub_comm_->comm();
+  const auto machines = static_cast<size_t>(machines_.count);
+  ncclResult_t first = ncclSuccess;
+  const auto keep = [&](ncclResult_t r) {
+    if (first == ncclSuccess && r != ncclSuccess && r != ncclInProgress) first = r;
+  };
+  // This rank's shard to its peers of the same local index, theirs here, in machine order.
+  const bool grouped = gathers.size() > 1;
+  if (grouped) keep(real.group_start());
+  for (const size_t i : gathers) {
+    const NcclGather& g = calls[i];
+    keep(real.all_gather(g.sendbuf, into(i), g.count, g.dtype, sub, stream));
+    crossed_bytes_ += g.count * datatype_bytes(g.dtype) * (machines - 1);
+  }
+  if (grouped) keep(real.group_end());
+  crossed_calls_ += gathers.size();
+  return first;
+}
+
+bool Serving::InterMachine::write_parts(std::span<const ce::GatherOp> bucket, uint8_t* slot,
+                                        void* stream) {
+  nccl = serving.cross_machines(serving.writes_, calls, static_cast<cudaStream_t>(stream),
+                                [&](size_t i) { return slot + bucket[i].slot_offset; });
+  return nccl == ncclSuccess;
 }
 
 void Serving::shard_changed(uint32_t position) {

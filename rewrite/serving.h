@@ -189,22 +189,37 @@ class Serving {
   ce::Transport::Served gather_in_two_levels(std::span<const ce::GatherOp> bucket,
                                              std::span<const NcclGather> calls, cudaStream_t stream,
                                              ce::Transport::Timing timing, ncclResult_t& nccl);
+  // The NCCL part of `gathers` (indices into `calls`), one group, on the sub-communicator: each
+  // into `into(i)`. The first error, if any.
+  template <class Into>
+  ncclResult_t cross_machines(std::span<const size_t> gathers, std::span<const NcclGather> calls,
+                              cudaStream_t stream, Into into);
+  // The bucket's NCCL part between machines, written into this rank's staging slot by the
+  // transport's call (ce::PartWriter): the gathers of writes_.
+  struct InterMachine final : ce::PartWriter {
+    explicit InterMachine(Serving& s) : serving(s) {}
+    bool write_parts(std::span<const ce::GatherOp> bucket, uint8_t* slot, void* stream) override;
+    Serving& serving;
+    std::span<const NcclGather> calls;
+    ncclResult_t nccl = ncclSuccess;
+  };
 
   const AgreementWorld& world_;
   const capture::CommInfo& info_;
   const ncclComm_t comm_;
   std::unique_ptr<ce::Transport> transport_;
   // Two levels: the plan's machines, its sub-communicator (shared with the set-up that forms
-  // it), the id this rank made for it, the machines' shards NCCL brings (a window's slot of them),
-  // where each local rank's pieces land, and a bucket's ops (reserved: the call allocates
-  // nothing).
+  // it), the id this rank made for it, the held shards of network once, where each local rank's
+  // pieces land, and a bucket's ops (reserved: the call allocates nothing).
   Machines machines_;
   std::shared_ptr<SubComm> sub_comm_;
   std::vector<uint8_t> sub_comm_id_;
-  std::vector<uint8_t> scratch_;
+  std::vector<uint8_t> scratch_;  // network once: the held shards (host memory)
   std::vector<int32_t> places_;
   std::vector<ce::GatherOp> two_level_ops_;
-  std::vector<size_t> crossing_;  // a bucket's gathers that cross machines now, by index
+  std::vector<size_t> crossing_;  // network once: a bucket's gathers crossing into held places
+  std::vector<size_t> writes_;    // a bucket's gathers crossing into the slot (write_parts)
+  InterMachine writer_{*this};
   size_t plan_gathers_ = 0;
   // Network once: every moved gather's place in scratch_ (its machines' shards, kept), by bucket
   // and slot offset; whether they came (the first moved call of it, alike on every rank, since

@@ -57,7 +57,8 @@ class MovingTransport : public ce::Transport {
       EXPECT_EQ(blobs.size(), static_cast<size_t>(expected_ranks_));
     }
   }
-  Served gather(std::span<const ce::GatherOp> bucket, void*, Timing timing) override {
+  Served gather(std::span<const ce::GatherOp> bucket, void*, Timing timing,
+                ce::PartWriter*) override {
     if (timings != nullptr) timings->push_back(timing);
     if (buckets != nullptr) buckets->emplace_back(bucket.begin(), bucket.end());
     if (on_gather_) on_gather_();

@@ -204,7 +204,11 @@ TEST(Ladder, RanksOnSeveralMachinesOfEqualSizeMoveInTwoLevels) {
   EXPECT_EQ(d.machines.per_machine, 2);
   EXPECT_EQ(d.machines.machine_of, (std::vector<int32_t>{0, 1, 0, 1}));
   EXPECT_EQ(d.machines.local_of, (std::vector<int32_t>{0, 0, 1, 1}));
-  EXPECT_FALSE(d.graph_slots);
+  // No round can come at a capture for ranks on several hosts: the eager plan has graph slots.
+  EXPECT_TRUE(d.graph_slots);
+  all[1].header.flags |= kRefusesGraphSlots;  // MAGI_GRAPH_SLOTS=never on one rank
+  EXPECT_FALSE(decide_everywhere(all).graph_slots);
+  all[1].header.flags &= ~kRefusesGraphSlots;
 
   // Another topology is another plan: its hash differs.
   const uint64_t consecutive[] = {7, 7, 9, 9};
@@ -215,26 +219,47 @@ TEST(Ladder, RanksOnSeveralMachinesOfEqualSizeMoveInTwoLevels) {
   EXPECT_NE(other.hash, decide_everywhere(ranks(4, 3)).hash);
 }
 
-TEST(Ladder, RanksOnMachinesOfUnequalSizeOrOnTheCudaBackendStayOnNccl) {
+TEST(Ladder, RanksOnMachinesOfUnequalSizeStayOnNccl) {
   auto all = ranks(4, 2);
   all[3].header.host = 43;  // 3 + 1
   EXPECT_EQ(decide_everywhere(all).reason, Reason::MachinesUneven);
   EXPECT_EQ(decide_everywhere(all).moved, 0u);
+}
 
-  all = ranks(4, 2);
+// On GPUs, peer access is asked of the ranks of each machine only: devices 0 and 1 of one
+// machine are not devices 0 and 1 of another.
+TEST(Ladder, OnTheCudaBackendEachMachinesGpusMustReachEachOtherAcrossMachinesNone) {
+  auto all = ranks(4, 2);
   all[2].header.host = all[3].header.host = 43;
   for (auto& c : all) {
     c.header.backend = static_cast<uint8_t>(ce::Backend::Cuda);
     c.header.device = c.header.rank % 2;
     c.header.peer_access_mask = 0b11;
   }
-  EXPECT_EQ(decide_everywhere(all).reason, Reason::MachinesOnDevice);
+  Decision d = decide_everywhere(all);
+  EXPECT_EQ(d.reason, Reason::None);
+  EXPECT_EQ(d.moved, 2u);
+  EXPECT_TRUE(d.machines.spans());
+
+  // Static weights on GPUs: staged, crossing at every call (a held shard is not checked there).
+  for (auto& c : all) {
+    c.header.flags |= kStaticWeights;
+    c.header.hold_max_bytes = 1 << 20;
+  }
+  d = decide_everywhere(all);
+  EXPECT_EQ(d.moved, 2u);
+  EXPECT_TRUE(d.static_across_machines);
+  EXPECT_TRUE(d.static_crosses_on_device);
+  EXPECT_FALSE(d.network_once);
+  EXPECT_EQ(d.held_bytes, 0u);
+
+  all[3].header.peer_access_mask = 0b10;  // rank 3 (device 1) cannot reach rank 2 (device 0)
+  EXPECT_EQ(decide_everywhere(all).reason, Reason::PeerNotAccessible);
 }
 
 // Static weights across machines bind nothing in the window (each rank stages its machines'
-// shards), cross the network once where every rank may hold its machines' shards of every moved
-// gather (the least MAGI_BIND_MAX_MIB of any rank), and ask for no graph slots (captured gathers
-// stay on NCCL).
+// shards), and cross the network once where every rank may hold its machines' shards of every
+// moved gather (the least MAGI_BIND_MAX_MIB of any rank); graph slots carry the captured ones.
 TEST(Ladder, StaticWeightsAcrossMachinesCrossTheNetworkOnceWhereEveryRankMayHoldThem) {
   auto all = ranks(4, 2);  // 2 gathers of 256 float32 (1 KiB) a rank
   all[2].header.host = all[3].header.host = 43;
@@ -246,7 +271,8 @@ TEST(Ladder, StaticWeightsAcrossMachinesCrossTheNetworkOnceWhereEveryRankMayHold
   EXPECT_EQ(d.moved, 2u);
   EXPECT_FALSE(d.bound);
   EXPECT_TRUE(d.static_across_machines);
-  EXPECT_FALSE(d.graph_slots);
+  EXPECT_FALSE(d.static_crosses_on_device);
+  EXPECT_TRUE(d.graph_slots);
   EXPECT_TRUE(d.network_once);
   EXPECT_EQ(d.held_bytes, 2u * 2 * 1024);  // 2 machines' shards of 2 gathers
 

@@ -53,10 +53,14 @@ struct Ledger {
   size_t prepared_slot_bytes = 0;
   std::vector<ce::GatherOp> last_ops;
   std::vector<std::string> sub_calls;
+  std::vector<void*> gathered_into;        // each NCCL gather's receive buffer
+  uint8_t* written_into_slot = nullptr;  // the slot a PartWriter was last given
 };
 Ledger* g_ledger = nullptr;
 
-ncclResult_t fake_all_gather(const void*, void*, size_t, ncclDataType_t, ncclComm_t, cudaStream_t) {
+ncclResult_t fake_all_gather(const void*, void* recvbuf, size_t, ncclDataType_t, ncclComm_t,
+                             cudaStream_t) {
+  g_ledger->gathered_into.push_back(recvbuf);
   const size_t n = static_cast<size_t>(
       std::count(g_ledger->nccl_calls.begin(), g_ledger->nccl_calls.end(), "gather"));
   g_ledger->nccl_calls.push_back("gather");
@@ -87,9 +91,17 @@ class ScriptedTransport : public ce::Transport {
     ledger_->attached_blobs = blobs.size();
     ledger_->attached_on = std::this_thread::get_id();
   }
-  Served gather(std::span<const ce::GatherOp> ops, void*, Timing timing) override {
+  Served gather(std::span<const ce::GatherOp> ops, void*, Timing timing,
+                ce::PartWriter* writer) override {
     ledger_->timings.push_back(timing);
     ledger_->last_ops.assign(ops.begin(), ops.end());
+    // Two levels: the parts without a send buffer are written into the slot, as the transport's
+    // bucket does once the slot is free.
+    if (writer != nullptr) {
+      slot_.resize(ledger_->prepared_slot_bytes);
+      if (!writer->write_parts(ops, slot_.data(), nullptr)) return Served::FallBack;
+      ledger_->written_into_slot = slot_.data();
+    }
     switch (ledger_->then) {
       case Ledger::Then::FallBack: return Served::FallBack;
       case Ledger::Then::ThrowOurs: throw Error(ErrorKind::System, "a peer's flag cannot be read");
@@ -118,6 +130,7 @@ class ScriptedTransport : public ce::Transport {
   int id_;
   size_t bytes_ = 0;
   ce::SourceTable sources_;
+  std::vector<uint8_t> slot_;  // where a PartWriter writes
 };
 
 class LedgerTimer : public ce::CompletionTimer {
@@ -587,10 +600,10 @@ TEST(WindowPlan, ABoundPlanBindsEachMovingGatherFromItsLastSendBufferAndReadsItI
 // reads only inside the machine; a change of its own shard is a stale position; the plan's end
 // destroys the sub-communicator, an abort aborts it.
 struct TwoLevels {
-  TwoLevels() {
+  explicit TwoLevels(bool network_once = true) {
     const uint64_t hosts[] = {7, 7, 9, 9};
     plan.decision.machines = machines_of(hosts);
-    plan.decision.network_once = true;
+    plan.decision.network_once = network_once;
     plan.decision.graph_slots = false;
     f.serving.span_machines(plan.decision, plan.layout, plan.seen);
     ce::HandleBlob handle;
@@ -655,6 +668,38 @@ TEST(Serving, TwoLevelsCrossMachinesOnceAGatherWithStaticWeightsAndEndWithThePla
 
   t.f.serving.drop();
   EXPECT_EQ(t.f.ledger->sub_calls, (Strings{"id", "init S 0/2", "destroy"}));
+}
+
+// The default mode (and static weights on GPUs): NCCL between machines writes this rank's part
+// straight into its staging slot, inside the transport's bucket (ce::PartWriter), at every call;
+// nothing is held and no scratch is copied.
+TEST(Serving, TwoLevelsWithoutNetworkOnceWriteTheInterMachinePartIntoTheSlotAtEveryCall) {
+  TwoLevels t(false);
+  bool moved = false;
+  for (int call = 1; call <= 2; ++call) {
+    EXPECT_EQ(t.serve_position(1, moved), ncclSuccess);
+    EXPECT_TRUE(moved);
+    ASSERT_EQ(t.f.ledger->last_ops.size(), 1u);
+    const ce::GatherOp& op = t.f.ledger->last_ops[0];
+    EXPECT_EQ(op.sendbuf, nullptr) << "written by the bucket's PartWriter";
+    EXPECT_EQ(op.pieces, 2u);
+    ASSERT_EQ(t.f.ledger->gathered_into.size(), static_cast<size_t>(call));
+    ASSERT_NE(t.f.ledger->written_into_slot, nullptr);
+    EXPECT_EQ(t.f.ledger->gathered_into.back(), t.f.ledger->written_into_slot + op.slot_offset);
+  }
+  EXPECT_EQ(t.f.ledger->nccl_calls, (Strings{"gather", "gather"}));
+  t.shard[7] ^= 1;  // no promise: nothing is stale
+  EXPECT_EQ(t.serve_position(1, moved), ncclSuccess);
+  EXPECT_TRUE(t.f.serving.stale_positions().empty());
+
+  // NCCL's part failing: the bucket is this machine's fallback, an error on this rank.
+  t.f.ledger->nccl_results.assign(3, ncclSuccess);  // the three gathers above
+  t.f.ledger->nccl_results.push_back(ncclSystemError);
+  EXPECT_EQ(t.serve_position(1, moved), ncclSystemError);
+  EXPECT_FALSE(moved);
+  EXPECT_TRUE(t.f.serving.failed());
+  t.f.serving.drop();
+  EXPECT_EQ(t.f.ledger->sub_calls.back(), "destroy");
 }
 
 TEST(Serving, TwoLevelsAbortTheSubCommunicatorWithTheParent) {

@@ -44,7 +44,9 @@ class GatedTransport : public ce::Transport {
     if (fails_) throw std::runtime_error("a peer's window cannot be opened");
     ++ledger_->attached;
   }
-  Served gather(std::span<const ce::GatherOp>, void*, Timing) override { return Served::Moved; }
+  Served gather(std::span<const ce::GatherOp>, void*, Timing, ce::PartWriter*) override {
+    return Served::Moved;
+  }
   void release() override {
     std::lock_guard<std::mutex> lock(ledger_->mutex);
     ++ledger_->released;
