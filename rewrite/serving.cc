@@ -386,6 +386,12 @@ ce::Transport::Served Serving::gather_in_two_levels(std::span<const ce::GatherOp
                                                     ncclResult_t& nccl) {
   const ncclComm_t sub = sub_comm_ ? sub_comm_->comm() : nullptr;
   if (sub == nullptr) throw Error(ErrorKind::Internal, "a two-level gather without its sub-comm");
+  // A graph that records NCCL's part names the sub-communicator at every replay, after this plan
+  // too: it then lives as long as the parent (a graph that outlives the parent is NCCL's error).
+  if (timing == ce::Transport::Timing::Captured &&
+      std::find(graph_sub_comms_.begin(), graph_sub_comms_.end(), sub_comm_) ==
+          graph_sub_comms_.end())
+    graph_sub_comms_.push_back(sub_comm_);
   const auto machines = static_cast<size_t>(machines_.count);
   const auto machine = static_cast<size_t>(machines_.machine_of[static_cast<size_t>(info_.rank)]);
   // A captured call crosses at every replay, into the slot, whatever is held: it runs only when
@@ -578,7 +584,8 @@ void Serving::drop() {
   say_two_levels();
   std::lock_guard<std::mutex> lock(transport_mutex_);
   // A set-up still running finishes, and releases its transport, on its own thread; a
-  // sub-communicator still forming gives up, a formed one is destroyed with its last holder.
+  // sub-communicator still forming gives up, a formed one is destroyed with its last holder
+  // (graph_sub_comms_ holds those that CUDA graphs replay).
   if (sub_comm_) sub_comm_->cancel(false);
   sub_comm_.reset();
   sub_comm_id_.clear();
@@ -600,6 +607,7 @@ void Serving::abandon() {
   // The inter-machine part of a call blocked on another thread returns once its own
   // communicator is aborted too.
   if (sub_comm_) sub_comm_->cancel(true);
+  for (const std::shared_ptr<SubComm>& sub : graph_sub_comms_) sub->cancel(true);
   orphan(std::move(set_up_));          // no gather waits on a window being set up
   ce::abandon_graphs(info_.identity);  // windows of earlier plans that graphs still replay
   if (!transport_) return;

@@ -213,6 +213,8 @@ class Serving {
   // pieces land, and a bucket's ops (reserved: the call allocates nothing).
   Machines machines_;
   std::shared_ptr<SubComm> sub_comm_;
+  // Those that a captured bucket recorded into a CUDA graph: kept until the parent ends.
+  std::vector<std::shared_ptr<SubComm>> graph_sub_comms_;
   std::vector<uint8_t> sub_comm_id_;
   std::vector<uint8_t> scratch_;  // network once: the held shards (host memory)
   std::vector<int32_t> places_;

@@ -26,10 +26,13 @@ fi
 . "$here/torch_standin_runs.sh"
 # shellcheck source=tests/gpu/capture_runs.sh
 . "$here/capture_runs.sh"
+# shellcheck source=tests/gpu/machines_runs.sh
+. "$here/machines_runs.sh"
 # GPU_ONLY=graphs: the CUDA-graph runs alone (graph_runs.sh), a few minutes; GPU_ONLY=graphs-mps:
 # only those of several ranks under MPS (graph_standin_runs, capture_round_runs);
 # GPU_ONLY=capture: the rounds at a capture alone (capture_runs.sh, perf_graph_runs too); GPU_ONLY=torch-standin: only
-# PyTorch at world 2, 4 and 8 over the stand-in under MPS (torch_standin_runs.sh). Any other
+# PyTorch at world 2, 4 and 8 over the stand-in under MPS (torch_standin_runs.sh);
+# GPU_ONLY=machines: communicators spanning machines under MPS (machines_runs.sh). Any other
 # value selects nothing, and fails.
 if [ -n "${GPU_ONLY:-}" ]; then
   export NCCL_NVLS_ENABLE=0
@@ -40,9 +43,9 @@ if [ -n "${GPU_ONLY:-}" ]; then
       graph_real_nccl_runs
       nccl_tests_capture_runs
       ;;
-    graphs-mps | torch-standin) ;;
+    graphs-mps | torch-standin | machines) ;;
     capture) nccl_tests_capture_runs ;;
-    *) fail "GPU_ONLY=$GPU_ONLY selects nothing (graphs, graphs-mps, capture or torch-standin)" ;;
+    *) fail "GPU_ONLY=$GPU_ONLY selects nothing (graphs, graphs-mps, capture, torch-standin or machines)" ;;
   esac
   case $GPU_ONLY in
     graphs | graphs-mps | capture)
@@ -56,6 +59,12 @@ if [ -n "${GPU_ONLY:-}" ]; then
     torch-standin)
       if mps_start; then
         torch_standin_runs
+        mps_stop
+      fi
+      ;;
+    machines)
+      if mps_start; then
+        machines_runs
         mps_stop
       fi
       ;;

@@ -196,7 +196,11 @@ standin_log_check() {
     pass "$name: $what"
   else
     fail "$name: $what (a line matching '$pattern' is $found)"
-    grep -E " MAGI (WARN|INFO) .*static weights" "$log" 2>/dev/null | head -n 6 | sed 's/^/  /'
+    if [ "$found" = present ]; then
+      grep -m 3 -E -- "$pattern" "$log" | cut -c1-400 | sed 's/^/  /'
+    else
+      grep -E " MAGI (WARN|INFO) .*static weights" "$log" 2>/dev/null | head -n 6 | sed 's/^/  /'
+    fi
   fi
 }
 
@@ -512,5 +516,6 @@ standin_mps_runs() {
   graph_standin_runs
   capture_round_runs
   perf_graph_runs
+  machines_runs
   mps_stop
 }

@@ -617,13 +617,13 @@ struct TwoLevels {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     EXPECT_TRUE(error.empty()) << error;
   }
-  ncclResult_t serve_position(uint32_t position, bool& moved) {
+  ncclResult_t serve_position(uint32_t position, bool& moved, bool captured = false) {
     const size_t bytes = 4000;
     const ce::GatherOp op{
         shard.data(), full.data(),        bytes, plan.layout.offset_by_position[position],
         false,        ce::GatherOp::kOwn, false, plan.layout.bucket_by_position[position]};
     const NcclGather call{shard.data(), full.data(), 1000, ncclFloat};
-    return f.serving.serve({&op, 1}, {&call, 1}, nullptr, op.bucket, false, false, f.trial,
+    return f.serving.serve({&op, 1}, {&call, 1}, nullptr, op.bucket, false, captured, f.trial,
                            plan.layout, moved);
   }
   Fixture f;
@@ -700,6 +700,21 @@ TEST(Serving, TwoLevelsWithoutNetworkOnceWriteTheInterMachinePartIntoTheSlotAtEv
   EXPECT_TRUE(t.f.serving.failed());
   t.f.serving.drop();
   EXPECT_EQ(t.f.ledger->sub_calls.back(), "destroy");
+}
+
+// A captured bucket records NCCL's part on the sub-communicator into the graph, which may be
+// replayed after the plan ends: the plan's end leaves it formed (the parent's end destroys it),
+// and the parent's abort aborts it too.
+TEST(Serving, ASubCommunicatorThatAGraphRecordedOutlivesThePlan) {
+  TwoLevels t(false);
+  bool moved = false;
+  EXPECT_EQ(t.serve_position(1, moved, true), ncclSuccess);
+  EXPECT_TRUE(moved);
+  EXPECT_EQ(t.f.ledger->timings.back(), ce::Transport::Timing::Captured);
+  t.f.serving.drop();
+  EXPECT_EQ(t.f.ledger->sub_calls, (Strings{"id", "init S 0/2"})) << "kept for the graph";
+  t.f.serving.abandon();
+  EXPECT_EQ(t.f.ledger->sub_calls, (Strings{"id", "init S 0/2", "abort"}));
 }
 
 TEST(Serving, TwoLevelsAbortTheSubCommunicatorWithTheParent) {
