@@ -448,7 +448,8 @@ constexpr OptionSpec kTable[] = {
         "only with graph slots, two more staging slots in the window (twice its memory). auto: "
         "from the first plan after a gather was captured on the communicator (a capture ends a "
         "plan without them and agrees one with them at the captured call); always: from the "
-        "first plan; never: captured gathers stay on NCCL. "
+        "first plan, and on a communicator spanning machines (which has no rounds at a capture) "
+        "also with auto, and with static weights; never: captured gathers stay on NCCL. "
         "Combined across ranks: never on any rank wins, then always or a capture on any; rounds "
         "at a capture are taken only where it is alike on every rank."),
     int_option<&O::capture_wait_ms>(
@@ -502,7 +503,8 @@ constexpr OptionSpec kTable[] = {
         "wherever ranks on one machine are told from ranks on others; set per process (by the "
         "launcher, per rank), so that ranks on one host act as ranks on several. Ranks with "
         "different names never read each other's memory: a communicator spanning them gathers "
-        "in two levels (NCCL between machines, the transport inside each)."),
+        "in two levels (NCCL between machines, the transport inside each). On one GPU under MPS, "
+        "processes given different names gather in two levels on the CUDA backend."),
     int_option<&O::flight_recorder_calls>(
         "MAGI_FLIGHT_RECORDER", "0", "an integer from 0 to 65536", 0, 65536, OptionUnit::Count,
         "Keep each communicator's last N calls (rounded up to a power of two, at least 16) in a "
