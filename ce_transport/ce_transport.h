@@ -127,6 +127,11 @@ struct WindowPlan {
   std::vector<BindOp> bind;
   uint64_t verify_first = 3;
   uint64_t verify_every = 64;
+  // Staged windows, two levels with static weights (the network crossed once): a region of this
+  // rank's own (Transport::held_region(); the window's kind of memory, never read by the peers)
+  // where the caller keeps its machines' shards of every gather once they came. A gather that
+  // stages from there names its own piece (GatherOp::own_source), which is checked.
+  size_t held_bytes = 0;
 };
 
 // Zero-copy static weights: where this rank's shard of each BindOp can be read by a peer.
@@ -211,6 +216,12 @@ struct WindowMemory {
 // PartWriter (NCCL between machines writing straight into the slot: no copy). `refuse`: this
 // rank cannot serve the bucket (its NCCL part failed): on synchronous memory it says so as a
 // failing rank does, and every local peer falls back within the bucket.
+// Held pieces (WindowPlan::held_bytes; eager buckets): `sendbuf` lies in held_region(), and
+// piece `own_piece` (this rank's machine) is staged from `own_source`, the program's send
+// buffer, so this machine reads the call's own bytes; the held copy of it, which the other
+// machines took, is compared with `own_source` (the whole piece at every call on synchronous
+// memory; sampled lines on the schedule of bound windows on a stream) and a difference is
+// reported by take_stale_bindings() at the held pieces' offset in held_region().
 struct GatherOp {
   static constexpr size_t kOwn = ~size_t{0};
   const void* sendbuf;
@@ -224,6 +235,8 @@ struct GatherOp {
   uint32_t pieces = 1;
   const int32_t* places = nullptr;  // pieces > 1 only
   bool refuse = false;
+  const void* own_source = nullptr;  // held pieces only
+  uint32_t own_piece = 0;
 };
 
 // Two levels: writes the parts of a bucket's gathers whose `sendbuf` is null into this rank's
@@ -299,8 +312,11 @@ class Transport {
   // The window's memory, and what it reads in place (exports after prepare, mappings after
   // attach).
   virtual WindowMemory memory() const = 0;
-  // Bound windows: slot offsets of bindings found stale (the shard changed) since the last call.
+  // Bound windows: slot offsets of bindings found stale (the shard changed) since the last call;
+  // windows with held pieces: held_region() offsets of pieces whose own piece was found changed.
   virtual std::vector<size_t> take_stale_bindings() { return {}; }
+  // WindowPlan::held_bytes of this rank's own, after prepare (nullptr without).
+  virtual uint8_t* held_region() const { return nullptr; }
   // Bound windows: bytes of this rank's shards that its checks have compared with their bindings
   // since prepare (the CUDA backend copies as many of the binding too). What a check costs.
   virtual uint64_t checked_bytes() const { return 0; }

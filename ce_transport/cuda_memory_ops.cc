@@ -126,16 +126,18 @@ class CudaMemoryOps final : public MemoryOps {
   }
 
   WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots,
-                      std::span<const uint8_t> first_flags) override {
+                      std::span<const uint8_t> first_flags, size_t held_bytes) override {
     free_kept_for_graphs();
     stride_ = round_up(std::max<size_t>(slot_bytes, 1), kSlotAlignment);
     flags_at_ = (bound ? 1 : graph_slots ? 4 : 2) * stride_;
     flag_bytes_ = flags_.bytes_but_failed();
-    bytes_ = round_up(flags_at_ + flag_bytes_, kAllocationGranule);
+    const size_t held_at = round_up(flags_at_ + flag_bytes_, kSlotAlignment);
+    bytes_ = round_up(held_at + held_bytes, kAllocationGranule);
     cuda_check(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking),
                "cudaStreamCreateWithFlags");
     cuda_check(cudaMallocHost(&flags_host_, flag_bytes_), "cudaMallocHost (flags)");
-    if (bound) cuda_check(cudaMallocHost(&host_check_, kCheckBytes), "cudaMallocHost (check)");
+    if (bound || held_bytes != 0)
+      cuda_check(cudaMallocHost(&host_check_, kCheckBytes), "cudaMallocHost (check)");
     cuda_check(cudaMalloc(&base_, bytes_), "cudaMalloc (window)");
     // Copied from the pinned buffer read_flags_now() reads into later; export_window() waits
     // for the copy.
@@ -145,7 +147,7 @@ class CudaMemoryOps final : public MemoryOps {
     cuda_check(
         cudaMemcpyAsync(flag(0), flags_host_, flag_bytes_, cudaMemcpyHostToDevice, own_stream_),
         "cudaMemcpyAsync (flags)");
-    return {region(), flags_at_, stride_, flag(0)};
+    return {region(), flags_at_, stride_, flag(0), held_bytes != 0 ? region() + held_at : nullptr};
   }
   size_t window_bytes() const override { return base_ != nullptr ? bytes_ : 0; }
   void bind(std::span<const Copy> shards) override {

@@ -113,14 +113,17 @@ class HostMemoryOps final : public MemoryOps {
   const protocol::FlagLayout& flags() const override { return flags_; }
 
   WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots,
-                      std::span<const uint8_t> first_flags) override {
+                      std::span<const uint8_t> first_flags, size_t held_bytes) override {
     // Slots start on cache lines, so packed 64-byte-aligned slot offsets stay aligned in memory.
     stride_ = round_up(slot_bytes, kCacheLine);
     region_at_ = sizeof(WindowHead) + flags_.bytes();
     const size_t slots = bound ? 1 : graph_slots ? 4 : 2;
-    own_ = HostWindow::create(region_at_ + slots * stride_, flags_.bytes(), nranks_ - 1);
-    if (bound) check_.resize(kCheckBytes);
-    const WindowView own = view(own_);
+    own_ =
+        HostWindow::create(region_at_ + slots * stride_ + held_bytes, flags_.bytes(), nranks_ - 1);
+    if (bound || held_bytes != 0) check_.resize(kCheckBytes);
+    WindowView own = view(own_);
+    own.region_bytes -= held_bytes;  // the held pieces lie past the slots
+    if (held_bytes != 0) own.held = own.region + slots * stride_;
     // The words start at 0 (HostWindow::create): only the others are stored.
     for (size_t at = 0; at + sizeof(uint64_t) <= first_flags.size(); at += sizeof(uint64_t)) {
       uint64_t value = 0;

@@ -37,6 +37,8 @@ struct WindowView {
   size_t region_bytes = 0;    // the room they have
   size_t slot_stride = 0;     // staging: where slot k lies after slot 0, k times this
   uint8_t* flags = nullptr;   // the handshake's words, at protocol.h's FlagLayout offsets
+  uint8_t* held = nullptr;    // this rank's own: held pieces (WindowPlan::held_bytes); peers'
+                              // views have none
 };
 
 // One copy of a batch.
@@ -103,9 +105,10 @@ class MemoryOps {
   // Allocates it, its flag words as `first_flags` has them (protocol::first_flags(): the
   // FlagLayout's bytes(); a kind that keeps no failed words takes those before them): two
   // staging slots of `slot_bytes` (four with `graph_slots`: WindowView::slot_stride apart), or
-  // one bound region of `slot_bytes` (`bound`, which also gets a check buffer).
+  // one bound region of `slot_bytes` (`bound`, which also gets a check buffer); and, past the
+  // rest, `held_bytes` of held pieces (WindowView::held; a check buffer too when not 0).
   virtual WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots,
-                              std::span<const uint8_t> first_flags) = 0;
+                              std::span<const uint8_t> first_flags, size_t held_bytes = 0) = 0;
   virtual size_t window_bytes() const = 0;  // 0 while there is no window
   // Bound windows, at prepare: copies the program's shards into the window, done before prepare
   // returns. A shard the program has freed since is refused (Error System), never read.
@@ -181,7 +184,8 @@ class MemoryOps {
   virtual uint64_t read_flag(const uint8_t* word) const = 0;
 
   // ---- checks of static weights ----
-  // kCheckBytes of host memory for a check's lines; bound windows, after allocate().
+  // kCheckBytes of host memory for a check's lines; bound windows and windows with held pieces,
+  // after allocate().
   virtual uint8_t* check_buffer() = 0;
   // The lines of `set` from `from` into `into`, packed one after the other, on `stream`.
   virtual void copy_lines(uint8_t* into, const uint8_t* from, const SampleSet& set,

@@ -89,7 +89,8 @@ class WindowTransport final : public Transport {
     }
     verify_.reset(plan.verify_first, plan.verify_every);
     own_ = memory_->allocate(bound_ ? sources_.region_bytes : slot_bytes_, bound_, graph_slots_,
-                             protocol::first_flags(flags_));
+                             protocol::first_flags(flags_), bound_ ? 0 : plan.held_bytes);
+    held_bytes_ = own_.held != nullptr ? plan.held_bytes : 0;
     if (bound_) bind_shards(plan);
     shape_ = {memory_->backend(),
               identity_,
@@ -188,9 +189,16 @@ class WindowTransport final : public Transport {
                                           std::to_string(op.slot_offset) + " overflows a slot of " +
                                           std::to_string(slot_bytes_));
       if (op.pieces > 1 && bound_) throw Error(ErrorKind::Usage, "a gather of pieces is staged");
+      if (op.own_source != nullptr && !holds(op))
+        throw Error(ErrorKind::Usage,
+                    "an own piece staged apart from held pieces outside the "
+                    "held region, or in a captured bucket");
+      if (op.own_source != nullptr && timing == Timing::Captured)
+        throw Error(ErrorKind::Usage, "held pieces in a captured bucket");
       if (op.sendbuf == nullptr && (op.pieces == 1 || writer == nullptr) && op.bytes != 0)
-        throw Error(ErrorKind::Usage, "a gather without a send buffer is two levels' (pieces), "
-                                      "written by the bucket's PartWriter");
+        throw Error(ErrorKind::Usage,
+                    "a gather without a send buffer is two levels' (pieces), "
+                    "written by the bucket's PartWriter");
     }
     if (timing == Timing::Captured && !bound_ && !graph_slots_)
       throw Error(ErrorKind::Usage,
@@ -214,7 +222,7 @@ class WindowTransport final : public Transport {
       gather_bound(bucket, n, eager, stream, timing);
       return Served::Moved;
     }
-    return gather_staged(bucket, eager, stream, writer);
+    return gather_staged(bucket, eager, stream, writer, timing);
   }
 
   // Synchronous memory: the waits running on threads give up. On a stream: a healthy abort (the
@@ -279,6 +287,7 @@ class WindowTransport final : public Transport {
   }
 
   std::vector<size_t> take_stale_bindings() override { return std::exchange(stale_, {}); }
+  uint8_t* held_region() const override { return held_bytes_ != 0 ? own_.held : nullptr; }
   uint64_t checked_bytes() const override { return checked_bytes_; }
   std::string take_disagreement() override { return log_.check(); }
 
@@ -303,8 +312,9 @@ class WindowTransport final : public Transport {
   // ready is over. On a stream nothing of the bucket has run when gather() returns, so a failing
   // rank throws, before queuing anything, and its peers' streams wait for it (ce_transport.h).
   Served gather_staged(std::span<const GatherOp> bucket, uint64_t n, void* stream,
-                       PartWriter* writer) {
+                       PartWriter* writer, Timing timing) {
     const bool synchronous = memory_->synchronous();
+    if (held_bytes_ != 0) finish_check(stream);
     const bool refuses =
         faults_.fails_bucket() ||
         std::any_of(bucket.begin(), bucket.end(), [](const GatherOp& op) { return op.refuse; });
@@ -362,6 +372,9 @@ class WindowTransport final : public Transport {
         },
         own_.region + slot);
     memory_->copy_batch(copies_, stream);
+    // Held pieces: this rank's own compared with the one the other machines took; before the
+    // bucket's end, so a release that sees it finished knows the check's copies have run too.
+    if (held_bytes_ != 0) start_held_check(bucket, stream, timing);
     // 5. Done reading: peers may reuse their slot n % 2 (in bucket n + 2).
     finish_staged(n, stream);
     broken_ = false;
@@ -484,13 +497,31 @@ class WindowTransport final : public Transport {
   }
 
   // A bucket's staging: this rank's shards into its own slot at `slot_at` (not the parts a
-  // PartWriter writes there).
+  // PartWriter writes there); held pieces with this rank's own piece from the program's buffer.
   void add_stages(std::span<const GatherOp> bucket, size_t slot_at) {
     copies_.clear();
-    for (const GatherOp& op : bucket)
-      if (op.bytes != 0 && op.sendbuf != nullptr)
-        copies_.push_back(
-            {own_.region + slot_at + op.slot_offset, op.sendbuf, op.bytes * op.pieces});
+    for (const GatherOp& op : bucket) {
+      if (op.bytes == 0 || op.sendbuf == nullptr) continue;
+      uint8_t* into = own_.region + slot_at + op.slot_offset;
+      const auto* from = static_cast<const uint8_t*>(op.sendbuf);
+      if (op.own_source == nullptr) {
+        copies_.push_back({into, from, op.bytes * op.pieces});
+        continue;
+      }
+      const size_t own_at = static_cast<size_t>(op.own_piece) * op.bytes;
+      const size_t after = own_at + op.bytes;
+      if (own_at != 0) copies_.push_back({into, from, own_at});
+      copies_.push_back({into + own_at, op.own_source, op.bytes});
+      if (after < op.bytes * op.pieces)
+        copies_.push_back({into + after, from + after, op.bytes * op.pieces - after});
+    }
+  }
+  // Whether `op`'s pieces lie in this window's held region (GatherOp::own_source).
+  bool holds(const GatherOp& op) const {
+    const auto* at = static_cast<const uint8_t*>(op.sendbuf);
+    return held_bytes_ != 0 && op.pieces > 1 && op.own_piece < op.pieces && at >= own_.held &&
+           op.bytes * op.pieces <= held_bytes_ &&
+           static_cast<size_t>(at - own_.held) <= held_bytes_ - op.bytes * op.pieces;
   }
 
   // A bucket's reads: every peer's part of each gather from `peer_part(r, op)`, this rank's own
@@ -524,8 +555,9 @@ class WindowTransport final : public Transport {
     if (op.places == nullptr) throw Error(ErrorKind::Usage, "a gather of pieces without places");
     if (op.sendbuf == nullptr && own_slot == nullptr)
       throw Error(ErrorKind::Internal, "a written part read outside a staged bucket");
-    const uint8_t* own = op.sendbuf != nullptr ? static_cast<const uint8_t*>(op.sendbuf)
-                                               : own_slot + op.slot_offset;
+    const uint8_t* own = op.sendbuf != nullptr && op.own_source == nullptr
+                             ? static_cast<const uint8_t*>(op.sendbuf)
+                             : own_slot + op.slot_offset;
     auto* recv = static_cast<uint8_t*>(op.recvbuf);
     for (int r = 0; r < nranks_; ++r) {
       const auto* part = r == rank_ ? own : static_cast<const uint8_t*>(peer_part(r, op));
@@ -656,6 +688,48 @@ class WindowTransport final : public Transport {
     }
   }
 
+  // Two levels, held pieces (GatherOp::own_source): the other machines took this rank's own
+  // piece once, and read that copy since; the program's buffer, which this machine's ranks read,
+  // must still hold the same bytes. On synchronous memory the whole piece is compared at every
+  // call; on a stream, sampled lines on the schedule of bound windows (start_check), compared at
+  // a later call. A change is reported by take_stale_bindings(), at the held pieces' offset in
+  // the held region (a slot offset names a gather within its bucket only), at every check that
+  // finds it (the caller says it once).
+  void start_held_check(std::span<const GatherOp> bucket, void* stream, Timing timing) {
+    for (const GatherOp& op : bucket) {
+      if (op.own_source == nullptr || op.bytes == 0) continue;
+      const auto* pieces = static_cast<const uint8_t*>(op.sendbuf);
+      const auto key = static_cast<size_t>(pieces - own_.held);
+      const uint8_t* held = pieces + op.own_piece * op.bytes;
+      if (memory_->synchronous()) {
+        checked_bytes_ += op.bytes;
+        if (std::memcmp(held, op.own_source, op.bytes) != 0) stale_.push_back(key);
+        continue;
+      }
+      if (!verify_.on_call(key, timing)) continue;
+      if (check_.pending) {
+        verify_.owe(key);
+        continue;
+      }
+      const SamplePlan plan(op.bytes);
+      check_.anchor = plan.anchor();
+      check_.sweep = plan.sweep(verify_.begin_check(key));
+      if (check_.sweep.first == 0) check_.sweep = {};  // the anchor itself: compared once
+      check_.held = true;
+      uint8_t* host = memory_->check_buffer();
+      const auto* shard = static_cast<const uint8_t*>(op.own_source);
+      memory_->copy_lines(host, held, check_.anchor, stream);
+      memory_->copy_lines(host + 2 * kCheckSetBytes, held, check_.sweep, stream);
+      memory_->copy_lines(host + kCheckSetBytes, shard, check_.anchor, stream);
+      memory_->copy_lines(host + 3 * kCheckSetBytes, shard, check_.sweep, stream);
+      memory_->mark_lines(stream);
+      check_.pending = true;
+      check_.op = op;
+      check_.index = key;
+      checked_bytes_ += check_.anchor.bytes() + check_.sweep.bytes();
+    }
+  }
+
   // The check in flight, if its copies have run: a bound shard that changed is re-bound whole
   // on this call's stream (ahead of its reads); a change is reported by take_stale_bindings().
   void finish_check(void* stream) {
@@ -667,6 +741,14 @@ class WindowTransport final : public Transport {
     }
     const GatherOp& op = check_.op;
     const uint8_t* host = memory_->check_buffer();
+    if (check_.held) {
+      check_.held = false;
+      if (std::memcmp(host, host + kCheckSetBytes, check_.anchor.bytes()) != 0 ||
+          std::memcmp(host + 2 * kCheckSetBytes, host + 3 * kCheckSetBytes, check_.sweep.bytes()) !=
+              0)
+        stale_.push_back(check_.index);
+      return;
+    }
     const bool elsewhere = exports::sent_elsewhere(op, bind_[check_.index]);
     if (!check_.in_place) {
       if (std::memcmp(host, host + kCheckSetBytes, check_.anchor.bytes()) != 0 ||
@@ -807,15 +889,17 @@ class WindowTransport final : public Transport {
   struct Check {
     bool pending = false;  // its copies are queued; compared once they have run
     GatherOp op{};
-    size_t index = 0;       // in the plan's bind
+    size_t index = 0;       // in the plan's bind; held: the pieces' offset in the held region
     bool in_place = false;  // an exported shard: compared with references_, not a binding
     bool reference_copied = false;
     bool shard_copied = false;
+    bool held = false;  // a held piece's check (start_held_check)
     SampleSet anchor;
     SampleSet sweep;  // empty when it was the anchor
   } check_;
   std::vector<size_t> stale_;
   uint64_t checked_bytes_ = 0;
+  size_t held_bytes_ = 0;         // staged: the held region's (WindowView::held)
   std::vector<Copy> copies_;      // a bucket's, kept for their room
   std::vector<FlagOp> flag_ops_;  // likewise
   bool attached_ = false;

@@ -156,10 +156,6 @@ void AgreementLog::two_levels(uint32_t round, const Decision& d, int rank) const
             short_id(comm_), round, m.count, m.per_machine, m.local_of[r], m.machine_of[r],
             d.network_once ? "; MAGI_STATIC_WEIGHTS=1: the other machines' shards cross the "
                              "network once, then are held"
-            : d.static_crosses_on_device
-                ? "; MAGI_STATIC_WEIGHTS=1 across machines: the plan stages (the other machines' "
-                  "shards arrive at every call: on GPUs they are not held, since checking a held "
-                  "shard against its owner's send buffer would wait for the stream)"
             : d.static_across_machines
                 ? "; MAGI_STATIC_WEIGHTS=1 across machines: the plan stages (the other machines' "
                   "shards arrive at every call: holding them all would pass some rank's "

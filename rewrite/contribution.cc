@@ -274,13 +274,8 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
   }
   // Static weights across machines: the other machines' shards of every moved gather are held
   // once they came, where every rank may hold them all (the least MAGI_BIND_MAX_MIB of any rank,
-  // so alike everywhere; past it, they cross at every call as in the default mode). On host
-  // memory only: a held shard's owner compares its send buffer with what it sent at every call,
-  // which device memory cannot do on the host without waiting for the stream; there they cross
-  // at every call.
-  d.static_crosses_on_device =
-      d.static_across_machines && static_cast<ce::Backend>(c[0].header.backend) != ce::Backend::Host;
-  if (d.static_across_machines && !d.static_crosses_on_device) {
+  // so alike everywhere; past it, they cross at every call as in the default mode).
+  if (d.static_across_machines) {
     uint64_t held = 0;
     for (size_t g = 0; g < n; ++g)
       if (d.gathers[g].moves)

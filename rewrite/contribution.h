@@ -169,14 +169,12 @@ struct Decision {
   // Static weights asserted by every rank, but the plan spans machines: nothing is bound in a
   // window, each rank stages its machines' shards.
   bool static_across_machines = false;
-  // ... and the other machines' shards cross the network once (host backend): each rank holds
+  // ... and the other machines' shards cross the network once: each rank holds
   // every moved gather's shards of its peers of the same local index (`held_bytes`, its
   // machines' shards of every gather), within every rank's MAGI_BIND_MAX_MIB; later eager calls
   // read only inside the machine.
   bool network_once = false;
   uint64_t held_bytes = 0;
-  // Static weights across machines on the CUDA backend: not held, they cross at every call.
-  bool static_crosses_on_device = false;
 
   bool moves_anything() const { return moved != 0; }
 };

@@ -181,6 +181,10 @@ ncclResult_t Serving::serve(std::span<const ce::GatherOp> bucket, std::span<cons
     // Once the error is reported, a change the same check found is part of it: no WARN of its own.
     const bool reported = async_error_.load(std::memory_order_relaxed) != ncclSuccess;
     for (const size_t offset : transport_->take_stale_bindings()) {
+      if (two_levels()) {
+        stale_held(offset);
+        continue;
+      }
       for (uint32_t p = 0; p < layout.offset_by_position.size(); ++p) {
         if (layout.offset_by_position[p] != offset) continue;
         if (!reported)
@@ -334,6 +338,7 @@ ce::WindowPlan Serving::machine_plan(const ce::WindowPlan& plan) const {
   local.bound = false;
   local.zero_copy = false;
   local.bind.clear();
+  local.held_bytes = network_once_ ? held_bytes_ : 0;  // every moved gather's machines' shards
   return local;
 }
 
@@ -354,8 +359,6 @@ void Serving::open_window(const ce::WindowPlan& plan, ce::HandleBlob& handle) {
   const ce::WindowPlan local = machine_plan(plan);
   transport_->prepare(local, handle);
   handle_ = handle;
-  // Network once: every moved gather's machines' shards, kept (else NCCL writes into the slot).
-  scratch_.assign(network_once_ ? held_bytes_ : 0, 0);
   const auto machines = static_cast<size_t>(machines_.count);
   const auto per_machine = static_cast<size_t>(machines_.per_machine);
   places_.assign(per_machine * machines, -1);
@@ -409,7 +412,8 @@ ce::Transport::Served Serving::gather_in_two_levels(std::span<const ce::GatherOp
     two.pieces = static_cast<uint32_t>(machines);
     two.places = places_.data();
     Held* held = holds ? held_of(op) : nullptr;
-    if (holds && held == nullptr) throw Error(ErrorKind::Internal, "a gather the plan holds no place for");
+    if (holds && held == nullptr)
+      throw Error(ErrorKind::Internal, "a gather the plan holds no place for");
     if (held == nullptr) {
       // NCCL between machines writes this rank's part straight into its staging slot.
       two.sendbuf = nullptr;
@@ -417,32 +421,29 @@ ce::Transport::Served Serving::gather_in_two_levels(std::span<const ce::GatherOp
       two_level_ops_.push_back(two);
       continue;
     }
-    // Network once (host memory: rewrite/contribution.cc): the machines' shards are kept in
-    // scratch_, brought there at the gather's first moved call, on every rank alike (routes are).
-    uint8_t* shards = scratch_.data() + held->at;
+    // Network once: the machines' shards are kept in the window's held region, brought there at
+    // the gather's first moved call, on every rank alike (routes are). The transport stages this
+    // rank's own piece from the call's buffer and checks it against the held one, which the
+    // other machines took: a change breaks the promise, said (stale_held) and sent back to NCCL
+    // at the next round on every rank.
+    uint8_t* region = transport_->held_region();
+    if (region == nullptr) throw Error(ErrorKind::Internal, "a held gather without a held region");
+    uint8_t* shards = region + held->at;
     if (!held->came) {
       crossing_.push_back(i);
       held->came = true;
     } else if (held->failed) {
       refused = true;  // its held shards never came: the machine falls back, an error
-    } else if (op.bytes != 0) {
-      // Held: the other machines' shards are as they came; this rank's own is the call's, and a
-      // change of it breaks the promise (the other machines read the held one): said, and the
-      // gather goes back to NCCL at the next round on every rank.
-      uint8_t* own = shards + machine * op.bytes;
-      if (std::memcmp(own, op.sendbuf, op.bytes) != 0) {
-        std::memcpy(own, op.sendbuf, op.bytes);
-        shard_changed(held->position);
-      }
     }
     two.sendbuf = shards;
+    two.own_source = op.sendbuf;
+    two.own_piece = static_cast<uint32_t>(machine);
     two_level_ops_.push_back(two);
   }
   // (a) Network once, a first call: the machines' shards into their held place.
   if (!crossing_.empty()) {
-    nccl = cross_machines(crossing_, calls, stream, [&](size_t i) {
-      return const_cast<void*>(two_level_ops_[i].sendbuf);
-    });
+    nccl = cross_machines(crossing_, calls, stream,
+                          [&](size_t i) { return const_cast<void*>(two_level_ops_[i].sendbuf); });
     if (nccl != ncclSuccess)
       for (const size_t i : crossing_)
         if (Held* held = held_of(bucket[i])) held->failed = true;
@@ -489,6 +490,11 @@ bool Serving::InterMachine::write_parts(std::span<const ce::GatherOp> bucket, ui
   nccl = serving.cross_machines(serving.writes_, calls, static_cast<cudaStream_t>(stream),
                                 [&](size_t i) { return slot + bucket[i].slot_offset; });
   return nccl == ncclSuccess;
+}
+
+void Serving::stale_held(size_t at) {
+  for (const Held& h : held_)
+    if (h.at == at) return shard_changed(h.position);
 }
 
 void Serving::shard_changed(uint32_t position) {

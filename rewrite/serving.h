@@ -209,21 +209,20 @@ class Serving {
   const ncclComm_t comm_;
   std::unique_ptr<ce::Transport> transport_;
   // Two levels: the plan's machines, its sub-communicator (shared with the set-up that forms
-  // it), the id this rank made for it, the held shards of network once, where each local rank's
-  // pieces land, and a bucket's ops (reserved: the call allocates nothing).
+  // it), the id this rank made for it, where each local rank's pieces land, and a bucket's ops
+  // (reserved: the call allocates nothing).
   Machines machines_;
   std::shared_ptr<SubComm> sub_comm_;
   // Those that a captured bucket recorded into a CUDA graph: kept until the parent ends.
   std::vector<std::shared_ptr<SubComm>> graph_sub_comms_;
   std::vector<uint8_t> sub_comm_id_;
-  std::vector<uint8_t> scratch_;  // network once: the held shards (host memory)
   std::vector<int32_t> places_;
   std::vector<ce::GatherOp> two_level_ops_;
   std::vector<size_t> crossing_;  // network once: a bucket's gathers crossing into held places
   std::vector<size_t> writes_;    // a bucket's gathers crossing into the slot (write_parts)
   InterMachine writer_{*this};
   size_t plan_gathers_ = 0;
-  // Network once: every moved gather's place in scratch_ (its machines' shards, kept), by bucket
+  // Network once: every moved gather's place in the held region (its machines' shards), by bucket
   // and slot offset; whether they came (the first moved call of it, alike on every rank, since
   // routes are); its position, for a shard found changed.
   struct Held {
@@ -243,8 +242,11 @@ class Serving {
   uint64_t crossed_calls_ = 0;
   uint64_t crossed_bytes_ = 0;  // this rank's shards sent to the other machines (ring: M - 1 each)
   void say_two_levels() noexcept;
-  // Network once: this rank's shard of `position` changed after the other machines took it.
+  // Network once: this rank's shard of `position` changed after the other machines took it;
+  // said once a position.
   void shard_changed(uint32_t position);
+  // The same, by where its pieces lie in the held region (ce::Transport::take_stale_bindings).
+  void stale_held(size_t at);
   std::unique_ptr<SetUpJob> set_up_;  // while it runs, it holds the transport
   ce::HandleBlob handle_{};           // the window's, once prepared
   uint64_t set_up_ns_ = 0;

@@ -91,15 +91,16 @@ class FakeMemory final : public MemoryOps {
   bool paces_mappings() const override { return true; }
 
   WindowView allocate(size_t slot_bytes, bool bound, bool graph_slots,
-                      std::span<const uint8_t> first_flags) override {
+                      std::span<const uint8_t> first_flags, size_t held_bytes) override {
     const size_t stride = round_up(std::max<size_t>(slot_bytes, 1), kLine);
     const size_t flags_at = (bound ? 1 : graph_slots ? 4 : 2) * stride;
-    storage_.assign((flags_at + flags_.bytes_but_failed()) / 8, 0);
+    const size_t held_at = flags_at + flags_.bytes_but_failed();
+    storage_.assign((held_at + round_up(held_bytes, 8)) / 8, 0);
     auto* base = reinterpret_cast<uint8_t*>(storage_.data());
-    own_ = {base, flags_at, stride, base + flags_at};
+    own_ = {base, flags_at, stride, base + flags_at, held_bytes != 0 ? base + held_at : nullptr};
     EXPECT_GE(first_flags.size(), flags_.bytes_but_failed());
     std::memcpy(own_.flags, first_flags.data(), flags_.bytes_but_failed());
-    if (bound) check_.assign(kCheckBytes, 0);
+    if (bound || held_bytes != 0) check_.assign(kCheckBytes, 0);
     return own_;
   }
   size_t window_bytes() const override { return storage_.size() * 8; }
@@ -1259,6 +1260,65 @@ TEST(WindowTransport, AStreamsCheckIsComparedOnceItsCopiesRanAndReboundAheadOfTh
   ASSERT_TRUE(ranks.run());
   EXPECT_EQ(recv[1][0], 0x77);  // rank 1 reads the re-bound shard
   EXPECT_EQ(recv[1][kBytes - 1], 0x77);
+}
+
+// Two levels with held pieces on a stream: this rank's own piece is staged from the call's
+// buffer (its machine reads the call's bytes at once), and checked against the held piece the
+// other machines took on sampled lines, compared at a later call once the copies ran; a change
+// is reported at the pieces' offset in the held region. Local ranks 0 and 1 of one machine, two
+// machines (global ranks 0, 1 here; 2, 3 on the other), a check on every call.
+TEST(WindowTransport, AHeldPiecesOwnPieceIsStagedFromTheCallAndItsChangeFoundByALaterCheck) {
+  constexpr size_t kShard = 512;
+  constexpr uint32_t kMachines = 2;
+  const int32_t places[4] = {0, 2, 1, 3};  // [local][machine]
+  FakeRanks ranks(2);
+  std::vector<uint8_t> own[2], recv[2];
+  std::vector<WindowPlan> plans;
+  for (int r = 0; r < 2; ++r) {
+    own[r].assign(kShard, static_cast<uint8_t>(r + 1));
+    recv[r].assign(4 * kShard, 0);
+    WindowPlan plan = staging_plan(kShard * kMachines);
+    plan.held_bytes = 2 * kShard * kMachines;  // two gathers' pieces; this one's at kShard * 2
+    plan.verify_first = 100;                   // a check on every call
+    plans.push_back(plan);
+  }
+  ranks.join(plans);
+  constexpr size_t kAt = kShard * kMachines;
+  for (int r = 0; r < 2; ++r) {  // what NCCL brought: its own piece, and the other machine's
+    uint8_t* held = ranks.transport(r).held_region();
+    ASSERT_NE(held, nullptr);
+    std::memset(held + kAt, r + 1, kShard);
+    std::memset(held + kAt + kShard, r + 3, kShard);
+  }
+  auto call = [&] {
+    for (int r = 0; r < 2; ++r) {
+      GatherOp op{ranks.transport(r).held_region() + kAt, recv[r].data(), kShard, 0};
+      op.pieces = kMachines;
+      op.places = places;
+      op.own_source = own[r].data();
+      op.own_piece = 0;
+      ranks.gather(r, std::span<const GatherOp>(&op, 1));
+    }
+  };
+  call();
+  ASSERT_TRUE(ranks.run());
+  for (int r = 0; r < 2; ++r)
+    for (int g = 0; g < 4; ++g)  // global ranks 0, 2: local rank 0's pieces; 1, 3: local 1's
+      EXPECT_EQ(recv[r][static_cast<size_t>(g) * kShard], g == 0   ? 1
+                                                          : g == 1 ? 2
+                                                          : g == 2 ? 3
+                                                                   : 4)
+          << "rank " << r << " place " << g;
+  own[0].assign(kShard, 0x77);  // a broken promise on local rank 0
+  call();                       // call 1's check compared (unchanged then); call 2's queued
+  EXPECT_TRUE(ranks.transport(0).take_stale_bindings().empty());
+  ASSERT_TRUE(ranks.run());
+  EXPECT_EQ(recv[1][0], 0x77) << "this machine reads the call's own bytes";
+  EXPECT_EQ(recv[1][2 * kShard], 3) << "the other machine's piece as held";
+  call();  // call 2's check compared: changed
+  EXPECT_EQ(ranks.transport(0).take_stale_bindings(), std::vector<size_t>{kAt});
+  EXPECT_TRUE(ranks.transport(1).take_stale_bindings().empty());
+  ASSERT_TRUE(ranks.run());
 }
 
 // An exported shard has no binding: its check compares the memory the peers read with what the

@@ -1330,8 +1330,8 @@ TEST(Machines, GathersCapturedUnderATwoLevelPlanMoveOnGraphSlotsOnEveryRank) {
       // Static weights: weights that never change (no --rewrite), as promised.
       const std::vector<std::string> program =
           std::string(weights) == "1"
-              ? std::vector<std::string>{"fsdp", "--layers", "5", "--steps", "240",
-                                         "--step-pause-ms", "2"}
+              ? std::vector<std::string>{"fsdp", "--layers",        "5", "--steps",
+                                         "240",  "--step-pause-ms", "2"}
               : fsdp({"--step-pause-ms", "2"}, 240);
       const AgreedRun r = run_agreed(4, program,
                                      {{"MAGI_INJECT_CAPTURE", std::to_string(kCapturedFrom)},

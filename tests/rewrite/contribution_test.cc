@@ -241,7 +241,7 @@ TEST(Ladder, OnTheCudaBackendEachMachinesGpusMustReachEachOtherAcrossMachinesNon
   EXPECT_EQ(d.moved, 2u);
   EXPECT_TRUE(d.machines.spans());
 
-  // Static weights on GPUs: staged, crossing at every call (a held shard is not checked there).
+  // Static weights on GPUs too: the network crossed once.
   for (auto& c : all) {
     c.header.flags |= kStaticWeights;
     c.header.hold_max_bytes = 1 << 20;
@@ -249,9 +249,8 @@ TEST(Ladder, OnTheCudaBackendEachMachinesGpusMustReachEachOtherAcrossMachinesNon
   d = decide_everywhere(all);
   EXPECT_EQ(d.moved, 2u);
   EXPECT_TRUE(d.static_across_machines);
-  EXPECT_TRUE(d.static_crosses_on_device);
-  EXPECT_FALSE(d.network_once);
-  EXPECT_EQ(d.held_bytes, 0u);
+  EXPECT_TRUE(d.network_once);
+  EXPECT_EQ(d.held_bytes, 2u * 2 * 1024);
 
   all[3].header.peer_access_mask = 0b10;  // rank 3 (device 1) cannot reach rank 2 (device 0)
   EXPECT_EQ(decide_everywhere(all).reason, Reason::PeerNotAccessible);
@@ -271,7 +270,6 @@ TEST(Ladder, StaticWeightsAcrossMachinesCrossTheNetworkOnceWhereEveryRankMayHold
   EXPECT_EQ(d.moved, 2u);
   EXPECT_FALSE(d.bound);
   EXPECT_TRUE(d.static_across_machines);
-  EXPECT_FALSE(d.static_crosses_on_device);
   EXPECT_TRUE(d.graph_slots);
   EXPECT_TRUE(d.network_once);
   EXPECT_EQ(d.held_bytes, 2u * 2 * 1024);  // 2 machines' shards of 2 gathers

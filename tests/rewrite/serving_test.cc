@@ -53,8 +53,9 @@ struct Ledger {
   size_t prepared_slot_bytes = 0;
   std::vector<ce::GatherOp> last_ops;
   std::vector<std::string> sub_calls;
-  std::vector<void*> gathered_into;        // each NCCL gather's receive buffer
+  std::vector<void*> gathered_into;      // each NCCL gather's receive buffer
   uint8_t* written_into_slot = nullptr;  // the slot a PartWriter was last given
+  uint8_t* held = nullptr;               // the window's held region
 };
 Ledger* g_ledger = nullptr;
 
@@ -83,7 +84,12 @@ class ScriptedTransport : public ce::Transport {
   void prepare(const ce::WindowPlan& plan, ce::HandleBlob& out) override {
     bytes_ = 2 * plan.slot_bytes;
     ledger_->prepared_slot_bytes = plan.slot_bytes;
+    held_.assign(plan.held_bytes, 0);
+    ledger_->held = held_.empty() ? nullptr : held_.data();
     out.bytes[0] = static_cast<uint8_t>(0xa0 + id_);
+  }
+  uint8_t* held_region() const override {
+    return held_.empty() ? nullptr : const_cast<uint8_t*>(held_.data());
   }
   const ce::SourceTable& sources() const override { return sources_; }
   void attach(std::span<const ce::HandleBlob> blobs, std::span<const ce::SourceTable>) override {
@@ -131,6 +137,7 @@ class ScriptedTransport : public ce::Transport {
   size_t bytes_ = 0;
   ce::SourceTable sources_;
   std::vector<uint8_t> slot_;  // where a PartWriter writes
+  std::vector<uint8_t> held_;  // WindowPlan::held_bytes
 };
 
 class LedgerTimer : public ce::CompletionTimer {
@@ -653,6 +660,13 @@ TEST(Serving, TwoLevelsCrossMachinesOnceAGatherWithStaticWeightsAndEndWithThePla
   ASSERT_NE(op.places, nullptr);
   // Local index 0's pieces land at ranks 0 and 2, local index 1's (this rank's) at 1 and 3.
   EXPECT_EQ(std::vector<int32_t>(op.places, op.places + 4), (std::vector<int32_t>{0, 2, 1, 3}));
+  // Its pieces are held in the window's held region (NCCL brought them there); this rank's own
+  // (machine 0's) is staged from the call's buffer and checked by the transport.
+  ASSERT_NE(t.f.ledger->held, nullptr);
+  EXPECT_EQ(op.sendbuf, t.f.ledger->held);
+  EXPECT_EQ(t.f.ledger->gathered_into, (std::vector<void*>{t.f.ledger->held}));
+  EXPECT_EQ(op.own_source, t.shard.data());
+  EXPECT_EQ(op.own_piece, 0u);
 
   EXPECT_EQ(t.serve_position(1, moved), ncclSuccess);
   EXPECT_TRUE(moved);
@@ -660,10 +674,18 @@ TEST(Serving, TwoLevelsCrossMachinesOnceAGatherWithStaticWeightsAndEndWithThePla
   EXPECT_TRUE(t.f.serving.stale_positions().empty());
   EXPECT_EQ(t.serve_position(3, moved), ncclSuccess);
   EXPECT_EQ(t.f.ledger->nccl_calls, (Strings{"gather", "gather"}));  // position 3's first
+  const auto position_3_at = static_cast<size_t>(
+      static_cast<const uint8_t*>(t.f.ledger->last_ops[0].sendbuf) - t.f.ledger->held);
+  EXPECT_GT(position_3_at, 0u);
 
-  t.shard[7] ^= 1;  // the promise broken
+  // The transport finds position 3's own piece changed (the promise broken): said once, and the
+  // position is stale until the step changes.
+  t.f.ledger->stale = {position_3_at};
   EXPECT_EQ(t.serve_position(1, moved), ncclSuccess);
-  EXPECT_EQ(t.f.serving.stale_positions(), (std::vector<uint32_t>{1}));
+  EXPECT_EQ(t.f.serving.stale_positions(), (std::vector<uint32_t>{3}));
+  t.f.ledger->stale = {position_3_at};
+  EXPECT_EQ(t.serve_position(1, moved), ncclSuccess);
+  EXPECT_EQ(t.f.serving.stale_positions(), (std::vector<uint32_t>{3}));
   EXPECT_EQ(t.f.ledger->nccl_calls.size(), 2u);
 
   t.f.serving.drop();
