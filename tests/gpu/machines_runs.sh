@@ -6,7 +6,9 @@
 # slot, then copy-engine reads inside each machine. Every byte of every gather is checked by the
 # program; the traces must agree; the log must say two levels.
 #  - 2 x 2 consecutive, a,b,a,b numbering, 4 x 2 and 2 x 4: weights rewritten every step;
-#  - static weights: staged, crossing at every call on GPUs (the log says why);
+#  - static weights: the network crossed once a gather, the machines' shards held in the window;
+#    a rank whose shard changes after the other machines took it (a broken promise) is told by
+#    the sampled check of its own piece, says so, and the gather goes back to NCCL;
 #  - gathers captured into CUDA graphs, replayed from rewritten shards: they move on the eager
 #    plan's graph slots, NCCL's part recorded in the graph;
 #  - a rank killed on another machine while gathers move: no survivor hangs;
@@ -56,9 +58,23 @@ machines_runs() {
   name=mps-machines-static
   machines_run "$name" a,a,b,b MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 -- fsdp --device 1 \
     --layers 6 --steps 40 && machines_moved_check "$name" 4
-  standin_log_check "$name" "static weights on GPUs cross at every call, and the log says why" \
-    "on GPUs they are not held"
+  standin_log_check "$name" "the plan holds the other machines' shards" \
+    "the other machines' shards cross the network once, then are held"
+  standin_log_check "$name" "each of the 6 gathers crossed machines once" \
+    "two levels: [0-9]+ gathers moved, 6 of them crossed machines"
   standin_log_check "$name" "no WARN" " MAGI WARN " absent
+  name=mps-machines-static-broken
+  machines_run "$name" a,a,b,b MAGI_CE_FORCE=1 MAGI_STATIC_WEIGHTS=1 MAGI_REAGREE_STEPS=2 \
+    MAGI_VERIFY_EVERY=16 -- \
+    fsdp --device 1 --layers 5 --steps 200 --static-change-rank 2 --static-change-step 120
+  standin_log_check "$name" "the rank whose shard changed says so" \
+    "\\[2\\] MAGI WARN .*changed after the other machines took it"
+  if "$build/magice-trace" decisions "$work/$name"/trace/* 2>&1 |
+    grep -q "rank 2 gather #0 (pos 0, .*stays: static weights changed after binding"; then
+    pass "$name: its gather went back to NCCL (magice-trace decisions)"
+  else
+    fail "$name: its gather went back to NCCL (magice-trace decisions)"
+  fi
   # Captured gathers: the eager plan of a spanning communicator has graph slots.
   name=mps-machines-graph
   local captured moved
@@ -92,20 +108,27 @@ machines_runs() {
 }
 
 # Wall time of one program, 4 ranks as 2 x 2, on NCCL alone (no library), with the library's
-# defaults, and with every gather moved (MAGI_CE_FORCE=1): figures for BENCHMARKS.md.
+# defaults, and with every gather moved (MAGI_CE_FORCE=1); the weights rewritten every step, or
+# static and promised so: figures for BENCHMARKS.md.
 machines_figures() {
-  local how name args=(fsdp --device 1 --layers 12 --steps 300 --rewrite 1)
-  echo "  4 ranks as 2 x 2 machines, ${args[*]}: wall time (the launcher's), best of 3"
-  for how in nccl default force; do
+  local how name args=(fsdp --device 1 --layers 12 --steps 300)
+  echo "  4 ranks as 2 x 2 machines, ${args[*]} (--rewrite 1 but static-*): wall time, best of 3"
+  for how in nccl default force static-nccl static-force; do
     local best="" t r
     for r in 1 2 3; do
       name=mps-machines-figures-$how-$r
       mkdir -p "$work/$name"
       case $how in
-        nccl) "$launch" -n 4 --timeout 120 -- "$workload" "${args[@]}" >"$work/$name/log" 2>&1 ;;
-        default) launch_ranks "$name" 4 "$as_machines" AS_MACHINES=a,a,b,b -- "${args[@]}" ;;
+        nccl) "$launch" -n 4 --timeout 120 -- "$workload" "${args[@]}" --rewrite 1 \
+          >"$work/$name/log" 2>&1 ;;
+        default) launch_ranks "$name" 4 "$as_machines" AS_MACHINES=a,a,b,b -- "${args[@]}" \
+          --rewrite 1 ;;
         force) launch_ranks "$name" 4 "$as_machines" AS_MACHINES=a,a,b,b MAGI_CE_FORCE=1 \
-          -- "${args[@]}" ;;
+          -- "${args[@]}" --rewrite 1 ;;
+        static-nccl) "$launch" -n 4 --timeout 120 -- "$workload" "${args[@]}" \
+          >"$work/$name/log" 2>&1 ;;
+        static-force) launch_ranks "$name" 4 "$as_machines" AS_MACHINES=a,a,b,b MAGI_CE_FORCE=1 \
+          MAGI_STATIC_WEIGHTS=1 -- "${args[@]}" ;;
       esac
       # "4 ranks exited 0 in 0.30 s", or "... (0.30 s)"
       t=$(launch_summary "$name" | grep -oE '[0-9]+\.[0-9]+ s\)?$' | grep -oE '[0-9]+\.[0-9]+')
