@@ -12,9 +12,10 @@
 # default settings: agreed at the capture by the size rule, 90 % moved. A run that cannot start is a FAIL with the end of its log;
 # a program this PyTorch cannot run ("unavailable") is a SKIP with the reason.
 # Environment (all optional):
-#   TORCH_STANDIN_WORLDS  the world sizes (default "2 4 8")
+#   TORCH_STANDIN_WORLDS  the world sizes (default "2 4 8"; empty: none, the machines job alone)
 #   TORCH_STANDIN_MAGI    more KEY=VALUE settings of the library for the runs with it
 #   PYTHON                the interpreter that holds PyTorch (default python3)
+#   TORCH_STANDIN_WRAPPER a command each rank runs under (as_machines.sh: ranks on "machines")
 
 # torch_standin_launch NAME WORLD SIDE PROGRAMS LIMIT_S [ARGS...]: one job of WORLD ranks
 # (torchrun, started as "$python -m torch.distributed.run") running PROGRAMS with the script's
@@ -41,7 +42,8 @@ torch_standin_launch() {
   (
     cd "$here" || exit 2
     timeout -k 20 "$limit" "$torch_python" -m torch.distributed.run --standalone \
-      --nproc_per_node "$world" --no_python env "${envs[@]}" "$torch_python" \
+      --nproc_per_node "$world" --no_python env "${envs[@]}" \
+      ${TORCH_STANDIN_WRAPPER:+"$TORCH_STANDIN_WRAPPER"} "$torch_python" \
       "$here/torch_standin.py" --out "$dir/out" --programs "$programs" "$@" >"$dir/log" 2>&1
   )
   echo $? >"$dir/rc"
@@ -151,9 +153,37 @@ torch_standin_graph_defaults() {
     sed 's/^/  /'
 }
 
+# torch_standin_machines: FSDP2, DTensor and torch.cuda.graph at world 4 with its ranks made to
+# look like two machines of two (a, a, b, b: as_machines.sh), MAGI_CE_FORCE=1: the moved gathers
+# run in two levels (NCCL between machines on the sub-communicator, the copy engines inside),
+# bitwise equal to the stand-in alone; the share of captured gathers moved is said.
+torch_standin_machines() {
+  local side
+  for side in plain magi; do
+    AS_MACHINES=a,a,b,b TORCH_STANDIN_WRAPPER="$here/as_machines.sh" \
+      TORCH_STANDIN_MAGI="MAGI_CE_FORCE=1" \
+      torch_standin_launch "torch-standin-machines-$side" 4 "$side" fsdp2,dtensor,graph 240
+    torch_standin_ran "torch-standin-machines-$side" \
+      "fsdp2, dtensor and graph ran, 4 ranks as 2 x 2 machines$([ $side = magi ] && echo ", the library in front")"
+  done
+  local program
+  for program in fsdp2 dtensor graph; do
+    torch_standin_compare 4 "$program" torch-standin-machines-plain torch-standin-machines-magi
+  done
+  if grep -q "each moved gather runs in two levels" "$work/torch-standin-machines-magi/log"; then
+    pass "torch-standin-machines: the moved gathers ran in two levels (the log says so)"
+  else
+    fail "torch-standin-machines: the moved gathers ran in two levels (no such line in the log)"
+    grep -h -E " MAGI (WARN|INFO) .*(round|stays|two levels)" \
+      "$work/torch-standin-machines-magi/log" | head -n 6 | sed 's/^/  /'
+  fi
+  torch_standin_moved 4 torch-standin-machines-magi
+  torch_standin_captured 4 torch-standin-machines-magi
+}
+
 torch_standin_runs() {
   torch_python=${PYTHON:-python3}
-  local worlds=${TORCH_STANDIN_WORLDS:-2 4 8}
+  local worlds=${TORCH_STANDIN_WORLDS-2 4 8}
   if [ ! -e "$build/tests/support/libnccl.so.2" ] || [ ! -e "$build/libmagice.so" ]; then
     fail "torch-standin: the stand-in or the library is missing in $build (make all $build/tests/support/libnccl.so.2)"
     return
@@ -198,6 +228,8 @@ torch_standin_runs() {
     torch_standin_captured "$world" "torch-standin-$world-magi-compile"
     torch_standin_graph_defaults "$world"
   done
+  echo "== PyTorch over the stand-in, world 4 as two machines of two"
+  torch_standin_machines
   if [ -n "$saved_timeout" ]; then export STANDIN_TIMEOUT_S=$saved_timeout; else unset STANDIN_TIMEOUT_S; fi
   unset STANDIN_PINNED_STAGING TORCHINDUCTOR_CACHE_DIR TORCHINDUCTOR_COMPILE_THREADS
 }
