@@ -2306,12 +2306,22 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
       else
         odd.emplace_back(kSkew[(seed / 11) % 5].first, kSkew[(seed / 11) % 5].second);
     }
+    // Every sixth seed from 3 without a fault puts its ranks on two machines (MAGI_INJECT_HOST),
+    // in rank order or alternating: an even count gathers in two levels, an odd one stays on
+    // NCCL (uneven machines), every byte still checked.
+    if (seed % 6 == 3 && seed % 5 != 4) {
+      rank_env.resize(static_cast<size_t>(n));
+      for (int r = 0; r < n; ++r)
+        rank_env[static_cast<size_t>(r)].emplace_back(
+            "MAGI_INJECT_HOST",
+            (seed / 6) % 2 == 0 ? (r < (n + 1) / 2 ? "a" : "b") : (r % 2 == 0 ? "a" : "b"));
+    }
     s.run = std::async(std::launch::async, run_agreed, n, args, env, 60.0, rank_env);
     return s;
   };
   constexpr int kScenariosAtOnce = 4;
   std::deque<Scenario> running;
-  int with_moves = 0, failures = 0, with_capture = 0, agreed_at_capture = 0;
+  int with_moves = 0, failures = 0, with_capture = 0, agreed_at_capture = 0, in_two_levels = 0;
   const int last = first + scenarios - 1;
   int started = first - 1;
   for (int seed = first; seed <= last && failures < 3; ++seed) {
@@ -2354,11 +2364,12 @@ TEST(Agreement, RandomScenariosNeverHangNeverCorruptAndAlwaysAgree) {
       ++with_capture;
       if (has_line(r.log, "agreed at a CUDA graph capture")) ++agreed_at_capture;
     }
+    if (has_line(r.log, "two levels: [1-9][0-9]* gathers moved")) ++in_two_levels;
   }
   std::printf(
       "agreement: %d random scenarios, %d moved gathers, %d failed; %d captured from a call on, "
-      "%d of them agreed at a capture\n",
-      scenarios, with_moves, failures, with_capture, agreed_at_capture);
+      "%d of them agreed at a capture; %d moved gathers in two levels\n",
+      scenarios, with_moves, failures, with_capture, agreed_at_capture, in_two_levels);
   EXPECT_EQ(failures, 0);
   // The generator must exercise the moved path (a replay of a few seeds may not).
   if (scenarios >= 30) {
