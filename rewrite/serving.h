@@ -185,7 +185,9 @@ class Serving {
   // shards of every gather, so the slots grow by the machine count).
   ce::WindowPlan machine_plan(const ce::WindowPlan& plan) const;
   // A bucket in two levels (two_levels()): NCCL between machines on the sub-communicator into
-  // this rank's scratch, then this machine's transport. `nccl`: the first NCCL error, if any.
+  // this rank's staging slot inside the transport's bucket (writer_), or, network once, into the
+  // held region at a gather's first call; then this machine's transport. `nccl`: the first NCCL
+  // error, if any.
   ce::Transport::Served gather_in_two_levels(std::span<const ce::GatherOp> bucket,
                                              std::span<const NcclGather> calls, cudaStream_t stream,
                                              ce::Transport::Timing timing, ncclResult_t& nccl);
