@@ -191,8 +191,7 @@ class WindowTransport final : public Transport {
       if (op.pieces > 1 && bound_) throw Error(ErrorKind::Usage, "a gather of pieces is staged");
       if (op.own_source != nullptr && !holds(op))
         throw Error(ErrorKind::Usage,
-                    "an own piece staged apart from held pieces outside the "
-                    "held region, or in a captured bucket");
+                    "an own piece named for pieces outside the window's held region");
       if (op.own_source != nullptr && timing == Timing::Captured)
         throw Error(ErrorKind::Usage, "held pieces in a captured bucket");
       if (op.sendbuf == nullptr && (op.pieces == 1 || writer == nullptr) && op.bytes != 0)
@@ -553,8 +552,8 @@ class WindowTransport final : public Transport {
   template <class PeerPart>
   void add_pieces(const GatherOp& op, PeerPart peer_part, const uint8_t* own_slot) {
     if (op.places == nullptr) throw Error(ErrorKind::Usage, "a gather of pieces without places");
-    if (op.sendbuf == nullptr && own_slot == nullptr)
-      throw Error(ErrorKind::Internal, "a written part read outside a staged bucket");
+    if ((op.sendbuf == nullptr || op.own_source != nullptr) && own_slot == nullptr)
+      throw Error(ErrorKind::Internal, "a part staged in the slot read outside a staged bucket");
     const uint8_t* own = op.sendbuf != nullptr && op.own_source == nullptr
                              ? static_cast<const uint8_t*>(op.sendbuf)
                              : own_slot + op.slot_offset;
@@ -725,7 +724,7 @@ class WindowTransport final : public Transport {
       memory_->mark_lines(stream);
       check_.pending = true;
       check_.op = op;
-      check_.index = key;
+      check_.held_at = key;
       checked_bytes_ += check_.anchor.bytes() + check_.sweep.bytes();
     }
   }
@@ -746,7 +745,7 @@ class WindowTransport final : public Transport {
       if (std::memcmp(host, host + kCheckSetBytes, check_.anchor.bytes()) != 0 ||
           std::memcmp(host + 2 * kCheckSetBytes, host + 3 * kCheckSetBytes, check_.sweep.bytes()) !=
               0)
-        stale_.push_back(check_.index);
+        stale_.push_back(check_.held_at);
       return;
     }
     const bool elsewhere = exports::sent_elsewhere(op, bind_[check_.index]);
@@ -889,11 +888,12 @@ class WindowTransport final : public Transport {
   struct Check {
     bool pending = false;  // its copies are queued; compared once they have run
     GatherOp op{};
-    size_t index = 0;       // in the plan's bind; held: the pieces' offset in the held region
+    size_t index = 0;       // in the plan's bind
     bool in_place = false;  // an exported shard: compared with references_, not a binding
     bool reference_copied = false;
     bool shard_copied = false;
-    bool held = false;  // a held piece's check (start_held_check)
+    bool held = false;  // a held piece's check (start_held_check), of the pieces at held_at
+    size_t held_at = 0;
     SampleSet anchor;
     SampleSet sweep;  // empty when it was the anchor
   } check_;
