@@ -279,10 +279,8 @@ Decision decide(std::span<const uint8_t> all, int nranks, int my_rank) {
     uint64_t held = 0;
     for (size_t g = 0; g < n; ++g)
       if (d.gathers[g].moves)
-        held += (mine.entries[g].count * datatype_bytes(mine.entries[g].dtype) +
-                 ce::kSlotAlignment - 1) /
-                ce::kSlotAlignment * ce::kSlotAlignment;
-    held *= static_cast<uint64_t>(d.machines.count);
+        held += held_room(mine.entries[g].count * datatype_bytes(mine.entries[g].dtype),
+                          d.machines.count);
     uint64_t room = UINT64_MAX;
     for (const Contribution& x : c) room = std::min(room, x.header.hold_max_bytes);
     d.network_once = held != 0 && held <= room;

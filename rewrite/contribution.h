@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "base/agreement_records.h"
+#include "base/sizes.h"
 #include "ce_transport/ce_transport.h"
 #include "rewrite/machines.h"
 
@@ -139,6 +140,13 @@ struct GatherDecision {
   Reason reason;       // why it stays (Reason::None when it moves)
   int32_t refused_by;  // lowest other rank that held it ineligible, else -1
 };
+
+// Network once: the room one gather's machines' shards take in the held region, each machine's
+// at a slot-aligned stride. A plan's held bytes are its moved gathers' sum (decide), laid out in
+// that order by the serving.
+inline size_t held_room(size_t shard_bytes, int32_t machines) {
+  return round_up(shard_bytes, ce::kSlotAlignment) * static_cast<size_t>(machines);
+}
 
 struct Decision {
   AgreementMode mode = AgreementMode::None;

@@ -3,7 +3,6 @@
 #include "base/clock.h"
 
 #include <algorithm>
-#include <cstring>
 #include <exception>
 #include <functional>
 #include <string>
@@ -286,8 +285,7 @@ void Serving::span_machines(const Decision& decision, const SlotLayout& layout,
     if (!g.moves || g.position >= layout.offset_by_position.size()) continue;
     const PositionSeen& p = seen.at(g.position);
     held_.push_back({g.bucket, layout.offset_by_position[g.position], at, g.position});
-    at += (p.count * datatype_bytes(p.dtype) + ce::kSlotAlignment - 1) / ce::kSlotAlignment *
-          ce::kSlotAlignment * static_cast<size_t>(machines_.count);
+    at += held_room(p.count * datatype_bytes(p.dtype), machines_.count);
   }
   held_bytes_ = at;
   std::sort(held_.begin(), held_.end(), [](const Held& a, const Held& b) {
